@@ -1,0 +1,177 @@
+"""create_app(settings): the aiohttp application, its routes and middlewares."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+from pydantic.json_schema import models_json_schema
+
+from . import handlers
+from .keys import METRICS, OPENAPI, STORE, TOKEN
+from .metrics import Metrics
+from .protocol import (
+    AGENT_PATH,
+    MAX_BODY_BYTES,
+    CloseResult,
+    ErrorBody,
+    ErrorCode,
+    Health,
+    JobList,
+    JobView,
+    RdzvError,
+)
+from .store import Store, StoreSettings
+
+log = logging.getLogger(__name__)
+
+__version__ = "0.1.0"
+
+
+@dataclass
+class Settings:
+    data_dir: Path | None = None
+    token: str | None = None
+    disconnect_grace_s: float = 0.5
+    store_settings: StoreSettings = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.store_settings = StoreSettings(data_dir=self.data_dir, disconnect_grace_s=self.disconnect_grace_s)
+
+
+_HTTP_CODES = {
+    400: ErrorCode.BAD_REQUEST,
+    401: ErrorCode.UNAUTHORIZED,
+    404: ErrorCode.NOT_FOUND,
+    405: ErrorCode.METHOD_NOT_ALLOWED,
+    413: ErrorCode.BODY_TOO_LARGE,
+}
+
+
+def _error(code: ErrorCode, message: str, status: int, headers=None) -> web.Response:
+    return web.json_response(text=ErrorBody(code=code, message=message[:4096]).model_dump_json(),
+                             status=status, headers=headers)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    """Domain errors and aiohttp's own HTTP errors become {"code", "message"}."""
+    try:
+        return await handler(request)
+    except RdzvError as e:
+        return _error(e.code, e.message, e.status)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        code = _HTTP_CODES.get(e.status, ErrorCode.BAD_REQUEST)
+        message = e.text if e.text and not e.text.startswith(str(e.status)) else e.reason
+        if e.status == 413:
+            message = f"request body is larger than the limit of {MAX_BODY_BYTES} bytes"
+        elif e.status == 404:
+            message = f"no such path: {request.method} {request.path[:200]}"
+        elif e.status == 405:
+            message = f"method {request.method} is not allowed on {request.path[:200]}"
+        headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+        return _error(code, message, e.status, headers)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    """An optional bearer token guards everything but /healthz."""
+    token = request.app[TOKEN]
+    if token and request.path != "/healthz":
+        given = request.headers.get("Authorization", "")
+        scheme, _, value = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
+            return _error(ErrorCode.UNAUTHORIZED, "missing or wrong bearer token (Authorization: Bearer ...)",
+                          401, {"WWW-Authenticate": "Bearer"})
+    return await handler(request)
+
+
+@web.middleware
+async def latency_middleware(request: web.Request, handler):
+    start = time.perf_counter()
+    try:
+        return await handler(request)
+    finally:
+        if request.path != AGENT_PATH:
+            route = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
+            request.app[METRICS].latency.labels(route).observe(time.perf_counter() - start)
+
+
+def openapi_document() -> dict:
+    """The REST contract, generated from the pydantic models."""
+    _, defs = models_json_schema(
+        [(m, "serialization") for m in (JobList, JobView, CloseResult, Health, ErrorBody)],
+        ref_template="#/components/schemas/{model}",
+    )
+    schemas = defs.get("$defs", {})
+
+    def ref(name):
+        return {"$ref": f"#/components/schemas/{name}"}
+
+    def resp(name, desc="OK"):
+        return {"description": desc, "content": {"application/json": {"schema": ref(name)}}}
+
+    errors = {str(s): resp("ErrorBody", "refused") for s in (400, 401, 404, 405, 409, 413, 422)}
+    job_param = {"name": "job_id", "in": "path", "required": True,
+                 "schema": {"type": "string", "minLength": 1, "maxLength": 128}}
+    secured = [{"bearer": []}]
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "rdzv", "version": __version__,
+                 "description": "Rendezvous server for elastic PyTorch training. Agents use the "
+                                f"WebSocket at {AGENT_PATH}; see rdzv_server/protocol.py."},
+        "components": {"schemas": schemas,
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "paths": {
+            "/v1/jobs": {"get": {"operationId": "listJobs", "security": secured,
+                                 "responses": {"200": resp("JobList"), "401": errors["401"]}}},
+            "/v1/jobs/{job_id}": {"get": {"operationId": "getJob", "security": secured, "parameters": [job_param],
+                                          "responses": {"200": resp("JobView"), "401": errors["401"],
+                                                        "404": errors["404"], "422": errors["422"]}}},
+            "/v1/jobs/{job_id}/close": {"post": {"operationId": "closeJob", "security": secured,
+                                                 "parameters": [job_param],
+                                                 "responses": {"200": resp("CloseResult"), "401": errors["401"],
+                                                               "404": errors["404"], "422": errors["422"]}}},
+            "/healthz": {"get": {"operationId": "health", "responses": {"200": resp("Health")}}},
+            "/metrics": {"get": {"operationId": "metrics", "security": secured,
+                                 "responses": {"200": {"description": "Prometheus text format",
+                                                       "content": {"text/plain": {"schema": {"type": "string"}}}},
+                                               "401": errors["401"]}}},
+        },
+    }
+
+
+def create_app(settings: Settings | None = None) -> web.Application:
+    """The server as an aiohttp application; the store opens on startup
+    (raising DataDirError if its data cannot be used)."""
+    settings = settings or Settings()
+    app = web.Application(client_max_size=MAX_BODY_BYTES,
+                          middlewares=[error_middleware, auth_middleware, latency_middleware])
+    metrics = Metrics()
+    app[METRICS] = metrics
+    app[STORE] = Store(settings.store_settings, metrics=metrics)
+    app[TOKEN] = settings.token or ""
+    app[OPENAPI] = openapi_document()
+    app.cleanup_ctx.append(_store_ctx)
+    app.router.add_get("/v1/jobs", handlers.list_jobs)
+    app.router.add_get("/v1/jobs/{job_id}", handlers.get_job)
+    app.router.add_post("/v1/jobs/{job_id}/close", handlers.close_job)
+    app.router.add_get("/healthz", handlers.healthz)
+    app.router.add_get("/metrics", handlers.metrics)
+    app.router.add_get("/openapi.json", handlers.openapi)
+    app.router.add_get(AGENT_PATH, handlers.agent_channel)
+    return app
+
+
+async def _store_ctx(app: web.Application):
+    store = app[STORE]
+    store.open()
+    await store.start()
+    yield
+    await store.stop()

@@ -1,0 +1,11 @@
+"""Every aiohttp AppKey of the server, in one place."""
+
+from aiohttp import web
+
+from .metrics import Metrics
+from .store import Store
+
+STORE = web.AppKey("store", Store)
+METRICS = web.AppKey("metrics", Metrics)
+OPENAPI = web.AppKey("openapi", dict)
+TOKEN = web.AppKey("token", str)

@@ -1,0 +1,39 @@
+"""Prometheus metrics of one server (its own registry, so apps never share)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
+
+from .rounds import Effects, Job
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.joins = Counter("rdzv_joins", "Join messages accepted", ["job_id"], registry=r)
+        self.rounds_opened = Counter("rdzv_rounds_opened", "Rounds opened after the first", ["job_id"], registry=r)
+        self.rounds_completed = Counter("rdzv_rounds_completed", "Rounds whose membership froze", ["job_id"], registry=r)
+        self.evictions = Counter("rdzv_evictions", "Nodes evicted (lost connection or heartbeat)", ["job_id"], registry=r)
+        self.restarts = Counter("rdzv_restarts", "Restarts counted against the budget", ["job_id"], registry=r)
+        self.live_nodes = Gauge("rdzv_live_nodes", "Nodes known to the job", ["job_id"], registry=r)
+        self.job_round = Gauge("rdzv_job_round", "Current round number", ["job_id"], registry=r)
+        self.latency = Histogram("rdzv_request_seconds", "REST request latency", ["route"], registry=r,
+                                 buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
+        self.agent_messages = Counter("rdzv_agent_messages", "Agent channel messages received", ["op"], registry=r)
+
+    def observe(self, job: Job, fx: Effects) -> None:
+        j = job.job_id
+        if fx.rounds_opened:
+            self.rounds_opened.labels(j).inc(fx.rounds_opened)
+        if fx.rounds_completed:
+            self.rounds_completed.labels(j).inc(fx.rounds_completed)
+        if fx.evicted:
+            self.evictions.labels(j).inc(len(fx.evicted))
+        if fx.restarts:
+            self.restarts.labels(j).inc(fx.restarts)
+        self.live_nodes.labels(j).set(len(job.nodes))
+        self.job_round.labels(j).set(job.round)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

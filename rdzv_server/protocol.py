@@ -1,0 +1,482 @@
+"""The wire contract between rdzv's server, its agents and its REST users.
+
+Everything that crosses the network is one of the pydantic models below. The
+client imports this module; this module imports nothing of ours.
+
+Two channels:
+
+* REST (JSON over HTTP) for people and scripts: ``GET /v1/jobs``,
+  ``GET /v1/jobs/{job_id}``, ``POST /v1/jobs/{job_id}/close``, ``/healthz``,
+  ``/metrics``, ``/openapi.json``.
+* The agent channel: one WebSocket per agent at ``GET /v1/agent``. The agent
+  sends :data:`AgentMessage` frames (JSON text), the server pushes
+  :data:`ServerMessage` frames. A held connection is how the server knows an
+  agent lives: its drop is noticed at once, and the agent's heartbeats bound a
+  silent loss. Completion of a round is pushed the moment it happens.
+
+Errors
+------
+Every refusal is ``{"code": ..., "message": ...}``: the HTTP body of a 4xx, or
+an ``error`` frame on the agent channel. ``ERROR_STATUS`` maps every code to its
+HTTP status; the client maps codes (never messages) to its exceptions::
+
+    RdzvError                  root of every error rdzv raises
+    +-- RequestError           the request itself was wrong (4xx codes)
+    |   +-- SpecMismatchError  a join disagreed with the job's spec
+    |   +-- StaleRoundError    a message named a round that is over
+    |   +-- EvictedError       the node was evicted; rejoin as a new node
+    |   +-- JobFinishedError   the job already ended
+    +-- ...                    (transport errors live in the client)
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
+
+API_PREFIX = "/v1"
+AGENT_PATH = "/v1/agent"
+
+# Limits that keep hostile or broken clients from costing memory or time.
+MAX_ID_LEN = 128
+MAX_NODES = 100_000
+MAX_NPROC = 1024
+MAX_RESTARTS = 1_000_000
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+MAX_BODY_BYTES = 64 * 1024
+MAX_ERROR_MESSAGE = 4096
+MAX_FAILURES_PER_REPORT = MAX_NPROC
+
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*$"
+_ID_RE = re.compile(ID_PATTERN)
+HOST_PATTERN = r"^[A-Za-z0-9._:\[\]%-]+$"
+
+
+# --------------------------------------------------------------------- errors
+
+
+class ErrorCode(str, Enum):
+    """Stable wire codes. Add new ones; never change the meaning of one."""
+
+    BAD_REQUEST = "bad_request"
+    VALIDATION_ERROR = "validation_error"
+    BODY_TOO_LARGE = "body_too_large"
+    UNAUTHORIZED = "unauthorized"
+    NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    JOB_NOT_FOUND = "job_not_found"
+    NODE_NOT_FOUND = "node_not_found"
+    SPEC_MISMATCH = "spec_mismatch"
+    STALE_ROUND = "stale_round"
+    EVICTED = "evicted"
+    JOB_FINISHED = "job_finished"
+    NOT_JOINED = "not_joined"
+    ALREADY_JOINED = "already_joined"
+    UNAVAILABLE = "unavailable"
+
+
+ERROR_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.BAD_REQUEST: 400,
+    ErrorCode.VALIDATION_ERROR: 422,
+    ErrorCode.BODY_TOO_LARGE: 413,
+    ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.JOB_NOT_FOUND: 404,
+    ErrorCode.NODE_NOT_FOUND: 404,
+    ErrorCode.SPEC_MISMATCH: 409,
+    ErrorCode.STALE_ROUND: 409,
+    ErrorCode.EVICTED: 410,
+    ErrorCode.JOB_FINISHED: 409,
+    ErrorCode.NOT_JOINED: 409,
+    ErrorCode.ALREADY_JOINED: 409,
+    ErrorCode.UNAVAILABLE: 503,
+}
+
+
+class RdzvError(Exception):
+    """Root of rdzv's errors. ``code`` is the stable wire code."""
+
+    code: ErrorCode = ErrorCode.BAD_REQUEST
+
+    def __init__(self, message: str, code: ErrorCode | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+    @property
+    def status(self) -> int:
+        return ERROR_STATUS[self.code]
+
+    def to_body(self) -> "ErrorBody":
+        return ErrorBody(code=self.code, message=self.message)
+
+
+class RequestError(RdzvError):
+    """The request was wrong; repeating it unchanged will not help."""
+
+
+class JobNotFoundError(RequestError):
+    code = ErrorCode.JOB_NOT_FOUND
+
+
+class SpecMismatchError(RequestError):
+    code = ErrorCode.SPEC_MISMATCH
+
+
+class StaleRoundError(RequestError):
+    code = ErrorCode.STALE_ROUND
+
+
+class EvictedError(RequestError):
+    code = ErrorCode.EVICTED
+
+
+class JobFinishedError(RequestError):
+    code = ErrorCode.JOB_FINISHED
+
+
+class NotJoinedError(RequestError):
+    code = ErrorCode.NOT_JOINED
+
+
+class UnauthorizedError(RequestError):
+    code = ErrorCode.UNAUTHORIZED
+
+
+class UnavailableError(RdzvError):
+    code = ErrorCode.UNAVAILABLE
+
+
+ERROR_CLASSES: dict[ErrorCode, type[RdzvError]] = {
+    ErrorCode.BAD_REQUEST: RequestError,
+    ErrorCode.VALIDATION_ERROR: RequestError,
+    ErrorCode.BODY_TOO_LARGE: RequestError,
+    ErrorCode.UNAUTHORIZED: UnauthorizedError,
+    ErrorCode.NOT_FOUND: RequestError,
+    ErrorCode.METHOD_NOT_ALLOWED: RequestError,
+    ErrorCode.JOB_NOT_FOUND: JobNotFoundError,
+    ErrorCode.NODE_NOT_FOUND: RequestError,
+    ErrorCode.SPEC_MISMATCH: SpecMismatchError,
+    ErrorCode.STALE_ROUND: StaleRoundError,
+    ErrorCode.EVICTED: EvictedError,
+    ErrorCode.JOB_FINISHED: JobFinishedError,
+    ErrorCode.NOT_JOINED: NotJoinedError,
+    ErrorCode.ALREADY_JOINED: RequestError,
+    ErrorCode.UNAVAILABLE: UnavailableError,
+}
+
+
+def error_from_body(code: str, message: str) -> RdzvError:
+    """Rebuild the exception a server sent, by code; unknown codes stay generic."""
+    try:
+        ec = ErrorCode(code)
+    except ValueError:
+        return RdzvError(f"{code}: {message}")
+    return ERROR_CLASSES[ec](message, ec)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, str_max_length=MAX_ERROR_MESSAGE)
+
+
+class ErrorBody(_Strict):
+    code: ErrorCode
+    message: str
+
+
+Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_LEN, pattern=ID_PATTERN)]
+Host = Annotated[str, Field(min_length=1, max_length=255, pattern=HOST_PATTERN)]
+Port = Annotated[int, Field(ge=1, le=65535)]
+RoundNo = Annotated[int, Field(ge=0, le=2**53)]
+Seconds = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)]
+
+
+def is_valid_id(value: str) -> bool:
+    return 0 < len(value) <= MAX_ID_LEN and bool(_ID_RE.match(value))
+
+
+# ------------------------------------------------------------------ job spec
+
+DEFAULT_LAST_CALL_S = 1.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = 6.0
+DEFAULT_JOIN_TIMEOUT_S = 600.0
+DEFAULT_SCALE_UP_WINDOW_S = 0.5
+DEFAULT_MAX_RESTARTS = 3
+
+
+class JobSpec(_Strict):
+    """What the first join of a job fixes for its life.
+
+    ``min_nodes``/``max_nodes`` must agree on every later join; the other fields
+    are taken from the first join and ignored afterwards.
+    """
+
+    min_nodes: int = Field(ge=1, le=MAX_NODES)
+    max_nodes: int = Field(ge=1, le=MAX_NODES)
+    max_restarts: int = Field(default=DEFAULT_MAX_RESTARTS, ge=0, le=MAX_RESTARTS)
+    last_call_s: Seconds = DEFAULT_LAST_CALL_S
+    heartbeat_timeout_s: Seconds = DEFAULT_HEARTBEAT_TIMEOUT_S
+    join_timeout_s: Seconds = DEFAULT_JOIN_TIMEOUT_S
+    scale_up_window_s: Seconds = DEFAULT_SCALE_UP_WINDOW_S
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> "JobSpec":
+        if self.min_nodes > self.max_nodes:
+            raise ValueError(f"min_nodes ({self.min_nodes}) is greater than max_nodes ({self.max_nodes})")
+        return self
+
+
+# ------------------------------------------------------- agent -> server
+
+
+class ExitRecord(_Strict):
+    """How one worker ended: a value, not an exception (as torch's RunResult)."""
+
+    local_rank: int = Field(ge=0, le=MAX_NPROC)
+    rank: int = Field(ge=0, le=MAX_NODES * MAX_NPROC)
+    pid: int = Field(ge=0, le=2**31)
+    exit_code: int | None = Field(default=None, ge=-(2**31), le=2**31)
+    signal: str | None = Field(default=None, max_length=32)
+    message: str = Field(default="", max_length=MAX_ERROR_MESSAGE)
+    timestamp: float = Field(default=0.0, ge=0, le=2**40, allow_inf_nan=False)
+
+    def describe(self) -> str:
+        how = f"signal {self.signal}" if self.signal else f"exit code {self.exit_code}"
+        text = f"rank {self.rank} (local rank {self.local_rank}, pid {self.pid}) failed with {how}"
+        if self.signal == "SIGKILL":
+            text += " (out of memory?)"
+        if self.message:
+            text += f": {self.message}"
+        return text
+
+
+class JoinMsg(_Strict):
+    """Join the job's next round, or, with ``resume_round``, reconnect to the
+    round this node is already running (no restart if that round still runs)."""
+
+    op: Literal["join"] = "join"
+    job_id: Id
+    node_id: Id
+    host: Host
+    addr: Host
+    local_world_size: int = Field(ge=1, le=MAX_NPROC)
+    master_port: Port
+    spec: JobSpec
+    requested_rank: int | None = Field(default=None, ge=0, lt=MAX_NODES)
+    resume_round: RoundNo | None = None
+
+
+class HeartbeatMsg(_Strict):
+    op: Literal["hb"] = "hb"
+
+
+class FailedMsg(_Strict):
+    """This node's workers failed in ``round``; the records say how."""
+
+    op: Literal["failed"] = "failed"
+    round: RoundNo
+    failures: list[ExitRecord] = Field(min_length=1, max_length=MAX_FAILURES_PER_REPORT)
+
+
+class SucceededMsg(_Strict):
+    op: Literal["succeeded"] = "succeeded"
+    round: RoundNo
+
+
+class LeaveMsg(_Strict):
+    op: Literal["leave"] = "leave"
+    reason: str = Field(default="left", max_length=256)
+
+
+AgentMessage = Annotated[
+    Union[JoinMsg, HeartbeatMsg, FailedMsg, SucceededMsg, LeaveMsg], Field(discriminator="op")
+]
+AGENT_MESSAGE = TypeAdapter(AgentMessage)
+
+
+# ------------------------------------------------------- server -> agent
+
+
+class WaitingInfo(_Strict):
+    """Why a round is not complete yet, in words and in fields."""
+
+    text: str
+    joined: int = 0
+    min_nodes: int = 0
+    max_nodes: int = 0
+    spares: int = 0
+    missing: list[str] = Field(default_factory=list)
+    last_call_deadline: float | None = None
+
+
+class JoinedMsg(_Strict):
+    """The server took the join; ``round`` forms. Heartbeat every ``heartbeat_s``."""
+
+    op: Literal["joined"] = "joined"
+    round: RoundNo
+    node_id: Id
+    heartbeat_s: float
+    waiting_for: WaitingInfo | None = None
+
+
+class StatusMsg(_Strict):
+    """An update while the round forms (throttled)."""
+
+    op: Literal["status"] = "status"
+    round: RoundNo
+    waiting_for: WaitingInfo
+
+
+class Assignment(_Strict):
+    """Everything a node needs to start its workers for one round."""
+
+    job_id: Id
+    round: RoundNo
+    group_rank: int
+    group_world_size: int
+    local_world_size: int
+    rank_offset: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    max_restarts: int
+    restarts: int
+
+
+class AssignedMsg(_Strict):
+    op: Literal["assigned"] = "assigned"
+    assignment: Assignment
+
+
+class SpareMsg(_Strict):
+    """The job is at max_nodes; wait, you replace the first node that fails."""
+
+    op: Literal["spare"] = "spare"
+    round: RoundNo
+
+
+class RestartMsg(_Strict):
+    """Round ``round`` is forming: stop your workers, then join it."""
+
+    op: Literal["restart"] = "restart"
+    round: RoundNo
+    reason: str
+
+
+class EvictedMsg(_Strict):
+    """This node is no longer part of the job: kill workers, rejoin as new."""
+
+    op: Literal["evicted"] = "evicted"
+    reason: str
+
+
+class DoneMsg(_Strict):
+    """The job ended; ``state`` says how. ``root_cause`` names the first failure."""
+
+    op: Literal["done"] = "done"
+    state: Literal["succeeded", "failed", "closed"]
+    reason: str
+    root_cause: str | None = None
+
+
+class AckMsg(_Strict):
+    """A report (failed, succeeded, leave) was recorded."""
+
+    op: Literal["ack"] = "ack"
+    of: str
+
+
+class ErrorMsg(_Strict):
+    op: Literal["error"] = "error"
+    code: ErrorCode
+    message: str
+
+
+ServerMessage = Annotated[
+    Union[JoinedMsg, StatusMsg, AssignedMsg, SpareMsg, RestartMsg, EvictedMsg, DoneMsg, AckMsg, ErrorMsg],
+    Field(discriminator="op"),
+]
+SERVER_MESSAGE = TypeAdapter(ServerMessage)
+
+
+# ------------------------------------------------------------------- REST
+
+
+class JobState(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
+TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CLOSED})
+
+
+class NodeView(BaseModel):
+    node_id: str
+    host: str
+    addr: str
+    state: Literal["waiting", "running", "succeeded", "spare", "disconnected", "rejoining"]
+    group_rank: int | None
+    local_world_size: int
+    last_seen_s: float = Field(description="seconds since the server last heard from this node")
+
+
+class RoundView(BaseModel):
+    round: int
+    reason: str
+    started_at: float = Field(description="unix time the round was opened")
+    completed_at: float | None = Field(description="unix time its membership froze")
+    world_size: int | None
+    nodes: int | None
+
+
+class JobSummary(BaseModel):
+    job_id: str
+    state: JobState
+    round: int
+    min_nodes: int
+    max_nodes: int
+    nodes: int
+    world_size: int
+    restarts: int
+    max_restarts: int
+
+
+class JobView(BaseModel):
+    job_id: str
+    state: JobState
+    round: int
+    min_nodes: int
+    max_nodes: int
+    world_size: int
+    restarts: int
+    max_restarts: int
+    master_addr: str | None
+    master_port: int | None
+    nodes: list[NodeView]
+    spares: list[NodeView]
+    waiting_for: WaitingInfo | None
+    root_cause: str | None
+    history: list[RoundView]
+
+
+class JobList(BaseModel):
+    jobs: list[JobSummary]
+
+
+class CloseResult(BaseModel):
+    job_id: str
+    state: JobState
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    jobs: int
+    nodes: int

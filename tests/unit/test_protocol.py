@@ -1,0 +1,48 @@
+"""The wire contract's error table and models."""
+
+import pytest
+from pydantic import ValidationError
+
+from rdzv_server.protocol import (
+    AGENT_MESSAGE,
+    ERROR_CLASSES,
+    ERROR_STATUS,
+    ErrorCode,
+    JobSpec,
+    SpecMismatchError,
+    error_from_body,
+)
+
+
+def test_every_code_has_a_status_and_a_client_exception():
+    """The one mapping table is complete: every code maps to a 4xx/5xx and a class."""
+    for code in ErrorCode:
+        assert 400 <= ERROR_STATUS[code] < 600
+        assert ERROR_CLASSES[code](message="x").code == code
+
+
+def test_client_maps_by_code_not_message():
+    """A server error body becomes the matching exception whatever its text."""
+    err = error_from_body("spec_mismatch", "anything")
+    assert isinstance(err, SpecMismatchError)
+    assert error_from_body("no_such_code", "m").code == ErrorCode.BAD_REQUEST
+
+
+def test_spec_refuses_min_above_max():
+    """min_nodes > max_nodes is refused with both values named."""
+    with pytest.raises(ValidationError, match=r"min_nodes \(5\) is greater than max_nodes \(2\)"):
+        JobSpec(min_nodes=5, max_nodes=2)
+
+
+@pytest.mark.parametrize("frame", [
+    '{"op":"join"}',
+    '{"op":"nope"}',
+    '{"op":"hb","extra":1}',
+    '{"op":"failed","round":-1,"failures":[]}',
+    '[]',
+    'not json',
+])
+def test_bad_agent_frames_are_refused(frame):
+    """Unknown ops, unknown fields, negative rounds and junk do not parse."""
+    with pytest.raises(ValidationError):
+        AGENT_MESSAGE.validate_json(frame)
