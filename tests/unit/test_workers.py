@@ -1,0 +1,570 @@
+"""The worker supervisor, driven with real tiny child processes."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import signal
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from rdzv_client.workers import (
+    ExitInfo,
+    LaunchConfig,
+    Std,
+    WorkerGroup,
+    describe,
+    error_file_path,
+    parse_std,
+    read_error_file,
+    worker_env,
+)
+from rdzv_server.protocol import Assignment
+
+WAIT_S = 15.0
+
+
+def assignment(local_world_size: int = 2, **kw: object) -> Assignment:
+    fields: dict[str, object] = dict(
+        job_id="job1",
+        round=4,
+        group_rank=1,
+        group_world_size=3,
+        local_world_size=local_world_size,
+        rank_offset=8,
+        world_size=20,
+        master_addr="10.0.0.7",
+        master_port=29555,
+        max_restarts=5,
+        restarts=2,
+    )
+    fields.update(kw)
+    return Assignment(**fields)  # type: ignore[arg-type]
+
+
+class Console(io.StringIO):
+    """A console that records writes and lets tests await a substring."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._waiters: list[tuple[str, asyncio.Event]] = []
+
+    def write(self, s: str) -> int:
+        n = super().write(s)
+        text = self.getvalue() if self._waiters else ""
+        for needle, event in self._waiters:
+            if needle in text:
+                event.set()
+        return n
+
+    async def wait_for(self, needle: str, timeout: float = WAIT_S) -> None:
+        event = asyncio.Event()
+        self._waiters.append((needle, event))
+        if needle in self.getvalue():
+            event.set()
+        await asyncio.wait_for(event.wait(), timeout)
+
+    def lines(self) -> list[str]:
+        return self.getvalue().splitlines()
+
+
+def make_group(
+    codes: list[str] | str,
+    tmp_path: Path,
+    *,
+    attempt: int = 0,
+    console: Console | None = None,
+    log_dir: Path | None = None,
+    **config_kw: object,
+) -> WorkerGroup:
+    """A group whose local rank i runs ``python -c codes[i]``, with torchrun's env."""
+    if isinstance(codes, str):
+        codes = [codes]
+    n = len(codes)
+    a = assignment(local_world_size=n, round=attempt)
+    err_root = log_dir or tmp_path / "errors"
+    envs = []
+    for i, code in enumerate(codes):
+        env = worker_env(os.environ, a, i, "job1", str(error_file_path(err_root, attempt, i)))
+        env["CODE"] = textwrap.dedent(code)
+        envs.append(env)
+    config = LaunchConfig(
+        cmd=[sys.executable, "-c", "import os; exec(os.environ['CODE'])"],
+        local_world_size=n,
+        log_dir=log_dir,
+        **config_kw,  # type: ignore[arg-type]
+    )
+    return WorkerGroup(config, envs, attempt=attempt, console=console)
+
+
+def is_gone(pid: int) -> bool:
+    """True when ``pid`` no longer runs (absent, or a zombie nobody reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fp:
+            return fp.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+async def wait_gone(pid: int, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not is_gone(pid):
+        assert time.monotonic() < deadline, f"pid {pid} still alive"
+        await asyncio.sleep(0.01)
+
+
+# ---------------------------------------------------------------- environment
+
+
+def test_worker_env_is_exactly_torchruns_table() -> None:
+    """worker_env adds exactly the DESIGN.md table to the agent's environment."""
+    base = {"PATH": "/bin", "HOME": "/root"}
+    env = worker_env(base, assignment(local_world_size=2), 1, "job1", "/logs/err.json")
+    assert env == {
+        "PATH": "/bin",
+        "HOME": "/root",
+        "RANK": "9",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "20",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "3",
+        "ROLE_RANK": "9",
+        "ROLE_WORLD_SIZE": "20",
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": "10.0.0.7",
+        "MASTER_PORT": "29555",
+        "TORCHELASTIC_RESTART_COUNT": "4",
+        "TORCHELASTIC_MAX_RESTARTS": "5",
+        "TORCHELASTIC_RUN_ID": "job1",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_ERROR_FILE": "/logs/err.json",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    assert base == {"PATH": "/bin", "HOME": "/root"}
+
+
+def test_worker_env_keeps_agent_values() -> None:
+    """The agent's OMP_NUM_THREADS and TORCH_NCCL_ASYNC_ERROR_HANDLING win over the defaults."""
+    base = {"OMP_NUM_THREADS": "7", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+    env = worker_env(base, assignment(local_world_size=4), 0, "j", "e")
+    assert env["OMP_NUM_THREADS"] == "7"
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+
+
+def test_worker_env_single_worker_leaves_omp_unset() -> None:
+    """With one worker per node OMP_NUM_THREADS is not forced, as torchrun does."""
+    env = worker_env({}, assignment(local_world_size=1), 0, "j", "e")
+    assert "OMP_NUM_THREADS" not in env
+    assert env["RANK"] == "8"
+
+
+def test_worker_env_rejects_bad_local_rank() -> None:
+    """A local rank outside the node's world is a programming error."""
+    with pytest.raises(ValueError, match="local_rank 2"):
+        worker_env({}, assignment(local_world_size=2), 2, "j", "e")
+
+
+async def test_workers_see_their_env(tmp_path: Path) -> None:
+    """Each worker process sees its own RANK and LOCAL_RANK, and ${local_rank} in argv is substituted."""
+    a = assignment(local_world_size=2)
+    envs = [worker_env(os.environ, a, i, "job1", str(tmp_path / f"e{i}")) for i in range(2)]
+    code = "import os, sys; print('env', os.environ['RANK'], os.environ['LOCAL_RANK'], sys.argv[1])"
+    config = LaunchConfig(cmd=[sys.executable, "-c", code, "arg${local_rank}"], local_world_size=2)
+    console = Console()
+    group = WorkerGroup(config, envs, attempt=0, console=console)
+    await group.start()
+    infos = await asyncio.wait_for(group.wait(), WAIT_S)
+    await group.stop()
+    assert [i.ok for i in infos] == [True, True]
+    assert sorted(console.lines()) == ["[8]: env 8 0 arg0", "[9]: env 9 1 arg1"]
+
+
+# ------------------------------------------------------------------ outcomes
+
+
+async def test_all_succeed(tmp_path: Path) -> None:
+    """When every worker exits 0, wait returns one ok record per worker."""
+    group = make_group(["pass"] * 3, tmp_path, console=None)
+    await group.start()
+    assert len(group.pids) == 3
+    infos = await asyncio.wait_for(group.wait(), WAIT_S)
+    assert sorted(i.local_rank for i in infos) == [0, 1, 2]
+    assert all(i.ok and i.exit_code == 0 and i.signal is None and i.message == "" for i in infos)
+    assert sorted(i.pid for i in infos) == sorted(group.pids)
+    assert await group.stop() == infos
+
+
+async def test_first_failure_returns_at_once(tmp_path: Path) -> None:
+    """One failing worker ends wait at once with its exit code while the others still run."""
+    group = make_group(["import time; time.sleep(60)", "raise SystemExit(3)"], tmp_path, console=None)
+    await group.start()
+    started = time.monotonic()
+    failed = await asyncio.wait_for(group.wait(), WAIT_S)
+    assert time.monotonic() - started < 5
+    assert [(i.local_rank, i.exit_code, i.signal, i.ok) for i in failed] == [(1, 3, None, False)]
+    infos = await group.stop(timeout=5)
+    assert infos[0].signal == "SIGTERM" and infos[1].exit_code == 3
+    assert "exited with code 3" in describe(failed[0], rank=9)
+
+
+async def test_signal_death_is_decoded(tmp_path: Path) -> None:
+    """A worker killed by a signal is recorded by signal name, and SIGKILL hints at memory."""
+    group = make_group("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", tmp_path, console=None)
+    await group.start()
+    [info] = await asyncio.wait_for(group.wait(), WAIT_S)
+    assert (info.exit_code, info.signal, info.ok) == (None, "SIGKILL", False)
+    text = describe(info, rank=8)
+    assert "killed by SIGKILL (out of memory?)" in text and "rank 8" in text
+    await group.stop()
+
+
+async def test_stop_kills_worker_that_ignores_sigterm(tmp_path: Path) -> None:
+    """A worker ignoring SIGTERM is SIGKILLed at the shared deadline and reaped."""
+    code = """
+        import signal, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("ready", flush=True)
+        time.sleep(60)
+    """
+    console = Console()
+    group = make_group([code, "import time; time.sleep(60)"], tmp_path, console=console)
+    await group.start()
+    await console.wait_for("[8]: ready")
+    started = time.monotonic()
+    infos = await asyncio.wait_for(group.stop(timeout=0.5), WAIT_S)
+    assert 0.4 < time.monotonic() - started < 5
+    assert [i.signal for i in infos] == ["SIGKILL", "SIGTERM"]
+    for pid in group.pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # reaped, not a zombie
+    assert await group.stop() == infos  # idempotent
+    group.kill_now()  # harmless once stopped
+
+
+async def test_signal_reaches_grandchildren(tmp_path: Path) -> None:
+    """stop() signals the whole process group, so a worker's own children get SIGTERM too."""
+    code = """
+        import signal, subprocess, sys
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        child = subprocess.Popen([sys.executable, "-c", '''
+        import signal, sys, time
+        def bye(*_):
+            print("grandchild got SIGTERM", flush=True)
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, bye)
+        print("grandchild ready", flush=True)
+        time.sleep(60)
+        '''])
+        print("grandchild pid", child.pid, flush=True)
+        child.wait()
+    """
+    console = Console()
+    group = make_group(code, tmp_path, console=console)
+    await group.start()
+    await console.wait_for("grandchild ready")
+    [pid_line] = [ln for ln in console.lines() if "grandchild pid" in ln]
+    grandchild = int(pid_line.split()[-1])
+    infos = await asyncio.wait_for(group.stop(timeout=10), WAIT_S)
+    assert "[8]: grandchild got SIGTERM" in console.lines()
+    assert infos[0].exit_code == 0  # the worker ended because its child did, before any SIGKILL
+    await wait_gone(grandchild)
+
+
+async def test_stop_on_exited_workers_is_safe(tmp_path: Path) -> None:
+    """stop() after every worker exited returns their records without error."""
+    group = make_group(["pass", "pass"], tmp_path, console=None)
+    await group.start()
+    done = await asyncio.wait_for(group.wait(), WAIT_S)
+    infos = await asyncio.gather(group.stop(), group.stop())
+    assert infos[0] == infos[1] == done
+    assert [i.exit_code for i in infos[0]] == [0, 0]
+
+
+async def test_wait_is_cancellable(tmp_path: Path) -> None:
+    """Cancelling wait leaves the workers running; a later stop ends them."""
+    group = make_group("import time; time.sleep(60)", tmp_path, console=None)
+    await group.start()
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(group.wait(), 0.2)
+    assert not is_gone(group.pids[0])
+    [info] = await group.stop(timeout=5)
+    assert info.signal == "SIGTERM"
+
+
+async def test_kill_now_kills_everything(tmp_path: Path) -> None:
+    """kill_now SIGKILLs every group at once, even workers that ignore SIGTERM."""
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    console = Console()
+    group = make_group([code, code], tmp_path, console=console)
+    await group.start()
+    await console.wait_for("[9]: up")
+    await console.wait_for("[8]: up")
+    group.kill_now()
+    failed = await asyncio.wait_for(group.wait(), WAIT_S)
+    assert failed and all(i.signal == "SIGKILL" for i in failed)
+    infos = await group.stop(timeout=5)
+    assert [i.signal for i in infos] == ["SIGKILL", "SIGKILL"]
+
+
+async def test_start_failure_cleans_up(tmp_path: Path) -> None:
+    """A command that cannot be executed raises from start()."""
+    config = LaunchConfig(cmd=[str(tmp_path / "no-such-binary")], local_world_size=1)
+    group = WorkerGroup(config, [dict(os.environ)], attempt=0, console=None)
+    with pytest.raises(FileNotFoundError):
+        await group.start()
+    assert await group.stop() == []
+
+
+# ----------------------------------------------------------------- messages
+
+
+async def test_error_file_from_torch_record_is_parsed(tmp_path: Path) -> None:
+    """A worker decorated with torch's @record fails with its exception message and traceback."""
+    code = """
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        def inner():
+            raise ValueError("boom 42")
+
+        @record
+        def main():
+            inner()
+
+        main()
+    """
+    group = make_group(["import time; time.sleep(60)", code], tmp_path, console=None)
+    await group.start()
+    [info] = await asyncio.wait_for(group.wait(), 60)
+    await group.stop(timeout=5)
+    assert info.exit_code == 1
+    assert info.message.splitlines()[0] == "ValueError: boom 42"
+    assert "in inner" in info.message and "Traceback" in info.message
+    assert describe(info).endswith(": ValueError: boom 42")
+
+
+async def test_string_error_file_and_stale_file(tmp_path: Path) -> None:
+    """The plain-string error file format is read, and a stale file from an earlier run is removed."""
+    stale = error_file_path(tmp_path / "errors", 0, 0)
+    stale.parent.mkdir(parents=True)
+    stale.write_text('{"message": "stale"}')
+    code = """
+        import json, os, sys
+        path = os.environ["TORCHELASTIC_ERROR_FILE"]
+        if os.path.exists(path):
+            sys.exit(9)
+        with open(path, "w") as fp:
+            json.dump({"message": "plain text failure", "timestamp": 1}, fp)
+        sys.exit(5)
+    """
+    group = make_group(code, tmp_path, console=None)
+    await group.start()
+    [info] = await asyncio.wait_for(group.wait(), WAIT_S)
+    await group.stop()
+    assert (info.exit_code, info.message) == (5, "plain text failure")
+
+
+async def test_stderr_tail_when_no_error_file(tmp_path: Path) -> None:
+    """Without an error file, a failure's message is the end of its stderr."""
+    code = """
+        import sys
+        for i in range(100):
+            print("noise", i, file=sys.stderr)
+        print("fatal: disk full", file=sys.stderr)
+        raise SystemExit(2)
+    """
+    group = make_group(code, tmp_path, console=None)
+    await group.start()
+    [info] = await asyncio.wait_for(group.wait(), WAIT_S)
+    await group.stop()
+    assert info.message.splitlines()[-1] == "fatal: disk full"
+    assert "noise 0" not in info.message
+
+
+async def test_stderr_tail_from_redirected_file(tmp_path: Path) -> None:
+    """When stderr is redirected to its log file, the message comes from that file."""
+    code = "import sys; print('fatal: from file', file=sys.stderr); sys.exit(4)"
+    group = make_group(code, tmp_path, console=Console(), log_dir=tmp_path / "logs", redirects=Std.ERR)
+    await group.start()
+    [info] = await asyncio.wait_for(group.wait(), WAIT_S)
+    await group.stop()
+    assert info.message == "fatal: from file"
+
+
+def test_error_message_is_trimmed(tmp_path: Path) -> None:
+    """A huge traceback is cut to its head plus its last lines, within 4000 characters."""
+    path = tmp_path / "error.json"
+    frames = "".join(f'  File "x.py", line {i}, in f{i}\n    f{i + 1}()\n' for i in range(500))
+    path.write_text(
+        '{"message": {"message": "RecursionError: deep", "extraInfo": {"py_callstack": '
+        + __import__("json").dumps("Traceback (most recent call last):\n" + frames + "RecursionError: deep\n")
+        + ', "timestamp": "1"}}}'
+    )
+    message = read_error_file(path)
+    assert message is not None and len(message) <= 4000
+    assert message.startswith("RecursionError: deep\n")
+    assert message.rstrip().endswith("f500()")
+    assert read_error_file(tmp_path / "absent.json") is None
+
+
+# ------------------------------------------------------------ logs and console
+
+
+async def test_log_files_per_attempt(tmp_path: Path) -> None:
+    """Redirected streams go to attempt_N/<local_rank>/{stdout,stderr}.log and not to the console."""
+    code = "import os, sys; print('out', os.environ['LOCAL_RANK']); print('err', os.environ['LOCAL_RANK'], file=sys.stderr)"
+    console = Console()
+    log_dir = tmp_path / "logs"
+    for attempt in (0, 3):
+        group = make_group([code, code], tmp_path, attempt=attempt, console=console, log_dir=log_dir, redirects=Std.ALL)
+        await group.start()
+        infos = await asyncio.wait_for(group.wait(), WAIT_S)
+        await group.stop()
+        assert all(i.ok for i in infos)
+    assert console.getvalue() == ""
+    for attempt in (0, 3):
+        for rank in (0, 1):
+            d = log_dir / f"attempt_{attempt}" / str(rank)
+            assert (d / "stdout.log").read_text() == f"out {rank}\n"
+            assert (d / "stderr.log").read_text() == f"err {rank}\n"
+
+
+async def test_tee_and_redirect_per_rank(tmp_path: Path) -> None:
+    """tee copies to file and console; a redirect keeps the stream off the console; others show as usual."""
+    code = "import os, sys; r = os.environ['LOCAL_RANK']; print('out', r); print('err', r, file=sys.stderr)"
+    console = Console()
+    log_dir = tmp_path / "logs"
+    group = make_group(
+        [code, code, code],
+        tmp_path,
+        console=console,
+        log_dir=log_dir,
+        tee={0: Std.OUT},
+        redirects={1: Std.ERR},
+    )
+    await group.start()
+    await asyncio.wait_for(group.wait(), WAIT_S)
+    await group.stop()
+    assert sorted(console.lines()) == sorted(
+        ["[8]: out 0", "[8]: err 0", "[9]: out 1", "[10]: out 2", "[10]: err 2"]
+    )
+    d = log_dir / "attempt_0"
+    assert (d / "0" / "stdout.log").read_text() == "out 0\n"
+    assert not (d / "0" / "stderr.log").exists()
+    assert (d / "1" / "stderr.log").read_text() == "err 1\n"
+    assert not (d / "1" / "stdout.log").exists()
+    assert not (d / "2" / "stdout.log").exists()
+
+
+async def test_local_ranks_filter(tmp_path: Path) -> None:
+    """local_ranks_filter limits the console but never the log files."""
+    code = "import os; print('hello', os.environ['LOCAL_RANK'])"
+    console = Console()
+    log_dir = tmp_path / "logs"
+    group = make_group(
+        [code, code], tmp_path, console=console, log_dir=log_dir, tee=Std.ALL, local_ranks_filter={1}
+    )
+    await group.start()
+    await asyncio.wait_for(group.wait(), WAIT_S)
+    await group.stop()
+    assert console.lines() == ["[9]: hello 1"]
+    assert (log_dir / "attempt_0" / "0" / "stdout.log").read_text() == "hello 0\n"
+    assert (log_dir / "attempt_0" / "1" / "stdout.log").read_text() == "hello 1\n"
+
+
+async def test_custom_prefix_and_partial_last_line(tmp_path: Path) -> None:
+    """prefix_fn overrides the prefix, and a last line without newline is still printed whole."""
+    config = LaunchConfig(
+        cmd=[sys.executable, "-c", "import sys; sys.stdout.write('a\\nno newline')"], local_world_size=1
+    )
+    console = Console()
+    group = WorkerGroup(config, [dict(os.environ)], 0, console=console, prefix_fn=lambda r: f"<w{r}> ")
+    await group.start()
+    await asyncio.wait_for(group.wait(), WAIT_S)
+    await group.stop()
+    assert console.getvalue() == "<w0> a\n<w0> no newline\n"
+
+
+async def test_large_output_does_not_deadlock(tmp_path: Path) -> None:
+    """Two workers writing 5 MB each finish, and console lines never interleave mid-line."""
+    code = """
+        import os, sys
+        r = os.environ['LOCAL_RANK']
+        line = (r * 99) + "\\n"
+        for _ in range(50_000):
+            sys.stdout.write(line)
+        sys.stderr.write("x" * 200_000 + "\\n")
+    """
+    console = Console()
+    log_dir = tmp_path / "logs"
+    group = make_group([code, code], tmp_path, console=console, log_dir=log_dir, tee=Std.OUT)
+    await group.start()
+    infos = await asyncio.wait_for(group.wait(), 30)
+    await group.stop()
+    assert all(i.ok for i in infos)
+    lines = console.lines()
+    out = [ln for ln in lines if "x" not in ln]
+    assert len(out) == 2 * 50_000
+    assert sorted(set(out)) == ["[8]: " + "0" * 99, "[9]: " + "1" * 99]
+    # the 200 KB stderr line is printed in prefixed pieces, never mixed with other lines
+    long = [ln for ln in lines if "x" in ln]
+    for prefix in ("[8]: ", "[9]: "):
+        pieces = [ln[len(prefix) :] for ln in long if ln.startswith(prefix)]
+        assert "".join(pieces) == "x" * 200_000
+    assert len(long) == sum(1 for ln in long if ln.startswith(("[8]: x", "[9]: x")))
+    assert (log_dir / "attempt_0" / "0" / "stdout.log").stat().st_size == 5_000_000
+
+
+async def test_undecodable_bytes_are_replaced(tmp_path: Path) -> None:
+    """Bytes that are not UTF-8 reach the console replaced, not as an error."""
+    console = Console()
+    group = make_group("import sys; sys.stdout.buffer.write(b'bad \\xff byte\\n')", tmp_path, console=console)
+    await group.start()
+    await asyncio.wait_for(group.wait(), WAIT_S)
+    await group.stop()
+    assert console.lines() == ["[8]: bad \ufffd byte"]
+
+
+# --------------------------------------------------------------- parse_std
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("0", {0: Std.NONE, 1: Std.NONE, 2: Std.NONE}),
+        ("3", {0: Std.ALL, 1: Std.ALL, 2: Std.ALL}),
+        ("0:3,1:0", {0: Std.ALL, 1: Std.NONE, 2: Std.NONE}),
+        ("0:1,2:2", {0: Std.OUT, 1: Std.NONE, 2: Std.ERR}),
+        ("1:1,7:3", {0: Std.NONE, 1: Std.OUT, 2: Std.NONE}),
+    ],
+)
+def test_parse_std(value: str, expected: dict[int, Std]) -> None:
+    """parse_std reads torchrun's single value and per-rank map syntax."""
+    assert parse_std(value, 3) == expected
+
+
+@pytest.mark.parametrize("value", ["", "4", "-1", "all", "0:4", "0:1,", "0=1", "a:1", "0:1,0:2", "1,2"])
+def test_parse_std_rejects_bad_input(value: str) -> None:
+    """Anything outside torchrun's syntax is a ValueError that names the value."""
+    with pytest.raises(ValueError, match="stream setting"):
+        parse_std(value, 2)
+
+
+def test_files_need_a_log_dir() -> None:
+    """Asking for redirects or tee without a log directory is refused at once."""
+    with pytest.raises(ValueError, match="log_dir"):
+        LaunchConfig(cmd=["x"], local_world_size=2, tee={1: Std.ERR})
+    LaunchConfig(cmd=["x"], local_world_size=2, tee={5: Std.ERR})  # not a rank of this node
+
+
+def test_exit_info_ok() -> None:
+    """Only exit code 0 is ok."""
+    assert ExitInfo(0, 1, 0, None, "", 0.0).ok
+    assert not ExitInfo(0, 1, 1, None, "", 0.0).ok
+    assert not ExitInfo(0, 1, None, "SIGTERM", "", 0.0).ok
