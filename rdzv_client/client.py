@@ -1,0 +1,253 @@
+"""The HTTP client for rdzv's API: the agent channel and the REST calls.
+
+:class:`AgentLink` is one agent's WebSocket to the server. It reconnects on its
+own with exponential backoff and jitter, re-sends the node's current *intent*
+(a join, or a resume of the round it runs) after each reconnect, and sends
+heartbeats. A server hiccup therefore never reaches the agent's loop as an
+error: the loop just hears nothing until the server is back.
+
+:class:`RestClient` wraps the REST paths for the ``rdzv`` command and tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import ssl
+from typing import Any
+
+import aiohttp
+
+from rdzv_server.protocol import (
+    AGENT_PATH,
+    SERVER_MESSAGE,
+    CloseResult,
+    Health,
+    JobList,
+    JobView,
+    JoinedMsg,
+    JoinMsg,
+    RdzvError,
+    UnavailableError,
+    error_from_body,
+)
+
+log = logging.getLogger(__name__)
+
+BACKOFF_START_S = 0.05
+BACKOFF_MAX_S = 3.0
+CONNECT_TIMEOUT_S = 5.0
+WS_PING_S = 5.0  # detects a frozen or cut-off server; the workers keep running meanwhile
+
+
+def parse_endpoint(endpoint: str, default_port: int = 29400) -> tuple[str, str, int]:
+    """``host:port``, ``http(s)://host:port`` or ``[v6]:port`` -> (scheme, host, port)."""
+    scheme = "http"
+    text = endpoint.strip()
+    if "://" in text:
+        scheme, _, text = text.partition("://")
+        if scheme not in ("http", "https"):
+            raise ValueError(f"endpoint {endpoint!r}: scheme must be http or https")
+    text = text.rstrip("/")
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_s = rest[1:] if rest.startswith(":") else ""
+    elif text.count(":") == 1:
+        host, _, port_s = text.partition(":")
+    else:
+        host, port_s = text, ""
+    if not host:
+        raise ValueError(f"endpoint {endpoint!r} has no host")
+    try:
+        port = int(port_s) if port_s else default_port
+    except ValueError:
+        raise ValueError(f"endpoint {endpoint!r}: port {port_s!r} is not a number") from None
+    if not 0 < port < 65536:
+        raise ValueError(f"endpoint {endpoint!r}: port {port} out of range")
+    return scheme, host, port
+
+
+def base_url(endpoint: str) -> str:
+    scheme, host, port = parse_endpoint(endpoint)
+    return f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
+
+
+def backoff_delays(start: float = BACKOFF_START_S, cap: float = BACKOFF_MAX_S):
+    """Exponential backoff with full jitter: 0.05, 0.1, 0.2 ... capped."""
+    delay = start
+    while True:
+        yield random.uniform(delay / 2, delay)
+        delay = min(cap, delay * 2)
+
+
+class AgentLink:
+    """One agent's channel to the server.
+
+    ``intent`` is what the server must know after every (re)connect: the join
+    for the forming round, or a join with ``resume_round`` while workers run.
+    Server messages arrive on :meth:`recv` in order.
+    """
+
+    def __init__(self, endpoint: str, token: str | None = None, ssl_ctx: ssl.SSLContext | bool | None = None) -> None:
+        self.url = base_url(endpoint) + AGENT_PATH
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.ssl = ssl_ctx if ssl_ctx is not None else True
+        self.intent: JoinMsg | None = None
+        self.heartbeat_s = 2.0
+        self.connected = asyncio.Event()
+        self.ever_connected = False
+        self.last_error: str | None = None
+        self._messages: asyncio.Queue = asyncio.Queue()
+        self._ws: aiohttp.ClientWebSocketResponse | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task | None = None
+        self._pending: list[str] = []  # reports to re-send after a reconnect, until acked
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S))
+        self._task = asyncio.create_task(self._run(), name="rdzv-link")
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._ws is not None and not self._ws.closed:
+            await asyncio.wait([asyncio.ensure_future(self._ws.close())], timeout=1.0)
+        if self._session:
+            await self._session.close()
+
+    def set_intent(self, msg: JoinMsg | None, send: bool = True) -> None:
+        """Remember what to say after a reconnect, and say it now."""
+        self.intent = msg
+        if msg is not None and send:
+            self.send_nowait(msg.model_dump_json())
+
+    def report(self, msg) -> None:
+        """A report (failed, succeeded, leave): sent now and after each reconnect until acked."""
+        text = msg.model_dump_json()
+        self._pending.append(text)
+        self.send_nowait(text)
+
+    def clear_reports(self) -> None:
+        """The outcome of the reports is known (ack, restart, done or error)."""
+        self._pending.clear()
+
+    def send_nowait(self, text: str) -> None:
+        ws = self._ws
+        if ws is not None and not ws.closed and self.connected.is_set():
+            asyncio.ensure_future(self._send(ws, text))
+
+    async def _send(self, ws, text: str) -> None:
+        try:
+            await ws.send_str(text)
+        except (ConnectionError, RuntimeError, aiohttp.ClientError):
+            pass  # the reader notices and reconnects; the intent is re-sent then
+
+    async def recv(self):
+        """The next server message (a protocol model)."""
+        return await self._messages.get()
+
+    async def _run(self) -> None:
+        delays = backoff_delays()
+        while True:
+            try:
+                ws = await self._session.ws_connect(self.url, headers=self.headers, ssl=self.ssl,
+                                                    heartbeat=WS_PING_S, max_msg_size=4 * 1024 * 1024)
+            except aiohttp.WSServerHandshakeError as e:
+                if e.status == 401:
+                    self._messages.put_nowait(error_from_body("unauthorized", "the server refused the token"))
+                self.last_error = f"handshake refused: {e.status} {e.message}"
+                await asyncio.sleep(next(delays))
+                continue
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+                self.last_error = f"cannot reach {self.url}: {e or type(e).__name__}"
+                await asyncio.sleep(next(delays))
+                continue
+            self._ws = ws
+            self.connected.set()
+            if self.ever_connected:
+                log.info("reconnected to %s", self.url)
+            self.ever_connected = True
+            self.last_error = None
+            delays = backoff_delays()
+            hb = asyncio.create_task(self._heartbeat(ws))
+            try:
+                if self.intent is not None:
+                    await ws.send_str(self.intent.model_dump_json())
+                for text in list(self._pending):
+                    await ws.send_str(text)
+                async for frame in ws:
+                    if frame.type == aiohttp.WSMsgType.TEXT:
+                        try:
+                            msg = SERVER_MESSAGE.validate_json(frame.data)
+                        except Exception as e:  # a newer server: tell, do not die
+                            log.warning("ignoring a message this agent does not understand: %s", e)
+                            continue
+                        if isinstance(msg, JoinedMsg):
+                            self.heartbeat_s = msg.heartbeat_s
+                        self._messages.put_nowait(msg)
+                    elif frame.type in (aiohttp.WSMsgType.ERROR, aiohttp.WSMsgType.CLOSED):
+                        break
+            except (ConnectionError, RuntimeError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+                self.last_error = f"connection lost: {e or type(e).__name__}"
+            finally:
+                self.connected.clear()
+                self._ws = None
+                hb.cancel()
+                if not ws.closed:
+                    await asyncio.wait([asyncio.ensure_future(ws.close())], timeout=1.0)
+            self.last_error = self.last_error or "connection closed by the server"
+            await asyncio.sleep(next(delays))
+
+    async def _heartbeat(self, ws) -> None:
+        try:
+            while not ws.closed:
+                await asyncio.sleep(self.heartbeat_s)
+                await ws.send_str('{"op":"hb"}')
+        except (ConnectionError, RuntimeError, aiohttp.ClientError):
+            pass
+
+
+class RestClient:
+    """The REST API: jobs, one job, close, health. Errors come back as the
+    :class:`RdzvError` of their code; an unreachable server as UnavailableError."""
+
+    def __init__(self, endpoint: str, token: str | None = None, timeout: float = 10.0,
+                 ssl_ctx: ssl.SSLContext | bool | None = None) -> None:
+        self.base = base_url(endpoint)
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self.ssl = ssl_ctx if ssl_ctx is not None else True
+
+    async def _call(self, method: str, path: str) -> Any:
+        try:
+            async with aiohttp.ClientSession(timeout=self.timeout) as s:
+                async with s.request(method, self.base + path, headers=self.headers, ssl=self.ssl) as r:
+                    body = await r.read()
+                    if r.status >= 400:
+                        try:
+                            import json
+
+                            data = json.loads(body)
+                            raise error_from_body(data["code"], data["message"])
+                        except (ValueError, KeyError, TypeError):
+                            raise RdzvError(f"HTTP {r.status} from {self.base}{path}") from None
+                    return body
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+            raise UnavailableError(f"cannot reach rdzv server at {self.base}: {e or type(e).__name__}") from e
+
+    async def jobs(self) -> JobList:
+        return JobList.model_validate_json(await self._call("GET", "/v1/jobs"))
+
+    async def job(self, job_id: str) -> JobView:
+        return JobView.model_validate_json(await self._call("GET", f"/v1/jobs/{job_id}"))
+
+    async def close_job(self, job_id: str) -> CloseResult:
+        return CloseResult.model_validate_json(await self._call("POST", f"/v1/jobs/{job_id}/close"))
+
+    async def health(self) -> Health:
+        return Health.model_validate_json(await self._call("GET", "/healthz"))
+
+    async def raw(self, path: str) -> bytes:
+        return await self._call("GET", path)
