@@ -86,7 +86,9 @@ async def auth_middleware(request: web.Request, handler):
     if token and request.path != "/healthz":
         given = request.headers.get("Authorization", "")
         scheme, _, value = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
+        # surrogateescape: a header that is not UTF-8 is simply wrong, not a crash
+        given_token = value.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given_token, token.encode()):
             return _error(ErrorCode.UNAUTHORIZED, "missing or wrong bearer token (Authorization: Bearer ...)",
                           401, {"WWW-Authenticate": "Bearer"})
     return await handler(request)
