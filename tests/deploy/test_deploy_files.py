@@ -1,0 +1,825 @@
+"""Checks of the deployment files in deploy/: they parse, carry the fields that make
+them work (probes on /healthz, the data dir on a volume, the token from a secret,
+one server at a time), their shell scripts are valid and behave, and every
+rdzv-server / rdzv-agent invocation in them uses only flags of the CLI contract
+(DESIGN.md), which the real entry points must also list in their --help.
+
+No Docker, Kubernetes, SLURM or systemd is needed: the optional tools
+(shellcheck, systemd-analyze) are used when present and skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import configparser
+import functools
+import json
+import os
+import re
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+SBATCH = DEPLOY / "slurm" / "train.sbatch"
+ENTRYPOINT = DEPLOY / "container" / "entrypoint.sh"
+UNIT = DEPLOY / "systemd" / "rdzv-server.service"
+ENV_EXAMPLE = DEPLOY / "systemd" / "server.env.example"
+DOCKERFILE = DEPLOY / "container" / "Dockerfile"
+COMPOSE = DEPLOY / "container" / "compose.yaml"
+K8S_SERVER = DEPLOY / "kubernetes" / "server.yaml"
+K8S_JOB = DEPLOY / "kubernetes" / "training-job.yaml"
+K8S_SECRET = DEPLOY / "kubernetes" / "secret.example.yaml"
+README = DEPLOY / "README.md"
+BASH = shutil.which("bash") or "/bin/bash"
+
+# The command-line contract of DESIGN.md ("Interfaces that are contracts").
+CONTRACT_FLAGS = {
+    "rdzv-server": {"--host", "--port", "--data-dir", "--token", "--tls-cert", "--tls-key", "--help", "-h"},
+    "rdzv-agent": {
+        "--endpoint", "--job-id", "--nnodes", "--nproc-per-node", "--max-restarts", "--node-rank",
+        "--local-addr", "--token", "--log-dir", "--redirects", "--tee", "--standalone", "-m",
+        "--no-python", "--help", "-h",
+    },
+}
+# Flags that take no value.
+SWITCHES = {"--standalone", "-m", "--no-python", "--help", "-h"}
+PROGRAM_RE = re.compile(r"(?:.*[=/])?(rdzv-server|rdzv-agent)")
+DATA_DIR = "/var/lib/rdzv"
+PORT = 29400
+
+
+# ---------------------------------------------------------------- helpers
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """One rdzv-server/rdzv-agent command found in a deploy file."""
+
+    where: str
+    program: str
+    options: tuple[tuple[str, str | None], ...]  # (flag, value or None)
+    rest: tuple[str, ...]  # the script and its arguments (agent), or whatever follows
+
+    @property
+    def flags(self) -> list[str]:
+        return [flag for flag, _ in self.options]
+
+    def value(self, flag: str) -> str | None:
+        values = [v for f, v in self.options if f == flag]
+        assert len(values) <= 1, f"{self.where}: {flag} given twice"
+        return values[0] if values else None
+
+
+def parse_invocation(where: str, program: str, tokens: list[str]) -> Invocation:
+    """Splits the tokens after a program name into its options and the rest."""
+    options: list[tuple[str, str | None]] = []
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if token == "--" or not token.startswith("-") or token == "-":
+            break
+        name, eq, inline = token.partition("=")
+        if eq:
+            options.append((name, inline))
+            i += 1
+        elif name in SWITCHES:
+            options.append((name, None))
+            i += 1
+        else:
+            options.append((name, tokens[i + 1] if i + 1 < len(tokens) else None))
+            i += 2
+    return Invocation(where, program, tuple(options), tuple(tokens[i:]))
+
+
+def invocations_in_tokens(where: str, tokens: list[str]) -> list[Invocation]:
+    found = []
+    for i, token in enumerate(tokens):
+        match = PROGRAM_RE.fullmatch(token)
+        if match:
+            found.append(parse_invocation(where, match.group(1), tokens[i + 1:]))
+    return found
+
+
+def logical_lines(text: str) -> list[tuple[int, str]]:
+    """Lines with backslash continuations joined, numbered by their first line."""
+    out: list[tuple[int, str]] = []
+    buffer, start = "", 0
+    for number, line in enumerate(text.splitlines(), 1):
+        if not buffer:
+            start = number
+        if line.endswith("\\"):
+            buffer += line[:-1] + " "
+            continue
+        out.append((start, buffer + line))
+        buffer = ""
+    if buffer:
+        out.append((start, buffer))
+    return out
+
+
+def shell_words(line: str) -> list[str]:
+    line = line.replace("`", " ")
+    try:
+        return shlex.split(line, posix=True)
+    except ValueError:  # prose with an apostrophe, say
+        return line.split()
+
+
+def invocations_in_text(path: Path) -> list[Invocation]:
+    """Invocations written as shell text: scripts, ExecStart=, comments, docs."""
+    found = []
+    for number, line in logical_lines(path.read_text()):
+        found += invocations_in_tokens(f"{path.relative_to(REPO)}:{number}", shell_words(line))
+    return found
+
+
+def string_lists(node, trail: str = ""):
+    """Yields (trail, list) for every list of strings inside a YAML document."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from string_lists(value, f"{trail}.{key}")
+    elif isinstance(node, list):
+        if node and all(isinstance(item, (str, int, float)) for item in node):
+            yield trail, [str(item) for item in node]
+        for index, item in enumerate(node):
+            yield from string_lists(item, f"{trail}[{index}]")
+
+
+def invocations_in_yaml(path: Path) -> list[Invocation]:
+    found = []
+    for index, doc in enumerate(load_yaml(path)):
+        for trail, items in string_lists(doc):
+            found += invocations_in_tokens(f"{path.relative_to(REPO)}#{index}{trail}", items)
+    return found
+
+
+def invocations_in_dockerfile(path: Path) -> list[Invocation]:
+    found = []
+    for number, line in logical_lines(path.read_text()):
+        match = re.match(r"\s*(?:CMD|ENTRYPOINT)\s+(\[.*\])\s*$", line)
+        if match:
+            found += invocations_in_tokens(f"{path.relative_to(REPO)}:{number}", json.loads(match.group(1)))
+    return found
+
+
+@functools.cache
+def all_invocations() -> tuple[Invocation, ...]:
+    """Every invocation in every file under deploy/ (read once per test session)."""
+    found: list[Invocation] = []
+    for path in sorted(p for p in DEPLOY.rglob("*") if p.is_file()):
+        found += invocations_in_text(path)
+        if path.suffix in (".yaml", ".yml"):
+            found += invocations_in_yaml(path)
+        if path.name == "Dockerfile":
+            found += invocations_in_dockerfile(path)
+    return tuple(found)
+
+
+def load_yaml(path: Path) -> list:
+    with path.open() as f:
+        return [doc for doc in yaml.safe_load_all(f) if doc is not None]
+
+
+def k8s_objects(path: Path) -> dict[tuple[str, str], dict]:
+    objects = {}
+    for doc in load_yaml(path):
+        key = (doc["kind"], doc["metadata"]["name"])
+        assert key not in objects, f"{path.name}: {key} defined twice"
+        objects[key] = doc
+    return objects
+
+
+def one_of_kind(objects: dict, kind: str) -> dict:
+    matches = [obj for (k, _), obj in objects.items() if k == kind]
+    assert len(matches) == 1, f"expected one {kind}, found {len(matches)}"
+    return matches[0]
+
+
+def container_invocation(container: dict, program: str, where: str) -> Invocation:
+    argv = [str(x) for x in container.get("command", []) + container.get("args", [])]
+    found = [inv for inv in invocations_in_tokens(where, argv) if inv.program == program]
+    assert len(found) == 1, f"{where}: expected one {program} in {argv}"
+    return found[0]
+
+
+def env_var(container: dict, name: str) -> dict:
+    entries = [e for e in container.get("env", []) if e["name"] == name]
+    assert len(entries) == 1, f"container {container['name']}: env {name} missing"
+    return entries[0]
+
+
+def write_script(path: Path, text: str) -> Path:
+    path.write_text(textwrap.dedent(text).lstrip())
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return path
+
+
+def run(argv: list[str], timeout: float = 20, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+# ---------------------------------------------------------------- every file
+
+
+def test_expected_files_exist():
+    """Every deployment file the README promises is there."""
+    for path in (SBATCH, ENTRYPOINT, UNIT, ENV_EXAMPLE, DOCKERFILE, COMPOSE, K8S_SERVER, K8S_JOB,
+                 K8S_SECRET, README, DEPLOY / "container" / "Dockerfile.dockerignore"):
+        assert path.is_file(), f"{path.relative_to(REPO)} is missing"
+
+
+@pytest.mark.parametrize("path", sorted(DEPLOY.rglob("*.yaml")), ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_yaml_parses(path):
+    """Every YAML file parses (all documents) and holds at least one mapping."""
+    docs = load_yaml(path)
+    assert docs and all(isinstance(doc, dict) for doc in docs)
+
+
+def test_readme_covers_every_file():
+    """deploy/README.md names every file under deploy/."""
+    text = README.read_text()
+    for path in DEPLOY.rglob("*"):
+        if path.is_file() and path != README and "__pycache__" not in path.parts:
+            assert str(path.relative_to(DEPLOY)) in text, f"README does not mention {path.relative_to(DEPLOY)}"
+
+
+# ---------------------------------------------------------------- flags vs. the contract
+
+
+def test_invocations_found_where_expected():
+    """The flag scanner sees the commands of every file (so the contract check below means something)."""
+    by_file: dict[str, set[str]] = {}
+    for inv in all_invocations():
+        by_file.setdefault(inv.where.split(":")[0].split("#")[0], set()).add(inv.program)
+    expected = {
+        UNIT: {"rdzv-server"},
+        DOCKERFILE: {"rdzv-server"},
+        ENTRYPOINT: {"rdzv-server"},
+        COMPOSE: {"rdzv-server", "rdzv-agent"},
+        K8S_SERVER: {"rdzv-server"},
+        K8S_JOB: {"rdzv-agent"},
+        SBATCH: {"rdzv-server", "rdzv-agent"},
+        README: {"rdzv-server", "rdzv-agent"},
+    }
+    for path, programs in expected.items():
+        assert programs <= by_file.get(str(path.relative_to(REPO)), set()), path.name
+
+
+def test_invocations_use_only_contract_flags():
+    """Every rdzv-server/rdzv-agent command in deploy/ uses only flags of DESIGN.md's contract."""
+    bad = [f"{inv.where}: {inv.program} {flag}"
+           for inv in all_invocations() for flag in inv.flags if flag not in CONTRACT_FLAGS[inv.program]]
+    assert not bad, "flags outside the contract:\n" + "\n".join(bad)
+
+
+def test_no_token_on_command_lines():
+    """The token travels in the environment (RDZV_TOKEN), never in argv where ps shows it."""
+    offenders = [inv.where for inv in all_invocations() if "--token" in inv.flags]
+    assert not offenders, offenders
+
+
+IMPORT_FAILED = 97
+HELP_CODE = """
+import runpy, sys, traceback
+sys.argv = [sys.argv[1], "--help"]
+try:
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+except ImportError:
+    traceback.print_exc()
+    sys.exit(%d)
+""" % IMPORT_FAILED
+
+
+@functools.cache
+def _help(module: str) -> subprocess.CompletedProcess:
+    # One process, as `python -m <module> --help`; an ImportError while loading
+    # the entry point exits with IMPORT_FAILED instead of a traceback exit 1.
+    return run([sys.executable, "-c", HELP_CODE, module], cwd=REPO)
+
+
+def help_text(module: str) -> str:
+    """`python -m <module> --help`, or a skip while the entry point cannot be imported yet."""
+    result = _help(module)
+    if result.returncode == IMPORT_FAILED:
+        last = (result.stderr.strip().splitlines() or ["?"])[-1]
+        pytest.skip(f"entry point not importable yet ({module}: {last})")
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+@pytest.mark.parametrize("program, module", [("rdzv-server", "rdzv_server"), ("rdzv-agent", "rdzv_client.agent")])
+def test_used_flags_appear_in_help(program, module):
+    """Each flag the deploy files pass to a program is listed by that program's --help."""
+    used = {flag for inv in all_invocations() if inv.program == program for flag in inv.flags}
+    assert used, f"no {program} flags found"
+    text = help_text(module)
+    missing = [flag for flag in sorted(used)
+               if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text)]
+    assert not missing, f"{program} --help lacks {missing}"
+
+
+# ---------------------------------------------------------------- systemd
+
+
+def parse_unit(path: Path) -> dict[str, list[tuple[str, str]]]:
+    """A systemd unit as {section: [(key, value), ...]} (keys may repeat)."""
+    sections: dict[str, list[tuple[str, str]]] = {}
+    current = None
+    for number, line in logical_lines(path.read_text()):
+        line = line.strip()
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], [])
+            continue
+        assert current is not None, f"{path.name}:{number}: setting outside a section"
+        key, eq, value = line.partition("=")
+        assert eq and re.fullmatch(r"[A-Za-z][A-Za-z0-9]*", key.strip()), f"{path.name}:{number}: {line!r}"
+        current.append((key.strip(), value.strip()))
+    return sections
+
+
+def unit_values(unit: dict, section: str, key: str) -> list[str]:
+    return [v for k, v in unit.get(section, []) if k == key]
+
+
+def test_systemd_unit_has_required_settings():
+    """The unit runs rdzv-server as an unprivileged user, keeps state in /var/lib/rdzv, restarts on failure."""
+    unit = parse_unit(UNIT)
+    assert {"Unit", "Service", "Install"} <= unit.keys()
+    ini = configparser.ConfigParser(strict=False, interpolation=None)  # repeated keys are legal in units
+    ini.optionxform = str
+    ini.read_string(UNIT.read_text())
+    assert set(ini.sections()) == set(unit)
+    (exec_start,) = unit_values(unit, "Service", "ExecStart")
+    (inv,) = invocations_in_tokens("ExecStart", shlex.split(exec_start))
+    assert inv.program == "rdzv-server" and exec_start.split()[0].startswith("/")
+    assert inv.value("--data-dir") == DATA_DIR
+    assert unit_values(unit, "Service", "StateDirectory") == ["rdzv"]
+    assert unit_values(unit, "Service", "Restart") == ["on-failure"]
+    assert "-/etc/rdzv/server.env" in unit_values(unit, "Service", "EnvironmentFile")
+    dynamic = unit_values(unit, "Service", "DynamicUser") == ["yes"]
+    users = unit_values(unit, "Service", "User")
+    assert dynamic or (users and users != ["root"]), "needs DynamicUser=yes or a non-root User="
+    assert unit_values(unit, "Service", "NoNewPrivileges") == ["yes"]
+    assert unit_values(unit, "Service", "ProtectSystem") == ["strict"]
+    assert unit_values(unit, "Install", "WantedBy") == ["multi-user.target"]
+    # Variables used in ExecStart= have defaults in Environment=.
+    defaults = " ".join(unit_values(unit, "Service", "Environment"))
+    for name in re.findall(r"\$\{?(\w+)\}?", exec_start):
+        assert f"{name}=" in defaults, f"ExecStart uses ${name} without a default"
+
+
+def test_systemd_unit_passes_systemd_analyze_verify(tmp_path):
+    """systemd itself accepts every key of the unit (with ExecStart pointed at an existing binary)."""
+    tool = shutil.which("systemd-analyze")
+    if not tool:
+        pytest.skip("systemd-analyze not installed (systemd package), cannot verify the unit")
+    # /opt/rdzv/bin/rdzv-server exists only on a real install; verify checks it is executable.
+    text = UNIT.read_text().replace("/opt/rdzv/bin/rdzv-server", shutil.which("true") or "/bin/true")
+    unit = tmp_path / UNIT.name
+    unit.write_text(text)
+    result = run([tool, "verify", "--man=no", str(unit)], timeout=30)
+    output = result.stdout + result.stderr
+    complaints = [line for line in output.splitlines() if UNIT.name in line]
+    assert result.returncode == 0 and not complaints, output
+
+
+def test_server_env_example_is_an_environment_file():
+    """server.env.example is KEY=VALUE lines for systemd and sets RDZV_TOKEN."""
+    keys = []
+    for line in ENV_EXAMPLE.read_text().splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        key, eq, _ = line.partition("=")
+        assert eq and re.fullmatch(r"[A-Z_][A-Z0-9_]*", key), f"not KEY=VALUE: {line!r}"
+        keys.append(key)
+    assert "RDZV_TOKEN" in keys
+
+
+# ---------------------------------------------------------------- container
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    out = []
+    for _, line in logical_lines(DOCKERFILE.read_text()):
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_dockerfile():
+    """python:3.11-slim base, non-root user, pip install .[torch] with a way to skip torch, python healthcheck."""
+    instructions = dockerfile_instructions()
+    args = dict(rest.partition("=")[::2] for word, rest in instructions if word == "ARG")
+    froms = [rest.split()[0] for word, rest in instructions if word == "FROM"]
+    resolved = [re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), ""), image) for image in froms]
+    assert resolved and all(image == "python:3.11-slim" for image in resolved), resolved
+    last_stage = instructions[max(i for i, (w, _) in enumerate(instructions) if w == "FROM"):]
+    users = [rest for word, rest in last_stage if word == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0"), users
+    assert args.get("RDZV_EXTRAS") == "torch", "torch must be installed by default"
+    pip = " ".join(rest for word, rest in instructions if word == "RUN" and "pip install" in rest)
+    assert "${RDZV_EXTRAS:+[$RDZV_EXTRAS]}" in pip, "pip install must add [torch] unless RDZV_EXTRAS is empty"
+    assert "--build-arg RDZV_EXTRAS=" in README.read_text()
+    (healthcheck,) = [rest for word, rest in instructions if word == "HEALTHCHECK"]
+    assert "/healthz" in healthcheck and "python" in healthcheck and "curl" not in healthcheck
+    cmd = json.loads(healthcheck[healthcheck.index("CMD") + 3:])
+    assert cmd[:2] == ["python", "-c"]
+    compile(cmd[2], "HEALTHCHECK", "exec")
+    (entrypoint,) = [json.loads(rest) for word, rest in instructions if word == "ENTRYPOINT"]
+    assert entrypoint == ["rdzv-entrypoint"]
+    for word, rest in instructions:
+        if word == "COPY" and "--from=" not in rest:
+            sources = [s for s in rest.split()[:-1] if not s.startswith("--")]
+            for source in sources:
+                assert source == "." or (REPO / source).exists(), f"COPY source {source} missing"
+    assert any(word == "COPY" and str(ENTRYPOINT.relative_to(REPO)) in rest for word, rest in instructions)
+
+
+def test_entrypoint_dispatches(tmp_path):
+    """The image entrypoint runs rdzv-server / rdzv-agent, their short names, bare flags, or any command."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for program in ("rdzv-server", "rdzv-agent"):
+        write_script(bin_dir / program, f"""
+            #!/bin/sh
+            echo {program} "$@"
+        """)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
+    cases = {
+        (): f"rdzv-server --host 0.0.0.0 --port {PORT} --data-dir {DATA_DIR}",
+        ("server", "--port", "1"): "rdzv-server --port 1",
+        ("agent", "--standalone", "x.py"): "rdzv-agent --standalone x.py",
+        ("--port", "2"): "rdzv-server --port 2",
+        ("rdzv-agent", "--endpoint", "h:1", "t.py"): "rdzv-agent --endpoint h:1 t.py",
+        ("echo", "hello"): "hello",
+    }
+    for argv, expected in cases.items():
+        result = run(["sh", str(ENTRYPOINT), *argv], env=env)
+        assert result.returncode == 0 and result.stdout.strip() == expected, (argv, result)
+    assert os.access(ENTRYPOINT, os.X_OK)
+
+
+def test_compose():
+    """One server with a /healthz healthcheck and two agents training train_ddp.py with --nnodes 2:3."""
+    compose = load_yaml(COMPOSE)[0]
+    services = compose["services"]
+    server_name = "rdzv-server"
+    server = services[server_name]
+    server_inv = container_invocation({"command": server["command"]}, "rdzv-server", "compose server")
+    test = " ".join(server["healthcheck"]["test"])
+    assert "/healthz" in test and "curl" not in test
+    data_dir = server_inv.value("--data-dir")
+    assert any(str(v).split(":")[1] == data_dir for v in server["volumes"]), "server state not on a volume"
+    assert str(server["environment"]["RDZV_TOKEN"]).startswith("${RDZV_TOKEN")
+    port = server_inv.value("--port")
+
+    agents = {name: s for name, s in services.items() if s.get("command", [None])[0] == "rdzv-agent"}
+    default_agents = [name for name, s in agents.items() if not s.get("profiles")]
+    assert len(default_agents) == 2, default_agents
+    for name, agent in agents.items():
+        inv = container_invocation({"command": agent["command"]}, "rdzv-agent", f"compose {name}")
+        assert inv.value("--endpoint") == f"{server_name}:{port}"
+        assert inv.value("--nnodes") == "2:3"
+        assert inv.value("--local-addr") == agent["hostname"]
+        assert inv.rest[0] == "examples/train_ddp.py" and "--ckpt-dir" in inv.rest
+        assert agent["depends_on"][server_name]["condition"] == "service_healthy"
+        assert str(agent["environment"]["RDZV_TOKEN"]).startswith("${RDZV_TOKEN")
+    for name, service in services.items():
+        build = service["build"]
+        assert (COMPOSE.parent / build["context"]).resolve() == REPO, name
+        assert (REPO / build["dockerfile"]).resolve() == DOCKERFILE
+    assert set(compose["volumes"]) >= {"rdzv-state", "checkpoints"}
+
+
+# ---------------------------------------------------------------- Kubernetes
+
+
+def secret_ref(container: dict) -> tuple[str, str]:
+    ref = env_var(container, "RDZV_TOKEN")["valueFrom"]["secretKeyRef"]
+    return ref["name"], ref["key"]
+
+
+def assert_non_root(pod_spec: dict, container: dict) -> None:
+    pod_sc = pod_spec.get("securityContext", {})
+    sc = container.get("securityContext", {})
+    assert pod_sc.get("runAsNonRoot") or sc.get("runAsNonRoot")
+    assert sc.get("allowPrivilegeEscalation") is False
+    assert sc.get("capabilities", {}).get("drop") == ["ALL"]
+
+
+def test_k8s_secret_example():
+    """The example Secret is named and keyed as the pods expect."""
+    secret = one_of_kind(k8s_objects(K8S_SECRET), "Secret")
+    assert secret["metadata"]["name"] == "rdzv-token" and "token" in secret["stringData"]
+
+
+def test_k8s_server():
+    """One Recreate replica, /healthz probes, the PVC at --data-dir, the token from the Secret, a Service on 29400."""
+    objects = k8s_objects(K8S_SERVER)
+    secret = one_of_kind(k8s_objects(K8S_SECRET), "Secret")
+    deployment = one_of_kind(objects, "Deployment")
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"
+    pod = spec["template"]["spec"]
+    labels = spec["template"]["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"].items() <= labels.items()
+    (container,) = pod["containers"]
+    inv = container_invocation(container, "rdzv-server", "server.yaml")
+    port = int(inv.value("--port"))
+    assert port == PORT
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for probe in ("readinessProbe", "livenessProbe"):
+        get = container[probe]["httpGet"]
+        assert get["path"] == "/healthz", probe
+        assert ports.get(get["port"], get["port"]) == port, probe
+    assert secret_ref(container) == (secret["metadata"]["name"], "token")
+    assert container["resources"]["requests"] and container["resources"]["limits"]
+    assert_non_root(pod, container)
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volume = {v["name"]: v for v in pod["volumes"]}[mounts[inv.value("--data-dir")]]
+    claim = volume["persistentVolumeClaim"]["claimName"]
+    assert ("PersistentVolumeClaim", claim) in objects
+    service = objects[("Service", "rdzv-server")]
+    assert service["spec"]["selector"].items() <= labels.items()
+    (service_port,) = service["spec"]["ports"]
+    assert service_port["port"] == PORT and ports.get(service_port["targetPort"]) == port
+
+
+def test_k8s_training_job():
+    """An Indexed Job, one agent per pod against the server Service, its pod IP as --local-addr, the token from the Secret."""
+    objects = k8s_objects(K8S_JOB)
+    server_objects = k8s_objects(K8S_SERVER)
+    secret = one_of_kind(k8s_objects(K8S_SECRET), "Secret")
+    job = one_of_kind(objects, "Job")
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed"
+    assert spec["completions"] == spec["parallelism"]
+    pod = spec["template"]["spec"]
+    assert pod["restartPolicy"] in ("Never", "OnFailure")
+    (container,) = pod["containers"]
+    inv = container_invocation(container, "rdzv-agent", "training-job.yaml")
+    host, _, port = inv.value("--endpoint").partition(":")
+    service = server_objects[("Service", host)]
+    assert int(port) == service["spec"]["ports"][0]["port"]
+    assert inv.value("--job-id")
+    low, _, high = inv.value("--nnodes").partition(":")
+    assert 1 <= int(low) <= int(high) and int(low) <= spec["parallelism"]
+    assert inv.value("--nproc-per-node") == "gpu"
+    assert inv.value("--local-addr") == "$(POD_IP)"
+    assert env_var(container, "POD_IP")["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    node_rank = inv.value("--node-rank")
+    if node_rank:
+        name = node_rank.strip("$()")
+        assert "job-completion-index" in env_var(container, name)["valueFrom"]["fieldRef"]["fieldPath"]
+    assert secret_ref(container) == (secret["metadata"]["name"], "token")
+    assert inv.rest and inv.rest[0].endswith(".py")
+    assert_non_root(pod, container)
+    for volume in pod.get("volumes", []):
+        if "persistentVolumeClaim" in volume:
+            assert ("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"]) in objects
+
+
+# ---------------------------------------------------------------- SLURM and shell scripts
+
+
+@pytest.mark.parametrize("path", [SBATCH, ENTRYPOINT], ids=lambda p: p.name)
+def test_shell_syntax(path):
+    """The shell scripts parse (bash -n / sh -n): a check that needs no extra tool."""
+    shell = BASH if path == SBATCH else "sh"
+    result = run([shell, "-n", str(path)])
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("path", [SBATCH, ENTRYPOINT], ids=lambda p: p.name)
+def test_shellcheck(path):
+    """The shell scripts pass shellcheck."""
+    tool = shutil.which("shellcheck")
+    if not tool:
+        pytest.skip("shellcheck not installed (apt-get install shellcheck); bash -n still checks syntax")
+    result = run([tool, "--external-sources", str(path)])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def bash_functions(script: str, path_dirs: list[Path] | None = None) -> subprocess.CompletedProcess:
+    """Runs `script` in bash after sourcing train.sbatch (which only defines functions then)."""
+    env = {**os.environ}
+    if path_dirs is not None:
+        env["PATH"] = os.pathsep.join(map(str, path_dirs))
+    return run([BASH, "-c", f"source {shlex.quote(str(SBATCH))}; {script}"], env=env)
+
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("node01", ["node01"]),
+    ("node[01-04,07],gpu5", ["node01", "node02", "node03", "node04", "node07", "gpu5"]),
+    ("a,b,c", ["a", "b", "c"]),
+    ("gpu-[8-11]", ["gpu-8", "gpu-9", "gpu-10", "gpu-11"]),
+    ("x[098-101]", ["x098", "x099", "x100", "x101"]),
+    ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+    ("node[1,3-4]-ib,login", ["node1-ib", "node3-ib", "node4-ib", "login"]),
+    ("n[7]", ["n7"]),
+])
+def test_nodelist_parser(nodelist, hosts):
+    """The sbatch script's pure-bash parser expands SLURM nodelists like scontrol show hostnames."""
+    result = bash_functions(f"rdzv_expand_nodelist {shlex.quote(nodelist)}")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == hosts
+
+
+@pytest.mark.parametrize("nodelist", ["n[1-2", "n[a-b]", "n[1-2]]"])
+def test_nodelist_parser_rejects_garbage(nodelist):
+    """A nodelist the parser cannot read fails loudly instead of yielding a wrong host."""
+    result = bash_functions(f"rdzv_expand_nodelist {shlex.quote(nodelist)}")
+    assert result.returncode != 0 and "rdzv:" in result.stderr
+
+
+def test_hostnames_prefers_scontrol(tmp_path):
+    """rdzv_hostnames asks scontrol when there is one and falls back to the parser otherwise."""
+    write_script(tmp_path / "scontrol", """
+        #!/bin/sh
+        echo "from-scontrol $*"
+    """)
+    with_scontrol = bash_functions("rdzv_hostnames 'n[1-2]'", [tmp_path])
+    assert with_scontrol.stdout.splitlines() == ["from-scontrol show hostnames n[1-2]"], with_scontrol
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    without = bash_functions("rdzv_hostnames 'n[1-2]'", [empty])
+    assert without.stdout.splitlines() == ["n1", "n2"], without
+
+
+STUB_SERVER = """
+    #!{python}
+    # Stands in for rdzv-server: answers GET /healthz until SIGTERM.
+    import argparse, http.server, os, sys
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host"); parser.add_argument("--port", type=int); parser.add_argument("--data-dir")
+    args = parser.parse_args()
+    with open(os.path.join({record!r}, "server"), "w") as f:
+        f.write(f"{{os.getpid()}} {{' '.join(sys.argv[1:])}}")
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/healthz" else 404)
+            self.end_headers()
+        def log_message(self, *a):
+            pass
+    http.server.HTTPServer((args.host, args.port), Health).serve_forever()
+"""
+
+STUB_AGENT = """
+    #!{python}
+    # Stands in for rdzv-agent: records what it got, checks the server answers, exits with $STUB_RC.
+    import json, os, sys, urllib.request
+    endpoint = sys.argv[sys.argv.index("--endpoint") + 1]
+    status = urllib.request.urlopen(f"http://{{endpoint}}/healthz", timeout=5).status
+    with open(os.path.join({record!r}, "agent"), "w") as f:
+        json.dump({{"argv": sys.argv[1:], "token": os.environ.get("RDZV_TOKEN"),
+                   "env_endpoint": os.environ.get("RDZV_ENDPOINT"), "health": status}}, f)
+    sys.exit(int(os.environ.get("STUB_RC", "0")))
+"""
+
+REAL_SERVER = """
+    #!/bin/sh
+    # The real server, recording its pid and flags like the stub does.
+    echo "$$ $*" > {record}/server
+    exec {python} -m rdzv_server "$@"
+"""
+
+STUB_SRUN = """
+    #!/bin/sh
+    # Stands in for srun: drops its own options, runs the command once.
+    echo "$@" > {record}/srun
+    while [ "$#" -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done
+    exec "$@"
+"""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout: float = 10) -> None:
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize("server, agent_rc", [("stub", 0), ("stub", 3), ("real", 0), ("external", 0)])
+def test_sbatch_runs_server_and_agents(tmp_path, server, agent_rc):
+    """Under a fake SLURM, train.sbatch starts a healthy server (or uses RDZV_ENDPOINT), runs the agent with the contract flags, stops the server, returns the agent's code."""
+    if server == "real":
+        help_text("rdzv_server")  # skips while the server cannot be imported
+    record = tmp_path / "record"
+    bin_dir = tmp_path / "bin"
+    submit = tmp_path / "submit"
+    outside = tmp_path / "outside"
+    for d in (record, bin_dir, submit, outside):
+        d.mkdir()
+    python = sys.executable
+    server_text = REAL_SERVER if server == "real" else STUB_SERVER
+    write_script(bin_dir / "rdzv-server", server_text.format(python=python, record=str(record)))
+    write_script(bin_dir / "rdzv-agent", STUB_AGENT.format(python=python, record=str(record)))
+    write_script(bin_dir / "srun", STUB_SRUN.format(record=shlex.quote(str(record))))
+    (bin_dir / "python3").symlink_to(python)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "TMPDIR": str(tmp_path),
+        "PYTHONPATH": str(REPO),
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_CPUS_PER_TASK": "4",
+        "SLURM_SUBMIT_DIR": str(submit),
+        "RDZV_WAIT_S": "20",
+        "STUB_RC": str(agent_rc),
+    }
+    external = None
+    if server == "external":
+        port = free_port()
+        stub = write_script(tmp_path / "external-server", STUB_SERVER.format(python=python, record=str(outside)))
+        external = subprocess.Popen([str(stub), "--host", "127.0.0.1", "--port", str(port)])
+        env["RDZV_ENDPOINT"] = f"127.0.0.1:{port}"
+    try:
+        if external:
+            wait_healthy(f"http://127.0.0.1:{port}/healthz")
+        result = run([BASH, str(SBATCH), "--steps", "3"], env=env, timeout=60)
+    finally:
+        if external:
+            external.terminate()
+            external.wait(timeout=10)
+    output = result.stdout + result.stderr + "".join(p.read_text() for p in submit.glob("*.log"))
+    assert result.returncode == agent_rc, output
+
+    if server == "external":
+        assert not (record / "server").exists(), "started a server although RDZV_ENDPOINT was set"
+        host = "127.0.0.1"
+    else:
+        server_pid, *server_argv = (record / "server").read_text().split()
+        served = parse_invocation("server", "rdzv-server", server_argv)
+        assert served.value("--data-dir") == f"{tmp_path}/rdzv-4242"
+        port = int(served.value("--port"))
+        host = "localhost"
+        with pytest.raises(ProcessLookupError):  # stopped at the end
+            os.kill(int(server_pid), 0)
+
+    agent = json.loads((record / "agent").read_text())
+    inv = parse_invocation("agent", "rdzv-agent", agent["argv"])
+    assert dict(inv.options) == {
+        "--endpoint": f"{host}:{port}", "--job-id": "4242", "--nnodes": "1",
+        "--nproc-per-node": "gpu", "--max-restarts": "3",
+    }
+    assert list(inv.rest) == ["examples/train_ddp.py", "--steps", "3"]
+    assert agent["health"] == 200 and agent["token"] and agent["env_endpoint"] == f"{host}:{port}"
+    srun = (record / "srun").read_text().split()
+    assert "--ntasks-per-node=1" in srun and "--cpus-per-task=4" in srun
+
+
+def test_sbatch_fails_fast_when_server_dies(tmp_path):
+    """A server that exits at start fails the batch job at once, showing its log, without running agents."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    write_script(bin_dir / "rdzv-server", """
+        #!/bin/sh
+        echo "cannot open data dir" >&2
+        exit 2
+    """)
+    write_script(bin_dir / "srun", """
+        #!/bin/sh
+        echo "srun must not run" >&2
+        exit 99
+    """)
+    (bin_dir / "python3").symlink_to(sys.executable)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin", "TMPDIR": str(tmp_path), "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1", "SLURM_SUBMIT_DIR": str(tmp_path),
+        "RDZV_WAIT_S": "30",
+    }
+    result = run([BASH, str(SBATCH)], env=env, timeout=20)
+    assert result.returncode == 1, result
+    assert "exited before" in result.stderr and "cannot open data dir" in result.stderr
+    assert "srun must not run" not in result.stderr
