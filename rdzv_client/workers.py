@@ -231,6 +231,8 @@ class ExitInfo:
     signal: str | None
     message: str
     timestamp: float
+    # where ``message`` came from: "error_file", "stderr" (its last lines), or ""
+    source: str = ""
 
     @property
     def ok(self) -> bool:
@@ -258,8 +260,10 @@ def describe(info: ExitInfo, rank: int | None = None) -> str:
         how = "exited successfully"
     else:
         how = f"exited with code {info.exit_code}"
-    first = info.message.strip().splitlines()[0] if info.message.strip() else ""
-    return f"{who} {how}" + (f": {first}" if first else "")
+    lines = info.message.strip().splitlines()
+    # an error file starts with "Type: text"; a stderr tail ends with its last words
+    why = (lines[-1] if info.source == "stderr" else lines[0]).strip() if lines else ""
+    return f"{who} {how}" + (f": {why}" if why else "")
 
 
 def _trim_message(head: str, tail_lines: list[str], limit: int = MAX_MESSAGE_CHARS) -> str:
@@ -481,23 +485,22 @@ class WorkerGroup:
             # pipe open must not delay it for long
             await asyncio.wait(w.readers, timeout=_DRAIN_GRACE_S)
         exit_code, sig = _decode_returncode(returncode)
-        message = ""
-        if returncode != 0:
-            message = self._failure_message(w)
-        info = ExitInfo(w.local_rank, w.proc.pid, exit_code, sig, message, timestamp)
+        message, source = self._failure_message(w) if returncode != 0 else ("", "")
+        info = ExitInfo(w.local_rank, w.proc.pid, exit_code, sig, message, timestamp, source)
         log.debug("%s", describe(info))
         return info
 
-    def _failure_message(self, w: _Worker) -> str:
+    def _failure_message(self, w: _Worker) -> tuple[str, str]:
         error_file = w.env.get("TORCHELASTIC_ERROR_FILE")
         if error_file:
             message = read_error_file(error_file)
             if message:
-                return message
-        lines = list(w.stderr_tail)
+                return message, "error_file"
+        lines = [ln for ln in w.stderr_tail if ln.strip()]
         if not lines and w.stderr_file is not None:
             lines = _file_tail_lines(w.stderr_file)
-        return _trim_message("", lines)
+        message = _trim_message("", lines)
+        return message, ("stderr" if message else "")
 
     def _monitors(self) -> list[asyncio.Task[ExitInfo]]:
         if not self._started:

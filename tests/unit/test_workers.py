@@ -196,7 +196,7 @@ async def test_all_succeed(tmp_path: Path) -> None:
     assert len(group.pids) == 3
     infos = await asyncio.wait_for(group.wait(), WAIT_S)
     assert sorted(i.local_rank for i in infos) == [0, 1, 2]
-    assert all(i.ok and i.exit_code == 0 and i.signal is None and i.message == "" for i in infos)
+    assert all(i.ok and i.exit_code == 0 and i.signal is None and i.message == i.source == "" for i in infos)
     assert sorted(i.pid for i in infos) == sorted(group.pids)
     assert await group.stop() == infos
 
@@ -291,7 +291,7 @@ async def test_wait_is_cancellable(tmp_path: Path) -> None:
     """Cancelling wait leaves the workers running; a later stop ends them."""
     group = make_group("import time; time.sleep(60)", tmp_path, console=None)
     await group.start()
-    with pytest.raises(TimeoutError):
+    with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(group.wait(), 0.2)
     assert not is_gone(group.pids[0])
     [info] = await group.stop(timeout=5)
@@ -346,7 +346,7 @@ async def test_error_file_from_torch_record_is_parsed(tmp_path: Path) -> None:
     assert info.exit_code == 1
     assert info.message.splitlines()[0] == "ValueError: boom 42"
     assert "in inner" in info.message and "Traceback" in info.message
-    assert describe(info).endswith(": ValueError: boom 42")
+    assert describe(info).endswith(": ValueError: boom 42") and info.source == "error_file"
 
 
 async def test_string_error_file_and_stale_file(tmp_path: Path) -> None:
@@ -384,7 +384,8 @@ async def test_stderr_tail_when_no_error_file(tmp_path: Path) -> None:
     [info] = await asyncio.wait_for(group.wait(), WAIT_S)
     await group.stop()
     assert info.message.splitlines()[-1] == "fatal: disk full"
-    assert "noise 0" not in info.message
+    assert "noise 0" not in info.message and info.source == "stderr"
+    assert describe(info).endswith("exited with code 2: fatal: disk full")
 
 
 async def test_stderr_tail_from_redirected_file(tmp_path: Path) -> None:
