@@ -73,6 +73,13 @@ BAD_FRAMES = {
     "succeeded round negative": '{"op": "succeeded", "round": -1}',
     "hb with extras": '{"op": "hb", "x": 1}',
     "leave reason too long": json.dumps({"op": "leave", "reason": "x" * 1000}),
+    "deeply nested": "[" * 30_000,
+    "deeply nested object": '{"op": "hb", "x": ' * 3000,
+    "round overflows to inf": '{"op": "succeeded", "round": 1e999999}',
+    "round above 2**53": '{"op": "succeeded", "round": 9007199254740993}',
+    "fractional round": '{"op": "succeeded", "round": 1.5}',
+    "1025 failures": json.dumps({"op": "failed", "round": 0,
+                                 "failures": [{"local_rank": 0, "rank": 0, "pid": 1}] * 1025}),
 }
 
 
@@ -151,6 +158,17 @@ async def test_oversized_frames_close_only_that_connection(client, connect, worl
     another = await connect()
     await another.send(join_msg("forming", "node2", (2, 3)))
     assert (await another.expect("joined")).round == 0
+
+
+async def test_invalid_utf8_text_frame_closes_only_that_connection(client, connect, world):
+    """A text frame that is not UTF-8 closes that connection (1007) and the server carries on unchanged."""
+    before = await snapshot(client)
+    fresh = await connect()
+    await fresh.ws.send_frame(b"\xff\xfe{", WSMsgType.TEXT)
+    frame = await asyncio.wait_for(fresh.ws.receive(), 3)
+    assert frame.type == WSMsgType.CLOSE and frame.data == WSCloseCode.INVALID_TEXT
+    await world[0].send(HeartbeatMsg())
+    assert await snapshot(client) == before
 
 
 async def test_stale_rounds_are_refused(client, world):
@@ -332,3 +350,25 @@ async def test_undecodable_authorization_is_401(make_client, value):
     head, _, body = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 401 "), reply[:300]
     assert json.loads(body)["code"] == "unauthorized"
+
+
+async def test_refused_resume_does_not_revive_a_dropped_node(client, connect, world):
+    """A resume naming the wrong round is refused and leaves a dropped node dropped (it is still lost after grace)."""
+    a1, a2 = world
+    a2.ws._response.connection.transport.abort()  # node2's agent died
+    await wait_view(client, "base", lambda v: v["nodes"][1]["state"] == "disconnected")
+    before = await snapshot(client)
+    impostor = await connect()
+    await impostor.send(join_msg("base", "node2", resume_round=7))
+    await expect_error(impostor, "stale_round")
+    assert await snapshot(client) == before
+    restart = await a1.expect("restart", timeout=1.5)  # node2 is still lost after the 0.5 s grace
+    assert "node2" in restart.reason
+
+
+async def wait_view(client, job_id: str, pred, timeout: float = 3.0) -> dict:
+    async def poll():
+        while not pred(view := await (await client.get(f"/v1/jobs/{job_id}")).json()):
+            await asyncio.sleep(0.01)
+        return view
+    return await asyncio.wait_for(poll(), timeout)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 from aiohttp import WSServerHandshakeError, web
@@ -285,3 +286,17 @@ async def test_corrupt_database_refuses_to_start(tmp_path):
     await runner.cleanup()
     assert db.read_bytes() == garbage
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rdzv.db"]
+
+
+async def test_server_command_refuses_a_corrupt_database(tmp_path):
+    """rdzv-server over a corrupt data dir exits 2 with a message saying what to do, and leaves the file alone."""
+    garbage = b"\x00garbage\xff" * 500
+    (tmp_path / "rdzv.db").write_bytes(garbage)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", "0", "--data-dir", str(tmp_path),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 2, (out, err)
+    assert b"refusing to start" in err and b"rdzv.db" in err and b"move it away" in err
+    assert b"Traceback" not in err
+    assert (tmp_path / "rdzv.db").read_bytes() == garbage
