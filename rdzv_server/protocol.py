@@ -181,7 +181,7 @@ def error_from_body(code: str, message: str) -> RdzvError:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, str_max_length=MAX_ERROR_MESSAGE)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, str_max_length=MAX_ERROR_MESSAGE)
 
 
 class ErrorBody(_Strict):

@@ -77,6 +77,7 @@ class Database:
         if not os.access(data_dir, os.W_OK | os.X_OK):
             raise DataDirError(f"data dir {data_dir} is not writable by this user (uid {os.getuid()})")
         existed = self.path.exists()
+        self.conn = None
         try:
             self.conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             self.conn.execute("PRAGMA journal_mode=WAL")
@@ -87,7 +88,11 @@ class Database:
             self.conn.execute(
                 "CREATE TABLE IF NOT EXISTS jobs (job_id TEXT PRIMARY KEY, record TEXT NOT NULL, updated_at REAL NOT NULL)"
             )
-        except sqlite3.DatabaseError as e:
+        except (sqlite3.DatabaseError, DataDirError) as e:
+            if self.conn is not None:
+                self.conn.close()
+            if isinstance(e, DataDirError):
+                raise
             raise DataDirError(
                 f"cannot open database {self.path} ({e}); "
                 + ("it exists but is unreadable or corrupt: move it away to start empty, or restore a backup"

@@ -18,7 +18,8 @@ def test_every_code_has_a_status_and_a_client_exception():
     """The one mapping table is complete: every code maps to a 4xx/5xx and a class."""
     for code in ErrorCode:
         assert 400 <= ERROR_STATUS[code] < 600
-        assert ERROR_CLASSES[code](message="x").code == code
+        err = error_from_body(code.value, "x")
+        assert type(err) is ERROR_CLASSES[code] and err.code == code and err.status == ERROR_STATUS[code]
 
 
 def test_client_maps_by_code_not_message():

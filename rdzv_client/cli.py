@@ -1,0 +1,132 @@
+"""rdzv: ask a server what its jobs are doing, or close one.
+
+    rdzv status              every job, one line each
+    rdzv status JOB          the job, its nodes and its round history
+    rdzv status JOB --watch  the same, refreshed in place
+    rdzv close JOB           stop a job: its agents stop their workers and exit
+
+Endpoint and token come from --endpoint/--token or RDZV_ENDPOINT/RDZV_TOKEN.
+Errors are one line on stderr and exit status 1 (2 for usage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import os
+import sys
+import time
+
+from rdzv_server.protocol import JobList, JobView, RdzvError
+
+from .client import RestClient
+
+
+def _table(headers: list[str], rows: list[list[object]]) -> str:
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    return "\n".join(lines)
+
+
+def _when(ts: float | None) -> str:
+    return "-" if ts is None else dt.datetime.fromtimestamp(ts).strftime("%H:%M:%S.%f")[:-3]
+
+
+def render_jobs(jobs: JobList) -> str:
+    if not jobs.jobs:
+        return "no jobs"
+    return _table(
+        ["JOB", "STATE", "ROUND", "NODES", "MIN:MAX", "WORLD", "RESTARTS"],
+        [[j.job_id, j.state.value, j.round, j.nodes, f"{j.min_nodes}:{j.max_nodes}", j.world_size,
+          f"{j.restarts}/{j.max_restarts}"] for j in jobs.jobs],
+    )
+
+
+def render_job(job: JobView) -> str:
+    out = [
+        f"job {job.job_id}: {job.state.value}, round {job.round}, world size {job.world_size}, "
+        f"nodes {len(job.nodes)} (min {job.min_nodes}, max {job.max_nodes}), spares {len(job.spares)}, "
+        f"restarts {job.restarts}/{job.max_restarts}",
+    ]
+    if job.master_addr:
+        out.append(f"master {job.master_addr}:{job.master_port}")
+    if job.waiting_for:
+        out.append(f"waiting for: {job.waiting_for.text}")
+    if job.root_cause:
+        out.append(f"root cause: {job.root_cause}")
+    out.append("")
+    rows = [[n.group_rank if n.group_rank is not None else "-", n.node_id, n.host, n.addr, n.state,
+             n.local_world_size, f"{n.last_seen_s:.1f}s ago"] for n in job.nodes + job.spares]
+    out.append(_table(["RANK", "NODE", "HOST", "ADDR", "STATE", "NPROC", "LAST SEEN"], rows) if rows else "no nodes")
+    out.append("")
+    hist = [[r.round, _when(r.started_at),
+             "-" if r.completed_at is None else f"{(r.completed_at - r.started_at) * 1000:.0f} ms",
+             r.world_size if r.world_size is not None else "-", r.reason] for r in job.history[-20:]]
+    out.append(_table(["ROUND", "OPENED", "FORMED IN", "WORLD", "WHY"], hist))
+    return "\n".join(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rdzv", description="Query and control an rdzv server.")
+    p.add_argument("--endpoint", default=os.environ.get("RDZV_ENDPOINT", "127.0.0.1:29400"),
+                   help="server HOST:PORT (default $RDZV_ENDPOINT or 127.0.0.1:29400)")
+    p.add_argument("--token", default=os.environ.get("RDZV_TOKEN"), help="bearer token (default $RDZV_TOKEN)")
+    sub = p.add_subparsers(dest="command", required=True)
+    st = sub.add_parser("status", help="list jobs, or show one job")
+    st.add_argument("job", nargs="?", help="job id")
+    st.add_argument("--json", action="store_true", help="print the raw JSON")
+    st.add_argument("--watch", action="store_true", help="refresh in place until interrupted")
+    st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
+    cl = sub.add_parser("close", help="close a job: its agents stop their workers and exit")
+    cl.add_argument("job", help="job id")
+    return p
+
+
+async def _status_text(client: RestClient, job: str | None, as_json: bool) -> str:
+    if job:
+        view = await client.job(job)
+        return view.model_dump_json(indent=2) if as_json else render_job(view)
+    jobs = await client.jobs()
+    return jobs.model_dump_json(indent=2) if as_json else render_jobs(jobs)
+
+
+async def _run(args) -> int:
+    try:
+        client = RestClient(args.endpoint, args.token)
+    except ValueError as e:
+        print(f"rdzv: {e}", file=sys.stderr)
+        return 2
+    if args.command == "close":
+        result = await client.close_job(args.job)
+        print(f"job {result.job_id}: {result.state.value}")
+        return 0
+    if not args.watch:
+        print(await _status_text(client, args.job, args.json))
+        return 0
+    tty = sys.stdout.isatty()
+    while True:
+        text = await _status_text(client, args.job, args.json)
+        if tty:
+            sys.stdout.write("\x1b[H\x1b[2J")
+        sys.stdout.write(f"{time.strftime('%H:%M:%S')}  rdzv status {args.job or ''}\n\n{text}\n")
+        sys.stdout.flush()
+        await asyncio.sleep(max(0.1, args.interval))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        code = asyncio.run(_run(args))
+    except RdzvError as e:
+        print(f"rdzv: {e.message}", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        code = 130
+    raise SystemExit(code)
+
+
+if __name__ == "__main__":
+    main()
