@@ -1,0 +1,280 @@
+"""torchrun's rendezvous handler for an rdzv server.
+
+    torchrun --rdzv-backend=rdzv --rdzv-endpoint=HOST:PORT --rdzv-id=JOB --nnodes=2:3 ... train.py
+
+torchrun finds this through the ``torchrun.handlers`` entry point; torch is not
+patched. The handler keeps one :class:`~rdzv_client.client.AgentLink` on a
+background thread's event loop, so the server learns at once when this node
+dies and pushes round changes, which :meth:`num_nodes_waiting` reports to
+torchrun's monitor loop (it restarts the workers and calls
+:meth:`next_rendezvous` again).
+
+Each round gets a fresh TCPStore hosted by that round's group rank 0 on the
+port it reported, so losing any node, rank 0 included, only costs a round:
+the survivors' next round has its own rank 0 and its own store.
+
+torchrun keeps its own restart budget (``--max-restarts``); the server counts a
+torchrun restart as a failure of the round, with a budget of its own that is
+effectively unlimited unless ``--rdzv-conf max_restarts=K`` sets one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+
+from torch.distributed import PrefixStore, TCPStore
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+
+from rdzv_server.protocol import (
+    MAX_RESTARTS,
+    AssignedMsg,
+    Assignment,
+    DoneMsg,
+    ErrorCode,
+    ErrorMsg,
+    EvictedMsg,
+    ExitRecord,
+    FailedMsg,
+    JobSpec,
+    JoinMsg,
+    LeaveMsg,
+    RdzvError,
+    RestartMsg,
+    SucceededMsg,
+)
+
+from .agent import free_port, new_node_id, route_addr
+from .client import AgentLink, RestClient, parse_endpoint
+
+log = logging.getLogger(__name__)
+
+STORE_TIMEOUT_S = 300.0
+
+
+class RdzvRendezvousHandler(RendezvousHandler):
+    """torch's RendezvousHandler over the rdzv server's agent channel."""
+
+    def __init__(self, params: RendezvousParameters) -> None:
+        self.params = params
+        self.endpoint = params.endpoint
+        _, host, port = parse_endpoint(params.endpoint)
+        self.run_id = params.run_id
+        self.token = params.get("token") or os.environ.get("RDZV_TOKEN") or None
+        self.addr = params.local_addr or route_addr(host, port)
+        self.host = socket.gethostname()
+        self.node_id = new_node_id(self.host)
+        self.join_timeout_s = float(params.get("join_timeout", 600))
+        self.spec = JobSpec(
+            min_nodes=params.min_nodes,
+            max_nodes=params.max_nodes,
+            max_restarts=int(params.get("max_restarts", MAX_RESTARTS)),
+            last_call_s=float(params.get("last_call_timeout", 1.0)),
+            join_timeout_s=self.join_timeout_s,
+        )
+        self.nproc = _torchrun_nproc()
+        self._assignment: Assignment | None = None
+        self._restart_round = -1  # the newest round the server said is forming
+        self._closed = False
+        self._store: TCPStore | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._link: AgentLink | None = None
+        self._inbox: asyncio.Queue | None = None
+
+    # ---------------------------------------------------------------- thread
+
+    def _ensure_started(self) -> None:
+        if self._loop is not None:
+            return
+        ready = threading.Event()
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            asyncio.set_event_loop(loop)
+            loop.run_until_complete(self._start_link())
+            ready.set()
+            loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name="rdzv-handler", daemon=True)
+        self._thread.start()
+        ready.wait()
+
+    async def _start_link(self) -> None:
+        self._link = AgentLink(self.endpoint, self.token)
+        self._inbox = asyncio.Queue()
+        await self._link.start()
+        self._dispatcher = asyncio.ensure_future(self._dispatch())
+
+    async def _dispatch(self) -> None:
+        """Keep the handler's view current while torchrun's workers run."""
+        while True:
+            msg = await self._link.recv()
+            if isinstance(msg, RestartMsg):
+                self._restart_round = max(self._restart_round, msg.round)
+            elif isinstance(msg, EvictedMsg) or (isinstance(msg, ErrorMsg) and msg.code == ErrorCode.EVICTED):
+                self._restart_round = max(self._restart_round, (self._assignment.round + 1) if self._assignment else 0)
+            elif isinstance(msg, DoneMsg) and msg.state != "succeeded":
+                self._closed = True
+            self._inbox.put_nowait(msg)
+
+    def _call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    # ------------------------------------------------------------ rendezvous
+
+    def get_backend(self) -> str:
+        return "rdzv"
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False
+
+    def get_run_id(self) -> str:
+        return self.run_id
+
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def set_closed(self) -> None:
+        self._closed = True
+        try:
+            asyncio.run(RestClient(self.endpoint, self.token).close_job(self.run_id))
+        except RdzvError as e:
+            log.warning("could not close job %s on %s: %s", self.run_id, self.endpoint, e)
+
+    def num_nodes_waiting(self) -> int:
+        """Non-zero once the server opened a round after ours: torchrun then
+        restarts its workers and calls next_rendezvous."""
+        a = self._assignment
+        return 1 if a is not None and self._restart_round > a.round else 0
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self._closed:
+            raise RendezvousClosedError(f"job {self.run_id} is closed")
+        self._ensure_started()
+        a = self._call(self._next_round(), timeout=self.join_timeout_s + 30)
+        self._assignment = a
+        self._store = None  # the previous round's store goes away with its round
+        timeout = timedelta(seconds=STORE_TIMEOUT_S)
+        if a.group_rank == 0:
+            store = TCPStore(a.master_addr, a.master_port, is_master=True, wait_for_workers=False, timeout=timeout)
+        else:
+            store = TCPStore(a.master_addr, a.master_port, is_master=False, timeout=timeout)
+        self._store = store
+        prefixed = PrefixStore(f"rdzv/{self.run_id}/{a.round}", store)
+        bootstrap = RendezvousStoreInfo.build(a.group_rank, prefixed, local_addr=self.addr)
+        log.info("job %s round %d: group rank %d of %d, store %s:%d", self.run_id, a.round, a.group_rank,
+                 a.group_world_size, a.master_addr, a.master_port)
+        return RendezvousInfo(prefixed, a.group_rank, a.group_world_size, bootstrap)
+
+    async def _next_round(self) -> Assignment:
+        link = self._link
+        prev = self._assignment
+        if prev is not None and self._restart_round <= prev.round:
+            # torchrun restarts because a local worker failed: the others must restart too
+            link.report(FailedMsg(round=prev.round, failures=[ExitRecord(
+                local_rank=0, rank=prev.rank_offset, pid=os.getpid(), exit_code=1, timestamp=time.time(),
+                message="torchrun restarted its worker group on this node (see its log for the worker error)")]))
+        self._assignment = None
+        link.set_intent(self._join_msg())
+        deadline = time.monotonic() + self.join_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RendezvousTimeoutError(f"no round of job {self.run_id} formed within {self.join_timeout_s:g}s")
+            try:
+                msg = await asyncio.wait_for(self._inbox.get(), left)
+            except asyncio.TimeoutError:
+                continue
+            if isinstance(msg, AssignedMsg):
+                link.clear_reports()
+                a = msg.assignment
+                link.set_intent(self._join_msg(resume=a), send=False)
+                return a
+            if isinstance(msg, DoneMsg):
+                self._closed = msg.state != "succeeded"
+                raise RendezvousClosedError(f"job {self.run_id} {msg.state}: {msg.reason}")
+            if isinstance(msg, EvictedMsg) or (isinstance(msg, ErrorMsg) and msg.code == ErrorCode.EVICTED):
+                self.node_id = new_node_id(self.host)
+                link.set_intent(self._join_msg())
+            elif isinstance(msg, ErrorMsg) and msg.code not in (ErrorCode.STALE_ROUND, ErrorCode.UNAVAILABLE):
+                raise RendezvousError(f"rdzv server refused this node: {msg.message}")
+            elif isinstance(msg, RdzvError):
+                raise RendezvousError(msg.message)
+
+    def _join_msg(self, resume: Assignment | None = None) -> JoinMsg:
+        return JoinMsg(job_id=self.run_id, node_id=self.node_id, host=self.host[:255] or "node", addr=self.addr,
+                       local_world_size=self.nproc, master_port=resume.master_port if resume else free_port(self.addr),
+                       spec=self.spec, resume_round=resume.round if resume else None)
+
+    def shutdown(self) -> bool:
+        """torchrun calls this from a ``finally``: an exception in flight means
+        this node failed for good, so it leaves; otherwise its workers
+        succeeded."""
+        if self._loop is None:
+            return True
+        failed = sys.exc_info()[0] is not None
+        a = self._assignment
+
+        async def finish() -> None:
+            if a is not None and not failed:
+                self._link.report(SucceededMsg(round=a.round))
+            else:
+                self._link.report(LeaveMsg(reason="torchrun agent stopped" + (" after a failure" if failed else "")))
+            try:
+                await asyncio.wait_for(self._link.connected.wait(), 5.0)
+                await asyncio.sleep(0.1)  # let the frame go out
+            except asyncio.TimeoutError:
+                pass
+            self._dispatcher.cancel()
+            await asyncio.gather(self._dispatcher, return_exceptions=True)
+            await self._link.close()
+
+        try:
+            self._call(finish(), timeout=10)
+        except Exception as e:  # shutdown must not mask torchrun's own outcome
+            log.warning("rdzv handler shutdown: %s", e)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop = None
+        return True
+
+
+def _torchrun_nproc() -> int:
+    """torchrun does not tell a rendezvous handler its --nproc-per-node; read it
+    from torchrun's command line so the server's view has the right world size."""
+    argv = sys.argv
+    value = os.environ.get("PET_NPROC_PER_NODE", "1")
+    for i, arg in enumerate(argv):
+        for flag in ("--nproc-per-node", "--nproc_per_node"):
+            if arg == flag and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif arg.startswith(flag + "="):
+                value = arg.split("=", 1)[1]
+    return int(value) if value.isdigit() and int(value) > 0 else 1
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    return RdzvRendezvousHandler(params)
+
+
+def handler_creator():
+    """The ``torchrun.handlers`` entry point: torch calls it with no arguments
+    and registers what it returns as the creator of handlers."""
+    return create_handler
