@@ -17,6 +17,7 @@ import asyncio
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import sys
@@ -417,6 +418,9 @@ class Agent:
                 await self.link.close()
             if server is not None:
                 await server[0].cleanup()
+            if self._err_dir is not None:
+                # our private error-file directory: its messages were read when workers ended
+                shutil.rmtree(self._err_dir, ignore_errors=True)
             self.status.done()
 
     async def _loop(self) -> int:
@@ -479,15 +483,16 @@ class Agent:
                              "waiting to replace a node")
         elif isinstance(msg, AssignedMsg):
             a = msg.assignment
-            if self.assignment is not None and self.assignment.round == a.round and (
-                    self._group_running or self._succeeded):
-                return None  # a reconnect: same round, carry on without restarting anything
+            if self.assignment is not None and self.assignment.round == a.round:
+                # A reconnect re-sent this round's assignment: the workers run it, or
+                # ran it and their outcome is reported (the report follows the resume).
+                return None
             await self._start_workers(a)
         elif isinstance(msg, RestartMsg):
             self.link.clear_reports()
             if self.assignment is not None and msg.round <= self.assignment.round:
                 return None
-            self._say("round %d: %s; stopping workers and rejoining", msg.round, msg.reason)
+            self._say("round %d: %s; stopping workers and rejoining", msg.round, _first_line(msg.reason))
             await self._stop_workers()
             self._join()
         elif isinstance(msg, EvictedMsg):
@@ -495,6 +500,7 @@ class Agent:
             if self.group is not None:
                 self.group.kill_now()
                 await self._stop_workers(timeout=1.0)
+            self.link.clear_reports()  # they name the old node; the server forgot it
             self._say("evicted (%s); rejoining as a new node", msg.reason)
             self.node_id = new_node_id(cfg.host)
             self._join()
@@ -615,6 +621,12 @@ class Agent:
         await self._stop_workers(sig=signum if signum in (signal.SIGTERM, signal.SIGINT) else signal.SIGTERM)
         await asyncio.sleep(0.05)  # let the leave frame go out before the socket closes
         return 128 + signum
+
+
+def _first_line(text: str) -> str:
+    """A reason's first line: failure reasons carry the worker's traceback."""
+    lines = text.strip().splitlines() or [""]
+    return lines[0] + (" [...]" if len(lines) > 1 else "")
 
 
 def _host_label(host: str) -> str:
