@@ -1,0 +1,191 @@
+"""The rdzv demo: a server and three agents train examples/train_ddp.py on this
+machine's CPU; one node is killed, the survivors re-form and resume from the
+checkpoint; a new node arrives and the world grows back; the job finishes.
+
+Run it with ``scripts/demo`` (which sets up .venv first). Everything it starts
+is stopped at the end, by pid, even on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+JOB = f"demo-{int(time.time())}"
+STEPS = 150
+T0 = time.monotonic()
+
+procs: dict[str, subprocess.Popen] = {}
+lines: list[tuple[float, str, str]] = []  # (time, who, line): everything the agents printed
+lines_lock = threading.Lock()
+new_line = threading.Condition(lines_lock)
+
+
+def stamp() -> str:
+    return f"{time.monotonic() - T0:6.1f}s"
+
+
+def say(text: str) -> None:
+    print(f"\n\033[1m{stamp()} ==> {text}\033[0m", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SHOW = re.compile(r"(started rank \d+/\d+|step \d+0 loss|done step|round \d+:|job .*(succeeded|failed|closed)"
+                  r"|opened|complete|lost|left|evicted|spare)")
+
+
+def pump(name: str, proc: subprocess.Popen) -> None:
+    """Echo the interesting lines of one process, prefixed with its name."""
+    for raw in proc.stdout:
+        line = raw.rstrip("\n")
+        with new_line:
+            lines.append((time.monotonic(), name, line))
+            new_line.notify_all()
+        if SHOW.search(line) and "numpy" not in line.lower():
+            short = re.sub(r"^\[rdzv-agent [\d:]+\] ", "", line)
+            short = re.sub(r"job \S+ node \S+: ", "", short)
+            short = re.sub(r"^[\d-]+ [\d:,]+ INFO rdzv_server[.\w]*: ", "", short)
+            print(f"{stamp()} {name:>8} | {short}", flush=True)
+
+
+def start(name: str, cmd: list[str]) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", RDZV_CKPT_DIR=str(CKPT))
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                         start_new_session=True, cwd=ROOT)
+    procs[name] = p
+    threading.Thread(target=pump, args=(name, p), daemon=True).start()
+    return p
+
+
+def wait_for(pattern: str, after: float, timeout: float = 90.0, who: str | None = None) -> str:
+    """Block until a line matching ``pattern`` was printed after ``after``."""
+    rx = re.compile(pattern)
+    deadline = time.monotonic() + timeout
+    seen = 0
+    with new_line:
+        while True:
+            for t, name, line in lines[seen:]:
+                if t >= after and rx.search(line) and (who is None or name == who):
+                    return line
+            seen = len(lines)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"nothing matched {pattern!r} within {timeout:.0f}s")
+            new_line.wait(left)
+
+
+def rest(path: str) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{PORT}{path}", timeout=5) as r:
+        return json.loads(r.read())
+
+
+def agent(name: str) -> subprocess.Popen:
+    return start(name, [PY, "-m", "rdzv_client.agent", "--endpoint", f"127.0.0.1:{PORT}", "--job-id", JOB,
+                        "--nnodes", "2:3", "--nproc-per-node", "1", "--local-addr", "127.0.0.1",
+                        "--max-restarts", "3", "examples/train_ddp.py", "--steps", str(STEPS),
+                        "--step-sleep", "0.1", "--ckpt-every", "10", "--log-every", "10"])
+
+
+def status() -> None:
+    out = subprocess.run([PY, "-m", "rdzv_client.cli", "--endpoint", f"127.0.0.1:{PORT}", "status", JOB],
+                         capture_output=True, text=True, timeout=15, cwd=ROOT)
+    print("\n".join("           " + line for line in (out.stdout or out.stderr).splitlines()), flush=True)
+
+
+def stop_all() -> None:
+    for name, p in procs.items():
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 10
+    for p in procs.values():
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def main() -> int:
+    global PORT, CKPT
+    PORT = free_port()
+    work = Path(tempfile.mkdtemp(prefix="rdzv-demo-"))
+    CKPT = work / "checkpoints"
+    print(f"rdzv demo: job {JOB}; files in {work}")
+    say(f"starting rdzv-server on 127.0.0.1:{PORT} (state in {work / 'server'})")
+    start("server", [PY, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(PORT),
+                     "--data-dir", str(work / "server")])
+    wait_for("listening on", 0, 30, who="server")
+
+    say("starting three agents: --nnodes 2:3, one CPU worker each, training examples/train_ddp.py")
+    t = time.monotonic()
+    for i in (1, 2, 3):
+        agent(f"agent-{i}")
+    wait_for(r"step [3-9]0 loss .* world_size 3", t, 120)
+    status()
+
+    victim = procs["agent-3"]
+    say(f"SIGKILL agent-3 (pid {victim.pid}) and its worker: a node dies without a word")
+    t_kill = time.monotonic()
+    os.killpg(victim.pid, signal.SIGKILL)
+    line = wait_for(r"started rank 0/2 .*resumed_from_step [1-9]", t_kill, 60)
+    say(f"survivors re-formed with world size 2 in {time.monotonic() - t_kill:.1f}s and resumed from the "
+        f"checkpoint ({line.split('resumed_from_step')[-1].strip()})")
+    wait_for(r"step \d+ loss .* world_size 2", t_kill, 60)
+    status()
+
+    say("a new node arrives: agent-4")
+    t_new = time.monotonic()
+    agent("agent-4")
+    wait_for(r"started rank 0/3 .*resumed_from_step [1-9]", t_new, 90)
+    say(f"the world grew back to 3 in {time.monotonic() - t_new:.1f}s (including the new agent's start)")
+    wait_for(r"step \d+ loss .* world_size 3", t_new, 60)
+
+    say(f"training to step {STEPS} ...")
+    wait_for(rf"done step {STEPS}", t_new, 240)
+    codes = {}
+    for name in ("agent-1", "agent-2", "agent-4"):
+        codes[name] = procs[name].wait(60)
+    say(f"agents exited: {codes}")
+    job = rest(f"/v1/jobs/{JOB}")
+    print(f"           job state: {job['state']}, rounds: {job['round'] + 1}, restarts charged: {job['restarts']}")
+    status()
+    ok = job["state"] == "succeeded" and all(c == 0 for c in codes.values())
+    say("demo finished: " + ("the job succeeded" if ok else "something went wrong; see above"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    code = 1
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        print("\ninterrupted")
+        code = 130
+    except Exception as e:  # show what we saw, then clean up
+        print(f"\ndemo failed: {e}", file=sys.stderr)
+    finally:
+        stop_all()
+    sys.exit(code)
