@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks: rdzv against torchrun (python -m bench)."""

@@ -1,0 +1,267 @@
+"""Helpers shared by the benchmarks: processes, /proc readings, tables.
+
+Everything here is stdlib only (the benchmarks run with the repo's venv, but
+the helpers must not import torch or rdzv so that they cost nothing).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+NETNS_VAR = "RDZV_BENCH_NETNS"
+
+
+# ------------------------------------------------------------------ process
+
+
+def raise_nofile() -> int:
+    """Soft RLIMIT_NOFILE up to the hard limit (children inherit it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """utime + stime of one process, in clock ticks (None: gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return int(fields[11]) + int(fields[12])  # fields 14 and 15 of stat(5)
+
+
+def status_kb(pid: int, key: str) -> int | None:
+    """A /proc/PID/status value in kB (VmRSS, VmHWM)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def children_map() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                text = f.read()
+        except OSError:
+            continue
+        ppid = int(text[text.rindex(")") + 2:].split()[1])
+        kids.setdefault(ppid, []).append(int(entry))
+    return kids
+
+
+def descendants(pid: int) -> list[int]:
+    kids = children_map()
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for c in kids.get(p, []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> list[int]:
+    """SIGKILL a process, every descendant and their process groups: a node
+    dies (workers lead groups of their own, so a group kill alone misses them)."""
+    pids = [pid, *descendants(pid)]
+    groups = set()
+    for p in pids:
+        try:
+            groups.add(os.getpgid(p))
+        except OSError:
+            pass
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except OSError:
+            pass
+    own = os.getpgrp()
+    for g in groups:
+        if g != own and g > 1:
+            try:
+                os.killpg(g, sig)
+            except OSError:
+                pass
+    return pids
+
+
+class Proc:
+    """A subprocess in its own session, output to a log file."""
+
+    def __init__(self, name: str, argv: list[str], log: Path, env: dict | None = None, cwd: Path | None = None):
+        self.name, self.argv, self.log = name, argv, log
+        self.log_f = open(log, "wb")  # noqa: SIM115
+        self.launched_at = time.time()
+        self.popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self.log_f, stderr=subprocess.STDOUT,
+                                      env=env, cwd=cwd, start_new_session=True)
+        self.pid = self.popen.pid
+        self.exited_at: float | None = None
+
+    def poll(self) -> int | None:
+        rc = self.popen.poll()
+        if rc is not None and self.exited_at is None:
+            self.exited_at = time.time()
+        return rc
+
+    def text(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, grace: float = 3.0) -> None:
+        """SIGTERM the group, then SIGKILL everything left of the tree."""
+        tree = [self.pid, *descendants(self.pid)] if self.popen.poll() is None else descendants(self.pid)
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.pid, signal.SIGTERM)
+            except OSError:
+                pass
+            try:
+                self.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        for p in tree:
+            if pid_alive(p):
+                kill_tree(p)
+        if self.popen.poll() is None:
+            kill_tree(self.pid)
+            try:
+                self.popen.wait(2)
+            except subprocess.TimeoutExpired:
+                pass
+        self.log_f.close()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] != "Z"
+    except OSError:
+        return False
+
+
+def wait_until(fn: Callable[[], Any], timeout: float, interval: float = 0.02) -> Any:
+    """fn's first truthy value, or None after timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = fn()
+        if v:
+            return v
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(interval)
+
+
+def http_get(url: str, timeout: float = 5.0) -> bytes | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.read()
+    except Exception:
+        return None
+
+
+def http_post(url: str, timeout: float = 5.0) -> bytes | None:
+    try:
+        req = urllib.request.Request(url, data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.read()
+    except Exception:
+        return None
+
+
+def venv_python() -> str:
+    return sys.executable
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
+
+
+# ---------------------------------------------------------------- netns
+
+
+def in_private_netns() -> bool:
+    return os.environ.get(NETNS_VAR) == "1"
+
+
+def reexec_in_netns(module: str, argv: list[str]) -> None:
+    """Run ``python -m module argv`` again inside a private network namespace
+    with only loopback (torch's TCPStore listens on every interface). Returns
+    only when that is impossible (not root, no unshare): then we stay here."""
+    if in_private_netns() or os.environ.get("RDZV_BENCH_NO_NETNS"):
+        return
+    probe = subprocess.run(["unshare", "-n", "sh", "-c", "ip link set lo up"], capture_output=True)
+    if probe.returncode != 0:
+        print("[bench] no private network namespace (unshare -n failed); using plain loopback", file=sys.stderr)
+        return
+    env = dict(os.environ, **{NETNS_VAR: "1"})
+    cmd = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh",
+           sys.executable, "-m", module, *argv]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe("unshare", cmd, env)
+
+
+# ---------------------------------------------------------------- numbers
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100)."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, int(round(q / 100.0 * len(s) + 0.5)) - 1))
+    return s[k]
+
+
+def median(values: Iterable[float]) -> float:
+    v = list(values)
+    return statistics.median(v) if v else float("nan")
+
+
+def fmt_s(v: float | None) -> str:
+    if v is None:
+        return "-"
+    if v < 0.1:
+        return f"{v * 1000:.1f} ms"
+    return f"{v:.2f} s"
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)

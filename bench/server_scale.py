@@ -1,0 +1,528 @@
+"""rdzv-server under load: simulated nodes against the real server process.
+
+    python -m bench.server_scale [--quick] [--formation 8,64,256,1024] [--reps 3]
+                                 [--storm 4096] [--live 1000,5000,10000] [--live-s 20]
+                                 [--clients 2] [--out results.json]
+
+The server is ``python -m rdzv_server --host 127.0.0.1 --port P --data-dir TMP``
+(SQLite, as deployed). Nodes are aiohttp WebSocket clients on ``/v1/agent``
+speaking the agent protocol (join, heartbeats at the ``heartbeat_s`` the server
+sends, WebSocket pings every 5 s as the real agent's link does), spread over
+``--clients`` separate client processes so that the clients' own work is not
+one Python loop. What is measured:
+
+formation
+    one job N:N per repetition. Every node connects first (not timed); then
+    all clients send their joins as fast as they can. Latency of a node =
+    (time it received its ``assigned`` frame) - (time the LAST join of all
+    was sent). p50/p99 over the nodes; repeated ``--reps`` times.
+storm
+    one job N:N; every node connects and joins at once (no warm-up).
+    Reported: first join sent -> all nodes hold an assignment (and from the
+    first connection attempt).
+live
+    jobs of 1000 nodes (N:N, default heartbeat timeout 6 s -> heartbeat every
+    2 s) are added until the total is reached; after a settle time the server
+    process's CPU (utime+stime from /proc/PID/stat over ``--live-s`` seconds)
+    and RSS (VmRSS) are read, and evictions are checked (frames and REST).
+
+The clients share the machine with the server: on a small machine their CPU
+use inflates the latencies (a real node has its own machine). Client CPU is
+reported alongside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import _common as C
+
+JOB_NODES = 1000  # nodes per job in the live test
+ASSIGN_TIMEOUT_S = 60.0
+
+
+# =================================================================== client
+# One client process: many simulated nodes. Commands arrive as JSON lines on
+# stdin; answers go out as JSON lines on stdout.
+
+
+class Node:
+    __slots__ = ("job_id", "node_id", "join_text", "ws", "t_connect", "t_sent", "t_recv", "hb_s", "hb_task",
+                 "reader", "evicted", "closed", "assigned", "errors")
+
+    def __init__(self, job_id: str, node_id: str, join_text: str):
+        self.job_id, self.node_id, self.join_text = job_id, node_id, join_text
+        self.ws = None
+        self.t_connect = self.t_sent = self.t_recv = None
+        self.hb_s = None
+        self.hb_task = None
+        self.reader = None
+        self.evicted = 0
+        self.closed = False
+        self.assigned = asyncio.Event()
+        self.errors = 0
+
+
+def _join_text(job_id: str, node_id: str, index: int, nnodes: int) -> str:
+    from rdzv_server.protocol import JobSpec, JoinMsg
+
+    msg = JoinMsg(job_id=job_id, node_id=node_id, host=f"sim{index}", addr="127.0.0.1", local_world_size=1,
+                  master_port=20000 + index % 40000, spec=JobSpec(min_nodes=nnodes, max_nodes=nnodes))
+    return msg.model_dump_json()
+
+
+class ClientProc:
+    def __init__(self, url: str, ws_ping: float | None):
+        self.url = url
+        self.ws_ping = ws_ping
+        self.nodes: list[Node] = []
+        self.session = None
+        self.hb_sent = 0
+        self.connect_retries = 0
+
+    async def _connect(self, node: Node) -> None:
+        import aiohttp
+
+        delay, err = 0.05, None
+        for _ in range(30):
+            try:
+                node.ws = await self.session.ws_connect(self.url, heartbeat=self.ws_ping, autoping=True)
+                return
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+                err = e
+                self.connect_retries += 1
+                await asyncio.sleep(delay)
+                delay = min(1.0, delay * 2)
+        raise RuntimeError(f"cannot connect to {self.url}: {err!r}")
+
+    async def _read(self, node: Node) -> None:
+        import aiohttp
+
+        ws = node.ws
+        try:
+            async for frame in ws:
+                if frame.type != aiohttp.WSMsgType.TEXT:
+                    continue
+                data = frame.data
+                if '"op":"assigned"' in data:
+                    if node.t_recv is None:
+                        node.t_recv = time.time()
+                    node.assigned.set()
+                elif '"op":"joined"' in data:
+                    if node.hb_task is None:
+                        node.hb_s = json.loads(data)["heartbeat_s"]
+                        node.hb_task = asyncio.ensure_future(self._heartbeat(node))
+                elif '"op":"evicted"' in data:
+                    node.evicted += 1
+                elif '"op":"error"' in data:
+                    node.errors += 1
+        except Exception:
+            pass
+        node.closed = True
+        node.assigned.set()
+
+    async def _heartbeat(self, node: Node) -> None:
+        import random
+
+        ws = node.ws
+        await asyncio.sleep(random.uniform(0, node.hb_s))
+        try:
+            while not ws.closed:
+                await ws.send_str('{"op":"hb"}')
+                self.hb_sent += 1
+                await asyncio.sleep(node.hb_s)
+        except Exception:
+            pass
+
+    async def connect(self, specs: list[list]) -> dict:
+        new = [Node(job, nid, _join_text(job, nid, idx, n)) for job, nid, idx, n in specs]
+        t0 = time.time()
+        sem = asyncio.Semaphore(256)
+
+        async def one(node):
+            async with sem:
+                await self._connect(node)
+            node.reader = asyncio.ensure_future(self._read(node))
+
+        await asyncio.gather(*(one(n) for n in new))
+        self.nodes.extend(new)
+        return {"connected": len(new), "s": time.time() - t0, "retries": self.connect_retries}
+
+    async def join(self, job_ids: list[str] | None) -> dict:
+        todo = [n for n in self.nodes if n.t_sent is None and (job_ids is None or n.job_id in job_ids)]
+        for n in todo:
+            n.t_sent = time.time()
+            await n.ws.send_str(n.join_text)
+        return await self._await_assigned(todo)
+
+    async def _await_assigned(self, todo: list[Node]) -> dict:
+        try:
+            await asyncio.wait_for(asyncio.gather(*(n.assigned.wait() for n in todo)), ASSIGN_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            pass
+        return {"sent": [n.t_sent for n in todo], "recv": [n.t_recv for n in todo],
+                "connect": [n.t_connect for n in todo]}
+
+    async def storm(self, specs: list[list]) -> dict:
+        new = [Node(job, nid, _join_text(job, nid, idx, n)) for job, nid, idx, n in specs]
+        self.nodes.extend(new)
+
+        async def one(node):
+            node.t_connect = time.time()
+            await self._connect(node)
+            node.reader = asyncio.ensure_future(self._read(node))
+            node.t_sent = time.time()
+            await node.ws.send_str(node.join_text)
+
+        await asyncio.gather(*(one(n) for n in new), return_exceptions=True)
+        res = await self._await_assigned(new)
+        res["retries"] = self.connect_retries
+        return res
+
+    def stats(self) -> dict:
+        return {"nodes": len(self.nodes), "evicted": sum(n.evicted for n in self.nodes),
+                "closed": sum(n.closed for n in self.nodes), "errors": sum(n.errors for n in self.nodes),
+                "assigned": sum(n.t_recv is not None for n in self.nodes), "hb_sent": self.hb_sent,
+                "cpu_ticks": C.cpu_ticks(os.getpid()), "rss_kb": C.status_kb(os.getpid(), "VmRSS")}
+
+    async def close(self) -> dict:
+        nodes, self.nodes = self.nodes, []
+        for n in nodes:
+            if n.hb_task:
+                n.hb_task.cancel()
+        await asyncio.gather(*(n.ws.close() for n in nodes if n.ws is not None), return_exceptions=True)
+        for n in nodes:
+            if n.reader:
+                n.reader.cancel()
+        return {"closed": len(nodes)}
+
+    async def serve(self) -> None:
+        import aiohttp
+
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False),
+                                             timeout=aiohttp.ClientTimeout(total=None, connect=30))
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=2**26)
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        print(json.dumps({"ready": True}), flush=True)
+        try:
+            while line := await reader.readline():
+                cmd = json.loads(line)
+                op = cmd["cmd"]
+                if op == "connect":
+                    out = await self.connect(cmd["nodes"])
+                elif op == "join":
+                    out = await self.join(cmd.get("jobs"))
+                elif op == "storm":
+                    out = await self.storm(cmd["nodes"])
+                elif op == "stats":
+                    out = self.stats()
+                elif op == "close":
+                    out = await self.close()
+                elif op == "exit":
+                    break
+                else:
+                    out = {"error": f"unknown {op}"}
+                print(json.dumps(out), flush=True)
+        finally:
+            await self.close()
+            await self.session.close()
+
+
+def client_main(url: str, ws_ping: float | None) -> None:
+    C.raise_nofile()
+    asyncio.run(ClientProc(url, ws_ping).serve())
+
+
+# ============================================================== orchestrator
+
+
+class Server:
+    def __init__(self, tmp: Path, python: str = sys.executable):
+        self.data = tmp / "data"
+        self.log = tmp / "server.log"
+        self.port = C.free_port()
+        self.proc = C.Proc("server", [python, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(self.port),
+                                      "--data-dir", str(self.data)], self.log, cwd=C.ROOT)
+        self.url = f"http://127.0.0.1:{self.port}"
+        if not C.wait_until(lambda: C.http_get(self.url + "/healthz", 1.0) or self.proc.poll() is not None, 20):
+            raise RuntimeError("server did not start:\n" + self.proc.text()[-2000:])
+        if self.proc.poll() is not None:
+            raise RuntimeError("server exited:\n" + self.proc.text()[-2000:])
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def job(self, job_id: str) -> dict | None:
+        body = C.http_get(f"{self.url}/v1/jobs/{job_id}", 30)
+        return json.loads(body) if body else None
+
+    def close_job(self, job_id: str) -> None:
+        C.http_post(f"{self.url}/v1/jobs/{job_id}/close", 30)
+
+    def stop(self) -> None:
+        self.proc.stop(5)
+
+
+class Clients:
+    """The client processes, driven over pipes."""
+
+    def __init__(self, n: int, url: str, ws_ping: float | None):
+        argv = [sys.executable, "-m", "bench.server_scale", "--client", url]
+        if ws_ping is None:
+            argv.append("--no-ws-ping")
+        self.procs = [subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=C.ROOT,
+                                       start_new_session=True) for _ in range(n)]
+        for p in self.procs:
+            assert json.loads(p.stdout.readline()).get("ready")
+
+    def __len__(self) -> int:
+        return len(self.procs)
+
+    def all(self, cmds: list[dict]) -> list[dict]:
+        """Send one command to each client at once; collect every answer."""
+        for p, cmd in zip(self.procs, cmds):
+            p.stdin.write(json.dumps(cmd) + "\n")
+            p.stdin.flush()
+        out = []
+        for p in self.procs:
+            line = p.stdout.readline()
+            if not line:
+                raise RuntimeError("a client process died")
+            out.append(json.loads(line))
+        return out
+
+    def same(self, cmd: dict) -> list[dict]:
+        return self.all([cmd] * len(self.procs))
+
+    def split(self, op: str, nodes: list[list]) -> list[dict]:
+        return self.all([{"cmd": op, "nodes": nodes[i::len(self.procs)]} for i in range(len(self.procs))])
+
+    def stop(self) -> None:
+        for p in self.procs:
+            try:
+                p.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+                p.stdin.flush()
+            except OSError:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                C.kill_tree(p.pid)
+                p.wait(2)
+
+
+def _specs(job_id: str, n: int, base: int = 0) -> list[list]:
+    return [[job_id, f"{job_id}-n{base + i}", base + i, n] for i in range(n)]
+
+
+def _merge(answers: list[dict], key: str) -> list:
+    return [v for a in answers for v in a[key]]
+
+
+def formation(server: Server, clients: Clients, n: int, reps: int, tag: str) -> dict:
+    runs = []
+    for rep in range(reps):
+        job_id = f"{tag}-f{n}-r{rep}"
+        clients.split("connect", _specs(job_id, n))
+        ans = clients.same({"cmd": "join"})
+        sent, recv = _merge(ans, "sent"), _merge(ans, "recv")
+        last = max(sent)
+        lat = [r - last for r in recv if r is not None]
+        missing = sum(r is None for r in recv)
+        view = server.job(job_id) or {}
+        hist = (view.get("history") or [{}])[0]
+        form = (hist["completed_at"] - hist["started_at"]) if hist.get("completed_at") else None
+        runs.append({"p50": C.percentile(lat, 50), "p99": C.percentile(lat, 99), "max": max(lat) if lat else None,
+                     "missing": missing, "join_send_spread": last - min(sent), "server_first_to_complete": form})
+        server.close_job(job_id)
+        clients.same({"cmd": "close"})
+        time.sleep(0.3)
+    return {"n": n, "reps": runs,
+            "p50": C.median(r["p50"] for r in runs), "p99": C.median(r["p99"] for r in runs),
+            "p99_min": min(r["p99"] for r in runs), "p99_max": max(r["p99"] for r in runs),
+            "missing": sum(r["missing"] for r in runs)}
+
+
+def storm(server: Server, clients: Clients, n: int, tag: str) -> dict:
+    job_id = f"{tag}-storm{n}"
+    ans = clients.split("storm", _specs(job_id, n))
+    sent, recv, conn = _merge(ans, "sent"), _merge(ans, "recv"), _merge(ans, "connect")
+    got = [r for r in recv if r is not None]
+    first_sent = min(s for s in sent if s is not None)
+    res = {"n": n, "assigned": len(got), "missing": n - len(got),
+           "from_first_join_s": (max(got) - first_sent) if len(got) == n else None,
+           "from_first_connect_s": (max(got) - min(conn)) if len(got) == n else None,
+           "connect_retries": sum(a.get("retries", 0) for a in ans)}
+    server.close_job(job_id)
+    clients.same({"cmd": "close"})
+    return res
+
+
+def live(server: Server, clients: Clients, totals: list[int], measure_s: float, tag: str) -> list[dict]:
+    results = []
+    have = 0
+    jobs: list[str] = []
+    for total in totals:
+        t0 = time.time()
+        new_jobs = []
+        while have < total:
+            size = min(JOB_NODES, total - have)
+            job_id = f"{tag}-live-j{len(jobs)}"
+            clients.split("connect", _specs(job_id, size, base=have))
+            jobs.append(job_id)
+            new_jobs.append(job_id)
+            have += size
+            ans = clients.same({"cmd": "join", "jobs": [job_id]})
+            missing = sum(r is None for r in _merge(ans, "recv"))
+            if missing:
+                print(f"[server_scale] live: {missing} node(s) of {job_id} got no assignment", file=sys.stderr)
+        ramp_s = time.time() - t0
+        time.sleep(3.0)  # settle: connection setup and joins are not the steady state
+        c0 = [s["cpu_ticks"] for s in clients.same({"cmd": "stats"})]
+        t_start, s0 = time.time(), C.cpu_ticks(server.pid)
+        time.sleep(measure_s)
+        s1, t_end = C.cpu_ticks(server.pid), time.time()
+        stats = clients.same({"cmd": "stats"})
+        wall = t_end - t_start
+        rss = C.status_kb(server.pid, "VmRSS")
+        hwm = C.status_kb(server.pid, "VmHWM")
+        bad_jobs = []
+        for j in jobs:
+            v = server.job(j) or {}
+            if v.get("state") != "running" or v.get("round") != 0:
+                bad_jobs.append(j)
+        res = {"nodes": total, "jobs": len(jobs), "ramp_s": ramp_s, "measure_s": wall,
+               "server_cpu": (s1 - s0) / C.CLK_TCK / wall, "server_rss_mb": rss / 1024, "server_hwm_mb": hwm / 1024,
+               "evicted": sum(s["evicted"] for s in stats), "closed": sum(s["closed"] for s in stats),
+               "errors": sum(s["errors"] for s in stats), "assigned": sum(s["assigned"] for s in stats),
+               "jobs_not_running_round0": bad_jobs,
+               "client_cpu": sum(b["cpu_ticks"] - a for a, b in zip(c0, stats)) / C.CLK_TCK / wall,
+               "load": C.loadavg()}
+        results.append(res)
+        print(f"[server_scale] live {total}: server {res['server_cpu'] * 100:.1f}% of a core, "
+              f"RSS {res['server_rss_mb']:.0f} MB, evicted {res['evicted']}, load {res['load']}", file=sys.stderr)
+    for j in jobs:
+        server.close_job(j)
+    clients.same({"cmd": "close"})
+    return results
+
+
+def run(formation_ns: list[int], reps: int, storm_n: int | None, live_totals: list[int], live_s: float,
+        n_clients: int = 2, ws_ping: float | None = 5.0, log=print) -> dict:
+    """All the server scale measurements; each part has its own fresh server."""
+    C.raise_nofile()
+    tmp = Path(tempfile.mkdtemp(prefix="rdzv-bench-scale-"))
+    out: dict = {"load_before": C.loadavg(), "clients": n_clients, "formation": [], "storm": None, "live": []}
+    tag = f"b{os.getpid()}"
+    parts = [("formation", bool(formation_ns)), ("storm", bool(storm_n)), ("live", bool(live_totals))]
+    try:
+        for part, wanted in parts:
+            if not wanted:
+                continue
+            sub = tmp / part
+            sub.mkdir()
+            server = Server(sub)
+            clients = None
+            try:
+                clients = Clients(n_clients, server.url + "/v1/agent", ws_ping)
+                if part == "formation":
+                    for n in formation_ns:
+                        r = formation(server, clients, n, reps, tag)
+                        out["formation"].append(r)
+                        log(f"[server_scale] formation N={n}: p50 {r['p50'] * 1000:.1f} ms, p99 {r['p99'] * 1000:.1f} ms "
+                            f"(load {C.loadavg()})")
+                elif part == "storm":
+                    out["storm"] = storm(server, clients, storm_n, tag)
+                    log(f"[server_scale] storm {storm_n}: {out['storm']} (load {C.loadavg()})")
+                else:
+                    out["live"] = live(server, clients, live_totals, live_s, tag)
+            finally:
+                if clients is not None:
+                    clients.stop()
+                server.stop()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    out["load_after"] = C.loadavg()
+    return out
+
+
+def table(res: dict) -> str:
+    rows = []
+    for f in res["formation"]:
+        target = "p99 < 50 ms" if f["n"] == 256 else ""
+        ok = ("yes" if f["p99"] < 0.050 else "NO") if f["n"] == 256 else ""
+        miss = f", {f['missing']} missing" if f["missing"] else ""
+        rows.append([f"formation N={f['n']} (last join sent -> assigned, {len(f['reps'])} reps)",
+                     f"p50 {f['p50'] * 1000:.1f} ms, p99 {f['p99'] * 1000:.1f} ms "
+                     f"(p99 {f['p99_min'] * 1000:.1f}-{f['p99_max'] * 1000:.1f}){miss}", target, ok])
+    s = res.get("storm")
+    if s:
+        if s["from_first_join_s"] is None:
+            val, ok = f"{s['missing']} of {s['n']} got no assignment in {ASSIGN_TIMEOUT_S:g} s", "NO"
+        else:
+            val = (f"{s['from_first_join_s']:.2f} s (from first connect attempt {s['from_first_connect_s']:.2f} s, "
+                   f"{s['connect_retries']} connect retries)")
+            ok = "yes" if s["from_first_join_s"] < 3.0 else "NO"
+        rows.append([f"join storm {s['n']} nodes: first join -> all assigned", val, "< 3 s", ok])
+    for lv in res["live"]:
+        big = lv["nodes"] >= 10000
+        ok = ""
+        if big:
+            ok = "yes" if lv["server_cpu"] < 1.0 and lv["server_rss_mb"] < 500 and lv["evicted"] == 0 else "NO"
+        rows.append([f"{lv['nodes']} live nodes ({lv['jobs']} job(s)), heartbeats 2 s, {lv['measure_s']:.0f} s",
+                     f"server CPU {lv['server_cpu'] * 100:.1f}% of a core, RSS {lv['server_rss_mb']:.0f} MB, "
+                     f"evicted {lv['evicted']}, dropped {lv['closed']}, jobs not in round 0: "
+                     f"{len(lv['jobs_not_running_round0'])} (clients {lv['client_cpu'] * 100:.0f}% CPU, "
+                     f"load {lv['load']})",
+                     "< 1 core, < 500 MB, 0 evicted" if big else "", ok])
+    return C.md_table(["server scale (rdzv only)", "result", "target", "met"], rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.server_scale", description=__doc__.split("\n\n")[0])
+    p.add_argument("--client", metavar="URL", help=argparse.SUPPRESS)
+    p.add_argument("--no-ws-ping", action="store_true", help="clients send no WebSocket pings (the agent does, 5 s)")
+    p.add_argument("--quick", action="store_true", help="a small subset in well under a minute")
+    p.add_argument("--formation", default=None, help="comma-separated N (default 8,64,256,1024)")
+    p.add_argument("--reps", type=int, default=None, help="formation repetitions (default 3)")
+    p.add_argument("--storm", type=int, default=None, help="join storm size (default 4096; 0 skips)")
+    p.add_argument("--live", default=None, help="comma-separated live node totals (default 1000,5000,10000)")
+    p.add_argument("--live-s", type=float, default=None, help="seconds of steady state measured (default 20)")
+    p.add_argument("--clients", type=int, default=2, help="client processes")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    a = p.parse_args(argv)
+    if a.client:
+        client_main(a.client, None if a.no_ws_ping else 5.0)
+        return
+    q = a.quick
+
+    def ints(text, default):
+        return [int(x) for x in text.split(",") if x.strip() and int(x)] if text is not None else default
+
+    res = run(formation_ns=ints(a.formation, [8, 64, 256] if q else [8, 64, 256, 1024]),
+              reps=a.reps or (2 if q else 3),
+              storm_n=a.storm if a.storm is not None else (1024 if q else 4096),
+              live_totals=ints(a.live, [1000] if q else [1000, 5000, 10000]),
+              live_s=a.live_s or (5.0 if q else 20.0), n_clients=a.clients,
+              ws_ping=None if a.no_ws_ping else 5.0, log=lambda s: print(s, file=sys.stderr))
+    print(table(res))
+    print(f"\nload average before/after: {res['load_before']} / {res['load_after']}; "
+          f"{a.clients} client process(es); {os.cpu_count()} CPU(s)")
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
