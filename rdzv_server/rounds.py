@@ -201,11 +201,11 @@ def join(job: Job, msg: JoinMsg, now: float) -> Effects:
             return fx
         if node.state == SUCCEEDED:
             raise StaleRoundError(f"node {msg.node_id!r} already reported success in round {job.round}")
-        if node.state in (RUNNING, REJOINING):
+        if node.state == RUNNING:  # running in the current round but resuming an older one
+            raise StaleRoundError(f"round {msg.resume_round} is over; job {job.job_id!r} runs round {job.round}")
+        if node.state == REJOINING:
             # It missed the news: its round is over. Tell it to stop and rejoin.
             node.connected, node.lost_deadline, node.last_seen = True, None, now
-            if node.state == RUNNING:  # running in the current round but resuming an older one
-                raise StaleRoundError(f"round {msg.resume_round} is over; job {job.job_id!r} runs round {job.round}")
             fx.send(node.node_id, RestartMsg(round=job.round, reason=job.history[-1].reason))
             return fx
         # a waiting/spare node that resumes: fall through and treat as a join
@@ -310,15 +310,15 @@ def succeed(job: Job, node_id: str, round_no: int, now: float) -> Effects:
     _set_state(job, node, SUCCEEDED)
     fx = Effects(persist=True)
     fx.logs.append(f"job {job.job_id} round {job.round}: node {node.node_id} succeeded")
-    if all(job.nodes[n].state == SUCCEEDED for n in job.order if n in job.nodes):
+    if _count(job, RUNNING) == 0:  # members are running or succeeded: O(1), not a scan per report
         fx.merge(_end(job, JobState.SUCCEEDED, f"all {len(job.order)} nodes of round {job.round} succeeded", now))
     return fx
 
 
 def leave(job: Job, node_id: str, reason: str, now: float) -> Effects:
     """A node leaves on purpose (SIGTERM to its agent): re-form without it now."""
-    if job.nodes.get(node_id) is None:
-        return Effects()
+    if job.finished or job.nodes.get(node_id) is None:
+        return Effects()  # a finished job stays finished; agents leave after DoneMsg
     return _lose(job, node_id, f"left ({reason})", now, evict=False)
 
 
@@ -452,12 +452,14 @@ def _check_complete(job: Job, now: float) -> Effects:
         return Effects()
     spec = job.spec
     waiting = _count(job, WAITING)
-    if waiting >= spec.max_nodes:
-        return _complete(job, now)
     if job.prev_order:  # a re-formed round: no last call, the server knows who lives
+        # Wait for every live previous member even when max_nodes already wait
+        # (promoted spares): otherwise a spare takes its slot and rank 0 moves.
         if _count(job, REJOINING) == 0 and waiting >= spec.min_nodes:
             return _complete(job, now)
         return Effects()
+    if waiting >= spec.max_nodes:
+        return _complete(job, now)
     if waiting >= spec.min_nodes:
         if job.last_call_deadline is None:
             job.last_call_deadline = now + spec.last_call_s
@@ -597,7 +599,8 @@ def _node_view(node: Node, now: float) -> NodeView:
 
 def view(job: Job, now: float) -> JobView:
     members = [job.nodes[n] for n in job.order if n in job.nodes]
-    others = sorted((n for n in job.nodes.values() if n.node_id not in set(job.order) and n.state != SPARE),
+    in_order = set(job.order)
+    others = sorted((n for n in job.nodes.values() if n.node_id not in in_order and n.state != SPARE),
                     key=natural_key)
     spares = sorted((n for n in job.nodes.values() if n.state == SPARE), key=natural_key)
     return JobView(
