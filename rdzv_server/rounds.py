@@ -368,9 +368,10 @@ def tick(job: Job, now: float) -> Effects:
             fx.merge(_complete(job, now))
         elif job.join_deadline is not None and now >= job.join_deadline:
             joined = _count(job, WAITING)
-            fx.merge(_end(job, JobState.FAILED,
-                          f"join timeout: {joined} of min {job.spec.min_nodes} nodes joined "
-                          f"within {job.spec.join_timeout_s:g}s", now))
+            missing = [n for n in job.prev_order if n in job.nodes and job.nodes[n].state == REJOINING]
+            why = (f"previous member(s) {', '.join(missing[:8])} never rejoined" if missing and
+                   joined >= job.spec.min_nodes else f"{joined} of min {job.spec.min_nodes} nodes joined")
+            fx.merge(_end(job, JobState.FAILED, f"join timeout: {why} within {job.spec.join_timeout_s:g}s", now))
             return fx
     elif job.scale_up_deadline is not None and now >= job.scale_up_deadline:
         newcomers = [n.node_id for n in job.nodes.values() if n.state == WAITING]
