@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import shutil
@@ -57,7 +58,7 @@ ASSIGN_TIMEOUT_S = 60.0
 
 class Node:
     __slots__ = ("job_id", "node_id", "join_text", "ws", "t_connect", "t_sent", "t_recv", "hb_s", "hb_task",
-                 "reader", "evicted", "closed", "assigned", "errors")
+                 "reader", "evicted", "closed", "assigned", "errors", "why")
 
     def __init__(self, job_id: str, node_id: str, join_text: str):
         self.job_id, self.node_id, self.join_text = job_id, node_id, join_text
@@ -70,6 +71,7 @@ class Node:
         self.closed = False
         self.assigned = asyncio.Event()
         self.errors = 0
+        self.why = None
 
 
 def _join_text(job_id: str, node_id: str, index: int, nnodes: int) -> str:
@@ -95,7 +97,9 @@ class ClientProc:
         delay, err = 0.05, None
         for _ in range(30):
             try:
-                node.ws = await self.session.ws_connect(self.url, heartbeat=self.ws_ping, autoping=True)
+                # Pings as the agent's link sends them (every 5 s), but without its
+                # 2.5 s pong deadline: a slow sim client must not drop connections.
+                node.ws = await self.session.ws_connect(self.url, autoping=True)
                 return
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
                 err = e
@@ -125,21 +129,31 @@ class ClientProc:
                     node.evicted += 1
                 elif '"op":"error"' in data:
                     node.errors += 1
-        except Exception:
-            pass
+        except Exception as e:
+            node.why = repr(e)[:80]
         node.closed = True
+        node.why = node.why or f"close code {ws.close_code} {ws.exception()!r}"[:80]
         node.assigned.set()
 
     async def _heartbeat(self, node: Node) -> None:
         import random
 
         ws = node.ws
-        await asyncio.sleep(random.uniform(0, node.hb_s))
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        next_hb = now + random.uniform(0, node.hb_s)
+        next_ping = now + random.uniform(0, self.ws_ping) if self.ws_ping else float("inf")
         try:
             while not ws.closed:
-                await ws.send_str('{"op":"hb"}')
-                self.hb_sent += 1
-                await asyncio.sleep(node.hb_s)
+                await asyncio.sleep(max(0.0, min(next_hb, next_ping) - loop.time()))
+                now = loop.time()
+                if now >= next_hb:
+                    await ws.send_str('{"op":"hb"}')
+                    self.hb_sent += 1
+                    next_hb += node.hb_s
+                if now >= next_ping:
+                    await ws.ping()
+                    next_ping += self.ws_ping
         except Exception:
             pass
 
@@ -192,6 +206,7 @@ class ClientProc:
         return {"nodes": len(self.nodes), "evicted": sum(n.evicted for n in self.nodes),
                 "closed": sum(n.closed for n in self.nodes), "errors": sum(n.errors for n in self.nodes),
                 "assigned": sum(n.t_recv is not None for n in self.nodes), "hb_sent": self.hb_sent,
+                "why": dict(collections.Counter(n.why for n in self.nodes if n.why)),
                 "cpu_ticks": C.cpu_ticks(os.getpid()), "rss_kb": C.status_kb(os.getpid(), "VmRSS")}
 
     async def close(self) -> dict:
@@ -266,6 +281,23 @@ class Server:
     def job(self, job_id: str) -> dict | None:
         body = C.http_get(f"{self.url}/v1/jobs/{job_id}", 30)
         return json.loads(body) if body else None
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus counters summed over their labels."""
+        out: dict[str, float] = {}
+        for line in (C.http_get(self.url + "/metrics", 30) or b"").decode().splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                name = name.split("{")[0]
+                try:
+                    out[name] = out.get(name, 0.0) + float(value)
+                except ValueError:
+                    pass
+        return out
+
+    def stalls(self) -> int:
+        """How often the server logged that its loop did not run for 1.5 s."""
+        return self.proc.text().count("did not run for a while")
 
     def close_job(self, job_id: str) -> None:
         C.http_post(f"{self.url}/v1/jobs/{job_id}/close", 30)
@@ -392,12 +424,19 @@ def live(server: Server, clients: Clients, totals: list[int], measure_s: float, 
         time.sleep(3.0)  # settle: connection setup and joins are not the steady state
         c0 = [s["cpu_ticks"] for s in clients.same({"cmd": "stats"})]
         t_start, s0 = time.time(), C.cpu_ticks(server.pid)
-        time.sleep(measure_s)
+        probe = []  # /healthz round trips: how long the server's loop makes a request wait
+        while time.time() < t_start + measure_s:
+            t = time.perf_counter()
+            C.http_get(server.url + "/healthz", 10)
+            probe.append(time.perf_counter() - t)
+            time.sleep(0.2)
         s1, t_end = C.cpu_ticks(server.pid), time.time()
         stats = clients.same({"cmd": "stats"})
         wall = t_end - t_start
         rss = C.status_kb(server.pid, "VmRSS")
         hwm = C.status_kb(server.pid, "VmHWM")
+        time.sleep(1.0)  # a drop is a loss only after the disconnect grace (0.5 s)
+        metrics = server.metrics()
         bad_jobs = []
         for j in jobs:
             v = server.job(j) or {}
@@ -406,8 +445,12 @@ def live(server: Server, clients: Clients, totals: list[int], measure_s: float, 
         res = {"nodes": total, "jobs": len(jobs), "ramp_s": ramp_s, "measure_s": wall,
                "server_cpu": (s1 - s0) / C.CLK_TCK / wall, "server_rss_mb": rss / 1024, "server_hwm_mb": hwm / 1024,
                "evicted": sum(s["evicted"] for s in stats), "closed": sum(s["closed"] for s in stats),
-               "errors": sum(s["errors"] for s in stats), "assigned": sum(s["assigned"] for s in stats),
+               "errors": sum(s["errors"] for s in stats), "why_closed": [s["why"] for s in stats], "assigned": sum(s["assigned"] for s in stats),
                "jobs_not_running_round0": bad_jobs,
+               "server_evictions": metrics.get("rdzv_evictions_total", 0.0),
+               "server_rounds_opened": metrics.get("rdzv_rounds_opened_total", 0.0),
+               "server_stall_warnings": server.stalls(),
+               "healthz_p50_s": C.percentile(probe, 50), "healthz_max_s": max(probe),
                "client_cpu": sum(b["cpu_ticks"] - a for a, b in zip(c0, stats)) / C.CLK_TCK / wall,
                "load": C.loadavg()}
         results.append(res)
@@ -453,7 +496,10 @@ def run(formation_ns: list[int], reps: int, storm_n: int | None, live_totals: li
                     clients.stop()
                 server.stop()
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if os.environ.get("BENCH_KEEP_TMP"):
+            log(f"[server_scale] kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
     out["load_after"] = C.loadavg()
     return out
 
@@ -480,12 +526,14 @@ def table(res: dict) -> str:
         big = lv["nodes"] >= 10000
         ok = ""
         if big:
-            ok = "yes" if lv["server_cpu"] < 1.0 and lv["server_rss_mb"] < 500 and lv["evicted"] == 0 else "NO"
+            ok = "yes" if (lv["server_cpu"] < 1.0 and lv["server_rss_mb"] < 500 and lv["evicted"] == 0
+                           and not lv["server_evictions"] and not lv["server_rounds_opened"]) else "NO"
         rows.append([f"{lv['nodes']} live nodes ({lv['jobs']} job(s)), heartbeats 2 s, {lv['measure_s']:.0f} s",
                      f"server CPU {lv['server_cpu'] * 100:.1f}% of a core, RSS {lv['server_rss_mb']:.0f} MB, "
-                     f"evicted {lv['evicted']}, dropped {lv['closed']}, jobs not in round 0: "
-                     f"{len(lv['jobs_not_running_round0'])} (clients {lv['client_cpu'] * 100:.0f}% CPU, "
-                     f"load {lv['load']})",
+                     f"evicted {lv['evicted'] + int(lv['server_evictions'])}, dropped {lv['closed']}, rounds "
+                     f"restarted {int(lv['server_rounds_opened'])}, server stalls >1.5 s {lv['server_stall_warnings']}, /healthz p50 "
+                     f"{lv['healthz_p50_s'] * 1000:.0f} ms max {lv['healthz_max_s'] * 1000:.0f} ms "
+                     f"(clients {lv['client_cpu'] * 100:.0f}% CPU, load {lv['load']})",
                      "< 1 core, < 500 MB, 0 evicted" if big else "", ok])
     return C.md_table(["server scale (rdzv only)", "result", "target", "met"], rows)
 
