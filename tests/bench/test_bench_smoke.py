@@ -1,0 +1,48 @@
+"""The benchmark must not rot: run a tiny version of it. No timing assertions:
+only that it runs, prints its table and produces positive numbers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
+
+
+def test_bench_smoke(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=80, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = proc.stdout
+    assert "| row | rdzv median (min-max) | torchrun median (min-max) | rdzv/torchrun |" in table
+    assert "1. Rendezvous N=2" in table and "8. Server: formation N=8" in table and "live nodes" in table
+    data = json.loads(out.read_text())
+    (rdzv,) = data["rows"]["rdzv_n2"]["rdzv"]
+    assert rdzv["failure"] is None and rdzv["value"] > 0, rdzv
+    assert rdzv["info"]["exit_codes"] == [0, 0]
+    assert rdzv["info"]["server_first_join_to_complete"] >= 0
+    scale = data["server_scale"]
+    (form,) = scale["formation"]
+    assert form["n"] == 8 and form["missing"] == 0 and form["p99"] > 0
+    (live,) = scale["live"]
+    assert live["nodes"] == 50 and live["assigned"] == 50
+    assert live["server_cpu"] > 0 and live["server_rss_mb"] > 0
+
+
+def test_server_scale_cli_smoke(tmp_path):
+    out = tmp_path / "scale.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.server_scale", "--formation", "8", "--reps", "1",
+                           "--storm", "16", "--live", "20", "--live-s", "1", "--clients", "1", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| server scale (rdzv only) | result | target | met |" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["storm"]["missing"] == 0 and data["storm"]["from_first_join_s"] > 0
+    assert data["live"][0]["assigned"] == 20
