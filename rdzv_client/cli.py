@@ -18,7 +18,9 @@ import os
 import sys
 import time
 
-from rdzv_server.protocol import JobList, JobView, RdzvError
+from pydantic import ValidationError
+
+from rdzv_server.protocol import JobList, JobView, RdzvError, is_valid_id
 
 from .client import RestClient
 
@@ -99,6 +101,10 @@ async def _run(args) -> int:
     except ValueError as e:
         print(f"rdzv: {e}", file=sys.stderr)
         return 2
+    if args.job is not None and not is_valid_id(args.job):
+        # the id goes into the URL path: "a?b" or "x/close" would name another resource
+        print(f"rdzv: {args.job!r} is not a job id (letters, digits and ._:@+-, at most 128)", file=sys.stderr)
+        return 2
     if args.command == "close":
         result = await client.close_job(args.job)
         print(f"job {result.job_id}: {result.state.value}")
@@ -122,6 +128,10 @@ def main(argv: list[str] | None = None) -> None:
         code = asyncio.run(_run(args))
     except RdzvError as e:
         print(f"rdzv: {e.message}", file=sys.stderr)
+        code = 1
+    except ValidationError as e:  # something answered, but not an rdzv server of this version
+        print(f"rdzv: unexpected answer from {args.endpoint} (is it an rdzv server?): "
+              f"{e.error_count()} invalid field(s)", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:
         code = 130

@@ -13,6 +13,10 @@ Each round gets a fresh TCPStore hosted by that round's group rank 0 on the
 port it reported, so losing any node, rank 0 included, only costs a round:
 the survivors' next round has its own rank 0 and its own store.
 
+A job that the server ends (``rdzv close``, a join timeout) stops torchrun:
+:meth:`num_nodes_waiting` turns non-zero, torchrun stops its workers, and
+:meth:`next_rendezvous` raises RendezvousClosedError with the server's reason.
+
 torchrun keeps its own restart budget (``--max-restarts``); the server counts a
 torchrun restart as a failure of the round, with a budget of its own that is
 effectively unlimited unless ``--rdzv-conf max_restarts=K`` sets one.
@@ -64,6 +68,10 @@ from .client import AgentLink, RestClient, parse_endpoint
 log = logging.getLogger(__name__)
 
 STORE_TIMEOUT_S = 300.0
+# How long a node whose local worker failed waits for the server to open a new
+# round for another reason before it reports the failure (see _next_round).
+# Longer than the server's default disconnect grace (0.5 s).
+FAILURE_REPORT_DELAY_S = 1.0
 
 
 class RdzvRendezvousHandler(RendezvousHandler):
@@ -87,9 +95,11 @@ class RdzvRendezvousHandler(RendezvousHandler):
             join_timeout_s=self.join_timeout_s,
         )
         self.nproc = _torchrun_nproc()
+        self.failure_report_delay_s = float(params.get("failure_report_delay", FAILURE_REPORT_DELAY_S))
         self._assignment: Assignment | None = None
         self._restart_round = -1  # the newest round the server said is forming
         self._closed = False
+        self._closed_why = "closed"  # "closed: closed by request", "failed: ..." once the server said so
         self._store: TCPStore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -107,9 +117,13 @@ class RdzvRendezvousHandler(RendezvousHandler):
             loop = asyncio.new_event_loop()
             self._loop = loop
             asyncio.set_event_loop(loop)
-            loop.run_until_complete(self._start_link())
-            ready.set()
-            loop.run_forever()
+            try:
+                loop.run_until_complete(self._start_link())
+                ready.set()
+                loop.run_forever()
+            finally:
+                ready.set()
+                loop.close()  # its selector and self-pipe sockets: no ResourceWarning at exit
 
         self._thread = threading.Thread(target=run, name="rdzv-handler", daemon=True)
         self._thread.start()
@@ -118,6 +132,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
     async def _start_link(self) -> None:
         self._link = AgentLink(self.endpoint, self.token)
         self._inbox = asyncio.Queue()
+        self._news = asyncio.Event()
         await self._link.start()
         self._dispatcher = asyncio.ensure_future(self._dispatch())
 
@@ -130,8 +145,10 @@ class RdzvRendezvousHandler(RendezvousHandler):
             elif isinstance(msg, EvictedMsg) or (isinstance(msg, ErrorMsg) and msg.code == ErrorCode.EVICTED):
                 self._restart_round = max(self._restart_round, (self._assignment.round + 1) if self._assignment else 0)
             elif isinstance(msg, DoneMsg) and msg.state != "succeeded":
+                self._closed_why = f"{msg.state}: {msg.reason}"
                 self._closed = True
             self._inbox.put_nowait(msg)
+            self._news.set()
 
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -159,14 +176,16 @@ class RdzvRendezvousHandler(RendezvousHandler):
             log.warning("could not close job %s on %s: %s", self.run_id, self.endpoint, e)
 
     def num_nodes_waiting(self) -> int:
-        """Non-zero once the server opened a round after ours: torchrun then
-        restarts its workers and calls next_rendezvous."""
+        """Non-zero once the server opened a round after ours, or ended the job
+        (closed, failed): torchrun then stops its workers and calls
+        next_rendezvous, which starts the next round or raises
+        RendezvousClosedError, and torchrun exits."""
         a = self._assignment
-        return 1 if a is not None and self._restart_round > a.round else 0
+        return 1 if a is not None and (self._restart_round > a.round or self._closed) else 0
 
     def next_rendezvous(self) -> RendezvousInfo:
         if self._closed:
-            raise RendezvousClosedError(f"job {self.run_id} is closed")
+            raise RendezvousClosedError(f"job {self.run_id} {self._closed_why}")
         self._ensure_started()
         a = self._call(self._next_round(), timeout=self.join_timeout_s + 30)
         self._assignment = a
@@ -186,6 +205,20 @@ class RdzvRendezvousHandler(RendezvousHandler):
     async def _next_round(self) -> Assignment:
         link = self._link
         prev = self._assignment
+        if prev is not None and self._restart_round <= prev.round and prev.group_world_size > 1:
+            # A local worker failed. When a peer node died, our workers' collectives
+            # fail within milliseconds, before the server has lost that node (its
+            # disconnect grace). Give the server that long to open the next round
+            # itself: then the round names the lost node as its cause, and this
+            # consequential failure costs no restart.
+            deadline = time.monotonic() + self.failure_report_delay_s
+            while (self._restart_round <= prev.round and not self._closed
+                   and (left := deadline - time.monotonic()) > 0):
+                self._news.clear()
+                try:
+                    await asyncio.wait_for(self._news.wait(), left)
+                except asyncio.TimeoutError:
+                    break
         if prev is not None and self._restart_round <= prev.round:
             # torchrun restarts because a local worker failed: the others must restart too
             link.report(FailedMsg(round=prev.round, failures=[ExitRecord(
@@ -203,8 +236,10 @@ class RdzvRendezvousHandler(RendezvousHandler):
             except asyncio.TimeoutError:
                 continue
             if isinstance(msg, AssignedMsg):
-                link.clear_reports()
                 a = msg.assignment
+                if prev is not None and a.round <= prev.round:
+                    continue  # the answer to a resume sent before this restart: a round that is over
+                link.clear_reports()
                 link.set_intent(self._join_msg(resume=a), send=False)
                 return a
             if isinstance(msg, DoneMsg):
