@@ -37,6 +37,9 @@ from . import _common as C
 STAMP = C.SCRIPTS / "stamp.py"
 TAG_VAR = "RDZV_BENCH_TAG"
 LAUNCHERS = ("rdzv", "torchrun")
+STEP_BOUND_S = 30.0  # after the restart: until the first all_reduce of the new world
+STEP_KEYS = {"node_loss": "kill_to_first_step", "host_loss": "kill_to_first_step",
+             "scale_up": "launch_to_first_step", "worker_crash": "crash_to_first_step"}
 _SCRUB_PREFIXES = ("SLURM_", "PET_", "RDZV_", "TORCHELASTIC_", "MASTER_", "TORCH_NCCL_")
 _SCRUB = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
           "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "OMP_NUM_THREADS"}
@@ -283,7 +286,7 @@ def row_node_loss(cl: Cluster, victim_kind: str, bound: float, setup_bound: floa
     t, why = _wait_started(cl, 2, bound, after=t_kill, agents=survivors)
     if t is None:
         return Outcome(None, f"no recovery in {bound:g} s" + (f": {why}" if why else ""))
-    t_step, _ = _wait_started(cl, 2, 10.0, after=t_kill, what="step1", agents=survivors)
+    t_step, _ = _wait_started(cl, 2, STEP_BOUND_S, after=t_kill, what="step1", agents=survivors)
     return Outcome(t - t_kill, info={"kill_to_first_step": (t_step - t_kill) if t_step else None,
                                      "victim": victim.name})
 
@@ -298,7 +301,7 @@ def row_scale_up(cl: Cluster, bound: float, setup_bound: float) -> Outcome:
     t, why = _wait_started(cl, 3, bound, after=third.launched_at)
     if t is None:
         return Outcome(None, f"no world 3 in {bound:g} s" + (f": {why}" if why else ""))
-    t_step, _ = _wait_started(cl, 3, 10.0, after=third.launched_at, what="step1")
+    t_step, _ = _wait_started(cl, 3, STEP_BOUND_S, after=third.launched_at, what="step1")
     return Outcome(t - third.launched_at,
                    info={"launch_to_first_step": (t_step - third.launched_at) if t_step else None})
 
@@ -316,7 +319,7 @@ def row_worker_crash(cl: Cluster, bound: float, setup_bound: float) -> Outcome:
     t, why = _wait_started(cl, 2, bound, after=t_crash)
     if t is None:
         return Outcome(None, f"no recovery in {bound:g} s" + (f": {why}" if why else ""))
-    t_step, _ = _wait_started(cl, 2, 10.0, after=t_crash, what="step1")
+    t_step, _ = _wait_started(cl, 2, STEP_BOUND_S, after=t_crash, what="step1")
     return Outcome(t - t_crash, info={"crash_to_first_step": (t_step - t_crash) if t_step else None})
 
 
@@ -435,7 +438,15 @@ def _cell(outs: list[Outcome], unit: str, row: Row) -> tuple[str, float | None]:
             text += f" ({fmt(min(vals))}-{fmt(max(vals))})"
         if row.key == "footprint":
             cpus = [o.info.get("cpu_pct", 0.0) for o in outs if o.value is not None]
-            text += f" [{C.median(cpus):.1f}% CPU]"
+            text += f" [{C.median(cpus):.2f}% CPU]"
+        step_key = STEP_KEYS.get(row.key)
+        if step_key:
+            steps = [o.info.get(step_key) for o in outs if o.value is not None]
+            got = [v for v in steps if v is not None]
+            text += f" [1st all_reduce {C.median(got):.1f} s" if got else " [1st all_reduce: none"
+            text += (f", none in {STEP_BOUND_S:g} s in {len(steps) - len(got)} run(s)]"
+                     if got and len(got) < len(steps) else
+                     (f" in {STEP_BOUND_S:g} s]" if not got else "]"))
         parts.append(text)
     if fails:
         counts: dict[str, int] = {}
@@ -476,13 +487,10 @@ def info_lines(results: dict) -> list[str]:
         lines.append(f"- rdzv server history, {k}: first join -> round complete (completed_at - started_at), "
                      f"median {C.median(vals) * 1000:.0f} ms over {len(vals)} run(s); the rest of row 1 is agent "
                      f"start-up (Python imports, connect) and worker spawn")
-    for key, what in (("node_loss", "kill_to_first_step"), ("host_loss", "kill_to_first_step"),
-                      ("scale_up", "launch_to_first_step"), ("worker_crash", "crash_to_first_step")):
-        for launcher in LAUNCHERS:
-            vals = [o.info.get(what) for o in results.get(key, {}).get(launcher, []) if o.info.get(what)]
-            if vals:
-                lines.append(f"- {key} {launcher}: until the first gloo all_reduce of the new world "
-                             f"(import torch + init_process_group included): median {C.median(vals):.2f} s")
+    if any(k in results for k in STEP_KEYS):
+        lines.append("- rows 4-6, [1st all_reduce]: from the same start of the clock until every worker of the "
+                     "new world finished its first gloo all_reduce (import torch and init_process_group "
+                     f"included; waited for up to {STEP_BOUND_S:g} s after the workers started)")
     return lines
 
 
