@@ -443,7 +443,8 @@ class JobSummary(BaseModel):
     round: int
     min_nodes: int
     max_nodes: int
-    nodes: int
+    nodes: int = Field(description="members of the running round, or nodes joined while a round forms")
+    spares: int = 0
     world_size: int
     restarts: int
     max_restarts: int

@@ -295,6 +295,14 @@ def fail(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], now:
     cause = f"node {node.node_id} ({node.host}) {first.describe()}"
     fx = Effects()
     fx.logs.append(f"job {job.job_id} round {job.round}: worker failure on {cause}")
+    gone = [n for n in job.order if n in job.nodes and job.nodes[n].state == RUNNING and not job.nodes[n].connected]
+    if gone:
+        # A member's connection already dropped: its death is the root cause and this
+        # failure its echo (a collective lost its peer). Lose it now, charge nothing.
+        for node_id in gone:
+            if node_id in job.nodes:
+                fx.merge(_lose(job, node_id, "connection lost", now, evict=True))
+        return fx
     if job.restarts >= job.spec.max_restarts:
         job.root_cause = cause
         return fx.merge(_end(job, JobState.FAILED,
@@ -620,7 +628,9 @@ def view(job: Job, now: float) -> JobView:
 
 def summary(job: Job) -> JobSummary:
     return JobSummary(job_id=job.job_id, state=job.state, round=job.round, min_nodes=job.spec.min_nodes,
-                      max_nodes=job.spec.max_nodes, nodes=len(job.nodes), world_size=job.world_size,
+                      max_nodes=job.spec.max_nodes,
+                      nodes=len(job.order) if job.order else _count(job, WAITING) + _count(job, REJOINING),
+                      spares=_count(job, SPARE), world_size=job.world_size,
                       restarts=job.restarts, max_restarts=job.spec.max_restarts)
 
 

@@ -341,6 +341,22 @@ def test_membership_changes_do_not_spend_the_budget(change):
     assert {m.assignment.round for m in sent(fx, AssignedMsg).values()} == {1}
 
 
+def test_failure_echoing_a_dropped_peer_is_charged_to_the_lost_node():
+    """A worker failure reported while a member's connection is down (within its
+    grace) loses that member instead: no restart is charged and the round's
+    reason names the lost node, not the survivor whose collective broke."""
+    from rdzv_server.protocol import ExitRecord
+
+    job = form(["a", "b", "c"], spec(min_nodes=1, max_nodes=3, max_restarts=0))
+    rounds.disconnect(job, "c", 2.0, grace_s=0.5)
+    fx = rounds.fail(job, "a", 0, [ExitRecord(local_rank=0, rank=0, pid=9, exit_code=1, timestamp=2.1)], 2.1)
+    assert job.state == JobState.WAITING and job.round == 1 and job.restarts == 0
+    assert "c" not in job.nodes and "connection lost" in job.history[-1].reason and "node c" in job.history[-1].reason
+    assert set(sent(fx, RestartMsg)) == {"a", "b"}
+    rejoin(job, ["a", "b"], 2.2)
+    assert job.state == JobState.RUNNING and job.order == ["a", "b"]
+
+
 def test_below_min_after_a_loss_waits_for_join_timeout_then_fails():
     """When fewer than min_nodes remain, the job waits join_timeout_s for new nodes, then fails."""
     job = form(["a", "b"], spec(min_nodes=2, max_nodes=3))
