@@ -31,24 +31,25 @@ def _all_running(agents: list[Proc], restart: int, world: int, step: int = 1, ti
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("exit_fast", [
-    False,
-    pytest.param(True, marks=pytest.mark.xfail(
+@pytest.mark.parametrize("on_error", [
+    "hang",
+    pytest.param("exit", marks=pytest.mark.xfail(
         strict=False,
-        reason="server bug: when survivors' workers die of the lost peer within the 0.5 s disconnect grace, "
-               "their failure report wins: the round is a worker failure, the budget pays, the lost node "
-               "is not named (rounds.fail should first lose members whose connection already dropped)")),
-], ids=["slow-exit", "fast-exit"])
-def test_sigkilled_node_is_replaced_by_a_smaller_round(cluster: Cluster, exit_fast: bool) -> None:
+        reason="server race: survivors' workers that die of the lost peer within the 0.5 s disconnect grace "
+               "report a worker failure first: the round is charged to the restart budget and does not name "
+               "the lost node (rounds.fail should first lose members whose connection already dropped); "
+               "workers that raise (gloo's default) lose this race about 1 time in 6 here")),
+], ids=["survivors-hang", "survivors-exit"])
+def test_sigkilled_node_is_replaced_by_a_smaller_round(cluster: Cluster, on_error: str) -> None:
     """SIGKILL group rank 0 of 3 (agent and workers, and with them the
     workers' TCPStore): the other two re-form with world 2 and a new master
     within a few seconds and train on; REST shows round 1, opened because that
-    node was lost, and no restart spent. ``fast-exit`` workers exit the moment
-    a collective fails, instead of after a slow traceback and teardown."""
+    node was lost, and no restart spent. The survivors' workers either hang in
+    their failed collective (so only the server can tell the agents) or exit
+    at once when it fails."""
     server = cluster.start_server()
-    extra = ("--exit-fast",) if exit_fast else ()
-    agents = [cluster.start_agent(server, "kill", "loop.py", "--steps", "400", "--interval", "0.05", *extra,
-                                  nnodes="2:3") for _ in range(3)]
+    agents = [cluster.start_agent(server, "kill", "loop.py", "--steps", "400", "--interval", "0.05",
+                                  "--on-collective-error", on_error, nnodes="2:3") for _ in range(3)]
     _all_running(agents, restart=0, world=3, step=2)
     view = server.job("kill")
     victim_id = next(n["node_id"] for n in view["nodes"] if n["group_rank"] == 0)
@@ -60,7 +61,7 @@ def test_sigkilled_node_is_replaced_by_a_smaller_round(cluster: Cluster, exit_fa
     view = server.wait_job("kill", lambda v: v["round"] == 1 and v["state"] == "running", 20, "round 1 running")
     opened = view["history"][-1]
     # noticed when its connection dropped: a disconnect grace, not a heartbeat timeout
-    assert opened["started_at"] - killed_at < 2.5, f"round 1 opened {opened['started_at'] - killed_at:.2f}s after"
+    assert opened["started_at"] - killed_at < 3.0, f"round 1 opened {opened['started_at'] - killed_at:.2f}s after"
     assert victim_id in opened["reason"] and "lost" in opened["reason"], opened["reason"]
     assert (view["world_size"], view["restarts"]) == (2, 0), "losing a node is not a worker failure"
     assert (view["master_addr"], view["master_port"]) != old_master

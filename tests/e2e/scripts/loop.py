@@ -8,8 +8,10 @@ Options inject failures:
   first attempt that finds no MARKER (it creates MARKER first);
 * ``--fail-if-env NAME``: every worker whose environment has NAME raises after
   step 1, in every attempt (a node whose workers always fail);
-* ``--exit-fast``: when a collective fails (a peer died), exit 1 at once
-  instead of raising (no traceback, no slow interpreter teardown).
+* ``--on-collective-error raise|exit|hang``: what a worker does when a
+  collective fails (a peer died): raise (the default: a traceback, then a slow
+  interpreter teardown), exit 1 at once, or hang as if stuck in the collective
+  (what NCCL does without async error handling) until the agent stops it.
 
 Failures go through torch's ``@record``, so the agent finds the message in
 ``TORCHELASTIC_ERROR_FILE``.
@@ -36,8 +38,7 @@ def main() -> None:
     p.add_argument("--fail-once", default=None)
     p.add_argument("--fail-rank", type=int, default=0)
     p.add_argument("--fail-if-env", default=None)
-    p.add_argument("--exit-fast", action="store_true",
-                   help="on a collective error, exit 1 at once (no traceback, no teardown)")
+    p.add_argument("--on-collective-error", choices=["raise", "exit", "hang"], default="raise")
     args = p.parse_args()
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -48,10 +49,13 @@ def main() -> None:
         try:
             dist.all_reduce(t)
         except RuntimeError as e:
-            if not args.exit_fast:
+            if args.on_collective_error == "raise":
                 raise
-            print(f"collective failed: {e}", flush=True)
-            os._exit(1)
+            print(f"collective failed: {str(e).splitlines()[0]}", flush=True)
+            if args.on_collective_error == "exit":
+                os._exit(1)
+            while True:
+                time.sleep(1)
         if int(t.item()) != world:
             raise RuntimeError(f"all_reduce sum {t.item()} != world size {world}")
         print(f"step {step} rank {rank} world {world} restart {restart} pid {os.getpid()}", flush=True)
