@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="1 run, small N, tight bounds (2-3 minutes)")
-    p.add_argument("--runs", type=int, default=None, help="runs per row and launcher (default 3; --quick 1)")
+    p.add_argument("--runs", type=int, default=None,
+                   help="runs per row and launcher (default 3, and 2 for the rows where torchrun waits out "
+                        "long timeouts: 3, 4a, 4b, 5; --quick 1)")
     p.add_argument("--out", default=None, help="write all results as JSON here")
     p.add_argument("--only", default=None, help="comma-separated row keys (rdzv_n2, wall_n2, elastic_2_4, "
                                                  "node_loss, host_loss, scale_up, worker_crash, footprint)")
@@ -54,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     C.reexec_in_netns("bench", argv)
     C.raise_nofile()
     runs = a.runs or (1 if (a.quick or a.smoke) else 3)
+    slow_runs = a.runs or (1 if (a.quick or a.smoke) else 2)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     started, load0 = time.time(), C.loadavg()
     log(f"[bench] {'private network namespace' if C.in_private_netns() else 'plain loopback'}; "
@@ -68,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="rdzv-bench-"))
     try:
         results = compare.measure(rows, runs, tmp, log=log,
-                                  launchers=("rdzv",) if a.smoke else compare.LAUNCHERS)
+                                  launchers=("rdzv",) if a.smoke else compare.LAUNCHERS, slow_runs=slow_runs)
     finally:
         if os.environ.get("BENCH_KEEP_TMP"):
             log(f"[bench] kept {tmp}")
@@ -92,12 +95,12 @@ def main(argv: list[str] | None = None) -> None:
     print()
     for line in notes:
         print(line)
-    print(f"- {runs} run(s) per row and launcher, interleaved; {os.cpu_count()} CPU(s); load average "
+    print(f"- {runs} run(s) per row and launcher ({slow_runs} for rows 3-5), interleaved; {os.cpu_count()} CPU(s); load average "
           f"{load0} at start, {C.loadavg()} at end; {time.time() - started:.0f} s in all; "
           f"{'private network namespace' if C.in_private_netns() else 'plain loopback'}")
     if a.out:
         Path(a.out).write_text(json.dumps({"rows": compare.to_json(rows, results), "server_scale": scale,
-                                           "runs": runs, "load_start": load0, "load_end": C.loadavg(),
+                                           "runs": runs, "slow_runs": slow_runs, "load_start": load0, "load_end": C.loadavg(),
                                            "table": text}, indent=1))
 
 

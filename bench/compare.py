@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -196,7 +194,7 @@ def _wait_started(cl: Cluster, world: int, bound: float, after: float = 0.0, wha
             if t is not None:
                 return t, None
             codes = ",".join(str(a.popen.returncode) for a in watch)
-            return None, f"agents exited ({codes})"
+            return None, f"every agent exited ({codes})"
         time.sleep(0.02)
     return None, None
 
@@ -358,6 +356,7 @@ class Row:
     fn: Callable[[Cluster], Outcome]
     unit: str = "s"
     launchers: tuple[str, ...] = LAUNCHERS
+    slow: bool = False  # torchrun waits out long timeouts here: fewer runs by default
 
 
 def plan(quick: bool = False, smoke: bool = False) -> list[Row]:
@@ -373,18 +372,18 @@ def plan(quick: bool = False, smoke: bool = False) -> list[Row]:
                         lambda cl, n=n: row_wall(cl, n, 120)))
     b3 = 10 if quick else 45
     rows.append(Row("elastic_2_4", f"3. `--nnodes 2:4`, 2 nodes: last launch -> workers started (bound {b3} s)",
-                    lambda cl: row_elastic(cl, b3)))
+                    lambda cl: row_elastic(cl, b3), slow=True))
     b4 = 20 if quick else 90
     rows.append(Row("node_loss", f"4a. Node loss (SIGKILL a non-rank-0, non-store node of 3, 2:3) -> "
                                  f"survivors started with world 2 (bound {b4} s)",
-                    lambda cl: row_node_loss(cl, "plain", b4, 90)))
+                    lambda cl: row_node_loss(cl, "plain", b4, 90), slow=True))
     if not quick:
         rows.append(Row("host_loss", f"4b. Node loss: torchrun's c10d store host / rdzv's group rank 0 -> "
                                      f"survivors started with world 2 (bound {b4} s)",
-                        lambda cl: row_node_loss(cl, "host", b4, 90)))
+                        lambda cl: row_node_loss(cl, "host", b4, 90), slow=True))
         rows.append(Row("scale_up", "5. Scale-up 2 -> 3 (2:3): third agent launched -> 3 workers started with "
                                     "world 3 (bound 90 s)",
-                        lambda cl: row_scale_up(cl, 90, 90)))
+                        lambda cl: row_scale_up(cl, 90, 90), slow=True))
     b6 = 20 if quick else 90
     rows.append(Row("worker_crash", f"6. Worker crash (rank 1 exits 1 once, 2 nodes): crash -> both workers "
                                     f"started again (bound {b6} s)",
@@ -396,11 +395,16 @@ def plan(quick: bool = False, smoke: bool = False) -> list[Row]:
     return rows
 
 
-def measure(rows: list[Row], runs: int, tmp: Path, log=print, launchers=LAUNCHERS) -> dict:
-    """Every row, ``runs`` times, launchers interleaved. Returns raw results."""
+def measure(rows: list[Row], runs: int, tmp: Path, log=print, launchers=LAUNCHERS,
+            slow_runs: int | None = None) -> dict:
+    """Every row ``runs`` times (slow rows ``slow_runs`` times), launchers
+    interleaved. Returns raw results."""
     results: dict[str, dict[str, list[Outcome]]] = {r.key: {l: [] for l in launchers} for r in rows}
-    for run in range(runs):
+    slow_runs = runs if slow_runs is None else slow_runs
+    for run in range(max(runs, slow_runs)):
         for row in rows:
+            if run >= (slow_runs if row.slow else runs):
+                continue
             order = [l for l in launchers if l in row.launchers]
             if run % 2:
                 order.reverse()
@@ -417,10 +421,8 @@ def measure(rows: list[Row], runs: int, tmp: Path, log=print, launchers=LAUNCHER
                 out.info["took_s"] = round(time.time() - t0, 1)
                 results[row.key][launcher].append(out)
                 shown = f"{out.value:.3f}" if out.value is not None else out.failure
-                log(f"[bench] run {run + 1}/{runs} {row.key} {launcher}: {shown} "
+                log(f"[bench] run {run + 1} {row.key} {launcher}: {shown} "
                     f"(took {out.info['took_s']} s, load {out.info['load']})")
-                if out.value is None and not os.environ.get("BENCH_KEEP_TMP"):
-                    pass
     return results
 
 
@@ -498,16 +500,3 @@ def to_json(rows: list[Row], results: dict) -> dict:
     return {row.key: {"title": row.title, "unit": row.unit,
                       **{l: [{"value": o.value, "failure": o.failure, "info": o.info} for o in outs]
                          for l, outs in results[row.key].items()}} for row in rows}
-
-
-def run_compare(quick: bool, runs: int, smoke: bool = False, log=print) -> tuple[list[Row], dict]:
-    tmp = Path(tempfile.mkdtemp(prefix="rdzv-bench-"))
-    try:
-        rows = plan(quick=quick, smoke=smoke)
-        launchers = ("rdzv",) if smoke else LAUNCHERS
-        return rows, measure(rows, runs, tmp, log=log, launchers=launchers)
-    finally:
-        if os.environ.get("BENCH_KEEP_TMP"):
-            log(f"[bench] kept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
