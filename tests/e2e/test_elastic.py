@@ -31,22 +31,15 @@ def _all_running(agents: list[Proc], restart: int, world: int, step: int = 1, ti
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("on_error", [
-    "hang",
-    pytest.param("exit", marks=pytest.mark.xfail(
-        strict=False,
-        reason="server race: survivors' workers that die of the lost peer within the 0.5 s disconnect grace "
-               "report a worker failure first: the round is charged to the restart budget and does not name "
-               "the lost node (rounds.fail should first lose members whose connection already dropped); "
-               "workers that raise (gloo's default) lose this race about 1 time in 6 here")),
-], ids=["survivors-hang", "survivors-exit"])
+@pytest.mark.parametrize("on_error", ["hang", "exit"], ids=["survivors-hang", "survivors-exit"])
 def test_sigkilled_node_is_replaced_by_a_smaller_round(cluster: Cluster, on_error: str) -> None:
     """SIGKILL group rank 0 of 3 (agent and workers, and with them the
     workers' TCPStore): the other two re-form with world 2 and a new master
     within a few seconds and train on; REST shows round 1, opened because that
     node was lost, and no restart spent. The survivors' workers either hang in
     their failed collective (so only the server can tell the agents) or exit
-    at once when it fails."""
+    at once when it fails, so that their agents' failure reports race the dead
+    node's disconnect grace (and must not be charged as a worker failure)."""
     server = cluster.start_server()
     agents = [cluster.start_agent(server, "kill", "loop.py", "--steps", "400", "--interval", "0.05",
                                   "--on-collective-error", on_error, nnodes="2:3") for _ in range(3)]
