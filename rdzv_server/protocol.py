@@ -251,7 +251,9 @@ class ExitRecord(_Strict):
         if self.signal == "SIGKILL":
             text += " (out of memory?)"
         if self.message:
-            text += f": {self.message}"
+            # the first line is the error itself; the traceback stays in the worker's log
+            lines = self.message.strip().splitlines()
+            text += f": {lines[0][:500]}" if lines else ""
         return text
 
 
