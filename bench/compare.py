@@ -22,6 +22,7 @@ rdzv's heartbeat timeout 6 s vs torchrun's 5 s keep-alive (3 misses).
 from __future__ import annotations
 
 import json
+import re
 import os
 import sys
 import time
@@ -194,7 +195,8 @@ def _wait_started(cl: Cluster, world: int, bound: float, after: float = 0.0, wha
             if t is not None:
                 return t, None
             codes = ",".join(str(a.popen.returncode) for a in watch)
-            return None, f"every agent exited ({codes})"
+            gone = max(a.exited_at or time.time() for a in watch)
+            return None, f"job died: every agent exited ({codes}) {gone - (after or watch[0].launched_at):.0f} s in"
         time.sleep(0.02)
     return None, None
 
@@ -283,7 +285,7 @@ def row_node_loss(cl: Cluster, victim_kind: str, bound: float, setup_bound: floa
     C.kill_tree(victim.pid)
     t, why = _wait_started(cl, 2, bound, after=t_kill, agents=survivors)
     if t is None:
-        return Outcome(None, f"no recovery in {bound:g} s" + (f": {why}" if why else ""))
+        return Outcome(None, why or f"no recovery in {bound:g} s")
     t_step, _ = _wait_started(cl, 2, STEP_BOUND_S, after=t_kill, what="step1", agents=survivors)
     return Outcome(t - t_kill, info={"kill_to_first_step": (t_step - t_kill) if t_step else None,
                                      "victim": victim.name})
@@ -298,7 +300,7 @@ def row_scale_up(cl: Cluster, bound: float, setup_bound: float) -> Outcome:
     third = cl.launch("2:3", cl.stamp_cmd("--loop"))
     t, why = _wait_started(cl, 3, bound, after=third.launched_at)
     if t is None:
-        return Outcome(None, f"no world 3 in {bound:g} s" + (f": {why}" if why else ""))
+        return Outcome(None, why or f"no world 3 in {bound:g} s")
     t_step, _ = _wait_started(cl, 3, STEP_BOUND_S, after=third.launched_at, what="step1")
     return Outcome(t - third.launched_at,
                    info={"launch_to_first_step": (t_step - third.launched_at) if t_step else None})
@@ -316,7 +318,7 @@ def row_worker_crash(cl: Cluster, bound: float, setup_bound: float) -> Outcome:
     t_crash = crash[0].t
     t, why = _wait_started(cl, 2, bound, after=t_crash)
     if t is None:
-        return Outcome(None, f"no recovery in {bound:g} s" + (f": {why}" if why else ""))
+        return Outcome(None, why or f"no recovery in {bound:g} s")
     t_step, _ = _wait_started(cl, 2, STEP_BOUND_S, after=t_crash, what="step1")
     return Outcome(t - t_crash, info={"crash_to_first_step": (t_step - t_crash) if t_step else None})
 
@@ -451,11 +453,19 @@ def _cell(outs: list[Outcome], unit: str, row: Row) -> tuple[str, float | None]:
                      (f" in {STEP_BOUND_S:g} s]" if not got else "]"))
         parts.append(text)
     if fails:
-        counts: dict[str, int] = {}
+        counts: dict[str, list[int]] = {}
         for f in fails:
-            counts[f] = counts.get(f, 0) + 1
-        parts.append("; ".join(f"{f}" + (f" ({c}/{len(outs)} runs)" if len(outs) > 1 else "")
-                               for f, c in counts.items()))
+            m = re.search(r" (\d+) s in$", f)
+            key = f[:m.start()] if m else f
+            counts.setdefault(key, []).append(int(m.group(1)) if m else -1)
+        texts = []
+        for f, secs in counts.items():
+            known = sorted(x for x in secs if x >= 0)
+            when = ""
+            if known:
+                when = f" {known[0]} s in" if len(set(known)) == 1 else f" {known[0]}-{known[-1]} s in"
+            texts.append(f + when + (f" ({len(secs)}/{len(outs)} runs)" if len(outs) > 1 else ""))
+        parts.append("; ".join(texts))
     return "; ".join(parts), med if not fails else (med if vals else None)
 
 
