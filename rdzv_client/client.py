@@ -15,6 +15,7 @@ import asyncio
 import logging
 import random
 import ssl
+import time
 from typing import Any
 
 import aiohttp
@@ -39,6 +40,9 @@ BACKOFF_START_S = 0.05
 BACKOFF_MAX_S = 3.0
 CONNECT_TIMEOUT_S = 5.0
 WS_PING_S = 5.0  # detects a frozen or cut-off server; the workers keep running meanwhile
+# A connection that lasted this long was healthy: the next reconnect starts the
+# backoff over. One the server closes sooner (it refused us) keeps backing off.
+STABLE_S = 2.0
 
 
 def parse_endpoint(endpoint: str, default_port: int = 29400) -> tuple[str, str, int]:
@@ -166,11 +170,11 @@ class AgentLink:
                 continue
             self._ws = ws
             self.connected.set()
+            connected_at = time.monotonic()
             if self.ever_connected:
                 log.info("reconnected to %s", self.url)
             self.ever_connected = True
             self.last_error = None
-            delays = backoff_delays()
             hb = asyncio.create_task(self._heartbeat(ws))
             try:
                 if self.intent is not None:
@@ -198,6 +202,8 @@ class AgentLink:
                 if not ws.closed:
                     await asyncio.wait([asyncio.ensure_future(ws.close())], timeout=1.0)
             self.last_error = self.last_error or "connection closed by the server"
+            if time.monotonic() - connected_at >= STABLE_S:
+                delays = backoff_delays()
             await asyncio.sleep(next(delays))
 
     async def _heartbeat(self, ws) -> None:

@@ -30,6 +30,7 @@ from typing import Callable, Protocol
 from . import rounds
 from .protocol import (
     ErrorCode,
+    ErrorMsg,
     EvictedError,
     ExitRecord,
     JobNotFoundError,
@@ -64,6 +65,32 @@ class StoreSettings:
     disconnect_grace_s: float = 0.5
 
 
+_SQLITE_CORRUPT, _SQLITE_NOTADB = 11, 26  # primary result codes that mean a damaged or foreign file
+
+
+def _is_corruption(e: sqlite3.DatabaseError) -> bool:
+    code = getattr(e, "sqlite_errorcode", None)  # Python 3.11+
+    if code is not None:
+        return code & 0xFF in (_SQLITE_CORRUPT, _SQLITE_NOTADB)
+    text = str(e).lower()
+    return "not a database" in text or "malformed" in text
+
+
+def _free_space(path: Path) -> str:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return "free space unknown"
+    return f"{st.f_bavail * st.f_frsize} bytes free"
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 class Database:
     """One table, one JSON row per job. Synchronous: writes are small and rare
     (once per round change), and must finish before anyone is told."""
@@ -75,6 +102,8 @@ class Database:
         except OSError as e:
             raise DataDirError(f"cannot create data dir {data_dir}: {e.strerror or e}") from e
         if not os.access(data_dir, os.W_OK | os.X_OK):
+            if _read_only(data_dir):
+                raise DataDirError(f"data dir {data_dir} is on a read-only file system")
             raise DataDirError(f"data dir {data_dir} is not writable by this user (uid {os.getuid()})")
         existed = self.path.exists()
         self.conn = None
@@ -93,6 +122,14 @@ class Database:
                 self.conn.close()
             if isinstance(e, DataDirError):
                 raise
+            if existed and not _is_corruption(e):
+                # A full, read-only or failing file system: the file may be fine.
+                # Never tell the operator to throw away a database that holds jobs.
+                raise DataDirError(
+                    f"cannot open database {self.path} ({e}): the file system refused "
+                    f"({_free_space(data_dir)}); is it full or read-only? Fix that and start again; "
+                    "keep the file, it holds the jobs' state"
+                ) from e
             raise DataDirError(
                 f"cannot open database {self.path} ({e}); "
                 + ("it exists but is unreadable or corrupt: move it away to start empty, or restore a backup"
@@ -219,7 +256,7 @@ class Store:
             old.drop()
         if self.metrics:
             self.metrics.joins.labels(job.job_id).inc()
-        self._apply(job, fx, now, created=created)
+        self._apply(job, fx, now, created=created, requester=chan)
 
     def heartbeat(self, job_id: str, node_id: str) -> None:
         job = self.jobs.get(job_id)
@@ -274,12 +311,13 @@ class Store:
 
     # --------------------------------------------------------------- effects
 
-    def _apply(self, job: Job, fx: Effects, now: float, created: bool = False) -> None:
+    def _apply(self, job: Job, fx: Effects, now: float, created: bool = False,
+               requester: Channel | None = None) -> None:
         if fx.persist and self.db is not None:
             try:
                 self.db.save(job, now)
             except sqlite3.Error as e:
-                self._rollback(job, created, e)
+                self._rollback(job, created, e, requester)
         for line in fx.logs:
             log.info("%s", line)
         for node_id, msg in fx.sends:
@@ -297,9 +335,14 @@ class Store:
         if self.metrics:
             self.metrics.observe(job, fx)
 
-    def _rollback(self, job: Job, created: bool, err: Exception) -> None:
+    def _rollback(self, job: Job, created: bool, err: Exception, requester: Channel | None = None) -> None:
         """A write failed: nobody was told anything. Put the job back as it was
-        saved, make its agents reconnect (they resume or rejoin), refuse."""
+        saved, make its agents reconnect (they resume or rejoin), refuse.
+
+        ``requester`` (a joining agent's channel) is told why before it is
+        dropped: the error the caller raises would otherwise queue behind the
+        drop and never be sent. Agents whose report caused the write are only
+        dropped: they re-send the report when they reconnect."""
         log.error("job %s: cannot save state to %s: %s; the change is refused", job.job_id,
                   self.db.path if self.db else "?", err)
         saved = None
@@ -315,6 +358,12 @@ class Store:
         else:
             rounds.restored(saved, self.clock())
             self.jobs[job.job_id] = saved
-        for key in [k for k in self.channels if k[0] == job.job_id]:
-            self.channels.pop(key).drop()
-        raise UnavailableError(f"the server cannot save state ({err}); retry later", ErrorCode.UNAVAILABLE)
+        error = UnavailableError(f"the server cannot save state ({err}); retry later", ErrorCode.UNAVAILABLE)
+        if requester is not None:
+            requester.deliver(ErrorMsg(code=error.code, message=error.message))
+        dropped = [self.channels.pop(k) for k in [k for k in self.channels if k[0] == job.job_id]]
+        for chan in dropped:
+            chan.drop()
+        if requester is not None and all(chan is not requester for chan in dropped):
+            requester.drop()
+        raise error
