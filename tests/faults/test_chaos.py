@@ -1,0 +1,212 @@
+"""A seeded, bounded chaos run against real processes.
+
+A real server (with a data dir) and 3 agents (``--nnodes 2:4``) run
+examples/train_ddp.py with checkpoints. ``random.Random(seed)`` orders a fixed
+number of events, every kind at least once:
+
+* ``kill_node``: a replacement agent starts and queues for a scale-up (or
+  waits as a spare when the job is at max nodes), then another node dies (SIGKILL to its agent and workers): the next round takes
+  the replacement in its place (``--scale-up-window 3`` lets both land in
+  one round);
+* ``kill_worker``: SIGKILL one worker (the agent reports a failure);
+* ``restart_server``: SIGKILL the server, start it again (same port, data dir);
+* ``add_node``: start one more agent (at most 4 live).
+
+Event k fires once the checkpoint has reached step ``k * STRIDE``, so every
+event happens while training still has work left, whatever the speed of the
+machine. Checked throughout (REST and the checkpoint sampled every poll) and
+at the end: the job succeeds; the checkpoint step never goes backwards; round
+numbers only grow; no (round, group rank) ever had two nodes; the REST history
+has every round, each with its reason.
+
+Reproduce a run with ``RDZV_CHAOS_SEED=<seed>`` (printed at the start and in
+every assertion message); ``RDZV_CHAOS_EVENTS`` changes the number of events.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+import urllib.error
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from .conftest import FaultCluster, Proc, Server, assigned_ranks, descendants, free_port, wait_until
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SEED = int(os.environ.get("RDZV_CHAOS_SEED", "1129"))
+N_EVENTS = int(os.environ.get("RDZV_CHAOS_EVENTS", "6"))
+KINDS = ("kill_node", "kill_worker", "restart_server", "add_node")
+STRIDE = 8  # checkpoint steps between two events
+STEPS = (N_EVENTS + 2) * STRIDE
+MAX_LIVE = 4
+HB_TIMEOUT = 3.0
+JOB = "chaos"
+REASONS = ("connection lost", "no heartbeat", "worker failure", "scale-up", "left")
+
+
+@dataclass
+class Monitor:
+    """Samples REST and the checkpoint on every poll, and checks as it goes."""
+
+    seed: int
+    ckpt: Path
+    server: Server | None = None
+    steps: list[int] = field(default_factory=list)
+    rounds: list[int] = field(default_factory=list)
+    owners: dict[tuple[int, int], str] = field(default_factory=dict)
+    last_view: dict | None = None
+    log: list[str] = field(default_factory=list)
+
+    def fail(self, what: str) -> None:
+        raise AssertionError(f"[chaos seed {self.seed}] {what}\nevents: {self.log}")
+
+    def ckpt_step(self) -> int | None:
+        try:
+            return int(torch.load(self.ckpt / "checkpoint.pt", map_location="cpu", weights_only=True)["step"])
+        except FileNotFoundError:
+            return None
+
+    def sample(self) -> dict | None:
+        step = self.ckpt_step()
+        if step is not None:
+            if self.steps and step < self.steps[-1]:
+                self.fail(f"the checkpoint went back from step {self.steps[-1]} to {step}")
+            self.steps.append(step)
+        view = None
+        if self.server is not None and self.server.popen.poll() is None:
+            try:
+                view = self.server.job(JOB)
+            except (OSError, urllib.error.URLError, ValueError):
+                view = None  # (re)starting
+        if view is not None:
+            if self.rounds and view["round"] < self.rounds[-1]:
+                self.fail(f"round went back from {self.rounds[-1]} to {view['round']}")
+            self.rounds.append(view["round"])
+            if view["state"] == "running":
+                seen = {}
+                for n in view["nodes"]:
+                    if n["group_rank"] is None:
+                        continue
+                    key = (view["round"], n["group_rank"])
+                    if key in seen:
+                        self.fail(f"round {key[0]} has group rank {key[1]} twice: {seen[key]}, {n['node_id']}")
+                    seen[key] = n["node_id"]
+                    if self.owners.setdefault(key, n["node_id"]) != n["node_id"]:
+                        self.fail(f"round {key[0]} group rank {key[1]} was {self.owners[key]}, now {n['node_id']}")
+            self.last_view = view
+        return view
+
+    def step(self) -> int:
+        return self.steps[-1] if self.steps else 0
+
+    def until(self, pred, timeout: float, what: str):
+        def check():
+            view = self.sample()
+            return pred(view)
+        try:
+            return wait_until(check, timeout, what, interval=0.1)
+        except AssertionError as e:
+            self.fail(f"{e}\nlast view: {json.dumps(self.last_view)[:3000]}")
+
+
+@pytest.mark.timeout(170)
+def test_seeded_chaos(fcluster: FaultCluster, tmp_path: Path) -> None:
+    print(f"\n[chaos] seed {SEED} ({N_EVENTS} events; RDZV_CHAOS_SEED={SEED} reproduces this run)")
+    rng = random.Random(SEED)
+    plan = list(KINDS) + [rng.choice(KINDS) for _ in range(max(0, N_EVENTS - len(KINDS)))]
+    rng.shuffle(plan)
+    plan = plan[:N_EVENTS]
+
+    port, data, ckpt = free_port(), tmp_path / "data", tmp_path / "ckpt"
+    server = fcluster.start_server_at(port, data, name="server")
+    mon = Monitor(SEED, ckpt, server)
+    started = time.monotonic()
+    n_agents = 0
+
+    def new_agent() -> Proc:
+        nonlocal n_agents
+        n_agents += 1
+        return fcluster.start_train_agent(
+            server.endpoint, JOB, f"agent{n_agents}", ckpt, "--steps", str(STEPS), "--step-sleep", "0.03",
+            "--ckpt-every", "2", "--log-every", "2", nnodes=f"2:{MAX_LIVE}",
+            flags=("--heartbeat-timeout", f"{HB_TIMEOUT:g}", "--max-restarts", "50", "--scale-up-window", "3"))
+
+    live = [new_agent() for _ in range(3)]
+    dead: list[Proc] = []
+
+    for k, kind in enumerate(plan, start=1):
+        mon.until(lambda v: mon.step() >= k * STRIDE and v is not None and v["state"] == "running", 60,
+                  f"step {k * STRIDE} before event {k} ({kind})")
+        if kind == "add_node" and len(live) >= MAX_LIVE:
+            kind = "kill_worker"
+        at = f"{time.monotonic() - started:5.1f}s step {mon.step()} round {mon.rounds[-1] if mon.rounds else '?'}"
+        if kind == "kill_node":
+            victim = live.pop(rng.randrange(len(live)))
+            live.append(new_agent())
+            # queued for the scale-up, or a spare when the job is at max nodes
+            mon.until(lambda v: v is not None and (v["spares"] or any(n["state"] == "waiting" for n in v["nodes"])),
+                      30, "the replacement queued")
+            fcluster.kill_node(victim)
+            dead.append(victim)
+            mon.log.append(f"{at}: kill_node {victim.name}, replaced by {live[-1].name}")
+        elif kind == "kill_worker":
+            def pick():
+                has = [(a, descendants(a.pid)) for a in live]
+                has = [(a, w) for a, w in has if w]
+                return has[rng.randrange(len(has))] if has else None
+            agent, workers = mon.until(lambda v: pick(), 30, "an agent with a live worker") or (None, [])
+            os.kill(workers[0], signal.SIGKILL)
+            mon.log.append(f"{at}: kill_worker pid {workers[0]} of {agent.name}")
+        elif kind == "restart_server":
+            fcluster.kill9(server)
+            server = fcluster.start_server_at(port, data, name=f"server-{k}")
+            mon.server = server
+            mon.log.append(f"{at}: restart_server")
+        else:
+            live.append(new_agent())
+            mon.log.append(f"{at}: add_node {live[-1].name}")
+        print(f"[chaos] event {k}: {mon.log[-1]}")
+
+    mon.until(lambda v: v is not None and v["state"] in ("succeeded", "failed", "closed"), 90, "the job's end")
+    final = mon.last_view
+    elapsed = time.monotonic() - started
+    print(f"[chaos] seed {SEED}: {final['state']} in {elapsed:.1f}s, round {final['round']}, "
+          f"restarts {final['restarts']}, checkpoint steps sampled {len(mon.steps)}")
+    if final["state"] != "succeeded":
+        mon.fail(f"the job {final['state']}: {final.get('root_cause')}")
+    for a in live:
+        try:
+            code = a.wait_exit(30)
+        except AssertionError as e:
+            mon.fail(str(e))
+        if code != 0:
+            mon.fail(f"{a.name} exited {code}:\n{a.text()[-2000:]}")
+    if mon.ckpt_step() != STEPS:
+        mon.fail(f"final checkpoint step {mon.ckpt_step()} != {STEPS}")
+
+    history = final["history"]
+    if [h["round"] for h in history] != list(range(final["round"] + 1)):
+        mon.fail(f"history does not list every round: {[h['round'] for h in history]}")
+    for h in history[1:]:
+        if not any(r in h["reason"] for r in REASONS):
+            mon.fail(f"round {h['round']} has no known reason: {h['reason']!r}")
+    failures = sum("worker failure" in h["reason"] for h in history)
+    if failures != final["restarts"]:
+        mon.fail(f"{failures} rounds for worker failures but {final['restarts']} restarts counted")
+    shared = {k: v for k, v in assigned_ranks(*live, *dead).items() if len(v) > 1}
+    if shared:
+        mon.fail(f"(round, group rank) given to more than one node: {shared}")
+    for key, node in mon.owners.items():
+        told = assigned_ranks(*live, *dead).get(key)
+        if told is not None and told != {node}:
+            mon.fail(f"REST said {key} is {node}, the agents say {told}")
+    assert elapsed < 150, f"[chaos seed {SEED}] took {elapsed:.0f}s"
