@@ -190,15 +190,19 @@ def join(job: Job, msg: JoinMsg, now: float) -> Effects:
         )
     node = job.nodes.get(msg.node_id)
     fx = Effects()
+    if (node is not None and node.state == RUNNING and not job.forming
+            and msg.resume_round in (None, job.round)):
+        # A reconnect of a member of the running round: with resume_round its workers
+        # run on; without, its assignment was sent while it was away (a round that
+        # completed during a server restart or a reconnect). Either way: the same
+        # assignment again, nothing else changes.
+        node.connected, node.lost_deadline, node.last_seen = True, None, now
+        fx.send(node.node_id, AssignedMsg(assignment=_assignment(job, node)))
+        fx.logs.append(f"job {job.job_id} round {job.round}: node {node.node_id} reconnected")
+        return fx
     if msg.resume_round is not None:
         if node is None:
             raise EvictedError(f"node {msg.node_id!r} is not part of job {job.job_id!r} any more (evicted)")
-        if node.state == RUNNING and msg.resume_round == job.round and not job.forming:
-            node.connected, node.lost_deadline, node.last_seen = True, None, now
-            node.addr, node.host = msg.addr, msg.host
-            fx.send(node.node_id, AssignedMsg(assignment=_assignment(job, node)))
-            fx.logs.append(f"job {job.job_id} round {job.round}: node {node.node_id} reconnected")
-            return fx
         if node.state == SUCCEEDED:
             raise StaleRoundError(f"node {msg.node_id!r} already reported success in round {job.round}")
         if node.state == RUNNING:  # running in the current round but resuming an older one
@@ -209,10 +213,8 @@ def join(job: Job, msg: JoinMsg, now: float) -> Effects:
             fx.send(node.node_id, RestartMsg(round=job.round, reason=job.history[-1].reason))
             return fx
         # a waiting/spare node that resumes: fall through and treat as a join
-    if node is not None and node.state in (RUNNING, SUCCEEDED):
-        raise StaleRoundError(
-            f"node {msg.node_id!r} is {node.state} in round {job.round}; it cannot join again without leaving"
-        )
+    if node is not None and node.state == SUCCEEDED:
+        raise StaleRoundError(f"node {msg.node_id!r} already succeeded in round {job.round}; it cannot join again")
     if node is None:
         node = Node(
             node_id=msg.node_id,

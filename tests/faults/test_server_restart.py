@@ -142,11 +142,6 @@ def test_kill9_while_a_round_forms_the_round_completes_after_restart(fcluster: F
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "bug in rounds.join: a restored (disconnected) waiting node counts toward completing the round, so the round "
-    "completes while its AssignedMsg has no channel to go to; when the node reconnects, its plain join (it never "
-    "got an assignment) is refused with stale_round ('running in round 0; it cannot join again'), and the agent "
-    "ignores stale_round when it runs no workers: it hangs, its node is lost after the grace, round 1 never forms"))
 def test_node_restored_disconnected_gets_its_assignment(fcluster: FaultCluster, tmp_path: Path) -> None:
     """1 of 2 agents has joined; the server is SIGKILLed and restarted, and the
     2nd agent joins before the 1st has reconnected (the 1st is held with

@@ -516,12 +516,27 @@ def test_finished_job_refuses_joins_and_ignores_leaves(end):
     assert record(job) == before
 
 
-def test_running_member_cannot_join_again_without_leaving():
-    """A plain join from a node running the current round is refused, changing nothing."""
+def test_plain_join_from_a_running_member_gets_its_assignment_again():
+    """A member whose assignment was sent while it was away (it joins again
+    without resume_round) gets the same assignment; nothing else changes."""
     job = form(["a", "b"])
+    rounds.disconnect(job, "a", 1.9, grace_s=0.5)
+    before = record(job)
+    fx = rounds.join(job, join_msg("a", sp=job.spec), 2.0)
+    after = record(job)
+    assert sent(fx, AssignedMsg)["a"].assignment == rounds._assignment(job, job.nodes["a"])
+    assert job.round == 0 and job.state == JobState.RUNNING and job.nodes["a"].connected
+    for key in ("round", "order", "restarts", "history", "state"):
+        assert after[key] == before[key]
+
+
+def test_succeeded_member_cannot_join_again():
+    """A plain join from a node that already succeeded is refused, changing nothing."""
+    job = form(["a", "b"])
+    rounds.succeed(job, "a", 0, 2.0)
     before = record(job)
     with pytest.raises(StaleRoundError, match="cannot join again"):
-        rounds.join(job, join_msg("a", sp=job.spec), 2.0)
+        rounds.join(job, join_msg("a", sp=job.spec), 2.1)
     assert record(job) == before
 
 
