@@ -17,6 +17,7 @@ import random
 import ssl
 import time
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 
@@ -247,10 +248,10 @@ class RestClient:
         return JobList.model_validate_json(await self._call("GET", "/v1/jobs"))
 
     async def job(self, job_id: str) -> JobView:
-        return JobView.model_validate_json(await self._call("GET", f"/v1/jobs/{job_id}"))
+        return JobView.model_validate_json(await self._call("GET", f"/v1/jobs/{quote(job_id, safe='')}"))
 
     async def close_job(self, job_id: str) -> CloseResult:
-        return CloseResult.model_validate_json(await self._call("POST", f"/v1/jobs/{job_id}/close"))
+        return CloseResult.model_validate_json(await self._call("POST", f"/v1/jobs/{quote(job_id, safe='')}/close"))
 
     async def health(self) -> Health:
         return Health.model_validate_json(await self._call("GET", "/healthz"))
