@@ -480,7 +480,9 @@ def table(rows: list[Row], results: dict) -> str:
         ratio = f"{rm / tm:.2f}" if rm is not None and tm and not any(
             o.value is None for o in r.get("torchrun", []) + r.get("rdzv", [])) else "-"
         if ratio == "-" and rm is not None and r.get("torchrun") and all(o.value is None for o in r["torchrun"]):
-            ratio = "torchrun did not finish"
+            bounds = [re.fullmatch(r"> (\d+(?:\.\d+)?) s", o.failure or "") for o in r["torchrun"]]
+            ratio = (f"< {rm / min(float(m.group(1)) for m in bounds):.2f}" if all(bounds)
+                     else "torchrun did not recover")
         body.append([row.title, rc, tc, ratio])
     return C.md_table(["row", "rdzv median (min-max)", "torchrun median (min-max)", "rdzv/torchrun"], body)
 
