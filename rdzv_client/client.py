@@ -40,7 +40,10 @@ log = logging.getLogger(__name__)
 BACKOFF_START_S = 0.05
 BACKOFF_MAX_S = 3.0
 CONNECT_TIMEOUT_S = 5.0
-WS_PING_S = 5.0  # detects a frozen or cut-off server; the workers keep running meanwhile
+# Detects a frozen or cut-off server (aiohttp gives up after half of it without a
+# pong); the workers keep running meanwhile. Long, so that a busy server is not
+# mistaken for a dead one: a partition heals through the next heartbeat anyway.
+WS_PING_S = 15.0
 # A connection that lasted this long was healthy: the next reconnect starts the
 # backoff over. One the server closes sooner (it refused us) keeps backing off.
 STABLE_S = 2.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -77,6 +78,12 @@ async def serve(settings: Settings, host: str, port: int, ssl_ctx=None, ready=No
     app = create_app(settings)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
     await runner.setup()  # opens the store: DataDirError stops us here
+    # Thousands of held connections are ~100 tracked objects each; CPython's full
+    # collections then stop the loop for a second or more and free nothing
+    # (measured at 10,000 nodes). Freeze what startup made and collect the old
+    # generations far less often; reference counting frees almost everything.
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
     site = web.TCPSite(runner, host, port, ssl_context=ssl_ctx, reuse_address=True, backlog=4096)
     try:
         await site.start()

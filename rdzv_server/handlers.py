@@ -95,7 +95,11 @@ class WsChannel:
         self.queue: asyncio.Queue[str | None] = asyncio.Queue()
         self.writer = asyncio.create_task(self._write())
 
-    def deliver(self, msg) -> None:
+    def deliver(self, text: str) -> None:
+        self.queue.put_nowait(text)
+
+    def tell(self, msg) -> None:
+        """Reply on this connection only (acks and errors)."""
         self.queue.put_nowait(msg.model_dump_json())
 
     def drop(self) -> None:
@@ -122,7 +126,7 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
         async for frame in ws:
             if frame.type != WSMsgType.TEXT:
                 if frame.type == WSMsgType.BINARY:
-                    chan.deliver(ErrorMsg(code=ErrorCode.BAD_REQUEST, message="send JSON text frames"))
+                    chan.tell(ErrorMsg(code=ErrorCode.BAD_REQUEST, message="send JSON text frames"))
                 continue
             if frame.data == _HB_FRAME and bound is not None:  # the hot path: no parsing
                 store.heartbeat(*bound)
@@ -130,13 +134,13 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
             try:
                 msg = AGENT_MESSAGE.validate_json(frame.data)
             except ValidationError as e:
-                chan.deliver(ErrorMsg(code=ErrorCode.VALIDATION_ERROR, message=_short(e)))
+                chan.tell(ErrorMsg(code=ErrorCode.VALIDATION_ERROR, message=_short(e)))
                 continue
             counter.labels(msg.op).inc()
             try:
                 bound = _dispatch(store, msg, bound, chan)
             except RdzvError as e:
-                chan.deliver(ErrorMsg(code=e.code, message=e.message))
+                chan.tell(ErrorMsg(code=e.code, message=e.message))
     finally:
         if bound is not None:
             store.disconnected(*bound, chan)
@@ -159,13 +163,13 @@ def _dispatch(store, msg, bound, chan):
         store.heartbeat(*bound)
     elif isinstance(msg, FailedMsg):
         store.fail(*bound, msg.round, msg.failures)
-        chan.deliver(AckMsg(of="failed"))
+        chan.tell(AckMsg(of="failed"))
     elif isinstance(msg, SucceededMsg):
         store.succeed(*bound, msg.round)
-        chan.deliver(AckMsg(of="succeeded"))
+        chan.tell(AckMsg(of="succeeded"))
     elif isinstance(msg, LeaveMsg):
         store.leave(*bound, msg.reason, chan)
-        chan.deliver(AckMsg(of="leave"))
+        chan.tell(AckMsg(of="leave"))
         return None
     return bound
 

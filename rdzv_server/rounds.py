@@ -454,7 +454,8 @@ def _open_round(job: Job, reason: str, now: float) -> Effects:
         elif node.state == SPARE:
             _set_state(job, node, WAITING)
     fx.logs.append(f"job {job.job_id} round {job.round} opened: {reason}; "
-                   f"waiting for {', '.join(job.prev_order) or 'nobody'}")
+                   f"waiting for {len(job.prev_order)} node(s) {', '.join(job.prev_order[:16]) or 'nobody'}"
+                   f"{' ...' if len(job.prev_order) > 16 else ''}")
     return fx.merge(_check_complete(job, now))
 
 

@@ -49,7 +49,8 @@ STALL_S = 1.5  # a loop that slept this long was stopped or starved: be lenient
 class Channel(Protocol):
     """Where messages for one connected agent go (a WebSocket, in the app)."""
 
-    def deliver(self, msg) -> None: ...
+    def deliver(self, text: str) -> None:
+        """Queue one serialized message (JSON text) for the agent."""
 
     def drop(self) -> None:
         """Close the connection so the agent reconnects."""
@@ -320,10 +321,14 @@ class Store:
                 self._rollback(job, created, e, requester)
         for line in fx.logs:
             log.info("%s", line)
+        texts: dict[int, str] = {}  # a broadcast (restart, done, status) is serialized once
         for node_id, msg in fx.sends:
             chan = self.channels.get((job.job_id, node_id))
             if chan is not None:
-                chan.deliver(msg)
+                text = texts.get(id(msg))
+                if text is None:
+                    text = texts[id(msg)] = msg.model_dump_json()
+                chan.deliver(text)
         for node_id in fx.evicted:
             chan = self.channels.pop((job.job_id, node_id), None)
             if chan is not None:
@@ -360,7 +365,7 @@ class Store:
             self.jobs[job.job_id] = saved
         error = UnavailableError(f"the server cannot save state ({err}); retry later", ErrorCode.UNAVAILABLE)
         if requester is not None:
-            requester.deliver(ErrorMsg(code=error.code, message=error.message))
+            requester.deliver(ErrorMsg(code=error.code, message=error.message).model_dump_json())
         dropped = [self.channels.pop(k) for k in [k for k in self.channels if k[0] == job.job_id]]
         for chan in dropped:
             chan.drop()
