@@ -111,6 +111,7 @@ def _env(name: str, default=None):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rdzv-agent",
+        allow_abbrev=False,  # the script's own --node or --log must not match our flags
         description="Launch and supervise one node's workers of an elastic PyTorch job "
                     "(a drop-in for torchrun; see rdzv-server).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -530,6 +531,10 @@ class Agent:
         return None
 
     async def _on_error(self, msg: ErrorMsg) -> int | None:
+        if msg.code == ErrorCode.UNAVAILABLE:
+            # the server could not save state: it drops us, we reconnect and re-send
+            log.warning("server unavailable: %s", msg.message)
+            return None
         self.link.clear_reports()
         if msg.code == ErrorCode.EVICTED:
             return await self._on_message(EvictedMsg(reason=msg.message))
@@ -541,6 +546,8 @@ class Agent:
                 self._say("%s; stopping workers and rejoining", msg.message)
                 await self._stop_workers()
                 self._join()
+            else:
+                log.info("server: %s", msg.message)
             return None
         if msg.code in FATAL_CODES:
             print(f"[rdzv-agent] error: the server refused this node: {msg.message}", file=sys.stderr, flush=True)

@@ -77,6 +77,7 @@ class Node:
     rank_offset: int = 0
     connected: bool = True
     lost_deadline: float | None = None
+    dropped: bool = False  # its connection dropped (not merely restored from disk)
     joined_at: float = 0.0
 
 
@@ -196,7 +197,7 @@ def join(job: Job, msg: JoinMsg, now: float) -> Effects:
         # run on; without, its assignment was sent while it was away (a round that
         # completed during a server restart or a reconnect). Either way: the same
         # assignment again, nothing else changes.
-        node.connected, node.lost_deadline, node.last_seen = True, None, now
+        node.connected, node.lost_deadline, node.last_seen, node.dropped = True, None, now, False
         fx.send(node.node_id, AssignedMsg(assignment=_assignment(job, node)))
         fx.logs.append(f"job {job.job_id} round {job.round}: node {node.node_id} reconnected")
         return fx
@@ -209,7 +210,7 @@ def join(job: Job, msg: JoinMsg, now: float) -> Effects:
             raise StaleRoundError(f"round {msg.resume_round} is over; job {job.job_id!r} runs round {job.round}")
         if node.state == REJOINING:
             # It missed the news: its round is over. Tell it to stop and rejoin.
-            node.connected, node.lost_deadline, node.last_seen = True, None, now
+            node.connected, node.lost_deadline, node.last_seen, node.dropped = True, None, now, False
             fx.send(node.node_id, RestartMsg(round=job.round, reason=job.history[-1].reason))
             return fx
         # a waiting/spare node that resumes: fall through and treat as a join
@@ -231,7 +232,7 @@ def join(job: Job, msg: JoinMsg, now: float) -> Effects:
         node.host, node.addr = msg.host, msg.addr
         node.local_world_size, node.master_port = msg.local_world_size, msg.master_port
         node.requested_rank = msg.requested_rank
-        node.last_seen, node.connected, node.lost_deadline = now, True, None
+        node.last_seen, node.connected, node.lost_deadline, node.dropped = now, True, None, False
     if job.forming:
         _set_state(job, node, WAITING)
         job.status_dirty = True
@@ -273,6 +274,7 @@ def disconnect(job: Job, node_id: str, now: float, grace_s: float) -> Effects:
         return Effects()
     node.connected = False
     node.lost_deadline = now + grace_s
+    node.dropped = True
     return Effects()
 
 
@@ -297,7 +299,8 @@ def fail(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], now:
     cause = f"node {node.node_id} ({node.host}) {first.describe()}"
     fx = Effects()
     fx.logs.append(f"job {job.job_id} round {job.round}: worker failure on {cause}")
-    gone = [n for n in job.order if n in job.nodes and job.nodes[n].state == RUNNING and not job.nodes[n].connected]
+    # (nodes restored from disk and not back yet are not gone: they have a heartbeat timeout)
+    gone = [n for n in job.order if n in job.nodes and job.nodes[n].state == RUNNING and job.nodes[n].dropped]
     if gone:
         # A member's connection already dropped: its death is the root cause and this
         # failure its echo (a collective lost its peer). Lose it now, charge nothing.
@@ -344,6 +347,7 @@ def grace(job: Job, now: float) -> None:
         node.last_seen = now
         if not node.connected:
             node.lost_deadline = now + job.spec.heartbeat_timeout_s
+            node.dropped = False  # the drop was the server's doing, not the node's death
     if job.last_call_deadline is not None:
         job.last_call_deadline = max(job.last_call_deadline, now + job.spec.last_call_s)
     if job.join_deadline is not None:
@@ -353,7 +357,7 @@ def grace(job: Job, now: float) -> None:
 def restored(job: Job, now: float) -> None:
     """A job loaded from disk: nobody is connected yet; give everyone a timeout."""
     for node in job.nodes.values():
-        node.connected = False
+        node.connected, node.dropped = False, False
     grace(job, now)
 
 

@@ -168,12 +168,6 @@ def test_node_restored_disconnected_gets_its_assignment(fcluster: FaultCluster, 
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "bug in rounds.fail (commit a1267d5, 'a failure reported while a peer's connection is down loses the peer'): "
-    "after a restart every restored node counts as disconnected until it reconnects, so a real worker failure "
-    "reported in that window evicts every live node that has not reconnected yet ('connection lost'), charges "
-    "nothing, and those nodes must come back as new nodes through another round, although a restart promises "
-    "them a full heartbeat timeout"))
 def test_worker_failure_right_after_restart_does_not_evict_nodes_still_reconnecting(fcluster: FaultCluster,
                                                                                     tmp_path: Path) -> None:
     """3 agents train (heartbeat timeout 10 s). The server is SIGKILLed and

@@ -357,6 +357,18 @@ def test_failure_echoing_a_dropped_peer_is_charged_to_the_lost_node():
     assert job.state == JobState.RUNNING and job.order == ["a", "b"]
 
 
+def test_failure_after_a_server_restart_spares_nodes_not_back_yet():
+    """After a restart, members that have not reconnected yet are not taken for
+    dead by a failure report: the failure is charged and they keep their timeout."""
+    from rdzv_server.protocol import ExitRecord
+
+    job = rounds.from_record(json.loads(json.dumps(rounds.to_record(form(["a", "b", "c"])))))
+    rounds.restored(job, 10.0)
+    rounds.join(job, join_msg("a", sp=job.spec, resume=0), 10.1)
+    rounds.fail(job, "a", 0, [ExitRecord(local_rank=0, rank=0, pid=9, exit_code=1, timestamp=10.2)], 10.2)
+    assert job.restarts == 1 and set(job.nodes) == {"a", "b", "c"} and job.round == 1
+
+
 def test_below_min_after_a_loss_waits_for_join_timeout_then_fails():
     """When fewer than min_nodes remain, the job waits join_timeout_s for new nodes, then fails."""
     job = form(["a", "b"], spec(min_nodes=2, max_nodes=3))
