@@ -35,7 +35,7 @@ import re
 from enum import Enum
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 API_PREFIX = "/v1"
 AGENT_PATH = "/v1/agent"

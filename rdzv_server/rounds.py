@@ -42,7 +42,6 @@ from .protocol import (
     JoinedMsg,
     JoinMsg,
     NodeView,
-    NotJoinedError,
     RestartMsg,
     RoundView,
     SpareMsg,

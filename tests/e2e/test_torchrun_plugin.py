@@ -16,7 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,71 +30,17 @@ import pytest
 
 pytest.importorskip("torch")
 
+from .conftest import POLL_S, TAG_VAR, descendants, free_port, tagged_pids, wait_until  # noqa: E402
+
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "plugin_scripts" / "allreduce_loop.py"
-TAG_VAR = "RDZV_PLUGIN_E2E_TAG"
-POLL_S = 0.05
 STEP_RE = re.compile(r"^step (\d+) rank (\d+) world (\d+) restart (\d+)$", re.M)
 # the runner's own variables that would change what torchrun or a worker does
 _SCRUB_PREFIXES = ("SLURM_", "PET_", "RDZV_", "TORCHELASTIC_", "MASTER_", "TORCH_NCCL_")
 _SCRUB_NAMES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "OMP_NUM_THREADS"}
-
-
-def wait_until(fn: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        last = fn()
-        if last:
-            return last
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what} (last: {last!r})")
-        time.sleep(POLL_S)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _children() -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            out.setdefault(int(stat[stat.rfind(")") + 2:].split()[1]), []).append(int(entry))
-    return out
-
-
-def descendants(pid: int) -> list[int]:
-    children, out, todo = _children(), [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def tagged_pids(tag: str) -> list[int]:
-    needle = f"{TAG_VAR}={tag}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            env = Path(f"/proc/{entry}/environ").read_bytes()
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        if needle in env.split(b"\0") and stat[stat.rfind(")") + 2] != "Z":
-            found.append(int(entry))
-    return found
 
 
 def _alive(pid: int) -> bool:
