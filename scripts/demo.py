@@ -150,17 +150,23 @@ def main() -> int:
     say(f"SIGKILL agent-3 (pid {victim.pid}) and its worker: a node dies without a word")
     t_kill = time.monotonic()
     os.killpg(victim.pid, signal.SIGKILL)
+    wait_for(r"round 1 complete", t_kill, 60, who="server")
+    formed = time.monotonic() - t_kill
     line = wait_for(r"started rank 0/2 .*resumed_from_step [1-9]", t_kill, 60)
-    say(f"survivors re-formed with world size 2 in {time.monotonic() - t_kill:.1f}s and resumed from the "
-        f"checkpoint ({line.split('resumed_from_step')[-1].strip()})")
+    say(f"survivors re-formed with world size 2 {formed:.1f}s after the kill; their new workers started "
+        f"{time.monotonic() - t_kill:.1f}s after it (most of that is importing torch) and resumed from the "
+        f"checkpoint at step {line.split('resumed_from_step')[-1].strip()}")
     wait_for(r"step \d+ loss .* world_size 2", t_kill, 60)
     status()
 
     say("a new node arrives: agent-4")
     t_new = time.monotonic()
     agent("agent-4")
+    wait_for(r"round 2 complete", t_new, 60, who="server")
+    formed = time.monotonic() - t_new
     wait_for(r"started rank 0/3 .*resumed_from_step [1-9]", t_new, 90)
-    say(f"the world grew back to 3 in {time.monotonic() - t_new:.1f}s (including the new agent's start)")
+    say(f"the world grew back to 3: round 2 formed {formed:.1f}s after agent-4 was launched, workers running "
+        f"{time.monotonic() - t_new:.1f}s after it")
     wait_for(r"step \d+ loss .* world_size 3", t_new, 60)
 
     say(f"training to step {STEPS} ...")
