@@ -55,6 +55,10 @@ __all__ = [
 ]
 
 MAX_MESSAGE_CHARS = 4000
+# Workers die with their agent: an agent that is SIGKILLed (OOM killer, kill -9)
+# must not leave workers running as a stale rank. util-linux's setpriv sets the
+# parent-death signal and execs the worker (no preexec_fn: unsafe with threads).
+_SETPRIV = shutil.which("setpriv") if sys.platform.startswith("linux") else None
 _STDERR_TAIL_LINES = 20
 _READ_CHUNK = 64 * 1024
 # A "line" longer than this is printed in pieces rather than buffered forever
@@ -419,6 +423,8 @@ class WorkerGroup:
             Path(error_file).parent.mkdir(parents=True, exist_ok=True)
 
         argv = [Template(arg).safe_substitute(local_rank=str(w.local_rank)) for arg in self.config.cmd]
+        if _SETPRIV and shutil.which(argv[0], path=w.env.get("PATH")):
+            argv = [_SETPRIV, "--pdeathsig", "KILL", "--", *argv]
         console = self.console
         opened: list[object] = []
         plans = []

@@ -24,6 +24,7 @@ from rdzv_client.workers import (
     read_error_file,
     worker_env,
 )
+from rdzv_client import workers
 from rdzv_server.protocol import Assignment
 
 WAIT_S = 15.0
@@ -569,3 +570,44 @@ def test_exit_info_ok() -> None:
     assert ExitInfo(0, 1, 0, None, "", 0.0).ok
     assert not ExitInfo(0, 1, 1, None, "", 0.0).ok
     assert not ExitInfo(0, 1, None, "SIGTERM", "", 0.0).ok
+
+
+@pytest.mark.skipif(workers._SETPRIV is None, reason="needs util-linux setpriv (Linux) for the parent-death signal")
+def test_workers_die_with_a_sigkilled_agent(tmp_path):
+    """An agent killed with SIGKILL takes its workers with it: none keeps running as a stale rank."""
+    import subprocess
+    import textwrap
+
+    pid_file = tmp_path / "worker.pid"
+    agent_code = textwrap.dedent(f"""
+        import asyncio, sys
+        from rdzv_client.workers import LaunchConfig, WorkerGroup
+        async def main():
+            code = "import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+            g = WorkerGroup(LaunchConfig(cmd=[sys.executable, "-c", code], local_world_size=1), [dict()], 0,
+                            console=None)
+            await g.start()
+            await asyncio.sleep(60)
+        asyncio.run(main())
+    """)
+    agent = subprocess.Popen([sys.executable, "-c", agent_code], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert time.monotonic() < deadline, "the worker never started"
+            time.sleep(0.05)
+        worker = int(pid_file.read_text())
+        agent.kill()
+        agent.wait(10)
+        deadline = time.monotonic() + 5
+        while not is_gone(worker):
+            assert time.monotonic() < deadline, f"worker {worker} outlived its SIGKILLed agent"
+            time.sleep(0.05)
+    finally:
+        agent.kill()
+        agent.wait(10)
+        if pid_file.exists() and pid_file.read_text():
+            try:
+                os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
