@@ -108,13 +108,22 @@ def _env(name: str, default=None):
     return os.environ.get("PET_" + name.upper().replace("-", "_"), default)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show a default only where there is one and the help does not say it."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, "") or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rdzv-agent",
         allow_abbrev=False,  # the script's own --node or --log must not match our flags
         description="Launch and supervise one node's workers of an elastic PyTorch job "
                     "(a drop-in for torchrun; see rdzv-server).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     a = p.add_argument
     a("--endpoint", "--rdzv-endpoint", "--rdzv_endpoint", dest="endpoint",
