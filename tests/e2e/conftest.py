@@ -369,22 +369,19 @@ def _network_isolation() -> str:
     return "netns" if os.environ.get("RDZV_TEST_NETNS") else "loopback"
 
 
-@pytest.fixture
-def cluster(tmp_path: Path, request: pytest.FixtureRequest):
-    c = Cluster(tmp=tmp_path)
+def managed(c, request: pytest.FixtureRequest):
+    """Yield the cluster ``c``; afterwards kill everything it started and, if
+    the test failed, print its processes' logs (they explain the failure)."""
     try:
         yield c
     finally:
         c.close()
         rep = getattr(request.node, "rep_call", None)
         if rep is not None and rep.failed:
-            for proc in c.procs:  # the logs are what explains an e2e failure
+            for proc in c.procs:
                 print(f"\n===== {proc.name} ({proc.log_path}) =====\n{proc.text()[-6000:]}")
 
 
-@pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_makereport(item, call):
-    rep = yield
-    if rep.when == "call":
-        item.rep_call = rep
-    return rep
+@pytest.fixture
+def cluster(tmp_path: Path, request: pytest.FixtureRequest):
+    yield from managed(Cluster(tmp=tmp_path), request)

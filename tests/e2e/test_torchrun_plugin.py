@@ -31,6 +31,7 @@ import pytest
 pytest.importorskip("torch")
 
 from .conftest import POLL_S, TAG_VAR, descendants, free_port, tagged_pids, wait_until  # noqa: E402
+from .conftest import Proc as BaseProc  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -59,31 +60,12 @@ def _sigkill(pid: int) -> None:
             pass
 
 
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen
-    log: Path
+class Proc(BaseProc):
+    """The e2e conftest's process, reading this module's step lines."""
 
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def text(self) -> str:
-        try:
-            return self.log.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def steps(self) -> list[tuple[int, int, int, int]]:
+    def steps(self) -> list[tuple[int, int, int, int]]:  # type: ignore[override]
         """(step, rank, world, restart) of every step line its workers printed."""
         return [tuple(int(g) for g in m.groups()) for m in STEP_RE.finditer(self.text())]
-
-    def wait_exit(self, timeout: float) -> int:
-        try:
-            return self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"{self.name} did not exit within {timeout:g}s:\n{self.text()[-3000:]}") from None
 
 
 @dataclass

@@ -45,6 +45,7 @@ from e2e.conftest import (  # noqa: E402 - after the path fix above
     Server,
     descendants,
     free_port,
+    managed,
     wait_until,
 )
 
@@ -319,15 +320,7 @@ def _enter_netns(name: str) -> None:
 
 @pytest.fixture
 def fcluster(tmp_path: Path, request: pytest.FixtureRequest):
-    c = FaultCluster(tmp=tmp_path)
-    try:
-        yield c
-    finally:
-        c.close()
-        rep = getattr(request.node, "rep_call", None)
-        if rep is not None and rep.failed:
-            for proc in c.procs:  # the logs are what explains a failure
-                print(f"\n===== {proc.name} ({proc.log_path}) =====\n{proc.text()[-5000:]}")
+    yield from managed(FaultCluster(tmp=tmp_path), request)
 
 
 @pytest.fixture
@@ -345,11 +338,3 @@ def netlab(request: pytest.FixtureRequest):
     finally:
         errors = lab.cleanup()
         assert not errors, f"could not delete namespaces: {errors}"
-
-
-@pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_makereport(item, call):
-    rep = yield
-    if rep.when == "call":
-        item.rep_call = rep
-    return rep
