@@ -372,7 +372,8 @@ class Agent:
         self.status = StatusLine()
         self.addr = cfg.local_addr
         self._err_dir = Path(tempfile.mkdtemp(prefix="rdzv-err-")) if cfg.log_dir is None else None
-        self.round_started_at: float | None = None
+        self._group_running = False  # a worker group of the current round is up
+        self._succeeded = False  # this node's workers all exited 0 and it reported so
 
     # -- messages
 
@@ -479,7 +480,6 @@ class Agent:
                 if f is not None:
                     f.cancel()
 
-    _group_running = False
 
     async def _on_message(self, msg) -> int | None:
         cfg = self.cfg
@@ -565,7 +565,6 @@ class Agent:
         log.warning("server error %s: %s", msg.code.value, msg.message)
         return None
 
-    _succeeded = False
 
     def _show_waiting(self, round_no: int, info) -> None:
         self.status.show(f"[rdzv-agent] job {self.cfg.job_id} round {round_no}: {info.joined} joined "

@@ -12,6 +12,7 @@ error: the loop just hears nothing until the server is back.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import ssl
@@ -237,8 +238,6 @@ class RestClient:
                     body = await r.read()
                     if r.status >= 400:
                         try:
-                            import json
-
                             data = json.loads(body)
                             raise error_from_body(data["code"], data["message"])
                         except (ValueError, KeyError, TypeError):
