@@ -41,6 +41,7 @@ from rdzv_server.protocol import (
     EvictedMsg,
     ExitRecord,
     FailedMsg,
+    heartbeat_interval,
     JobSpec,
     JoinedMsg,
     JoinMsg,
@@ -416,7 +417,7 @@ class Agent:
             _, host, port = parse_endpoint(self.cfg.endpoint)
             if not self.addr:
                 self.addr = route_addr(host, port)
-            self.link = AgentLink(self.cfg.endpoint, self.cfg.token)
+            self.link = AgentLink(self.cfg.endpoint, self.cfg.token, heartbeat_s=heartbeat_interval(self.cfg.spec()))
             await self.link.start()
             self._say("joining %s at %s (nnodes %d:%d, %d worker(s) here, address %s)", self.cfg.endpoint,
                       time.strftime("%H:%M:%S"), self.cfg.min_nodes, self.cfg.max_nodes, self.cfg.nproc, self.addr)

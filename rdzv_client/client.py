@@ -98,12 +98,15 @@ class AgentLink:
     Server messages arrive on :meth:`recv` in order.
     """
 
-    def __init__(self, endpoint: str, token: str | None = None, ssl_ctx: ssl.SSLContext | bool | None = None) -> None:
+    def __init__(self, endpoint: str, token: str | None = None, ssl_ctx: ssl.SSLContext | bool | None = None,
+                 heartbeat_s: float = 2.0) -> None:
         self.url = base_url(endpoint) + AGENT_PATH
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.ssl = ssl_ctx if ssl_ctx is not None else True
         self.intent: JoinMsg | None = None
-        self.heartbeat_s = 2.0
+        # until the server's ``joined`` says otherwise: the first heartbeat must not
+        # come later than the job's timeout allows
+        self.heartbeat_s = heartbeat_s
         self.connected = asyncio.Event()
         self.ever_connected = False
         self.last_error: str | None = None

@@ -60,6 +60,7 @@ from rdzv_server.protocol import (
     RdzvError,
     RestartMsg,
     SucceededMsg,
+    heartbeat_interval,
 )
 
 from .agent import free_port, new_node_id, route_addr
@@ -130,7 +131,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
         ready.wait()
 
     async def _start_link(self) -> None:
-        self._link = AgentLink(self.endpoint, self.token)
+        self._link = AgentLink(self.endpoint, self.token, heartbeat_s=heartbeat_interval(self.spec))
         self._inbox = asyncio.Queue()
         self._news = asyncio.Event()
         await self._link.start()

@@ -231,6 +231,12 @@ class JobSpec(_Strict):
         return self
 
 
+def heartbeat_interval(spec: JobSpec) -> float:
+    """How often agents send heartbeats: a few per timeout, at most every 2 s.
+    The server says it in ``joined``; an agent uses it for its own spec until then."""
+    return min(2.0, spec.heartbeat_timeout_s / 3.0)
+
+
 # ------------------------------------------------------- agent -> server
 
 

@@ -50,6 +50,7 @@ from .protocol import (
     StatusMsg,
     TERMINAL_STATES,
     WaitingInfo,
+    heartbeat_interval,
 )
 
 WAITING = "waiting"
@@ -157,11 +158,6 @@ def natural_key(node: Node) -> tuple:
     """``node2`` before ``node10``; then node id. re.split alternates str/int."""
     parts = _DIGITS.split(node.host)
     return tuple(int(p) if i % 2 else p.lower() for i, p in enumerate(parts)), node.node_id
-
-
-def heartbeat_interval(spec: JobSpec) -> float:
-    """How often agents send heartbeats: a few per timeout, at most every 2 s."""
-    return min(2.0, spec.heartbeat_timeout_s / 3.0)
 
 
 # ------------------------------------------------------------------- create
