@@ -200,6 +200,23 @@ def is_valid_id(value: str) -> bool:
     return 0 < len(value) <= MAX_ID_LEN and bool(_ID_RE.match(value))
 
 
+# C0 and C1 control characters and DEL: what a terminal or a log reader would act on.
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text: object, limit: int | None = None) -> str:
+    """``text`` safe to print or log: control characters (newlines and escape
+    sequences included) become visible escapes (``\\n``, ``\\x1b``), so one
+    event stays one line and nothing a client sent can move a cursor, clear a
+    screen or forge a log line. ``limit`` truncates the result with ``...``."""
+    s = str(text)
+    if _CONTROL_RE.search(s):
+        s = _CONTROL_RE.sub(lambda m: repr(m.group())[1:-1], s)
+    if limit is not None and len(s) > limit:
+        s = s[: max(0, limit - 3)] + "..."
+    return s
+
+
 # ------------------------------------------------------------------ job spec
 
 DEFAULT_LAST_CALL_S = 1.0

@@ -47,3 +47,14 @@ def test_bad_agent_frames_are_refused(frame):
     """Unknown ops, unknown fields, negative rounds and junk do not parse."""
     with pytest.raises(ValidationError):
         AGENT_MESSAGE.validate_json(frame)
+
+
+def test_printable_escapes_control_characters():
+    from rdzv_server.protocol import printable
+
+    assert printable("plain text: ok") == "plain text: ok"
+    assert printable("forged\n2026-01-01 INFO line") == "forged\\n2026-01-01 INFO line"
+    assert printable("\x1b[2J\x1b]0;title\x07") == "\\x1b[2J\\x1b]0;title\\x07"
+    assert printable("nul\x00 del\x7f csi\x9b") == "nul\\x00 del\\x7f csi\\x9b"
+    assert "\n" not in printable("a\r\nb") and "\r" not in printable("a\r\nb")
+    assert printable("x" * 50, limit=10) == "xxxxxxx..."
