@@ -162,6 +162,31 @@ def test_at_the_fd_limit_the_log_stays_small_and_health_comes_back(fcluster: Fau
     assert re.search(r"file descriptors: .*128", server.text()), server.text()[-3000:]
 
 
+@pytest.mark.timeout(60)
+def test_connections_beyond_max_connections_are_closed_at_once(fcluster: FaultCluster, tmp_path: Path) -> None:
+    """--max-connections 20 and 30 clients that hold half-sent requests: 10 are closed
+    at once (long before the header timeout), /healthz answers once the others go."""
+    server = fcluster.start_server_at(free_port(), tmp_path / "data", "--max-connections", "20", name="server")
+    server.wait_log(r"at most 20 connections", 5)
+    held = []
+    for _ in range(30):
+        s = connect(server.port)
+        s.sendall(b"GET /healthz HTTP/1.1\r\n")
+        held.append(s)
+    alive = list(held)
+
+    def at_cap():
+        alive[:] = [s for s in alive if not is_closed(s)]
+        return len(alive) <= 20
+
+    wait_until(at_cap, HEADER_TIMEOUT_S / 2, "the connections over the limit closed")
+    assert len(alive) == 20, len(alive)  # the first 20 are held until their header timeout
+    server.wait_log(r"refusing new connections: 20 open, the limit is 20", 5)
+    for s in held:
+        s.close()
+    wait_until(server.healthy, 10, "/healthz answering once the clients left")
+
+
 MALFORMED = {
     "long request line": b"GET /" + b"a" * 10_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
     "1000 headers": b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(1000)) + b"\r\n",
