@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import ipaddress
 import logging
 import os
 import signal
@@ -14,7 +15,15 @@ from pathlib import Path
 
 from aiohttp import web
 
-from .app import Settings, create_app
+from .app import DEFAULT_JOIN_DEADLINE_S, Settings, create_app
+from .conns import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    AcceptErrors,
+    Listener,
+    connection_limit,
+    raise_fd_limit,
+)
 from .store import DataDirError
 
 log = logging.getLogger("rdzv_server")
@@ -31,7 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Rendezvous server for elastic PyTorch training (see rdzv-agent).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--host", default=argparse.SUPPRESS,
+                   help="address to listen on (default: 0.0.0.0 with a token, 127.0.0.1 without; "
+                        "a non-loopback address without a token needs --insecure)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host without a token: anyone who can reach the port "
+                        "can join, close or take over any job")
     p.add_argument("--port", type=int, default=29400, help="port to listen on (0: any free port)")
     p.add_argument("--data-dir", default=None,
                    help=f"where job state is kept (SQLite); default {default_data_dir()} "
@@ -42,6 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
     p.add_argument("--disconnect-grace", type=float, default=0.5,
                    help="seconds a node whose connection dropped has to reconnect before it is lost")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="seconds a client has to send a request line and headers (after connecting, or "
+                        "after the previous response); then the connection is closed")
+    p.add_argument("--join-deadline", type=float, default=DEFAULT_JOIN_DEADLINE_S,
+                   help="seconds a new agent WebSocket has to send its join; then it is closed")
+    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="open connections at most (lowered to fit the file-descriptor limit); "
+                        "new ones beyond it are closed at once")
     p.add_argument("--log-level", default=os.environ.get("RDZV_LOG_LEVEL", "INFO"),
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
@@ -57,7 +79,43 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     token = args.token if args.token is not None else os.environ.get("RDZV_TOKEN") or None
     if not 0 < args.disconnect_grace <= 60:
         raise SystemExit("rdzv-server: --disconnect-grace must be in (0, 60] seconds")
-    return Settings(data_dir=data_dir, token=token, disconnect_grace_s=args.disconnect_grace)
+    if not 0 < args.join_deadline <= 3600:
+        raise SystemExit("rdzv-server: --join-deadline must be in (0, 3600] seconds")
+    return Settings(data_dir=data_dir, token=token, disconnect_grace_s=args.disconnect_grace,
+                    join_deadline_s=args.join_deadline)
+
+
+class UsageError(Exception):
+    """A command line the server refuses to run (exit 2)."""
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False  # a name (or "") may resolve to anything: not loopback
+
+
+def bind_host(host: str | None, token: str | None, insecure: bool) -> str:
+    """Where to listen. Without a token: loopback by default, and a
+    non-loopback address only with ``insecure``."""
+    if host is None:
+        return "0.0.0.0" if token else "127.0.0.1"
+    if token or insecure or is_loopback(host):
+        return host
+    raise UsageError(f"refusing to listen on {host or '(all addresses)'} without a token: anyone who can reach it "
+                     "could join, close or take over any job; set --token (or $RDZV_TOKEN), or pass --insecure "
+                     "to accept that risk")
+
+
+def auth_note(host: str, token: str | None) -> str:
+    if token:
+        return "auth: token"
+    if is_loopback(host):
+        return "auth: none, loopback only; set --token to listen on other addresses"
+    return "auth: NONE on a non-loopback address (--insecure): anyone who can reach this port controls every job"
 
 
 def ssl_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
@@ -73,27 +131,33 @@ def ssl_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
     return ctx
 
 
-async def serve(settings: Settings, host: str, port: int, ssl_ctx=None, ready=None) -> None:
+async def serve(settings: Settings, host: str, port: int, ssl_ctx=None, ready=None, *,
+                header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+                max_connections: int = DEFAULT_MAX_CONNECTIONS, fd_note: str | None = None) -> None:
     """Run until SIGINT/SIGTERM. ``ready(port)`` is called once listening."""
+    asyncio.get_running_loop().set_exception_handler(AcceptErrors())
     app = create_app(settings)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
     await runner.setup()  # opens the store: DataDirError stops us here
+    if fd_note:
+        log.info("%s", fd_note)
     # Thousands of held connections are ~100 tracked objects each; CPython's full
     # collections then stop the loop for a second or more and free nothing
     # (measured at 10,000 nodes). Freeze what startup made and collect the old
     # generations far less often; reference counting frees almost everything.
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
-    site = web.TCPSite(runner, host, port, ssl_context=ssl_ctx, reuse_address=True, backlog=4096)
+    site = Listener(runner, host, port, ssl_context=ssl_ctx, max_connections=max_connections,
+                    header_timeout_s=header_timeout_s)
     try:
         await site.start()
     except OSError as e:
         await runner.cleanup()
         raise SystemExit(f"rdzv-server: cannot listen on {host}:{port}: {e.strerror or e}")
-    bound = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else port
+    bound = site.sockets[0].getsockname()[1] if site.sockets else port
     scheme = "https" if ssl_ctx else "http"
-    log.info("rdzv-server listening on %s://%s:%d (data: %s, auth: %s)", scheme, host, bound,
-             settings.data_dir or "memory only", "token" if settings.token else "none")
+    log.info("rdzv-server listening on %s://%s:%d (data: %s, %s)", scheme, host, bound,
+             settings.data_dir or "memory only", auth_note(host, settings.token))
     if ready:
         ready(bound)
     stop = asyncio.Event()
@@ -112,11 +176,27 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     settings = settings_from_args(args)
+    try:
+        host = bind_host(getattr(args, "host", None), settings.token, args.insecure)
+    except UsageError as e:
+        print(f"rdzv-server: {e}", file=sys.stderr)
+        raise SystemExit(2)
     ctx = ssl_context(args.tls_cert, args.tls_key)
     if not 0 <= args.port <= 65535:
         raise SystemExit("rdzv-server: --port must be 0..65535")
+    if not 0 < args.header_timeout <= 3600:
+        raise SystemExit("rdzv-server: --header-timeout must be in (0, 3600] seconds")
+    if args.max_connections < 1:
+        raise SystemExit("rdzv-server: --max-connections must be at least 1")
+    before, fds = raise_fd_limit()
+    max_conns = connection_limit(args.max_connections, fds)
+    fd_note = (f"file descriptors: limit {fds}" + (f" (raised from {before})" if fds != before else "")
+               + f"; at most {max_conns} connections"
+               + (f" (--max-connections {args.max_connections} lowered to fit)"
+                  if max_conns < args.max_connections else ""))
     try:
-        asyncio.run(serve(settings, args.host, args.port, ctx))
+        asyncio.run(serve(settings, host, args.port, ctx, header_timeout_s=args.header_timeout,
+                          max_connections=max_conns, fd_note=fd_note))
     except DataDirError as e:
         print(f"rdzv-server: refusing to start: {e}", file=sys.stderr)
         raise SystemExit(2)

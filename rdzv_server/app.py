@@ -12,7 +12,7 @@ from aiohttp import web
 from pydantic.json_schema import models_json_schema
 
 from . import handlers
-from .keys import METRICS, OPENAPI, STORE, TOKEN
+from .keys import JOIN_DEADLINE, METRICS, OPENAPI, STORE, TOKEN
 from .metrics import Metrics
 from .protocol import (
     AGENT_PATH,
@@ -31,12 +31,15 @@ log = logging.getLogger(__name__)
 
 __version__ = "0.1.0"
 
+DEFAULT_JOIN_DEADLINE_S = 10.0
+
 
 @dataclass
 class Settings:
     data_dir: Path | None = None
     token: str | None = None
     disconnect_grace_s: float = 0.5
+    join_deadline_s: float = DEFAULT_JOIN_DEADLINE_S
     store_settings: StoreSettings = field(init=False)
 
     def __post_init__(self) -> None:
@@ -159,6 +162,7 @@ def create_app(settings: Settings | None = None) -> web.Application:
     app[METRICS] = metrics
     app[STORE] = Store(settings.store_settings, metrics=metrics)
     app[TOKEN] = settings.token or ""
+    app[JOIN_DEADLINE] = settings.join_deadline_s
     app[OPENAPI] = openapi_document()
     app.cleanup_ctx.append(_store_ctx)
     app.router.add_get("/v1/jobs", handlers.list_jobs)

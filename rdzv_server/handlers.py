@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
-from aiohttp import WSMsgType, web
+from aiohttp import WSCloseCode, WSMsgType, web
 from pydantic import ValidationError
 
-from .keys import METRICS, OPENAPI, STORE
+from .conns import LogLimiter
+from .keys import JOIN_DEADLINE, METRICS, OPENAPI, STORE
 from .metrics import CONTENT_TYPE_LATEST
 from .protocol import (
     AGENT_MESSAGE,
@@ -32,6 +34,7 @@ from .protocol import (
     RequestError,
     SucceededMsg,
     is_valid_id,
+    printable,
 )
 
 log = logging.getLogger(__name__)
@@ -85,48 +88,150 @@ async def openapi(request: web.Request) -> web.Response:
 
 _HB_FRAME = '{"op":"hb"}'
 
+# What one connection may cost the server. Outgoing messages queue per
+# connection; an agent that does not read its messages is disconnected when
+# its queue holds this many (it reconnects like any agent), and so is one
+# whose single send does not complete within SEND_TIMEOUT_S.
+MAX_QUEUED_MESSAGES = 1000
+MAX_QUEUED_BYTES = 1 << 20
+SEND_TIMEOUT_S = 10.0
+# Error replies (invalid frames, refused requests): more than MAX_ERRORS
+# within ERROR_WINDOW_S and the connection is closed.
+MAX_ERRORS = 20
+ERROR_WINDOW_S = 10.0
+
+_close_log = LogLimiter(log, logging.WARNING, burst=10, rate=1.0)
+
 
 class WsChannel:
     """One agent's connection: messages queue up and a writer task sends them,
-    so one slow agent never holds up the others."""
+    so one slow agent never holds up the others. The queue is bounded (see
+    MAX_QUEUED_MESSAGES): an agent that falls behind is disconnected."""
 
-    def __init__(self, ws: web.WebSocketResponse) -> None:
+    def __init__(self, ws: web.WebSocketResponse, transport=None, peer: str = "?") -> None:
         self.ws = ws
+        self.transport = transport
+        self.peer = peer
         self.queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self.queued_bytes = 0
+        self.killed = False
+        self.errors = 0
+        self.errors_since = time.monotonic()
+        self.close_code = WSCloseCode.OK
+        self.close_reason = ""
         self.writer = asyncio.create_task(self._write())
 
     def deliver(self, text: str) -> None:
+        if self.killed:
+            return
+        if self.queue.qsize() >= MAX_QUEUED_MESSAGES or self.queued_bytes + len(text) > MAX_QUEUED_BYTES:
+            self.kill(f"send queue full ({self.queue.qsize()} messages, {self.queued_bytes} bytes): "
+                      "the agent does not read")
+            return
+        self.queued_bytes += len(text)
         self.queue.put_nowait(text)
 
     def tell(self, msg) -> None:
         """Reply on this connection only (acks and errors)."""
-        self.queue.put_nowait(msg.model_dump_json())
+        self.deliver(msg.model_dump_json())
+
+    def refuse(self, msg: ErrorMsg) -> bool:
+        """Reply with an error; False when this connection sent too many bad
+        messages lately: it is told so and must be closed."""
+        now = time.monotonic()
+        if now - self.errors_since > ERROR_WINDOW_S:
+            self.errors, self.errors_since = 0, now
+        self.errors += 1
+        if self.errors > MAX_ERRORS:
+            why = f"too many invalid messages (more than {MAX_ERRORS} in {ERROR_WINDOW_S:g}s)"
+            self.tell(ErrorMsg(code=ErrorCode.BAD_REQUEST, message=f"{why}: closing the connection"))
+            _close_log("closing agent connection from %s: %s", self.peer, why)
+            return False
+        self.tell(msg)
+        return True
 
     def drop(self) -> None:
-        self.queue.put_nowait(None)
+        """Close the connection after what is queued (the agent reconnects)."""
+        if not self.killed:
+            self.queue.put_nowait(None)
+
+    def kill(self, why: str) -> None:
+        """Disconnect at once, dropping what is queued."""
+        if not self.killed:
+            _close_log("closing agent connection from %s: %s", self.peer, why)
+            self.abort()
+
+    def abort(self) -> None:
+        self.killed = True
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.queued_bytes = 0
+        if self.transport is not None:
+            self.transport.abort()
+        if self.writer is not asyncio.current_task():
+            self.writer.cancel()
 
     async def _write(self) -> None:
+        # The send deadline is a timer, not asyncio.wait_for: on Python < 3.12
+        # wait_for runs every send in a task of its own, which doubled the
+        # time to tell 256 nodes their assignment.
+        loop = asyncio.get_running_loop()
         try:
             while (text := await self.queue.get()) is not None:
-                await self.ws.send_str(text)
-            await self.ws.close()
+                self.queued_bytes -= len(text)
+                timer = loop.call_later(SEND_TIMEOUT_S, self._send_expired)
+                try:
+                    await self.ws.send_str(text)
+                finally:
+                    timer.cancel()
+            timer = loop.call_later(SEND_TIMEOUT_S, self._send_expired)
+            try:
+                await self.ws.close(code=self.close_code, message=self.close_reason.encode())
+            finally:
+                timer.cancel()
         except (ConnectionError, RuntimeError, asyncio.CancelledError):
             pass
 
+    def _send_expired(self) -> None:
+        self.kill(f"a send did not complete in {SEND_TIMEOUT_S:g}s")
+
+
+_DONE_TYPES = (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED)
+
 
 async def agent_channel(request: web.Request) -> web.WebSocketResponse:
-    """The agent's WebSocket: join, heartbeats, reports in; assignments out."""
+    """The agent's WebSocket: join, heartbeats, reports in; assignments out.
+    A connection that has not joined (yet, or since it left) within the join
+    deadline is closed."""
     store = request.app[STORE]
     counter = request.app[METRICS].agent_messages
+    join_deadline = request.app[JOIN_DEADLINE]
     ws = web.WebSocketResponse(max_msg_size=MAX_BODY_BYTES, autoping=True, heartbeat=None)
     await ws.prepare(request)
-    chan = WsChannel(ws)
+    chan = WsChannel(ws, request.transport, printable(request.remote, limit=64))
     bound: tuple[str, str] | None = None
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + join_deadline
     try:
-        async for frame in ws:
+        while True:
+            if bound is None:
+                try:
+                    frame = await ws.receive(timeout=max(deadline - loop.time(), 0.001))
+                except asyncio.TimeoutError:
+                    # a close frame that says why, not an error message: an agent
+                    # just reconnects, as after any closed connection
+                    chan.close_code = WSCloseCode.POLICY_VIOLATION
+                    chan.close_reason = f"no join within {join_deadline:g}s"
+                    _close_log("closing agent connection from %s: no join within %gs", chan.peer, join_deadline)
+                    break
+            else:
+                frame = await ws.receive()
+            if frame.type in _DONE_TYPES:
+                break
             if frame.type != WSMsgType.TEXT:
                 if frame.type == WSMsgType.BINARY:
-                    chan.tell(ErrorMsg(code=ErrorCode.BAD_REQUEST, message="send JSON text frames"))
+                    if not chan.refuse(ErrorMsg(code=ErrorCode.BAD_REQUEST, message="send JSON text frames")):
+                        break
                 continue
             if frame.data == _HB_FRAME and bound is not None:  # the hot path: no parsing
                 store.heartbeat(*bound)
@@ -134,19 +239,26 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
             try:
                 msg = AGENT_MESSAGE.validate_json(frame.data)
             except ValidationError as e:
-                chan.tell(ErrorMsg(code=ErrorCode.VALIDATION_ERROR, message=_short(e)))
+                if not chan.refuse(ErrorMsg(code=ErrorCode.VALIDATION_ERROR, message=_short(e))):
+                    break
                 continue
             counter.labels(msg.op).inc()
             try:
-                bound = _dispatch(store, msg, bound, chan)
+                now_bound = _dispatch(store, msg, bound, chan)
             except RdzvError as e:
-                chan.tell(ErrorMsg(code=e.code, message=e.message))
+                if not chan.refuse(ErrorMsg(code=e.code, message=e.message)):
+                    break
+                continue
+            if bound is not None and now_bound is None:  # it left: join again in time, or go
+                deadline = loop.time() + join_deadline
+            bound = now_bound
     finally:
         if bound is not None:
             store.disconnected(*bound, chan)
         chan.drop()
-        await asyncio.wait([chan.writer], timeout=1.0)
-        chan.writer.cancel()
+        done, _ = await asyncio.wait([chan.writer], timeout=1.0)
+        if not done:  # the close did not go through (an agent that does not read): cut it
+            chan.abort()
     return ws
 
 

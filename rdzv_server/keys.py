@@ -9,3 +9,4 @@ STORE = web.AppKey("store", Store)
 METRICS = web.AppKey("metrics", Metrics)
 OPENAPI = web.AppKey("openapi", dict)
 TOKEN = web.AppKey("token", str)
+JOIN_DEADLINE = web.AppKey("join_deadline", float)  # seconds a new agent WebSocket has to join

@@ -18,6 +18,8 @@ request that caused it gets an ``unavailable`` error.
 from __future__ import annotations
 
 import asyncio
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -92,14 +94,48 @@ def _read_only(path: Path) -> bool:
         return False
 
 
+def _lock_data_dir(data_dir: Path) -> int:
+    """Take ``<data dir>/rdzv.lock`` (flock, exclusive, non-blocking) and write
+    our pid into it; return its descriptor, held (and the lock with it) until
+    closed. One server per data dir: a second one would split the jobs' state."""
+    path = data_dir / "rdzv.lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise DataDirError(f"cannot create lock file {path}: {e.strerror or e}") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        try:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        except OSError:
+            holder = "unknown"
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise DataDirError(f"data dir {data_dir} is in use by another rdzv-server (pid {holder}, "
+                               f"lock {path}); stop it first, or use another --data-dir") from e
+        raise DataDirError(f"cannot lock {path}: {e.strerror or e}") from e
+    pid = f"{os.getpid()}\n".encode()
+    try:  # in place, then cut: a full disk keeps the file's block
+        os.pwrite(fd, pid, 0)
+        os.ftruncate(fd, len(pid))
+    except OSError:
+        pass  # the lock holds anyway; a second server just cannot name us
+    return fd
+
+
 class Database:
     """One table, one JSON row per job. Synchronous: writes are small and rare
-    (once per round change), and must finish before anyone is told."""
+    (once per round change), and must finish before anyone is told.
+
+    The data dir is locked for the database's life (``rdzv.lock``), and the
+    database file is created 0600 (SQLite gives its -wal and -shm the same mode)."""
 
     def __init__(self, data_dir: Path) -> None:
         self.path = data_dir / "rdzv.db"
+        self.lock_fd: int | None = None
         try:
-            data_dir.mkdir(parents=True, exist_ok=True)
+            data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as e:
             raise DataDirError(f"cannot create data dir {data_dir}: {e.strerror or e}") from e
         if not os.access(data_dir, os.W_OK | os.X_OK):
@@ -107,8 +143,10 @@ class Database:
                 raise DataDirError(f"data dir {data_dir} is on a read-only file system")
             raise DataDirError(f"data dir {data_dir} is not writable by this user (uid {os.getuid()})")
         existed = self.path.exists()
+        self.lock_fd = _lock_data_dir(data_dir)
         self.conn = None
         try:
+            self._private_file()
             self.conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             self.conn.execute("PRAGMA journal_mode=WAL")
             self.conn.execute("PRAGMA synchronous=FULL")
@@ -121,6 +159,7 @@ class Database:
         except (sqlite3.DatabaseError, DataDirError) as e:
             if self.conn is not None:
                 self.conn.close()
+            self._unlock()
             if isinstance(e, DataDirError):
                 raise
             if existed and not _is_corruption(e):
@@ -136,6 +175,24 @@ class Database:
                 + ("it exists but is unreadable or corrupt: move it away to start empty, or restore a backup"
                    if existed else "check the data dir")
             ) from e
+
+    def _private_file(self) -> None:
+        """Create the database file 0600 (SQLite would use 0644 under the usual
+        umask); tighten an existing one and its -wal/-shm."""
+        for path in (self.path, self.path.with_name(self.path.name + "-wal"),
+                     self.path.with_name(self.path.name + "-shm")):
+            try:
+                if path == self.path and not path.exists():
+                    os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+                elif path.exists() and path.stat().st_mode & 0o077:
+                    path.chmod(0o600)
+            except OSError:
+                pass  # a read-only or full file system: the open below says so
+
+    def _unlock(self) -> None:
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)
+            self.lock_fd = None
 
     def load(self) -> dict[str, Job]:
         jobs = {}
@@ -160,6 +217,7 @@ class Database:
 
     def close(self) -> None:
         self.conn.close()
+        self._unlock()
 
 
 class Store:

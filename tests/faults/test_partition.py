@@ -49,7 +49,8 @@ def test_cut_off_node_is_fenced_and_comes_back_as_a_new_node(netlab: NetLab, fcl
     No (round, rank) was ever claimed by two nodes' workers, and the job
     succeeds."""
     port = free_port()
-    server = fcluster.start_server_at(port, tmp_path / "data", host=netlab.hub_addr, name="server",
+    # --insecure: no token, on an address that exists only in the test's private namespaces
+    server = fcluster.start_server_at(port, tmp_path / "data", "--insecure", host=netlab.hub_addr, name="server",
                                       netns=netlab.hub, request_via=netlab.in_hub)
     stop = tmp_path / "stop"
     agents = []

@@ -1,0 +1,191 @@
+"""Connections: how many, for how long, and what is logged about them.
+
+aiohttp's ``TCPSite`` hands every accepted socket to a plain
+``RequestHandler``. The server listens through :class:`Listener` instead,
+whose protocol factory
+
+* builds :class:`Protocol`, a ``RequestHandler`` that closes a new
+  connection at once when ``max_connections`` are open (the limit is kept
+  below the process's file-descriptor limit, see :func:`raise_fd_limit` and
+  :func:`connection_limit`), and whose ``keepalive_timeout``
+  is the header-read timeout: aiohttp (3.14.5+) arms that timer when a
+  connection opens and after every response, and closes the connection if no
+  complete request line and headers arrived by then (a half-sent request, or
+  a connection that sends nothing). WebSockets are not affected: the timer
+  only closes a connection that waits for a request;
+* answers a request that aiohttp's HTTP parser refuses (a 10 kB request line,
+  too many headers, garbage bytes) with the server's JSON error body and one
+  rate-limited log line (:meth:`Protocol.handle_error`), instead of a
+  plain-text 400 and a traceback per request.
+
+:class:`AcceptErrors` is the event loop's exception handler: asyncio reports
+every failed ``accept()`` (EMFILE, "Too many open files") with a traceback;
+it logs one line per interval with a count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import resource
+import time
+from http import HTTPStatus
+from pathlib import Path
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+from .protocol import ErrorBody, ErrorCode, printable
+
+log = logging.getLogger("rdzv_server")
+
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_MAX_CONNECTIONS = 32768
+FD_RESERVE = 64  # descriptors kept for the database, logs and the listening socket
+_ACCEPT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+
+
+class LogLimiter:
+    """At most ``burst`` lines, then one per ``1/rate`` seconds, for one kind of
+    event; the next line that gets through says how many were left out."""
+
+    def __init__(self, logger: logging.Logger, level: int, burst: int = 10, rate: float = 1.0) -> None:
+        self.logger, self.level, self.burst, self.rate = logger, level, burst, rate
+        self.tokens = float(burst)
+        self.stamp = time.monotonic()
+        self.dropped = 0
+
+    def __call__(self, fmt: str, *args) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens < 1:
+            self.dropped += 1
+            return False
+        self.tokens -= 1
+        if self.dropped:
+            fmt, args = fmt + " (%d more like it not logged)", (*args, self.dropped)
+            self.dropped = 0
+        self.logger.log(self.level, fmt, *args)
+        return True
+
+
+_bad_http_log = LogLimiter(log, logging.WARNING, burst=10, rate=1.0)
+_refused_log = LogLimiter(log, logging.WARNING, burst=1, rate=0.1)
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE to the hard limit; return (before, after)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:
+        try:
+            target = int(Path("/proc/sys/fs/nr_open").read_text())
+        except (OSError, ValueError):
+            target = 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            return soft, soft
+        return soft, target
+    return soft, soft
+
+
+def connection_limit(requested: int, fd_limit: int) -> int:
+    """``requested``, lowered to leave FD_RESERVE descriptors free under ``fd_limit``."""
+    if fd_limit == resource.RLIM_INFINITY:
+        return requested
+    return max(1, min(requested, fd_limit - FD_RESERVE))
+
+
+class Protocol(RequestHandler):
+    """aiohttp's per-connection HTTP protocol: refuses a connection over the
+    limit, and answers what its parser refuses in the server's own terms."""
+
+    def __init__(self, manager, *, max_connections: int, **kwargs) -> None:
+        super().__init__(manager, **kwargs)
+        self.max_connections = max_connections
+        self.refused = False
+        self.server = manager
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # Checked here, not in the protocol factory: asyncio accepts a burst of
+        # sockets (calling the factory for each) before any connection_made runs.
+        open_ = len(self.server.connections)
+        if open_ >= self.max_connections:
+            self.refused = True
+            _refused_log("refusing new connections: %d open, the limit is %d (--max-connections, fd limit)",
+                         open_, self.max_connections)
+            transport.abort()
+            return
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if not self.refused:
+            super().connection_lost(exc)
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None):
+        if status >= 500:  # a bug in a handler: keep aiohttp's traceback in the log
+            return super().handle_error(request, status, exc, message)
+        if request.writer.output_size > 0:  # as aiohttp: a response already started
+            raise ConnectionError("a response was sent already; cannot send the error")
+        reason = message or (str(exc) if exc else "") or HTTPStatus(status).phrase
+        # aiohttp's parser messages run over several lines (the bad bytes, a caret): keep the first
+        text = printable(next((ln for ln in reason.splitlines() if ln.strip()), reason).strip(), limit=300)
+        _bad_http_log("bad HTTP request from %s: %s (%d)", printable(request.remote, limit=64), text, status)
+        code = ErrorCode.BODY_TOO_LARGE if status == 413 else ErrorCode.BAD_REQUEST
+        resp = web.Response(status=status, content_type="application/json",
+                            text=ErrorBody(code=code, message=f"malformed HTTP request: {text}").model_dump_json())
+        resp.force_close()
+        return resp
+
+
+class Listener(web.BaseSite):
+    """A TCP site like aiohttp's TCPSite, whose connections are :class:`Protocol`."""
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, ssl_context=None,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S, backlog: int = 4096) -> None:
+        super().__init__(runner, ssl_context=ssl_context, backlog=backlog)
+        self._host, self._port = host, port
+        self._handler_kwargs = {"keepalive_timeout": header_timeout_s, "access_log": None,
+                                "max_connections": max_connections}
+
+    @property
+    def name(self) -> str:
+        scheme = "https" if self._ssl_context else "http"
+        return f"{scheme}://{self._host}:{self._port}"
+
+    @property
+    def sockets(self) -> list:
+        return list(self._server.sockets) if self._server is not None else []
+
+    async def start(self) -> None:
+        await super().start()
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._protocol, self._host, self._port, ssl=self._ssl_context,
+                                                backlog=self._backlog, reuse_address=True)
+
+    def _protocol(self) -> Protocol:
+        manager = self._runner.server
+        assert manager is not None
+        return Protocol(manager, loop=asyncio.get_running_loop(), **self._handler_kwargs)
+
+
+class AcceptErrors:
+    """Event loop exception handler: failed accepts (out of descriptors or
+    memory) are logged once per ``interval`` with a count; anything else goes
+    to asyncio's default handler."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self.limit = LogLimiter(log, logging.ERROR, burst=1, rate=1.0 / interval)
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and exc.errno in _ACCEPT_ERRNOS:
+            self.limit("cannot accept connections: %s", exc.strerror or exc)
+            return
+        loop.default_exception_handler(context)
