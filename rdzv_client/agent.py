@@ -367,6 +367,7 @@ class Agent:
         self.node_id = new_node_id(cfg.host)
         self.link: AgentLink | None = None
         self.group: WorkerGroup | None = None
+        self._stopping: set[WorkerGroup] = set()  # groups being stopped: a second Ctrl-C kills them
         self.assignment: Assignment | None = None
         self.signals: asyncio.Queue[int] = asyncio.Queue()
         self.sigint_count = 0
@@ -399,15 +400,18 @@ class Agent:
         """Only record it: the loop acts. A second SIGINT means now."""
         if signum == signal.SIGINT:
             self.sigint_count += 1
-            if self.sigint_count >= 2 and self.group is not None:
-                self.group.kill_now()
+            if self.sigint_count >= 2:
+                for group in [self.group, *self._stopping]:
+                    if group is not None:
+                        group.kill_now()
         self.signals.put_nowait(signum)
 
     # -- the loop
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        # SIGHUP: a closed terminal or ssh session; torchrun treats it as SIGTERM
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, self.handle_signal, sig)
         server = None
         try:
@@ -605,7 +609,13 @@ class Agent:
         group, self.group = self.group, None
         self._group_running = False
         if group is not None:
-            await group.stop(self.cfg.stop_timeout_s if timeout is None else timeout, sig)
+            self._stopping.add(group)
+            try:
+                if self.sigint_count >= 2:
+                    group.kill_now()
+                await group.stop(self.cfg.stop_timeout_s if timeout is None else timeout, sig)
+            finally:
+                self._stopping.discard(group)
 
     async def _on_workers_ended(self, infos: list[ExitInfo]) -> int | None:
         a = self.assignment
