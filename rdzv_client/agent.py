@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rdzv_server import __version__
 from rdzv_server.protocol import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     DEFAULT_JOIN_TIMEOUT_S,
@@ -140,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     a = p.add_argument
+    a("--version", action="version", version=f"rdzv-agent {__version__}")
     a("--endpoint", "--rdzv-endpoint", "--rdzv_endpoint", dest="endpoint",
       default=os.environ.get("RDZV_ENDPOINT") or _env("rdzv_endpoint"), help="rdzv-server HOST:PORT ($RDZV_ENDPOINT)")
     a("--job-id", "--rdzv-id", "--rdzv_id", "--run-id", dest="job_id",

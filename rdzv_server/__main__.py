@@ -14,6 +14,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from . import __version__
 from .app import Settings, create_app
 from .store import DataDirError
 
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Rendezvous server for elastic PyTorch training (see rdzv-agent).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    p.add_argument("--version", action="version", version=f"rdzv-server {__version__}")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=int, default=29400, help="port to listen on (0: any free port)")
     p.add_argument("--data-dir", default=None,

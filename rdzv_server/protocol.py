@@ -461,8 +461,10 @@ class NodeView(BaseModel):
     node_id: str
     host: str
     addr: str
-    state: Literal["waiting", "running", "succeeded", "spare", "disconnected", "rejoining"]
+    state: Literal["waiting", "running", "succeeded", "spare", "disconnected", "rejoining", "failed", "closed"] = Field(
+        description="the node's state; once the job ended, the job's (succeeded, failed, closed)")
     group_rank: int | None
+    requested_rank: int | None = Field(default=None, description="the --node-rank it asked for, if any")
     local_world_size: int
     last_seen_s: float = Field(description="seconds since the server last heard from this node")
 
