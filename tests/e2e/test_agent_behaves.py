@@ -296,3 +296,98 @@ def test_bad_server_messages_are_protocol_errors_not_crashes(cluster: Cluster) -
         _no_traceback(agent)
     finally:
         fake.close()
+
+
+# ------------------------------------------------------------- root causes
+
+
+def _final_line(agent: Proc, job: str) -> str:
+    lines = [ln for ln in agent.text().splitlines() if ln.startswith(f"[rdzv-agent] job {job} failed: ")]
+    assert len(lines) == 1, agent.text()[-3000:]
+    return lines[0]
+
+
+@pytest.mark.timeout(90)
+def test_root_cause_is_the_error_line_not_the_traceback_header(cluster: Cluster) -> None:
+    """A worker prints a warning, then dies of ValueError with a plain
+    traceback: every agent's final line, `rdzv status`'s root cause and its
+    WHY column name "ValueError: bad lr"."""
+    server = cluster.start_server()
+    good = cluster.start_agent(server, "lr", "bad_lr.py", flags=("--max-restarts", "0"))
+    bad = cluster.start_agent(server, "lr", "bad_lr.py", flags=("--max-restarts", "0"),
+                              env={"E2E_BAD_LR": "1", "PYTHONWARNINGS": "default"})
+    for a in (good, bad):
+        assert a.wait_exit(60) == 1, a.text()
+    assert "UserWarning" in bad.text()  # the warning was there, before the traceback
+    for a in (good, bad):
+        line = _final_line(a, "lr")
+        assert "exit code 1: ValueError: bad lr" in line, line
+        assert "Traceback" not in line and "Warning" not in line, line
+    res = rdzv(cluster, "--endpoint", server.endpoint, "status", "lr")
+    assert res.returncode == 0, res.stderr
+    [cause] = [ln for ln in res.stdout.splitlines() if ln.startswith("root cause: ")]
+    assert cause.endswith("exit code 1: ValueError: bad lr"), res.stdout
+
+
+@pytest.mark.timeout(90)
+def test_text_from_the_network_is_escaped_on_every_agent_and_in_status(cluster: Cluster) -> None:
+    """Another node of the job reports a failure whose signal holds a newline
+    and a screen clear: the real agent's final line and `rdzv status` print
+    them escaped, on one line."""
+    import asyncio
+
+    import aiohttp
+
+    from rdzv_server.protocol import AGENT_PATH, SERVER_MESSAGE, ExitRecord, FailedMsg, JobSpec, JoinMsg
+
+    server = cluster.start_server()
+    agent = cluster.start_agent(server, "esc", "stubborn.py", "--ignore", "none", flags=("--max-restarts", "0"))
+    agent.wait_log(r"joining", 20)
+
+    async def hostile() -> None:
+        async with aiohttp.ClientSession() as s, s.ws_connect(f"ws://{server.endpoint}{AGENT_PATH}") as ws:
+            await ws.send_str(JoinMsg(job_id="esc", node_id="evil-1-abcdef", host="evil", addr="127.0.0.1",
+                                      local_world_size=1, master_port=free_port(),
+                                      spec=JobSpec(min_nodes=2, max_nodes=2, max_restarts=0)).model_dump_json())
+            sent = False
+            async for frame in ws:
+                msg = SERVER_MESSAGE.validate_json(frame.data)
+                if msg.op == "assigned" and not sent:
+                    sent = True
+                    await ws.send_str(FailedMsg(round=msg.assignment.round, failures=[ExitRecord(
+                        local_rank=0, rank=msg.assignment.rank_offset, pid=1, signal="SIG\n\x1b[2J",
+                        message="ValueError: x\x1b]0;pwned\x07")]).model_dump_json())
+                if msg.op == "done":
+                    return
+
+    asyncio.run(asyncio.wait_for(hostile(), 40))
+    assert agent.wait_exit(30) == 1, agent.text()
+    raw = agent.log_path.read_bytes()
+    assert b"\x1b" not in raw and b"\x07" not in raw, raw[-2000:]
+    line = _final_line(agent, "esc")
+    assert "signal SIG\\n\\x1b[2J" in line, line
+    res = rdzv(cluster, "--endpoint", server.endpoint, "status", "esc")
+    assert res.returncode == 0, res.stderr
+    assert "\x1b" not in res.stdout and "\x07" not in res.stdout, repr(res.stdout)
+    [cause] = [ln for ln in res.stdout.splitlines() if ln.startswith("root cause: ")]
+    assert "SIG\\n\\x1b[2J" in cause, res.stdout
+
+
+# -------------------------------------------------------------- node ranks
+
+
+@pytest.mark.timeout(90)
+def test_a_node_rank_that_cannot_be_honoured_is_said(cluster: Cluster) -> None:
+    """--node-rank 5 in a job of 2 nodes: the agent says it got another rank
+    and why, and the job view shows the rank each node asked for."""
+    server = cluster.start_server()
+    args = ("stubborn.py", "--ignore", "none")
+    far = cluster.start_agent(server, "ranks", *args, flags=("--node-rank", "5"))
+    first = cluster.start_agent(server, "ranks", *args, flags=("--node-rank", "0"))
+    _worker_pids(far)
+    _worker_pids(first)
+    far.wait_log(r"node \S+: asked for node rank 5, got 1 \(this round has 2 node\(s\)\)$", 5)
+    assert "asked for node rank" not in first.text()
+    view = server.job("ranks")
+    by_rank = {n["group_rank"]: n["requested_rank"] for n in view["nodes"]}
+    assert by_rank == {0: 0, 1: 5}, view["nodes"]
