@@ -7,7 +7,12 @@ one small branch of :meth:`Agent.run`; everything slow (stopping workers,
 reporting) is awaited there, so there is never more than one attempt alive.
 
 Exit status: 0 when this node's workers all succeeded; 1 when the job failed
-or was closed; 2 for a usage or configuration error; 128+N after signal N.
+or was closed; 2 for a usage or configuration error (or the server refused this
+node); 3 when the server stayed unreachable for ``--server-timeout`` seconds;
+128+N after signal N.
+
+Everything that came from the server is validated (the protocol models, then
+:meth:`Agent._check_assignment`) and printed through ``printable()``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rdzv_server import __version__
 from rdzv_server.protocol import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     DEFAULT_JOIN_TIMEOUT_S,
@@ -52,6 +58,7 @@ from rdzv_server.protocol import (
     StatusMsg,
     SucceededMsg,
     is_valid_id,
+    printable,
 )
 
 from .client import AgentLink, parse_endpoint
@@ -61,6 +68,12 @@ log = logging.getLogger("rdzv_agent")
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+EXIT_GAVE_UP = 3
+DEFAULT_SERVER_TIMEOUT_S = 300.0
+# An outage shorter than this is a reconnect, not news; a longer one is logged
+# when it starts, every OUTAGE_LOG_EVERY_S while it lasts, and when it ends.
+OUTAGE_NOTICE_AFTER_S = 2.0
+OUTAGE_LOG_EVERY_S = 30.0
 # Reports whose outcome we wait for; a server that is down is waited for this long.
 REPORT_TIMEOUT_S = 60.0
 FATAL_CODES = {ErrorCode.SPEC_MISMATCH, ErrorCode.JOB_FINISHED, ErrorCode.VALIDATION_ERROR,
@@ -95,6 +108,7 @@ class AgentConfig:
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
     scale_up_window_s: float = DEFAULT_SCALE_UP_WINDOW_S
     stop_timeout_s: float = 10.0
+    server_timeout_s: float = DEFAULT_SERVER_TIMEOUT_S
     standalone: bool = False
     host: str = field(default_factory=socket.gethostname)
 
@@ -127,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     a = p.add_argument
+    a("--version", action="version", version=f"rdzv-agent {__version__}")
     a("--endpoint", "--rdzv-endpoint", "--rdzv_endpoint", dest="endpoint",
       default=os.environ.get("RDZV_ENDPOINT") or _env("rdzv_endpoint"), help="rdzv-server HOST:PORT ($RDZV_ENDPOINT)")
     a("--job-id", "--rdzv-id", "--rdzv_id", "--run-id", dest="job_id",
@@ -162,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--scale-up-window", type=float, default=DEFAULT_SCALE_UP_WINDOW_S,
       help="seconds new nodes are batched before one scale-up round")
     a("--stop-timeout", type=float, default=10.0, help="seconds workers get between SIGTERM and SIGKILL")
+    a("--server-timeout", type=float,
+      default=os.environ.get("RDZV_SERVER_TIMEOUT", DEFAULT_SERVER_TIMEOUT_S),
+      help="give up (stop workers, exit 3) when the server has been unreachable this many seconds "
+           "($RDZV_SERVER_TIMEOUT, default 300)")
     # torchrun flags that mean nothing here: accepted so command lines carry over.
     a("--rdzv-backend", "--rdzv_backend", default=None, help=argparse.SUPPRESS)
     a("--rdzv-conf", "--rdzv_conf", default="", help="torchrun's key=value,... (join_timeout, last_call_timeout)")
@@ -280,6 +299,12 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
                              join_timeout_s=join_timeout, scale_up_window_s=args.scale_up_window)
     except ValueError as e:
         raise UsageError(f"bad job settings: {e}") from None
+    try:
+        server_timeout = float(args.server_timeout)
+    except ValueError:
+        raise UsageError(f"--server-timeout {args.server_timeout!r}: expected seconds") from None
+    if not 0 < server_timeout < float("inf"):
+        raise UsageError(f"--server-timeout {args.server_timeout!r}: must be a positive number of seconds")
     return AgentConfig(
         endpoint=endpoint, job_id=job_id, min_nodes=min_nodes, max_nodes=max_nodes, nproc=nproc, cmd=cmd,
         max_restarts=args.max_restarts, node_rank=node_rank, local_addr=args.local_addr,
@@ -287,7 +312,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         redirects=redirects, tee=tee, local_ranks_filter=ranks_filter,
         last_call_s=spec_check.last_call_s, heartbeat_timeout_s=spec_check.heartbeat_timeout_s,
         join_timeout_s=spec_check.join_timeout_s, scale_up_window_s=spec_check.scale_up_window_s,
-        stop_timeout_s=args.stop_timeout, standalone=standalone,
+        stop_timeout_s=args.stop_timeout, server_timeout_s=server_timeout, standalone=standalone,
     )
 
 
@@ -367,6 +392,7 @@ class Agent:
         self.node_id = new_node_id(cfg.host)
         self.link: AgentLink | None = None
         self.group: WorkerGroup | None = None
+        self._stopping: set[WorkerGroup] = set()  # groups being stopped: a second Ctrl-C kills them
         self.assignment: Assignment | None = None
         self.signals: asyncio.Queue[int] = asyncio.Queue()
         self.sigint_count = 0
@@ -375,6 +401,7 @@ class Agent:
         self._err_dir = Path(tempfile.mkdtemp(prefix="rdzv-err-")) if cfg.log_dir is None else None
         self._group_running = False  # a worker group of the current round is up
         self._succeeded = False  # this node's workers all exited 0 and it reported so
+        self._outage_logged_at: float | None = None  # when the outage notice was last logged
 
     # -- messages
 
@@ -399,15 +426,18 @@ class Agent:
         """Only record it: the loop acts. A second SIGINT means now."""
         if signum == signal.SIGINT:
             self.sigint_count += 1
-            if self.sigint_count >= 2 and self.group is not None:
-                self.group.kill_now()
+            if self.sigint_count >= 2:
+                for group in [self.group, *self._stopping]:
+                    if group is not None:
+                        group.kill_now()
         self.signals.put_nowait(signum)
 
     # -- the loop
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        # SIGHUP: a closed terminal or ssh session; torchrun treats it as SIGTERM
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, self.handle_signal, sig)
         server = None
         try:
@@ -415,6 +445,13 @@ class Agent:
                 server = await _start_embedded_server()
                 self.cfg.endpoint = f"127.0.0.1:{server[1]}"
             _, host, port = parse_endpoint(self.cfg.endpoint)
+            try:
+                await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except socket.gaierror as e:
+                if e.errno != socket.EAI_AGAIN:  # a name that does not exist will not start to
+                    print(f"rdzv-agent: error: server host {printable(host)!r} does not resolve: {e.strerror}",
+                          file=sys.stderr, flush=True)
+                    return EXIT_USAGE
             if not self.addr:
                 self.addr = route_addr(host, port)
             self.link = AgentLink(self.cfg.endpoint, self.cfg.token, heartbeat_s=heartbeat_interval(self.cfg.spec()))
@@ -441,20 +478,15 @@ class Agent:
         sig = asyncio.ensure_future(self.signals.get())
         workers: asyncio.Future | None = None
         workers_for: WorkerGroup | None = None
-        unreachable_since: float | None = None
         try:
             while True:
                 waits = [recv, sig] + ([workers] if workers else [])
                 done, _ = await asyncio.wait(waits, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                if sig not in done:
+                    code = await self._check_server()
+                    if code is not None:
+                        return code
                 if not done:
-                    # quiet second: say so if the server is unreachable
-                    if not link.connected.is_set():
-                        unreachable_since = unreachable_since or time.monotonic()
-                        if time.monotonic() - unreachable_since > 2.0:
-                            self.status.show(f"[rdzv-agent] server unreachable ({link.last_error}); retrying"
-                                             + ("; workers keep running" if self.group else ""))
-                    else:
-                        unreachable_since = None
                     continue
                 if sig in done:
                     signum = sig.result()
@@ -482,6 +514,45 @@ class Agent:
                     f.cancel()
 
 
+    async def _check_server(self) -> int | None:
+        """Say that the server is unreachable where a person sees it (a log line
+        when it starts, every OUTAGE_LOG_EVERY_S and when it ends, a countdown on
+        the status line), and give up after --server-timeout."""
+        link, cfg = self.link, self.cfg
+        down = link.down_for()
+        now = time.monotonic()
+        if down < OUTAGE_NOTICE_AFTER_S:
+            if down == 0 and self._outage_logged_at is not None:
+                self._outage_logged_at = None
+                self._say("server %s reachable again", cfg.endpoint)
+            return None
+        left = cfg.server_timeout_s - down
+        why = printable(link.last_error or "no answer", limit=300)
+        if left <= 0:
+            self.status.done()
+            print(f"[rdzv-agent] job {cfg.job_id}: giving up: server {cfg.endpoint} unreachable for "
+                  f"{cfg.server_timeout_s:g}s (--server-timeout; {why})"
+                  + ("; stopping workers" if self.group is not None else ""), file=sys.stderr, flush=True)
+            await self._stop_workers()
+            return EXIT_GAVE_UP
+        notice = (f"server unreachable for {down:.0f}s at {cfg.endpoint} ({why})"
+                  + ("; workers keep running" if self.group is not None else "")
+                  + f"; giving up in {left:.0f}s")
+        if self._outage_logged_at is None or now - self._outage_logged_at >= OUTAGE_LOG_EVERY_S:
+            self._outage_logged_at = now
+            self._say("%s", notice)
+        self.status.show(f"[rdzv-agent] {notice}")
+        return None
+
+    def _check_assignment(self, a: Assignment) -> str | None:
+        """What makes an assignment unusable by this node (the model checked
+        the rest), or None."""
+        if a.job_id != self.cfg.job_id:
+            return f"assignment for job {a.job_id!r}, this node runs job {self.cfg.job_id!r}"
+        if a.local_world_size != self.cfg.nproc:
+            return f"assignment for {a.local_world_size} local worker(s), this node runs {self.cfg.nproc}"
+        return None
+
     async def _on_message(self, msg) -> int | None:
         cfg = self.cfg
         if isinstance(msg, JoinedMsg):
@@ -494,6 +565,10 @@ class Agent:
                              "waiting to replace a node")
         elif isinstance(msg, AssignedMsg):
             a = msg.assignment
+            problem = self._check_assignment(a)
+            if problem is not None:
+                self.link.protocol_error(f"round {a.round}: {problem}")
+                return None
             if self.assignment is not None and self.assignment.round == a.round:
                 # A reconnect re-sent this round's assignment: the workers run it, or
                 # ran it and their outcome is reported (the report follows the resume).
@@ -503,7 +578,7 @@ class Agent:
             self.link.clear_reports()
             if self.assignment is not None and msg.round <= self.assignment.round:
                 return None
-            self._say("round %d: %s; stopping workers and rejoining", msg.round, _first_line(msg.reason))
+            self._say("round %d: %s; stopping workers and rejoining", msg.round, printable(_first_line(msg.reason)))
             await self._stop_workers()
             self._join()
         elif isinstance(msg, EvictedMsg):
@@ -512,7 +587,7 @@ class Agent:
                 self.group.kill_now()
                 await self._stop_workers(timeout=1.0)
             self.link.clear_reports()  # they name the old node; the server forgot it
-            self._say("evicted (%s); rejoining as a new node", msg.reason)
+            self._say("evicted (%s); rejoining as a new node", printable(msg.reason))
             self.node_id = new_node_id(cfg.host)
             self._join()
         elif isinstance(msg, DoneMsg):
@@ -522,9 +597,9 @@ class Agent:
                 self._say("job succeeded")
                 return 0
             self.status.done()
-            text = f"[rdzv-agent] job {cfg.job_id} {msg.state}: {msg.reason}"
+            text = f"[rdzv-agent] job {cfg.job_id} {msg.state}: {printable(msg.reason)}"
             if msg.root_cause and msg.root_cause not in msg.reason:
-                text += f"\n[rdzv-agent] root cause: {msg.root_cause}"
+                text += f"\n[rdzv-agent] root cause: {printable(msg.root_cause)}"
             print(text, file=sys.stderr, flush=True)
             return EXIT_FAILED
         elif isinstance(msg, AckMsg):
@@ -535,7 +610,7 @@ class Agent:
         elif isinstance(msg, ErrorMsg):
             return await self._on_error(msg)
         elif isinstance(msg, RdzvError):  # from the link: e.g. the token was refused
-            print(f"[rdzv-agent] error: {msg.message}", file=sys.stderr, flush=True)
+            print(f"[rdzv-agent] error: {printable(msg.message)}", file=sys.stderr, flush=True)
             await self._stop_workers()
             return EXIT_USAGE
         return None
@@ -543,7 +618,7 @@ class Agent:
     async def _on_error(self, msg: ErrorMsg) -> int | None:
         if msg.code == ErrorCode.UNAVAILABLE:
             # the server could not save state: it drops us, we reconnect and re-send
-            log.warning("server unavailable: %s", msg.message)
+            log.warning("server unavailable: %s", printable(msg.message))
             return None
         self.link.clear_reports()
         if msg.code == ErrorCode.EVICTED:
@@ -553,23 +628,25 @@ class Agent:
                 return 0  # our success was recorded before the connection dropped
             if self.group is not None and self._group_running:
                 # we resumed a round that is over: stop and join the next one
-                self._say("%s; stopping workers and rejoining", msg.message)
+                self._say("%s; stopping workers and rejoining", printable(msg.message))
                 await self._stop_workers()
                 self._join()
             else:
-                log.info("server: %s", msg.message)
+                log.info("server: %s", printable(msg.message))
             return None
         if msg.code in FATAL_CODES:
-            print(f"[rdzv-agent] error: the server refused this node: {msg.message}", file=sys.stderr, flush=True)
+            print(f"[rdzv-agent] error: the server refused this node: {printable(msg.message)}", file=sys.stderr,
+                  flush=True)
             await self._stop_workers()
             return EXIT_USAGE
-        log.warning("server error %s: %s", msg.code.value, msg.message)
+        log.warning("server error %s: %s", msg.code.value, printable(msg.message))
         return None
 
 
     def _show_waiting(self, round_no: int, info) -> None:
         self.status.show(f"[rdzv-agent] job {self.cfg.job_id} round {round_no}: {info.joined} joined "
-                         f"(min {info.min_nodes}, max {info.max_nodes}, spares {info.spares}); {info.text}")
+                         f"(min {info.min_nodes}, max {info.max_nodes}, spares {info.spares}); "
+                         f"{printable(info.text, limit=500)}")
 
     async def _start_workers(self, a: Assignment) -> None:
         cfg = self.cfg
@@ -577,6 +654,10 @@ class Agent:
         self._say("round %d: group rank %d of %d, ranks %d-%d of world %d, master %s:%d, restart %d/%d",
                   a.round, a.group_rank, a.group_world_size, a.rank_offset, a.rank_offset + a.local_world_size - 1,
                   a.world_size, a.master_addr, a.master_port, a.restarts, a.max_restarts)
+        if cfg.node_rank is not None and a.group_rank != cfg.node_rank:
+            why = (f"this round has {a.group_world_size} node(s)" if cfg.node_rank >= a.group_world_size
+                   else f"rank {cfg.node_rank} is held by another node")
+            self._say("asked for node rank %d, got %d (%s)", cfg.node_rank, a.group_rank, why)
         base = dict(os.environ)
         err_root = cfg.log_dir or self._err_dir
         envs = []
@@ -605,7 +686,13 @@ class Agent:
         group, self.group = self.group, None
         self._group_running = False
         if group is not None:
-            await group.stop(self.cfg.stop_timeout_s if timeout is None else timeout, sig)
+            self._stopping.add(group)
+            try:
+                if self.sigint_count >= 2:
+                    group.kill_now()
+                await group.stop(self.cfg.stop_timeout_s if timeout is None else timeout, sig)
+            finally:
+                self._stopping.discard(group)
 
     async def _on_workers_ended(self, infos: list[ExitInfo]) -> int | None:
         a = self.assignment

@@ -2,11 +2,14 @@
 
     rdzv status              every job, one line each
     rdzv status JOB          the job, its nodes and its round history
-    rdzv status JOB --watch  the same, refreshed in place
+    rdzv status JOB --watch  the same, refreshed in place (waits for a job that does not exist yet)
     rdzv close JOB           stop a job: its agents stop their workers and exit
 
-Endpoint and token come from --endpoint/--token or RDZV_ENDPOINT/RDZV_TOKEN.
-Errors are one line on stderr and exit status 1 (2 for usage).
+Endpoint and token come from --endpoint/--token (before or after the
+subcommand) or RDZV_ENDPOINT/RDZV_TOKEN. Errors are one line on stderr and
+exit status 1 (2 for usage). Text from the server is printed through
+``printable()``; ``--json`` is ASCII JSON (one compact document per line
+with ``--watch``).
 """
 
 from __future__ import annotations
@@ -14,19 +17,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import json
 import os
 import sys
 import time
 
 from pydantic import ValidationError
 
-from rdzv_server.protocol import JobList, JobView, RdzvError, is_valid_id
+from rdzv_server import __version__
+from rdzv_server.protocol import JobList, JobNotFoundError, JobView, RdzvError, is_valid_id, printable
 
 from .client import RestClient
 
 
 def _table(headers: list[str], rows: list[list[object]]) -> str:
-    cells = [[str(c) for c in r] for r in rows]
+    cells = [[printable(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
@@ -49,16 +54,16 @@ def render_jobs(jobs: JobList) -> str:
 
 def render_job(job: JobView) -> str:
     out = [
-        f"job {job.job_id}: {job.state.value}, round {job.round}, world size {job.world_size}, "
+        f"job {printable(job.job_id)}: {job.state.value}, round {job.round}, world size {job.world_size}, "
         f"nodes {len(job.nodes)} (min {job.min_nodes}, max {job.max_nodes}), spares {len(job.spares)}, "
         f"restarts {job.restarts}/{job.max_restarts}",
     ]
     if job.master_addr:
-        out.append(f"master {job.master_addr}:{job.master_port}")
+        out.append(f"master {printable(job.master_addr)}:{job.master_port}")
     if job.waiting_for:
-        out.append(f"waiting for: {job.waiting_for.text}")
+        out.append(f"waiting for: {printable(job.waiting_for.text)}")
     if job.root_cause:
-        out.append(f"root cause: {job.root_cause}")
+        out.append(f"root cause: {printable(job.root_cause)}")
     out.append("")
     rows = [[n.group_rank if n.group_rank is not None else "-", n.node_id, n.host, n.addr, n.state,
              n.local_world_size, f"{n.last_seen_s:.1f}s ago"] for n in job.nodes + job.spares]
@@ -71,28 +76,45 @@ def render_job(job: JobView) -> str:
     return "\n".join(out)
 
 
+def _global_flags(p: argparse.ArgumentParser, defaults: bool) -> None:
+    """--endpoint and --token: on the main parser with their defaults, and on
+    every subcommand without (so ``rdzv status --endpoint X`` works and a flag
+    given before the subcommand is not reset by it)."""
+    p.add_argument("--endpoint", default=os.environ.get("RDZV_ENDPOINT", "127.0.0.1:29400") if defaults
+                   else argparse.SUPPRESS, help="server HOST:PORT (default $RDZV_ENDPOINT or 127.0.0.1:29400)")
+    p.add_argument("--token", default=os.environ.get("RDZV_TOKEN") if defaults else argparse.SUPPRESS,
+                   help="bearer token (default $RDZV_TOKEN)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rdzv", description="Query and control an rdzv server.")
-    p.add_argument("--endpoint", default=os.environ.get("RDZV_ENDPOINT", "127.0.0.1:29400"),
-                   help="server HOST:PORT (default $RDZV_ENDPOINT or 127.0.0.1:29400)")
-    p.add_argument("--token", default=os.environ.get("RDZV_TOKEN"), help="bearer token (default $RDZV_TOKEN)")
+    p.add_argument("--version", action="version", version=f"rdzv {__version__}")
+    _global_flags(p, defaults=True)
+    common = argparse.ArgumentParser(add_help=False)
+    _global_flags(common, defaults=False)
     sub = p.add_subparsers(dest="command", required=True)
-    st = sub.add_parser("status", help="list jobs, or show one job")
+    st = sub.add_parser("status", help="list jobs, or show one job", parents=[common])
     st.add_argument("job", nargs="?", help="job id")
     st.add_argument("--json", action="store_true", help="print the raw JSON")
     st.add_argument("--watch", action="store_true", help="refresh in place until interrupted")
     st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
-    cl = sub.add_parser("close", help="close a job: its agents stop their workers and exit")
+    cl = sub.add_parser("close", help="close a job: its agents stop their workers and exit", parents=[common])
     cl.add_argument("job", help="job id")
     return p
 
 
-async def _status_text(client: RestClient, job: str | None, as_json: bool) -> str:
+def _json(model, compact: bool) -> str:
+    """ASCII JSON: no control or non-ASCII character reaches the terminal raw."""
+    data = model.model_dump(mode="json")
+    return json.dumps(data, separators=(",", ":")) if compact else json.dumps(data, indent=2)
+
+
+async def _status_text(client: RestClient, job: str | None, as_json: bool, compact: bool = False) -> str:
     if job:
         view = await client.job(job)
-        return view.model_dump_json(indent=2) if as_json else render_job(view)
+        return _json(view, compact) if as_json else render_job(view)
     jobs = await client.jobs()
-    return jobs.model_dump_json(indent=2) if as_json else render_jobs(jobs)
+    return _json(jobs, compact) if as_json else render_jobs(jobs)
 
 
 async def _run(args) -> int:
@@ -113,8 +135,25 @@ async def _run(args) -> int:
         print(await _status_text(client, args.job, args.json))
         return 0
     tty = sys.stdout.isatty()
+    missing_said = False
     while True:
-        text = await _status_text(client, args.job, args.json)
+        try:
+            text = await _status_text(client, args.job, args.json, compact=True)
+        except JobNotFoundError:
+            # started before the job's first agent: wait for it
+            if args.json:
+                if not missing_said:
+                    print(f"rdzv: job {args.job} does not exist yet; waiting for it", file=sys.stderr, flush=True)
+                    missing_said = True
+                await asyncio.sleep(max(0.1, args.interval))
+                continue
+            text = f"job {args.job} does not exist yet; waiting for it"
+        if args.json:
+            # one document per line: a stream that jq and head can read
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+            await asyncio.sleep(max(0.1, args.interval))
+            continue
         if tty:
             sys.stdout.write("\x1b[H\x1b[2J")
         sys.stdout.write(f"{time.strftime('%H:%M:%S')}  rdzv status {args.job or ''}\n\n{text}\n")
@@ -135,6 +174,11 @@ def main(argv: list[str] | None = None) -> None:
         code = 1
     except KeyboardInterrupt:
         code = 130
+    except BrokenPipeError:
+        # the reader went away (| head): nothing left to say, and nothing at exit either
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        code = 0
     raise SystemExit(code)
 
 

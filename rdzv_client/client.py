@@ -12,6 +12,7 @@ error: the loop just hears nothing until the server is back.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import random
@@ -21,6 +22,8 @@ from typing import Any
 from urllib.parse import quote
 
 import aiohttp
+
+from pydantic import ValidationError
 
 from rdzv_server.protocol import (
     AGENT_PATH,
@@ -34,6 +37,7 @@ from rdzv_server.protocol import (
     RdzvError,
     UnavailableError,
     error_from_body,
+    printable,
 )
 
 log = logging.getLogger(__name__)
@@ -110,6 +114,9 @@ class AgentLink:
         self.connected = asyncio.Event()
         self.ever_connected = False
         self.last_error: str | None = None
+        # monotonic time since when the server has been unreachable; None while connected
+        self.down_since: float | None = time.monotonic()
+        self._logged: collections.deque[str] = collections.deque(maxlen=32)  # protocol errors said once
         self._messages: asyncio.Queue = asyncio.Queue()
         self._ws: aiohttp.ClientWebSocketResponse | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -160,6 +167,23 @@ class AgentLink:
         """The next server message (a protocol model)."""
         return await self._messages.get()
 
+    def protocol_error(self, what: str) -> None:
+        """The server sent something this agent must not act on: say so once
+        (escaped), drop the connection and reconnect. Workers are not touched."""
+        text = printable(what, limit=500)
+        if text not in self._logged:
+            self._logged.append(text)
+            log.warning("protocol error from %s: %s; reconnecting", self.url, text)
+        self.last_error = f"protocol error: {text}"
+        ws = self._ws
+        if ws is not None and not ws.closed:
+            asyncio.ensure_future(ws.close())
+
+    def down_for(self) -> float:
+        """Seconds the server has been unreachable now (0 while connected)."""
+        since = self.down_since
+        return 0.0 if since is None else time.monotonic() - since
+
     async def _run(self) -> None:
         delays = backoff_delays()
         while True:
@@ -178,6 +202,7 @@ class AgentLink:
                 continue
             self._ws = ws
             self.connected.set()
+            self.down_since = None
             connected_at = time.monotonic()
             if self.ever_connected:
                 log.info("reconnected to %s", self.url)
@@ -193,9 +218,18 @@ class AgentLink:
                     if frame.type == aiohttp.WSMsgType.TEXT:
                         try:
                             msg = SERVER_MESSAGE.validate_json(frame.data)
-                        except Exception as e:  # a newer server: tell, do not die
-                            log.warning("ignoring a message this agent does not understand: %s", e)
-                            continue
+                        except ValidationError as e:
+                            errors = e.errors(include_url=False, include_input=False)
+                            what = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in errors[:3])
+                            if errors and errors[0]["type"] == "union_tag_invalid":
+                                # a newer server's new message: tell, do not act
+                                text = printable(f"ignoring a message this agent does not understand: {what}", 500)
+                                if text not in self._logged:
+                                    self._logged.append(text)
+                                    log.warning("%s", text)
+                                continue
+                            self.protocol_error(f"invalid message: {what}")
+                            break
                         if isinstance(msg, JoinedMsg):
                             self.heartbeat_s = msg.heartbeat_s
                         self._messages.put_nowait(msg)
@@ -205,6 +239,7 @@ class AgentLink:
                 self.last_error = f"connection lost: {e or type(e).__name__}"
             finally:
                 self.connected.clear()
+                self.down_since = time.monotonic()
                 self._ws = None
                 hb.cancel()
                 if not ws.closed:

@@ -17,6 +17,12 @@ A job that the server ends (``rdzv close``, a join timeout) stops torchrun:
 :meth:`num_nodes_waiting` turns non-zero, torchrun stops its workers, and
 :meth:`next_rendezvous` raises RendezvousClosedError with the server's reason.
 
+An unreachable server is waited for ``--rdzv-conf server_timeout=S`` seconds
+(default 300, as rdzv-agent's ``--server-timeout``), with a warning when the
+outage starts and every 30 s; then the handler gives up: a rendezvous raises
+RendezvousConnectionError, and running workers are stopped through
+:meth:`num_nodes_waiting` as for a closed job.
+
 torchrun keeps its own restart budget (``--max-restarts``); the server counts a
 torchrun restart as a failure of the round, with a budget of its own that is
 effectively unlimited unless ``--rdzv-conf max_restarts=K`` sets one.
@@ -36,6 +42,7 @@ from datetime import timedelta
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
+    RendezvousConnectionError,
     RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
@@ -59,8 +66,11 @@ from rdzv_server.protocol import (
     LeaveMsg,
     RdzvError,
     RestartMsg,
+    StatusMsg,
+    JoinedMsg,
     SucceededMsg,
     heartbeat_interval,
+    printable,
 )
 
 from .agent import free_port, new_node_id, route_addr
@@ -73,6 +83,11 @@ STORE_TIMEOUT_S = 300.0
 # round for another reason before it reports the failure (see _next_round).
 # Longer than the server's default disconnect grace (0.5 s).
 FAILURE_REPORT_DELAY_S = 1.0
+DEFAULT_SERVER_TIMEOUT_S = 300.0
+OUTAGE_NOTICE_AFTER_S = 2.0
+OUTAGE_LOG_EVERY_S = 30.0
+# while a round forms, say what it waits for this often
+PROGRESS_EVERY_S = 10.0
 
 
 class RdzvRendezvousHandler(RendezvousHandler):
@@ -88,6 +103,11 @@ class RdzvRendezvousHandler(RendezvousHandler):
         self.host = socket.gethostname()
         self.node_id = new_node_id(self.host)
         self.join_timeout_s = float(params.get("join_timeout", 600))
+        self.server_timeout_s = float(params.get("server_timeout", DEFAULT_SERVER_TIMEOUT_S))
+        if not 0 < self.server_timeout_s < float("inf"):
+            raise ValueError(f"rdzv-conf server_timeout={self.server_timeout_s}: must be a positive number of seconds")
+        self._gave_up: str | None = None  # why, once the server was unreachable for server_timeout_s
+        self._waiting_text = ""  # what the forming round waits for, as the server last said
         self.spec = JobSpec(
             min_nodes=params.min_nodes,
             max_nodes=params.max_nodes,
@@ -136,6 +156,36 @@ class RdzvRendezvousHandler(RendezvousHandler):
         self._news = asyncio.Event()
         await self._link.start()
         self._dispatcher = asyncio.ensure_future(self._dispatch())
+        self._watchdog = asyncio.ensure_future(self._watch_server())
+
+    async def _watch_server(self) -> None:
+        """Say that the server is unreachable (when it starts, every 30 s and
+        when it ends), and give up after server_timeout_s: the job is then
+        closed for this node, so torchrun stops its workers and exits."""
+        logged_at: float | None = None
+        while True:
+            await asyncio.sleep(0.5)
+            down = self._link.down_for()
+            if down < OUTAGE_NOTICE_AFTER_S:
+                if down == 0 and logged_at is not None:
+                    logged_at = None
+                    log.warning("rdzv server %s reachable again", self.endpoint)
+                continue
+            why = printable(self._link.last_error or "no answer", limit=300)
+            left = self.server_timeout_s - down
+            if left <= 0:
+                self._gave_up = (f"gave up: rdzv server {self.endpoint} unreachable for {self.server_timeout_s:g}s "
+                                 f"(rdzv-conf server_timeout; {why})")
+                log.error("job %s: %s", self.run_id, self._gave_up)
+                self._closed_why = self._gave_up
+                self._closed = True
+                self._news.set()
+                return
+            now = time.monotonic()
+            if logged_at is None or now - logged_at >= OUTAGE_LOG_EVERY_S:
+                logged_at = now
+                log.warning("rdzv server %s unreachable for %.0fs (%s); giving up in %.0fs", self.endpoint, down,
+                            why, left)
 
     async def _dispatch(self) -> None:
         """Keep the handler's view current while torchrun's workers run."""
@@ -146,8 +196,12 @@ class RdzvRendezvousHandler(RendezvousHandler):
             elif isinstance(msg, EvictedMsg) or (isinstance(msg, ErrorMsg) and msg.code == ErrorCode.EVICTED):
                 self._restart_round = max(self._restart_round, (self._assignment.round + 1) if self._assignment else 0)
             elif isinstance(msg, DoneMsg) and msg.state != "succeeded":
-                self._closed_why = f"{msg.state}: {msg.reason}"
+                self._closed_why = f"{msg.state}: {printable(msg.reason)}"
                 self._closed = True
+            elif isinstance(msg, JoinedMsg) and msg.waiting_for is not None:
+                self._waiting_text = printable(msg.waiting_for.text, limit=300)
+            elif isinstance(msg, StatusMsg):
+                self._waiting_text = printable(msg.waiting_for.text, limit=300)
             self._inbox.put_nowait(msg)
             self._news.set()
 
@@ -185,6 +239,8 @@ class RdzvRendezvousHandler(RendezvousHandler):
         return 1 if a is not None and (self._restart_round > a.round or self._closed) else 0
 
     def next_rendezvous(self) -> RendezvousInfo:
+        if self._gave_up:
+            raise RendezvousConnectionError(f"job {self.run_id}: {self._gave_up}")
         if self._closed:
             raise RendezvousClosedError(f"job {self.run_id} {self._closed_why}")
         self._ensure_started()
@@ -227,13 +283,22 @@ class RdzvRendezvousHandler(RendezvousHandler):
                 message="torchrun restarted its worker group on this node (see its log for the worker error)")]))
         self._assignment = None
         link.set_intent(self._join_msg())
-        deadline = time.monotonic() + self.join_timeout_s
+        started = time.monotonic()
+        deadline = started + self.join_timeout_s
+        said = started
         while True:
-            left = deadline - time.monotonic()
+            if self._gave_up:
+                raise RendezvousConnectionError(f"job {self.run_id}: {self._gave_up}")
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
                 raise RendezvousTimeoutError(f"no round of job {self.run_id} formed within {self.join_timeout_s:g}s")
+            if now - said >= PROGRESS_EVERY_S and link.connected.is_set():
+                said = now
+                log.warning("job %s: waiting %.0fs for a round (join_timeout in %.0fs)%s", self.run_id,
+                            now - started, left, f": {self._waiting_text}" if self._waiting_text else "")
             try:
-                msg = await asyncio.wait_for(self._inbox.get(), left)
+                msg = await asyncio.wait_for(self._inbox.get(), min(left, 0.5))
             except asyncio.TimeoutError:
                 continue
             if isinstance(msg, AssignedMsg):
@@ -245,14 +310,14 @@ class RdzvRendezvousHandler(RendezvousHandler):
                 return a
             if isinstance(msg, DoneMsg):
                 self._closed = msg.state != "succeeded"
-                raise RendezvousClosedError(f"job {self.run_id} {msg.state}: {msg.reason}")
+                raise RendezvousClosedError(f"job {self.run_id} {msg.state}: {printable(msg.reason)}")
             if isinstance(msg, EvictedMsg) or (isinstance(msg, ErrorMsg) and msg.code == ErrorCode.EVICTED):
                 self.node_id = new_node_id(self.host)
                 link.set_intent(self._join_msg())
             elif isinstance(msg, ErrorMsg) and msg.code not in (ErrorCode.STALE_ROUND, ErrorCode.UNAVAILABLE):
-                raise RendezvousError(f"rdzv server refused this node: {msg.message}")
+                raise RendezvousError(f"rdzv server refused this node: {printable(msg.message)}")
             elif isinstance(msg, RdzvError):
-                raise RendezvousError(msg.message)
+                raise RendezvousError(printable(msg.message))
 
     def _join_msg(self, resume: Assignment | None = None) -> JoinMsg:
         return JoinMsg(job_id=self.run_id, node_id=self.node_id, host=self.host[:255] or "node", addr=self.addr,
@@ -279,7 +344,8 @@ class RdzvRendezvousHandler(RendezvousHandler):
             except asyncio.TimeoutError:
                 pass
             self._dispatcher.cancel()
-            await asyncio.gather(self._dispatcher, return_exceptions=True)
+            self._watchdog.cancel()
+            await asyncio.gather(self._dispatcher, self._watchdog, return_exceptions=True)
             await self._link.close()
 
         try:

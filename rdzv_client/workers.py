@@ -265,8 +265,8 @@ def describe(info: ExitInfo, rank: int | None = None) -> str:
     else:
         how = f"exited with code {info.exit_code}"
     lines = info.message.strip().splitlines()
-    # an error file starts with "Type: text"; a stderr tail ends with its last words
-    why = (lines[-1] if info.source == "stderr" else lines[0]).strip() if lines else ""
+    # an error file starts with "Type: text"; a stderr message with its error line
+    why = lines[0].strip() if lines else ""
     return f"{who} {how}" + (f": {why}" if why else "")
 
 
@@ -315,6 +315,32 @@ def read_error_file(path: str | os.PathLike[str]) -> str | None:
     if lines and lines[-1].strip() == head.strip():
         lines = lines[:-1]
     return _trim_message(head, lines)
+
+
+_TRACEBACK_HEAD = "Traceback (most recent call last):"
+
+
+def root_cause_line(lines: list[str]) -> str:
+    """The line of a stderr tail that names the error, as torchrun's summary does.
+
+    That is the first unindented line after the last traceback (the last
+    ``Traceback (most recent call last):``, or, when a deep traceback's head
+    scrolled out of the tail, its last ``File "..."`` frame): for chained
+    exceptions the final one, never a warning printed before it nor the
+    interpreter's noise after it. Without a traceback, the last line.
+    """
+    start = -1
+    for i, line in enumerate(lines):
+        if line.startswith(_TRACEBACK_HEAD) or line.startswith('  File "'):
+            start = i
+    if start >= 0:
+        for line in lines[start + 1:]:
+            if line.strip() and not line[:1].isspace():
+                return line.strip()
+    for line in reversed(lines):
+        if line.strip():
+            return line.strip()
+    return ""
 
 
 def _file_tail_lines(path: Path, n: int = _STDERR_TAIL_LINES, max_bytes: int = 8192) -> list[str]:
@@ -505,7 +531,11 @@ class WorkerGroup:
         lines = [ln for ln in w.stderr_tail if ln.strip()]
         if not lines and w.stderr_file is not None:
             lines = _file_tail_lines(w.stderr_file)
-        message = _trim_message("", lines)
+        # the error first: the server's root cause and every summary read the first line
+        head = root_cause_line(lines)
+        if lines and lines[-1].strip() == head:
+            lines = lines[:-1]  # said once, first
+        message = _trim_message(head, lines)
         return message, ("stderr" if message else "")
 
     def _monitors(self) -> list[asyncio.Task[ExitInfo]]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from . import __version__
 from .app import DEFAULT_JOIN_DEADLINE_S, Settings, create_app
 from .conns import (
     DEFAULT_HEADER_TIMEOUT_S,
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Rendezvous server for elastic PyTorch training (see rdzv-agent).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    p.add_argument("--version", action="version", version=f"rdzv-server {__version__}")
     p.add_argument("--host", default=argparse.SUPPRESS,
                    help="address to listen on (default: 0.0.0.0 with a token, 127.0.0.1 without; "
                         "a non-loopback address without a token needs --insecure)")

@@ -25,11 +25,10 @@ from .protocol import (
     JobView,
     RdzvError,
 )
+from . import __version__
 from .store import Store, StoreSettings
 
 log = logging.getLogger(__name__)
-
-__version__ = "0.1.0"
 
 DEFAULT_JOIN_DEADLINE_S = 10.0
 

@@ -331,12 +331,12 @@ class WaitingInfo(_Strict):
     """Why a round is not complete yet, in words and in fields."""
 
     text: str
-    joined: int = 0
-    min_nodes: int = 0
-    max_nodes: int = 0
-    spares: int = 0
-    missing: list[str] = Field(default_factory=list)
-    last_call_deadline: float | None = None
+    joined: int = Field(default=0, ge=0, le=MAX_NODES)
+    min_nodes: int = Field(default=0, ge=0, le=MAX_NODES)
+    max_nodes: int = Field(default=0, ge=0, le=MAX_NODES)
+    spares: int = Field(default=0, ge=0, le=MAX_NODES)
+    missing: list[Annotated[str, Field(max_length=MAX_ID_LEN)]] = Field(default_factory=list, max_length=64)
+    last_call_deadline: float | None = Field(default=None, ge=0, le=2**40, allow_inf_nan=False)
 
 
 class JoinedMsg(_Strict):
@@ -345,7 +345,7 @@ class JoinedMsg(_Strict):
     op: Literal["joined"] = "joined"
     round: RoundNo
     node_id: Id
-    heartbeat_s: float
+    heartbeat_s: Seconds
     waiting_for: WaitingInfo | None = None
 
 
@@ -358,19 +358,33 @@ class StatusMsg(_Strict):
 
 
 class Assignment(_Strict):
-    """Everything a node needs to start its workers for one round."""
+    """Everything a node needs to start its workers for one round.
+
+    Bounded and consistent: an agent takes nothing from the server that its
+    workers could not use (a NUL in an address, a world of 10**18)."""
 
     job_id: Id
     round: RoundNo
-    group_rank: int
-    group_world_size: int
-    local_world_size: int
-    rank_offset: int
-    world_size: int
-    master_addr: str
-    master_port: int
-    max_restarts: int
-    restarts: int
+    group_rank: int = Field(ge=0, lt=MAX_NODES)
+    group_world_size: int = Field(ge=1, le=MAX_NODES)
+    local_world_size: int = Field(ge=1, le=MAX_NPROC)
+    rank_offset: int = Field(ge=0, lt=MAX_NODES * MAX_NPROC)
+    world_size: int = Field(ge=1, le=MAX_NODES * MAX_NPROC)
+    master_addr: Host
+    master_port: Port
+    max_restarts: int = Field(ge=0, le=MAX_RESTARTS)
+    restarts: int = Field(ge=0, le=MAX_RESTARTS + 1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Assignment":
+        if self.group_rank >= self.group_world_size:
+            raise ValueError(f"group_rank {self.group_rank} >= group_world_size {self.group_world_size}")
+        if self.rank_offset + self.local_world_size > self.world_size:
+            raise ValueError(f"ranks {self.rank_offset}..{self.rank_offset + self.local_world_size - 1} "
+                             f"outside world_size {self.world_size}")
+        if self.world_size < self.group_world_size:
+            raise ValueError(f"world_size {self.world_size} < group_world_size {self.group_world_size}")
+        return self
 
 
 class AssignedMsg(_Strict):
@@ -413,7 +427,7 @@ class AckMsg(_Strict):
     """A report (failed, succeeded, leave) was recorded."""
 
     op: Literal["ack"] = "ack"
-    of: str
+    of: str = Field(max_length=32)
 
 
 class ErrorMsg(_Strict):
@@ -447,8 +461,10 @@ class NodeView(BaseModel):
     node_id: str
     host: str
     addr: str
-    state: Literal["waiting", "running", "succeeded", "spare", "disconnected", "rejoining"]
+    state: Literal["waiting", "running", "succeeded", "spare", "disconnected", "rejoining", "failed", "closed"] = Field(
+        description="the node's state; once the job ended, the job's (succeeded, failed, closed)")
     group_rank: int | None
+    requested_rank: int | None = Field(default=None, description="the --node-rank it asked for, if any")
     local_world_size: int
     last_seen_s: float = Field(description="seconds since the server last heard from this node")
 

@@ -601,11 +601,14 @@ def waiting_info(job: Job, now: float, detail: bool = True) -> WaitingInfo | Non
     )
 
 
-def _node_view(node: Node, now: float) -> NodeView:
-    state = node.state if node.connected else "disconnected"
+def _node_view(node: Node, now: float, job_state: JobState | None = None) -> NodeView:
+    if job_state in TERMINAL_STATES:
+        state = job_state.value  # the job ended: its nodes no longer read "running"
+    else:
+        state = node.state if node.connected else "disconnected"
     return NodeView(node_id=node.node_id, host=node.host, addr=node.addr, state=state,
-                    group_rank=node.group_rank, local_world_size=node.local_world_size,
-                    last_seen_s=round(max(0.0, now - node.last_seen), 3))
+                    group_rank=node.group_rank, requested_rank=node.requested_rank,
+                    local_world_size=node.local_world_size, last_seen_s=round(max(0.0, now - node.last_seen), 3))
 
 
 def view(job: Job, now: float) -> JobView:
@@ -619,8 +622,8 @@ def view(job: Job, now: float) -> JobView:
         min_nodes=job.spec.min_nodes, max_nodes=job.spec.max_nodes, world_size=job.world_size,
         restarts=job.restarts, max_restarts=job.spec.max_restarts,
         master_addr=job.master_addr, master_port=job.master_port,
-        nodes=[_node_view(n, now) for n in members + others],
-        spares=[_node_view(n, now) for n in spares],
+        nodes=[_node_view(n, now, job.state) for n in members + others],
+        spares=[_node_view(n, now, job.state) for n in spares],
         waiting_for=waiting_info(job, now),
         root_cause=job.root_cause or (job.end_reason if job.state == JobState.FAILED else None),
         history=[RoundView(round=r.round, reason=r.reason, started_at=r.started_at, completed_at=r.completed_at,

@@ -384,7 +384,9 @@ async def test_stderr_tail_when_no_error_file(tmp_path: Path) -> None:
     await group.start()
     [info] = await asyncio.wait_for(group.wait(), WAIT_S)
     await group.stop()
-    assert info.message.splitlines()[-1] == "fatal: disk full"
+    # the error line first (the server's root cause reads it), then the tail before it
+    assert info.message.splitlines()[0] == "fatal: disk full"
+    assert info.message.splitlines()[-1] == "noise 99"
     assert "noise 0" not in info.message and info.source == "stderr"
     assert describe(info).endswith("exited with code 2: fatal: disk full")
 

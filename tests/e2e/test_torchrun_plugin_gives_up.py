@@ -1,0 +1,47 @@
+"""torchrun with ``--rdzv-backend=rdzv`` gives up on an unreachable server
+after ``--rdzv-conf server_timeout=S`` (issue 13, item 12), saying so while it
+waits, instead of 600 s of silence. Stock torchrun, our handler, real
+processes (the rig of test_torchrun_plugin)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+pytest.importorskip("torch")
+
+from .conftest import descendants, free_port, wait_until  # noqa: E402
+from .test_torchrun_plugin import Rig, _alive, _at, rig  # noqa: E402,F401 - rig is a fixture
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.mark.timeout(90)
+def test_plugin_gives_up_on_an_endpoint_nobody_answers(rig: Rig) -> None:
+    rig.port = free_port()  # nothing listens there
+    node = rig.torchrun("node0", "nobody", "1:1", "--steps", "5", conf="server_timeout=5")
+    rc = node.wait_exit(60)  # the join timeout (600 s) would be much later
+    text = node.text()
+    assert rc != 0, text[-3000:]
+    assert "rdzv server 127.0.0.1:%d unreachable for" % rig.port in text, text[-3000:]
+    assert "giving up in" in text, text[-3000:]  # progress while it waited
+    assert "RendezvousConnectionError" in text and "server_timeout" in text, text[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_plugin_gives_up_when_the_server_dies_while_workers_run(rig: Rig) -> None:
+    server = rig.start_server()
+    node = rig.torchrun("node0", "orphan", "1:1", "--steps", "100000", "--interval", "0.05",
+                        conf="server_timeout=5")
+    wait_until(lambda: _at(node, world=1, step=2), 60, "the worker at step 2")
+    workers = descendants(node.pid)
+    assert workers
+    os.kill(server.pid, signal.SIGKILL)
+    server.wait_exit(10)
+    rc = node.wait_exit(60)
+    text = node.text()
+    assert rc != 0, text[-3000:]
+    assert "unreachable for" in text and "server_timeout" in text, text[-3000:]
+    wait_until(lambda: not any(_alive(pid) for pid in workers), 10, "its workers gone")
