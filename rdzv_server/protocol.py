@@ -76,6 +76,7 @@ class ErrorCode(str, Enum):
     NOT_JOINED = "not_joined"
     ALREADY_JOINED = "already_joined"
     UNAVAILABLE = "unavailable"
+    JOB_NOT_FINISHED = "job_not_finished"
 
 
 ERROR_STATUS: dict[ErrorCode, int] = {
@@ -94,6 +95,7 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.NOT_JOINED: 409,
     ErrorCode.ALREADY_JOINED: 409,
     ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.JOB_NOT_FINISHED: 409,
 }
 
 
@@ -168,6 +170,7 @@ ERROR_CLASSES: dict[ErrorCode, type[RdzvError]] = {
     ErrorCode.NOT_JOINED: NotJoinedError,
     ErrorCode.ALREADY_JOINED: RequestError,
     ErrorCode.UNAVAILABLE: UnavailableError,
+    ErrorCode.JOB_NOT_FINISHED: RequestError,
 }
 
 
@@ -493,8 +496,20 @@ class JobView(BaseModel):
     history: list[RoundView]
 
 
+MAX_PAGE = 1000
+DEFAULT_PAGE = 100
+
+
 class JobList(BaseModel):
     jobs: list[JobSummary]
+    next_cursor: str | None = Field(default=None, description="pass as ?cursor= for the next page; "
+                                                              "null on the last page")
+
+
+class DeleteResult(BaseModel):
+    job_id: str
+    state: JobState = Field(description="the state the job had when it was deleted")
+    deleted: Literal[True] = True
 
 
 class CloseResult(BaseModel):
