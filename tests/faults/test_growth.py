@@ -203,6 +203,7 @@ async def test_nearly_full_disk_refuses_new_jobs_but_not_a_round_change(fcluster
             for agent, node in ((a, "a"), (b, "b")):
                 await agent.wait_op("restart")
                 await agent.ws.send_str(join("kept", node, spec))
+            for agent in (a, b):
                 await agent.wait_op("assigned", count=2)
             view = server.job("kept")
             assert (view["state"], view["round"], view["restarts"]) == ("running", 1, 1), view
