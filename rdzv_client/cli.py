@@ -4,6 +4,7 @@
     rdzv status JOB          the job, its nodes and its round history
     rdzv status JOB --watch  the same, refreshed in place
     rdzv close JOB           stop a job: its agents stop their workers and exit
+    rdzv delete JOB          forget a finished job (close it first if it still runs)
 
 Endpoint and token come from --endpoint/--token or RDZV_ENDPOINT/RDZV_TOKEN.
 Errors are one line on stderr and exit status 1 (2 for usage).
@@ -20,7 +21,7 @@ import time
 
 from pydantic import ValidationError
 
-from rdzv_server.protocol import JobList, JobView, RdzvError, is_valid_id
+from rdzv_server.protocol import JobList, JobState, JobView, RdzvError, is_valid_id
 
 from .client import RestClient
 
@@ -79,19 +80,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     st = sub.add_parser("status", help="list jobs, or show one job")
     st.add_argument("job", nargs="?", help="job id")
+    st.add_argument("--state", choices=[s.value for s in JobState], default=None,
+                    help="list only jobs in this state")
     st.add_argument("--json", action="store_true", help="print the raw JSON")
     st.add_argument("--watch", action="store_true", help="refresh in place until interrupted")
     st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
     cl = sub.add_parser("close", help="close a job: its agents stop their workers and exit")
     cl.add_argument("job", help="job id")
+    de = sub.add_parser("delete", help="forget a finished job (its view, its saved state, its metrics)")
+    de.add_argument("job", help="job id")
     return p
 
 
-async def _status_text(client: RestClient, job: str | None, as_json: bool) -> str:
+async def _status_text(client: RestClient, job: str | None, as_json: bool, state: str | None = None) -> str:
     if job:
         view = await client.job(job)
         return view.model_dump_json(indent=2) if as_json else render_job(view)
-    jobs = await client.jobs()
+    jobs = await client.all_jobs(state)
     return jobs.model_dump_json(indent=2) if as_json else render_jobs(jobs)
 
 
@@ -109,12 +114,16 @@ async def _run(args) -> int:
         result = await client.close_job(args.job)
         print(f"job {result.job_id}: {result.state.value}")
         return 0
+    if args.command == "delete":
+        deleted = await client.delete_job(args.job)
+        print(f"job {deleted.job_id}: deleted (it had {deleted.state.value})")
+        return 0
     if not args.watch:
-        print(await _status_text(client, args.job, args.json))
+        print(await _status_text(client, args.job, args.json, args.state))
         return 0
     tty = sys.stdout.isatty()
     while True:
-        text = await _status_text(client, args.job, args.json)
+        text = await _status_text(client, args.job, args.json, args.state)
         if tty:
             sys.stdout.write("\x1b[H\x1b[2J")
         sys.stdout.write(f"{time.strftime('%H:%M:%S')}  rdzv status {args.job or ''}\n\n{text}\n")

@@ -171,3 +171,16 @@ def test_openapi_is_a_valid_3_1_document_with_the_enforced_patterns():
     assert params["limit"]["schema"]["minimum"] == 1 and params["limit"]["schema"]["maximum"] == 1000
     assert set(params["state"]["schema"]["enum"]) == {"waiting", "running", "succeeded", "failed", "closed"}
     assert params["cursor"]["schema"]["maxLength"] == 512
+
+
+async def test_the_rest_client_walks_every_page(client, connect):
+    """RestClient.all_jobs (what `rdzv status` uses) follows next_cursor to the end."""
+    from rdzv_client.client import RestClient
+
+    for i in range(5):
+        await form(connect, f"j{i}", ["node1"])
+    rest = RestClient(f"127.0.0.1:{client.port}")
+    listing = await rest.all_jobs(page=2)
+    assert [j.job_id for j in listing.jobs] == [f"j{i}" for i in range(5)] and listing.next_cursor is None
+    first = await rest.jobs(limit=2)
+    assert len(first.jobs) == 2 and first.next_cursor
