@@ -64,6 +64,8 @@ def render_job(job: JobView) -> str:
     rows = [[n.group_rank if n.group_rank is not None else "-", n.node_id, n.host, n.addr, n.state,
              n.local_world_size, f"{n.last_seen_s:.1f}s ago"] for n in job.nodes + job.spares]
     out.append(_table(["RANK", "NODE", "HOST", "ADDR", "STATE", "NPROC", "LAST SEEN"], rows) if rows else "no nodes")
+    if job.nodes_omitted:
+        out.append(f"(+{job.nodes_omitted} more nodes not listed)")
     out.append("")
     hist = [[r.round, _when(r.started_at),
              "-" if r.completed_at is None else f"{(r.completed_at - r.started_at) * 1000:.0f} ms",

@@ -494,6 +494,8 @@ class JobView(BaseModel):
     waiting_for: WaitingInfo | None
     root_cause: str | None
     history: list[RoundView]
+    nodes_omitted: int = Field(default=0, description="nodes and spares not listed (a view lists at most 10,000)")
+    history_omitted: int = Field(default=0, description="older rounds not listed (a view lists the latest 100)")
 
 
 MAX_PAGE = 1000

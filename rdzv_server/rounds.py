@@ -61,6 +61,8 @@ SPARE = "spare"
 
 STATUS_PUSH_INTERVAL_S = 1.0
 MAX_HISTORY = 1000
+MAX_VIEW_NODES = 10_000  # a job view lists at most this many nodes (members first, by rank)
+MAX_VIEW_HISTORY = 100  # and the latest this many rounds
 
 
 @dataclass
@@ -654,22 +656,31 @@ def _node_view(node: Node, now: float) -> NodeView:
 
 
 def view(job: Job, now: float) -> JobView:
+    """The job for REST, bounded: at most MAX_VIEW_NODES nodes (members in rank
+    order first, spares last) and the latest MAX_VIEW_HISTORY rounds; the
+    ``*_omitted`` fields count what was left out."""
     members = [job.nodes[n] for n in job.order if n in job.nodes]
     in_order = set(job.order)
     others = sorted((n for n in job.nodes.values() if n.node_id not in in_order and n.state != SPARE),
                     key=natural_key)
     spares = sorted((n for n in job.nodes.values() if n.state == SPARE), key=natural_key)
+    listed = (members + others)[:MAX_VIEW_NODES]
+    spares_listed = spares[:max(0, MAX_VIEW_NODES - len(listed))]
+    nodes_omitted = len(members) + len(others) + len(spares) - len(listed) - len(spares_listed)
+    history = job.history[-MAX_VIEW_HISTORY:]
     return JobView(
         job_id=job.job_id, state=job.state, round=job.round,
         min_nodes=job.spec.min_nodes, max_nodes=job.spec.max_nodes, world_size=job.world_size,
         restarts=job.restarts, max_restarts=job.spec.max_restarts,
         master_addr=job.master_addr, master_port=job.master_port,
-        nodes=[_node_view(n, now) for n in members + others],
-        spares=[_node_view(n, now) for n in spares],
+        nodes=[_node_view(n, now) for n in listed],
+        spares=[_node_view(n, now) for n in spares_listed],
         waiting_for=waiting_info(job, now),
         root_cause=job.root_cause or (job.end_reason if job.state == JobState.FAILED else None),
         history=[RoundView(round=r.round, reason=r.reason, started_at=r.started_at, completed_at=r.completed_at,
-                           world_size=r.world_size, nodes=r.nodes) for r in job.history],
+                           world_size=r.world_size, nodes=r.nodes) for r in history],
+        nodes_omitted=nodes_omitted,
+        history_omitted=len(job.history) - len(history),
     )
 
 

@@ -184,3 +184,32 @@ async def test_the_rest_client_walks_every_page(client, connect):
     assert [j.job_id for j in listing.jobs] == [f"j{i}" for i in range(5)] and listing.next_cursor is None
     first = await rest.jobs(limit=2)
     assert len(first.jobs) == 2 and first.next_cursor
+
+
+async def test_job_view_is_bounded(client, connect, monkeypatch):
+    """A job view lists at most MAX_VIEW_NODES nodes (members by rank first) and the
+    latest MAX_VIEW_HISTORY rounds, and says how many it left out."""
+    from rdzv_server import rounds
+    from rdzv_server.protocol import ExitRecord, FailedMsg
+
+    agents, got = await form(connect, "big", [f"node{i}" for i in range(5)])
+    nodes = list(got)
+
+    async def until(agent, op):
+        while (msg := await agent.recv()).op != op:
+            pass
+        return msg
+
+    for r in range(2):  # a worker failure, twice: rounds 1 and 2
+        await agents[0].send(FailedMsg(round=r, failures=[ExitRecord(local_rank=0, rank=0, pid=1, exit_code=1)]))
+        for agent in agents:
+            await until(agent, "restart")
+        for agent, node in zip(agents, nodes):
+            await agent.send(join_msg("big", node, (5, 5)))
+        for agent in agents:
+            await until(agent, "assigned")
+    monkeypatch.setattr(rounds, "MAX_VIEW_NODES", 3)
+    monkeypatch.setattr(rounds, "MAX_VIEW_HISTORY", 2)
+    view = await get(client, "/v1/jobs/big")
+    assert [n["group_rank"] for n in view["nodes"]] == [0, 1, 2] and view["nodes_omitted"] == 2
+    assert [h["round"] for h in view["history"]] == [1, 2] and view["history_omitted"] == 1
