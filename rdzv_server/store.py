@@ -305,15 +305,22 @@ class Store:
             heapq.heapify(self._due)
         self._expire(now)
 
-    def _schedule(self, job: Job) -> None:
-        """Queue the job for the tick at rounds.next_due (an earlier entry, if
-        queued, recomputes it when popped)."""
-        at = rounds.next_due(job)
-        if at is None or at == float("inf"):
+    def _schedule(self, job: Job, also: float | None = None) -> None:
+        """Queue the job for the tick at rounds.next_due. An entry already
+        queued is at or before every node's deadline (those only move later,
+        but for ``also``: a dropped connection's), so then only the job's own
+        deadlines are looked at: O(1) per join or report, not O(nodes)."""
+        queued = self._due_at.get(job.job_id)
+        if queued is None:
+            at = rounds.next_due(job)
+        else:
+            at = rounds.next_due(job, nodes=False)
+            if at is not None and also is not None:
+                at = min(at, also)
+        if at is None:
             self._due_at.pop(job.job_id, None)
             return
-        queued = self._due_at.get(job.job_id)
-        if queued is not None and queued <= at:
+        if at == float("inf") or (queued is not None and queued <= at):
             return
         self._seq += 1
         self._due_at[job.job_id] = at
@@ -436,6 +443,9 @@ class Store:
         if job is not None:
             now = self.clock()
             self._apply(job, rounds.disconnect(job, node_id, now, self.settings.disconnect_grace_s), now)
+            node = job.nodes.get(node_id)
+            if node is not None and node.lost_deadline is not None and job_id in self.active:
+                self._schedule(job, also=node.lost_deadline)
 
     # ------------------------------------------------------------- REST side
 

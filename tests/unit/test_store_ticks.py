@@ -119,3 +119,21 @@ def test_tick_does_not_visit_idle_jobs(monkeypatch):
     assert len(set(visited)) == 300
     assert all(c.ops[-1] == "evicted" for c in chans)
     assert all(j.state == JobState.WAITING and not j.nodes for j in store.jobs.values())
+
+
+def test_a_dropped_connection_is_lost_after_the_disconnect_grace_not_the_heartbeat_timeout():
+    """The tick queue learns of the earlier deadline a dropped connection sets."""
+    clock = [1000.0]
+    store = make_store(clock)
+    spec = JobSpec(min_nodes=2, max_nodes=2, heartbeat_timeout_s=6.0)
+    a, b = Recorder(), Recorder()
+    store.join(join("j", "a", spec), a)
+    store.join(join("j", "b", spec), b)
+    plain_tick(store)
+    store.disconnected("j", "b", b)
+    clock[0] += 0.3
+    plain_tick(store)
+    assert "b" in store.jobs["j"].nodes
+    clock[0] += 0.3  # past the 0.5 s disconnect grace, far from the 6 s heartbeat timeout
+    plain_tick(store)
+    assert "b" not in store.jobs["j"].nodes and a.ops[-1] == "restart"
