@@ -48,7 +48,9 @@ def finished_rows(res: dict) -> list[list[str]]:
              f"{res['idle_cpu'] * 100:.2f}% of a core, RSS {res['rss_mb']:.0f} MB{failed}", "n/a", "-"],
             [f"9. Server: {res['jobs']:,} finished jobs present, GET /v1/jobs one page ({fp['size']} jobs), "
              f"p50 / p99 over {fp['n']} requests",
-             f"p50 {fp['p50'] * 1000:.1f} ms / p99 {fp['p99'] * 1000:.1f} ms", "n/a", "-"]]
+             f"p50 {fp['p50'] * 1000:.1f} ms / p99 {fp['p99'] * 1000:.1f} ms", "n/a", "-"]] + (
+        [[f"9. Server: ... and {w['waiting_now']:,} jobs waiting for nodes that left, idle CPU over {w['idle_s']:.0f} s",
+          f"{w['idle_cpu'] * 100:.2f}% of a core", "n/a", "-"]] if (w := res.get("waiting")) else [])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -101,11 +103,11 @@ def main(argv: list[str] | None = None) -> None:
     finished = None
     if not a.no_server_scale:
         if a.smoke:
-            finished = finished_jobs.run(30, 1.0, 20, log=log)
+            finished = finished_jobs.run(30, 1.0, 20, waiting=5, log=log)
         elif a.quick:
-            finished = finished_jobs.run(2000, 5.0, 200, log=log)
+            finished = finished_jobs.run(2000, 5.0, 200, waiting=200, log=log)
         else:
-            finished = finished_jobs.run(10_000, 20.0, 500, log=log)
+            finished = finished_jobs.run(10_000, 20.0, 500, waiting=1000, log=log)
 
     text = compare.table(rows, results)
     if scale:

@@ -1,7 +1,7 @@
 """rdzv-server with many finished jobs: idle CPU and ``GET /v1/jobs`` latency.
 
     python -m bench.finished_jobs [--jobs 10000] [--idle-s 20] [--requests 500]
-                                  [--concurrency 32] [--out results.json]
+                                  [--waiting 1000] [--concurrency 32] [--out results.json]
 
 The server is ``python -m rdzv_server --host 127.0.0.1 --port P --data-dir TMP``
 (SQLite, as deployed; default flags, so finished jobs are retained 7 days).
@@ -18,6 +18,11 @@ GET /v1/jobs
     ``curl`` would make it: the first page (the default 100 jobs); then the
     same number for a page deep in the list (``?state=succeeded&cursor=``
     from the middle). p50 / p99 / max of the round trip.
+idle CPU with jobs waiting
+    then ``--waiting`` more jobs (2:2) each get one node that joins and
+    disconnects: they wait for nodes that never come (until their 600 s join
+    timeout), the kind of job that used to cost the tick every 100 ms; the
+    idle CPU is measured again (default 1000: the --max-waiting-jobs cap).
 
 No torchrun side: torchrun has no server that keeps jobs.
 """
@@ -56,13 +61,14 @@ class Server:
         self.proc.stop(5)
 
 
-async def _make_jobs(url: str, n: int, concurrency: int, tag: str) -> dict:
-    """n finished jobs through the agent protocol; returns counts and timing."""
+async def _make_jobs(url: str, n: int, concurrency: int, tag: str, waiting: bool = False) -> dict:
+    """n finished jobs through the agent protocol (or, ``waiting``, n jobs whose
+    only node joined and left); returns counts and timing."""
     import aiohttp
 
     from rdzv_server.protocol import JobSpec, JoinMsg, SucceededMsg
 
-    spec = JobSpec(min_nodes=1, max_nodes=1)
+    spec = JobSpec(min_nodes=2, max_nodes=2) if waiting else JobSpec(min_nodes=1, max_nodes=1)
     done_text = SucceededMsg(round=0).model_dump_json()
     failed: list[str] = []
     todo = iter(range(n))
@@ -81,9 +87,9 @@ async def _make_jobs(url: str, n: int, concurrency: int, tag: str) -> dict:
                 seen.add(op)
                 if op == "assigned":
                     await ws.send_str(done_text)
-                elif op in ("done", "error"):
+                elif op in ("done", "error") or (waiting and op == "joined"):
                     break
-            if "done" not in seen:
+            if ("joined" if waiting else "done") not in seen:
                 failed.append(f"{job_id}: {sorted(seen)}")
 
     async def worker(session) -> None:
@@ -113,7 +119,15 @@ def _latencies(url: str, count: int) -> tuple[list[float], int, int]:
     return lat, errors, size
 
 
-def run(jobs: int, idle_s: float, requests: int, concurrency: int = 32, log=print) -> dict:
+def _idle(pid: int, seconds: float) -> tuple[float, float]:
+    """(share of a core, wall seconds) the process used over ``seconds``."""
+    t_start, c0 = time.time(), C.cpu_ticks(pid)
+    time.sleep(seconds)
+    c1, wall = C.cpu_ticks(pid), time.time() - t_start
+    return (c1 - c0) / C.CLK_TCK / wall, wall
+
+
+def run(jobs: int, idle_s: float, requests: int, concurrency: int = 32, waiting: int = 0, log=print) -> dict:
     C.raise_nofile()
     tmp = Path(tempfile.mkdtemp(prefix="rdzv-bench-finished-"))
     server = None
@@ -124,10 +138,7 @@ def run(jobs: int, idle_s: float, requests: int, concurrency: int = 32, log=prin
         log(f"[finished_jobs] {jobs} jobs made in {made['made_s']:.1f} s ({made['failed']} failed); "
             f"server holds {health.get('jobs')} (load {C.loadavg()})")
         time.sleep(2.0)  # settle: the last connections close
-        t_start, c0 = time.time(), C.cpu_ticks(server.proc.pid)
-        time.sleep(idle_s)
-        c1, wall = C.cpu_ticks(server.proc.pid), time.time() - t_start
-        idle_cpu = (c1 - c0) / C.CLK_TCK / wall
+        idle_cpu, wall = _idle(server.proc.pid, idle_s)
         rss_mb = (C.status_kb(server.proc.pid, "VmRSS") or 0) / 1024
         first, first_err, first_size = _latencies(server.url + "/v1/jobs", requests)
         # a page in the middle of the list, with a state filter
@@ -145,6 +156,15 @@ def run(jobs: int, idle_s: float, requests: int, concurrency: int = 32, log=prin
                "stall_warnings": server.proc.text().count("did not run for a while"), "load": C.loadavg()}
         log(f"[finished_jobs] idle {idle_cpu * 100:.2f}% of a core, RSS {rss_mb:.0f} MB; /v1/jobs p99 "
             f"{res['first_page']['p99'] * 1000:.1f} ms (load {res['load']})")
+        if waiting:
+            made_w = asyncio.run(_make_jobs(server.url, waiting, concurrency, f"w{os.getpid()}", waiting=True))
+            time.sleep(2.0)  # their nodes are lost after the 0.5 s disconnect grace
+            waiting_now = len(json.loads(C.http_get(server.url + "/v1/jobs?state=waiting&limit=1000", 30)
+                                         or b'{"jobs": []}')["jobs"])
+            cpu_w, wall_w = _idle(server.proc.pid, idle_s)
+            res["waiting"] = {"jobs": waiting, "failed": made_w["failed"], "waiting_now": waiting_now,
+                              "idle_cpu": cpu_w, "idle_s": wall_w}
+            log(f"[finished_jobs] with {waiting_now} jobs waiting for nodes: idle {cpu_w * 100:.2f}% of a core")
         return res
     finally:
         if server is not None:
@@ -170,7 +190,10 @@ def rows(res: dict) -> list[list[str]]:
         [f"GET /v1/jobs?state=succeeded&cursor= (a page from the middle, {dp['size']} jobs), {dp['n']} requests",
          f"p50 {dp['p50'] * 1000:.1f} ms, p99 {dp['p99'] * 1000:.1f} ms, max {dp['max'] * 1000:.1f} ms"
          + (f", {dp['errors']} errors" if dp["errors"] else ""), "", ""],
-    ]
+    ] + ([[f"... and {w['waiting_now']:,} jobs waiting for nodes that left: idle server CPU over {w['idle_s']:.0f} s",
+           f"{w['idle_cpu'] * 100:.2f}% of a core" + (f", {w['failed']} not made" if w["failed"] else ""),
+           f"< {TARGET_CPU * 100:g}% of a core", "yes" if w["idle_cpu"] < TARGET_CPU else "NO"]]
+         if (w := res.get("waiting")) else [])
 
 
 def table(res: dict) -> str:
@@ -182,12 +205,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--jobs", type=int, default=10_000, help="finished jobs to make (default 10000)")
     p.add_argument("--idle-s", type=float, default=20.0, help="seconds of idle CPU measured (default 20)")
     p.add_argument("--requests", type=int, default=500, help="GET /v1/jobs requests per kind (default 500)")
+    p.add_argument("--waiting", type=int, default=1000,
+                   help="then this many jobs waiting for nodes, idle CPU again (default 1000; 0 skips)")
     p.add_argument("--concurrency", type=int, default=32, help="jobs made at a time (default 32)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args(argv)
-    if a.jobs < 1 or a.requests < 1 or a.idle_s <= 0 or a.concurrency < 1:
-        p.error("--jobs, --requests, --concurrency must be >= 1 and --idle-s > 0")
-    res = run(a.jobs, a.idle_s, a.requests, a.concurrency, log=lambda s: print(s, file=sys.stderr, flush=True))
+    if a.jobs < 1 or a.requests < 1 or a.idle_s <= 0 or a.concurrency < 1 or a.waiting < 0:
+        p.error("--jobs, --requests, --concurrency must be >= 1, --waiting >= 0 and --idle-s > 0")
+    res = run(a.jobs, a.idle_s, a.requests, a.concurrency, a.waiting, log=lambda s: print(s, file=sys.stderr, flush=True))
     print(table(res))
     print(f"\nload average at the end: {res['load']}; {os.cpu_count()} CPU(s); "
           f"server stall warnings: {res['stall_warnings']}")

@@ -69,7 +69,7 @@ def _page_params(request: web.Request) -> tuple[JobState | None, int, str | None
             raise RequestError(f"limit {text[:64]!r} is not a whole number from 1 to {MAX_PAGE}",
                                ErrorCode.VALIDATION_ERROR)
         limit = int(text)
-    return state, limit, q.get("cursor")
+    return state, limit, q.get("cursor") or None  # an empty cursor: the first page
 
 
 async def list_jobs(request: web.Request) -> web.Response:

@@ -54,7 +54,7 @@ def test_server_scale_cli_smoke(tmp_path):
 def test_finished_jobs_cli_smoke(tmp_path):
     out = tmp_path / "finished.json"
     proc = subprocess.run([sys.executable, "-m", "bench.finished_jobs", "--jobs", "40", "--idle-s", "1",
-                           "--requests", "10", "--out", str(out)],
+                           "--requests", "10", "--waiting", "5", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=60, start_new_session=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| finished jobs (rdzv only) | result | target | met |" in proc.stdout
@@ -64,3 +64,5 @@ def test_finished_jobs_cli_smoke(tmp_path):
     for page in (data["first_page"], data["deep_page"]):
         assert page["n"] == 10 and page["errors"] == 0 and page["p99"] > 0
     assert data["deep_page"]["size"] == 20  # the second half: a page from the middle, by cursor
+    assert data["waiting"]["failed"] == 0 and data["waiting"]["waiting_now"] == 5
+    assert "5 jobs waiting for nodes that left" in proc.stdout
