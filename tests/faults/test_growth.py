@@ -17,7 +17,7 @@ import pytest
 
 from rdzv_server.protocol import AGENT_PATH, ExitRecord, FailedMsg, JobSpec, JoinMsg, SucceededMsg
 
-from .conftest import FaultCluster, Server, free_port, wait_until
+from .conftest import FaultCluster, Server, Ticks, free_port, wait_until
 
 pytestmark = [pytest.mark.e2e]
 
@@ -218,3 +218,29 @@ async def test_nearly_full_disk_refuses_new_jobs_but_not_a_round_change(fcluster
         assert server.wait_exit(15) == 0
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.timeout(90)
+async def test_a_real_agent_refused_by_the_waiting_job_cap_says_why_and_gets_in_later(fcluster: FaultCluster,
+                                                                                       tmp_path: Path):
+    """--max-waiting-jobs 1 with one job waiting: a real rdzv-agent of a new job
+    prints the server's reason, keeps its place (retrying), and once the
+    waiting job is closed its own job is created, trains and succeeds."""
+    server = fcluster.start_server_at(free_port(), tmp_path / "data", "--max-waiting-jobs", "1")
+    async with aiohttp.ClientSession() as session:
+        waiter = await SimAgent.connect(session, server)
+        await waiter.ws.send_str(join("first", "node1", JobSpec(min_nodes=2, max_nodes=2)))
+        await waiter.wait_op("joined")
+        waiter.heartbeat(1.0)
+        stop = tmp_path / "stop"
+        agent = fcluster.start_ranks_agent(server.endpoint, "second", "n0", stop, nnodes="1")
+        await asyncio.to_thread(agent.wait_log, r"1 jobs are waiting for nodes.*--max-waiting-jobs 1", 30)
+        assert server.job("second") is None and agent.popen.poll() is None
+        assert "refused a new job" in server.text()
+        server.close_job("first")
+        await waiter.wait_op("done")
+        await asyncio.to_thread(wait_until, lambda: Ticks.last_step(agent, 0) >= 2, 60, "the second job training")
+        stop.touch()
+        assert await asyncio.to_thread(agent.wait_exit, 40) == 0
+        assert server.job("second")["state"] == "succeeded"
+        await waiter.close()
