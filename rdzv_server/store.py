@@ -71,6 +71,7 @@ DEFAULT_MAX_WAITING_JOBS = 1000
 DEFAULT_MIN_FREE_DISK = 64 * 1024 * 1024
 MAX_REMOVALS_PER_TICK = 500  # finished jobs past retention, removed in one transaction per tick
 MAX_CURSOR_LEN = 512
+REFUSAL_LOG_INTERVAL_S = 10.0
 
 
 @dataclass
@@ -217,6 +218,8 @@ class Store:
         self._seq = 0
         self._ended: list[tuple[float, str]] = []  # finished jobs by end time, for retention
         self._order: list[tuple[float, str]] = []  # every job by (created_at, job_id): listing pages
+        self._refusal_log_at = 0.0
+        self._refusals_unlogged = 0
 
     # ------------------------------------------------------------ lifecycle
 
@@ -410,7 +413,13 @@ class Store:
         if why is None:
             return
         error = UnavailableError(why, ErrorCode.UNAVAILABLE)
-        log.warning("refused a new job: %s", why)
+        mono = time.monotonic()
+        if mono >= self._refusal_log_at:  # refused agents retry: one line per interval, with a count
+            more = f" (and {self._refusals_unlogged} more refusals since the last line)" if self._refusals_unlogged else ""
+            log.warning("refused a new job: %s%s", why, more)
+            self._refusal_log_at, self._refusals_unlogged = mono + REFUSAL_LOG_INTERVAL_S, 0
+        else:
+            self._refusals_unlogged += 1
         chan.deliver(ErrorMsg(code=error.code, message=error.message).model_dump_json())
         chan.drop()
         raise error

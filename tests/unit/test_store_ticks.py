@@ -137,3 +137,26 @@ def test_a_dropped_connection_is_lost_after_the_disconnect_grace_not_the_heartbe
     clock[0] += 0.3  # past the 0.5 s disconnect grace, far from the 6 s heartbeat timeout
     plain_tick(store)
     assert "b" not in store.jobs["j"].nodes and a.ops[-1] == "restart"
+
+
+def test_refused_new_jobs_are_logged_once_per_interval(caplog):
+    """Agents of a refused job retry: the server logs one line per interval, not one per retry,
+    and the refused joins create nothing."""
+    import logging
+
+    import pytest
+
+    from rdzv_server.protocol import UnavailableError
+
+    clock = [1000.0]
+    store = Store(StoreSettings(max_waiting_jobs=1), clock=lambda: clock[0])
+    store.join(join("first", "a", JobSpec(min_nodes=2, max_nodes=2)), Recorder())
+    caplog.set_level(logging.WARNING, logger="rdzv_server.store")
+    for i in range(50):
+        chan = Recorder()
+        with pytest.raises(UnavailableError):
+            store.join(join(f"new{i}", "a", JobSpec(min_nodes=1, max_nodes=1)), chan)
+        assert chan.ops == ["error"] and chan.dropped
+    assert set(store.jobs) == {"first"}
+    lines = [r.getMessage() for r in caplog.records if "refused a new job" in r.getMessage()]
+    assert len(lines) == 1 and "--max-waiting-jobs 1" in lines[0], lines
