@@ -5,9 +5,10 @@ client imports this module; this module imports nothing of ours.
 
 Two channels:
 
-* REST (JSON over HTTP) for people and scripts: ``GET /v1/jobs``,
-  ``GET /v1/jobs/{job_id}``, ``POST /v1/jobs/{job_id}/close``, ``/healthz``,
-  ``/metrics``, ``/openapi.json``.
+* REST (JSON over HTTP) for people and scripts: ``GET /v1/jobs``
+  (``?state=&limit=&cursor=``, one page at a time), ``GET /v1/jobs/{job_id}``,
+  ``DELETE /v1/jobs/{job_id}`` (finished jobs only), ``POST /v1/jobs/{job_id}/close``,
+  ``/healthz``, ``/metrics``, ``/openapi.json``.
 * The agent channel: one WebSocket per agent at ``GET /v1/agent``. The agent
   sends :data:`AgentMessage` frames (JSON text), the server pushes
   :data:`ServerMessage` frames. A held connection is how the server knows an

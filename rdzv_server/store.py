@@ -13,6 +13,13 @@ heartbeat timeout to reconnect before anyone is evicted. If the database is
 unreadable the server refuses to start; if a write fails (disk full), the job
 goes back to its last saved state, its agents are told to reconnect, and the
 request that caused it gets an ``unavailable`` error.
+
+Nothing grows without bound: the tick visits only jobs whose next deadline
+passed (a heap keyed by :func:`rounds.next_due`); finished jobs are removed
+after ``retain_finished_s`` (or on request) from memory, disk and metrics; a
+new job is refused (``unavailable``; its agent retries) while
+``max_waiting_jobs`` jobs wait for nodes or the data dir has less than
+``min_free_disk`` bytes free. Running jobs are never refused for space.
 """
 
 from __future__ import annotations
