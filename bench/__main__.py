@@ -49,7 +49,8 @@ def finished_rows(res: dict) -> list[list[str]]:
             [f"9. Server: {res['jobs']:,} finished jobs present, GET /v1/jobs one page ({fp['size']} jobs), "
              f"p50 / p99 over {fp['n']} requests",
              f"p50 {fp['p50'] * 1000:.1f} ms / p99 {fp['p99'] * 1000:.1f} ms", "n/a", "-"]] + (
-        [[f"9. Server: ... and {w['waiting_now']:,} jobs waiting for nodes that left, idle CPU over {w['idle_s']:.0f} s",
+        [[f"9. Server: ... and {w['waiting_now']:,} jobs waiting for nodes that left, "
+          f"idle CPU over {w['idle_s']:.0f} s",
           f"{w['idle_cpu'] * 100:.2f}% of a core", "n/a", "-"]] if (w := res.get("waiting")) else [])
 
 

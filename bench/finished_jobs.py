@@ -178,7 +178,8 @@ def run(jobs: int, idle_s: float, requests: int, concurrency: int = 32, waiting:
 def rows(res: dict) -> list[list[str]]:
     """Table rows: what, result, target, met."""
     fp, dp = res["first_page"], res["deep_page"]
-    made = f"{res['held']:,} held, made in {res['made_s']:.0f} s" + (f", {res['failed']} failed" if res["failed"] else "")
+    made = f"{res['held']:,} held, made in {res['made_s']:.0f} s"
+    made += f", {res['failed']} failed" if res["failed"] else ""
     return [
         [f"{res['jobs']:,} finished jobs present ({made}): idle server CPU over {res['idle_s']:.0f} s",
          f"{res['idle_cpu'] * 100:.2f}% of a core, RSS {res['rss_mb']:.0f} MB", f"< {TARGET_CPU * 100:g}% of a core",
@@ -212,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if a.jobs < 1 or a.requests < 1 or a.idle_s <= 0 or a.concurrency < 1 or a.waiting < 0:
         p.error("--jobs, --requests, --concurrency must be >= 1, --waiting >= 0 and --idle-s > 0")
-    res = run(a.jobs, a.idle_s, a.requests, a.concurrency, a.waiting, log=lambda s: print(s, file=sys.stderr, flush=True))
+    res = run(a.jobs, a.idle_s, a.requests, a.concurrency, a.waiting,
+              log=lambda s: print(s, file=sys.stderr, flush=True))
     print(table(res))
     print(f"\nload average at the end: {res['load']}; {os.cpu_count()} CPU(s); "
           f"server stall warnings: {res['stall_warnings']}")

@@ -253,7 +253,8 @@ class RestClient:
     async def jobs(self, state: str | None = None, limit: int | None = None, cursor: str | None = None) -> JobList:
         """One page of jobs (the server's default page size unless ``limit``)."""
         params = {k: v for k, v in (("state", state), ("limit", limit), ("cursor", cursor)) if v is not None}
-        return JobList.model_validate_json(await self._call("GET", "/v1/jobs" + ("?" + urlencode(params) if params else "")))
+        query = "?" + urlencode(params) if params else ""
+        return JobList.model_validate_json(await self._call("GET", "/v1/jobs" + query))
 
     async def all_jobs(self, state: str | None = None, page: int = 1000, max_pages: int = 10_000) -> JobList:
         """Every job, ``page`` at a time; ``max_pages`` bounds the walk."""

@@ -422,7 +422,8 @@ class Store:
         error = UnavailableError(why, ErrorCode.UNAVAILABLE)
         mono = time.monotonic()
         if mono >= self._refusal_log_at:  # refused agents retry: one line per interval, with a count
-            more = f" (and {self._refusals_unlogged} more refusals since the last line)" if self._refusals_unlogged else ""
+            n = self._refusals_unlogged
+            more = f" (and {n} more refusal(s) since the last line)" if n else ""
             log.warning("refused a new job: %s%s", why, more)
             self._refusal_log_at, self._refusals_unlogged = mono + REFUSAL_LOG_INTERVAL_S, 0
         else:
