@@ -2,7 +2,8 @@
 
 rdzv against torchrun (torch's c10d rendezvous) on this machine, printed as
 one markdown table; see bench/compare.py for what each row measures and
-bench/server_scale.py for the rdzv-only server rows. The whole benchmark runs
+bench/server_scale.py and bench/finished_jobs.py for the rdzv-only server
+rows (8, 9). The whole benchmark runs
 in a private network namespace with only loopback when it can (root and
 ``unshare -n``): torch's TCPStore listens on every interface.
 """
@@ -17,7 +18,7 @@ import time
 from pathlib import Path
 
 from . import _common as C
-from . import compare, server_scale
+from . import compare, finished_jobs, server_scale
 
 
 def server_rows(res: dict) -> list[list[str]]:
@@ -40,6 +41,19 @@ def server_rows(res: dict) -> list[list[str]]:
     return rows
 
 
+def finished_rows(res: dict) -> list[list[str]]:
+    fp = res["first_page"]
+    failed = f", {res['failed']} not made" if res["failed"] else ""
+    return [[f"9. Server: {res['jobs']:,} finished jobs present, idle CPU over {res['idle_s']:.0f} s",
+             f"{res['idle_cpu'] * 100:.2f}% of a core, RSS {res['rss_mb']:.0f} MB{failed}", "n/a", "-"],
+            [f"9. Server: {res['jobs']:,} finished jobs present, GET /v1/jobs one page ({fp['size']} jobs), "
+             f"p50 / p99 over {fp['n']} requests",
+             f"p50 {fp['p50'] * 1000:.1f} ms / p99 {fp['p99'] * 1000:.1f} ms", "n/a", "-"]] + (
+        [[f"9. Server: ... and {w['waiting_now']:,} jobs waiting for nodes that left, "
+          f"idle CPU over {w['idle_s']:.0f} s",
+          f"{w['idle_cpu'] * 100:.2f}% of a core", "n/a", "-"]] if (w := res.get("waiting")) else [])
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
@@ -50,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None, help="write all results as JSON here")
     p.add_argument("--only", default=None, help="comma-separated row keys (rdzv_n2, wall_n2, elastic_2_4, "
                                                  "node_loss, host_loss, scale_up, worker_crash, footprint)")
-    p.add_argument("--no-server-scale", action="store_true", help="skip row 8")
+    p.add_argument("--no-server-scale", action="store_true", help="skip rows 8 and 9")
     p.add_argument("--smoke", action="store_true", help="rdzv only, one tiny row and a tiny server scale run")
     a = p.parse_args(argv)
     C.reexec_in_netns("bench", argv)
@@ -87,9 +101,20 @@ def main(argv: list[str] | None = None) -> None:
         else:
             scale = server_scale.run([256, 1024], 3, None, [10000], 20.0, log=log)
 
+    finished = None
+    if not a.no_server_scale:
+        if a.smoke:
+            finished = finished_jobs.run(30, 1.0, 20, waiting=5, log=log)
+        elif a.quick:
+            finished = finished_jobs.run(2000, 5.0, 200, waiting=200, log=log)
+        else:
+            finished = finished_jobs.run(10_000, 20.0, 500, waiting=1000, log=log)
+
     text = compare.table(rows, results)
     if scale:
         text += "\n" + "\n".join("| " + " | ".join(r) + " |" for r in server_rows(scale))
+    if finished:
+        text += "\n" + "\n".join("| " + " | ".join(r) + " |" for r in finished_rows(finished))
     print(text)
     notes = compare.info_lines(results)
     print()
@@ -100,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{'private network namespace' if C.in_private_netns() else 'plain loopback'}")
     if a.out:
         Path(a.out).write_text(json.dumps({"rows": compare.to_json(rows, results), "server_scale": scale,
+                                           "finished_jobs": finished,
                                            "runs": runs, "slow_runs": slow_runs, "load_start": load0, "load_end": C.loadavg(),
                                            "table": text}, indent=1))
 

@@ -4,6 +4,7 @@
     rdzv status JOB          the job, its nodes and its round history
     rdzv status JOB --watch  the same, refreshed in place (waits for a job that does not exist yet)
     rdzv close JOB           stop a job: its agents stop their workers and exit
+    rdzv delete JOB          forget a finished job (close it first if it still runs)
 
 Endpoint and token come from --endpoint/--token (before or after the
 subcommand) or RDZV_ENDPOINT/RDZV_TOKEN. Errors are one line on stderr and
@@ -25,7 +26,7 @@ import time
 from pydantic import ValidationError
 
 from rdzv_server import __version__
-from rdzv_server.protocol import JobList, JobNotFoundError, JobView, RdzvError, is_valid_id, printable
+from rdzv_server.protocol import JobList, JobNotFoundError, JobState, JobView, RdzvError, is_valid_id, printable
 
 from .client import RestClient
 
@@ -68,6 +69,8 @@ def render_job(job: JobView) -> str:
     rows = [[n.group_rank if n.group_rank is not None else "-", n.node_id, n.host, n.addr, n.state,
              n.local_world_size, f"{n.last_seen_s:.1f}s ago"] for n in job.nodes + job.spares]
     out.append(_table(["RANK", "NODE", "HOST", "ADDR", "STATE", "NPROC", "LAST SEEN"], rows) if rows else "no nodes")
+    if job.nodes_omitted:
+        out.append(f"(+{job.nodes_omitted} more nodes not listed)")
     out.append("")
     hist = [[r.round, _when(r.started_at),
              "-" if r.completed_at is None else f"{(r.completed_at - r.started_at) * 1000:.0f} ms",
@@ -95,11 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     st = sub.add_parser("status", help="list jobs, or show one job", parents=[common])
     st.add_argument("job", nargs="?", help="job id")
+    st.add_argument("--state", choices=[s.value for s in JobState], default=None,
+                    help="list only jobs in this state")
     st.add_argument("--json", action="store_true", help="print the raw JSON")
     st.add_argument("--watch", action="store_true", help="refresh in place until interrupted")
     st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
     cl = sub.add_parser("close", help="close a job: its agents stop their workers and exit", parents=[common])
     cl.add_argument("job", help="job id")
+    de = sub.add_parser("delete", help="forget a finished job (its view, its saved state, its metrics)",
+                        parents=[common])
+    de.add_argument("job", help="job id")
     return p
 
 
@@ -109,11 +117,12 @@ def _json(model, compact: bool) -> str:
     return json.dumps(data, separators=(",", ":")) if compact else json.dumps(data, indent=2)
 
 
-async def _status_text(client: RestClient, job: str | None, as_json: bool, compact: bool = False) -> str:
+async def _status_text(client: RestClient, job: str | None, as_json: bool, state: str | None = None,
+                       compact: bool = False) -> str:
     if job:
         view = await client.job(job)
         return _json(view, compact) if as_json else render_job(view)
-    jobs = await client.jobs()
+    jobs = await client.all_jobs(state)
     return _json(jobs, compact) if as_json else render_jobs(jobs)
 
 
@@ -131,14 +140,18 @@ async def _run(args) -> int:
         result = await client.close_job(args.job)
         print(f"job {result.job_id}: {result.state.value}")
         return 0
+    if args.command == "delete":
+        deleted = await client.delete_job(args.job)
+        print(f"job {deleted.job_id}: deleted (it had {deleted.state.value})")
+        return 0
     if not args.watch:
-        print(await _status_text(client, args.job, args.json))
+        print(await _status_text(client, args.job, args.json, args.state))
         return 0
     tty = sys.stdout.isatty()
     missing_said = False
     while True:
         try:
-            text = await _status_text(client, args.job, args.json, compact=True)
+            text = await _status_text(client, args.job, args.json, args.state, compact=True)
         except JobNotFoundError:
             # started before the job's first agent: wait for it
             if args.json:

@@ -19,7 +19,7 @@ import random
 import ssl
 import time
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import aiohttp
 
@@ -29,6 +29,7 @@ from rdzv_server.protocol import (
     AGENT_PATH,
     SERVER_MESSAGE,
     CloseResult,
+    DeleteResult,
     Health,
     JobList,
     JobView,
@@ -284,14 +285,31 @@ class RestClient:
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
             raise UnavailableError(f"cannot reach rdzv server at {self.base}: {e or type(e).__name__}") from e
 
-    async def jobs(self) -> JobList:
-        return JobList.model_validate_json(await self._call("GET", "/v1/jobs"))
+    async def jobs(self, state: str | None = None, limit: int | None = None, cursor: str | None = None) -> JobList:
+        """One page of jobs (the server's default page size unless ``limit``)."""
+        params = {k: v for k, v in (("state", state), ("limit", limit), ("cursor", cursor)) if v is not None}
+        query = "?" + urlencode(params) if params else ""
+        return JobList.model_validate_json(await self._call("GET", "/v1/jobs" + query))
+
+    async def all_jobs(self, state: str | None = None, page: int = 1000, max_pages: int = 10_000) -> JobList:
+        """Every job, ``page`` at a time; ``max_pages`` bounds the walk."""
+        jobs, cursor = [], None
+        for _ in range(max_pages):
+            page_ = await self.jobs(state, page, cursor)
+            jobs.extend(page_.jobs)
+            cursor = page_.next_cursor
+            if not cursor:
+                break
+        return JobList(jobs=jobs, next_cursor=cursor)
 
     async def job(self, job_id: str) -> JobView:
         return JobView.model_validate_json(await self._call("GET", f"/v1/jobs/{quote(job_id, safe='')}"))
 
     async def close_job(self, job_id: str) -> CloseResult:
         return CloseResult.model_validate_json(await self._call("POST", f"/v1/jobs/{quote(job_id, safe='')}/close"))
+
+    async def delete_job(self, job_id: str) -> DeleteResult:
+        return DeleteResult.model_validate_json(await self._call("DELETE", f"/v1/jobs/{quote(job_id, safe='')}"))
 
     async def health(self) -> Health:
         return Health.model_validate_json(await self._call("GET", "/healthz"))

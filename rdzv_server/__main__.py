@@ -25,7 +25,7 @@ from .conns import (
     connection_limit,
     raise_fd_limit,
 )
-from .store import DataDirError
+from .store import DEFAULT_MAX_WAITING_JOBS, DataDirError, free_bytes
 
 log = logging.getLogger("rdzv_server")
 
@@ -33,6 +33,48 @@ log = logging.getLogger("rdzv_server")
 def default_data_dir() -> Path:
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return Path(base) / "rdzv"
+
+
+_UNITS_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
+_UNITS_B = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+            "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+
+
+def parse_duration(text: str) -> float:
+    """``90``, ``90s``, ``30m``, ``12h``, ``7d``, ``2w`` -> seconds (> 0, at most 10 years)."""
+    t = text.strip().lower()
+    unit = t[-1:] if t[-1:] in _UNITS_S else ""
+    try:
+        value = float(t[: len(t) - len(unit)]) * _UNITS_S.get(unit, 1.0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (e.g. 90s, 30m, 12h, 7d)") from None
+    if not 0 < value <= 10 * 365 * 86400:
+        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 and at most 10 years")
+    return value
+
+
+def parse_size(text: str) -> int:
+    """``0``, ``65536``, ``64MiB``, ``1G`` -> bytes."""
+    t = text.strip().lower()
+    num = t.rstrip("kmgib")
+    unit = t[len(num):]
+    try:
+        value = float(num) * _UNITS_B[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 0, 65536, 64MiB, 1G)") from None
+    if not 0 <= value <= 2**60:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range")
+    return int(value)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 10_000_000:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 1 to 10000000")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                    help="open connections at most (lowered to fit the file-descriptor limit); "
                         "new ones beyond it are closed at once")
+    p.add_argument("--retain-finished", type=parse_duration, default="7d", metavar="DURATION",
+                   help="finished jobs (succeeded, failed, closed) older than this are removed from memory, "
+                        "disk and /metrics (e.g. 90s, 30m, 12h, 7d)")
+    p.add_argument("--max-waiting-jobs", type=_positive_int, default=DEFAULT_MAX_WAITING_JOBS, metavar="N",
+                   help="at most this many jobs wait for nodes; beyond it a new job is refused (its agents "
+                        "retry) and nothing is created")
+    p.add_argument("--min-free-disk", type=parse_size, default="64MiB", metavar="SIZE",
+                   help="refuse new jobs while the data dir's file system has less free space than this "
+                        "(running jobs carry on); 0 disables the check")
     p.add_argument("--log-level", default=os.environ.get("RDZV_LOG_LEVEL", "INFO"),
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
@@ -84,7 +135,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if not 0 < args.join_deadline <= 3600:
         raise SystemExit("rdzv-server: --join-deadline must be in (0, 3600] seconds")
     return Settings(data_dir=data_dir, token=token, disconnect_grace_s=args.disconnect_grace,
-                    join_deadline_s=args.join_deadline)
+                    join_deadline_s=args.join_deadline,
+                    retain_finished_s=args.retain_finished, max_waiting_jobs=args.max_waiting_jobs,
+                    min_free_disk=args.min_free_disk)
 
 
 class UsageError(Exception):
@@ -160,6 +213,10 @@ async def serve(settings: Settings, host: str, port: int, ssl_ctx=None, ready=No
     scheme = "https" if ssl_ctx else "http"
     log.info("rdzv-server listening on %s://%s:%d (data: %s, %s)", scheme, host, bound,
              settings.data_dir or "memory only", auth_note(host, settings.token))
+    free = free_bytes(settings.data_dir) if settings.data_dir is not None else None
+    if free is not None and free < settings.min_free_disk:
+        log.warning("only %d bytes free on %s (--min-free-disk %d): new jobs are refused until there is space",
+                    free, settings.data_dir, settings.min_free_disk)
     if ready:
         ready(bound)
     stop = asyncio.Event()

@@ -16,17 +16,30 @@ from .keys import JOIN_DEADLINE, METRICS, OPENAPI, STORE, TOKEN
 from .metrics import Metrics
 from .protocol import (
     AGENT_PATH,
+    DEFAULT_PAGE,
+    ID_PATTERN,
     MAX_BODY_BYTES,
+    MAX_ID_LEN,
+    MAX_PAGE,
     CloseResult,
+    DeleteResult,
     ErrorBody,
     ErrorCode,
     Health,
     JobList,
+    JobState,
     JobView,
     RdzvError,
 )
 from . import __version__
-from .store import Store, StoreSettings
+from .store import (
+    DEFAULT_MAX_WAITING_JOBS,
+    DEFAULT_MIN_FREE_DISK,
+    DEFAULT_RETAIN_FINISHED_S,
+    MAX_CURSOR_LEN,
+    Store,
+    StoreSettings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +52,16 @@ class Settings:
     token: str | None = None
     disconnect_grace_s: float = 0.5
     join_deadline_s: float = DEFAULT_JOIN_DEADLINE_S
+    retain_finished_s: float = DEFAULT_RETAIN_FINISHED_S
+    max_waiting_jobs: int = DEFAULT_MAX_WAITING_JOBS
+    min_free_disk: int = DEFAULT_MIN_FREE_DISK
     store_settings: StoreSettings = field(init=False)
 
     def __post_init__(self) -> None:
-        self.store_settings = StoreSettings(data_dir=self.data_dir, disconnect_grace_s=self.disconnect_grace_s)
+        self.store_settings = StoreSettings(data_dir=self.data_dir, disconnect_grace_s=self.disconnect_grace_s,
+                                            retain_finished_s=self.retain_finished_s,
+                                            max_waiting_jobs=self.max_waiting_jobs,
+                                            min_free_disk=self.min_free_disk)
 
 
 _HTTP_CODES = {
@@ -108,9 +127,10 @@ async def latency_middleware(request: web.Request, handler):
 
 
 def openapi_document() -> dict:
-    """The REST contract, generated from the pydantic models."""
+    """The REST contract, generated from the pydantic models (OpenAPI 3.1: its
+    schemas are JSON Schema 2020-12, which is what pydantic emits)."""
     _, defs = models_json_schema(
-        [(m, "serialization") for m in (JobList, JobView, CloseResult, Health, ErrorBody)],
+        [(m, "serialization") for m in (JobList, JobView, CloseResult, DeleteResult, Health, ErrorBody)],
         ref_template="#/components/schemas/{model}",
     )
     schemas = defs.get("$defs", {})
@@ -121,27 +141,44 @@ def openapi_document() -> dict:
     def resp(name, desc="OK"):
         return {"description": desc, "content": {"application/json": {"schema": ref(name)}}}
 
-    errors = {str(s): resp("ErrorBody", "refused") for s in (400, 401, 404, 405, 409, 413, 422)}
+    errors = {str(s): resp("ErrorBody", "refused") for s in (400, 401, 404, 405, 409, 413, 422, 503)}
     job_param = {"name": "job_id", "in": "path", "required": True,
-                 "schema": {"type": "string", "minLength": 1, "maxLength": 128}}
+                 "schema": {"type": "string", "minLength": 1, "maxLength": MAX_ID_LEN, "pattern": ID_PATTERN}}
+    page_params = [
+        {"name": "state", "in": "query", "required": False, "description": "only jobs in this state",
+         "schema": {"type": "string", "enum": [s.value for s in JobState]}},
+        {"name": "limit", "in": "query", "required": False, "description": "jobs per page",
+         "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE, "default": DEFAULT_PAGE}},
+        {"name": "cursor", "in": "query", "required": False,
+         "description": "the next_cursor of the previous page, unchanged",
+         "schema": {"type": "string", "maxLength": MAX_CURSOR_LEN}},
+    ]
     secured = [{"bearer": []}]
+    job_errors = {"401": errors["401"], "404": errors["404"], "422": errors["422"]}
     return {
-        "openapi": "3.0.3",
+        "openapi": "3.1.0",
         "info": {"title": "rdzv", "version": __version__,
                  "description": "Rendezvous server for elastic PyTorch training. Agents use the "
                                 f"WebSocket at {AGENT_PATH}; see rdzv_server/protocol.py."},
         "components": {"schemas": schemas,
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "paths": {
-            "/v1/jobs": {"get": {"operationId": "listJobs", "security": secured,
-                                 "responses": {"200": resp("JobList"), "401": errors["401"]}}},
-            "/v1/jobs/{job_id}": {"get": {"operationId": "getJob", "security": secured, "parameters": [job_param],
-                                          "responses": {"200": resp("JobView"), "401": errors["401"],
-                                                        "404": errors["404"], "422": errors["422"]}}},
+            "/v1/jobs": {"get": {"operationId": "listJobs", "security": secured, "parameters": page_params,
+                                 "description": "Jobs in creation order, one page at a time.",
+                                 "responses": {"200": resp("JobList"), "401": errors["401"],
+                                               "422": errors["422"]}}},
+            "/v1/jobs/{job_id}": {
+                "get": {"operationId": "getJob", "security": secured, "parameters": [job_param],
+                        "responses": {"200": resp("JobView"), **job_errors}},
+                "delete": {"operationId": "deleteJob", "security": secured, "parameters": [job_param],
+                           "description": "Forget a finished job; a live one is refused (409): close it first.",
+                           "responses": {"200": resp("DeleteResult"), **job_errors, "409": errors["409"],
+                                         "503": errors["503"]}},
+            },
             "/v1/jobs/{job_id}/close": {"post": {"operationId": "closeJob", "security": secured,
                                                  "parameters": [job_param],
-                                                 "responses": {"200": resp("CloseResult"), "401": errors["401"],
-                                                               "404": errors["404"], "422": errors["422"]}}},
+                                                 "responses": {"200": resp("CloseResult"), **job_errors,
+                                                               "503": errors["503"]}}},
             "/healthz": {"get": {"operationId": "health", "responses": {"200": resp("Health")}}},
             "/metrics": {"get": {"operationId": "metrics", "security": secured,
                                  "responses": {"200": {"description": "Prometheus text format",
@@ -166,6 +203,7 @@ def create_app(settings: Settings | None = None) -> web.Application:
     app.cleanup_ctx.append(_store_ctx)
     app.router.add_get("/v1/jobs", handlers.list_jobs)
     app.router.add_get("/v1/jobs/{job_id}", handlers.get_job)
+    app.router.add_delete("/v1/jobs/{job_id}", handlers.delete_job)
     app.router.add_post("/v1/jobs/{job_id}/close", handlers.close_job)
     app.router.add_get("/healthz", handlers.healthz)
     app.router.add_get("/metrics", handlers.metrics)

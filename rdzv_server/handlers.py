@@ -19,14 +19,18 @@ from .metrics import CONTENT_TYPE_LATEST
 from .protocol import (
     AGENT_MESSAGE,
     MAX_BODY_BYTES,
+    DEFAULT_PAGE,
+    MAX_PAGE,
     AckMsg,
     CloseResult,
+    DeleteResult,
     ErrorCode,
     ErrorMsg,
     FailedMsg,
     Health,
     HeartbeatMsg,
     JobList,
+    JobState,
     JoinMsg,
     LeaveMsg,
     NotJoinedError,
@@ -52,8 +56,29 @@ def _job_id(request: web.Request) -> str:
     return job_id
 
 
+def _page_params(request: web.Request) -> tuple[JobState | None, int, str | None]:
+    q = request.rel_url.query
+    state = None
+    if "state" in q:
+        try:
+            state = JobState(q["state"])
+        except ValueError:
+            raise RequestError(f"state {q['state'][:64]!r} is not one of "
+                               f"{', '.join(s.value for s in JobState)}", ErrorCode.VALIDATION_ERROR) from None
+    limit = DEFAULT_PAGE
+    if "limit" in q:
+        text = q["limit"]
+        if not (text.isascii() and text.isdigit() and len(text) <= 6 and 1 <= int(text) <= MAX_PAGE):
+            raise RequestError(f"limit {text[:64]!r} is not a whole number from 1 to {MAX_PAGE}",
+                               ErrorCode.VALIDATION_ERROR)
+        limit = int(text)
+    return state, limit, q.get("cursor") or None  # an empty cursor: the first page
+
+
 async def list_jobs(request: web.Request) -> web.Response:
-    return _json(JobList(jobs=request.app[STORE].summaries()))
+    state, limit, cursor = _page_params(request)
+    jobs, next_cursor = request.app[STORE].summaries(state, limit, cursor)
+    return _json(JobList(jobs=jobs, next_cursor=next_cursor))
 
 
 async def get_job(request: web.Request) -> web.Response:
@@ -70,13 +95,18 @@ async def close_job(request: web.Request) -> web.Response:
     return _json(CloseResult(job_id=job.job_id, state=job.state))
 
 
+async def delete_job(request: web.Request) -> web.Response:
+    job = request.app[STORE].delete_job(_job_id(request))
+    return _json(DeleteResult(job_id=job.job_id, state=job.state))
+
+
 async def healthz(request: web.Request) -> web.Response:
     store = request.app[STORE]
     return _json(Health(jobs=len(store.jobs), nodes=store.live_nodes()))
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[METRICS].render()
+    body = await request.app[METRICS].render_off_loop()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
 
@@ -21,6 +23,9 @@ class Metrics:
         self.latency = Histogram("rdzv_request_seconds", "REST request latency", ["route"], registry=r,
                                  buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
         self.agent_messages = Counter("rdzv_agent_messages", "Agent channel messages received", ["op"], registry=r)
+        self.per_job = (self.joins, self.rounds_opened, self.rounds_completed, self.evictions, self.restarts,
+                        self.live_nodes, self.job_round)
+        self._rendering: asyncio.Future | None = None
 
     def observe(self, job: Job, fx: Effects) -> None:
         j = job.job_id
@@ -35,5 +40,26 @@ class Metrics:
         self.live_nodes.labels(j).set(len(job.nodes))
         self.job_round.labels(j).set(job.round)
 
+    def forget(self, job_id: str) -> None:
+        """Remove a job's series (when the job itself is removed)."""
+        for metric in self.per_job:
+            try:
+                metric.remove(job_id)
+            except KeyError:
+                pass
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    async def render_off_loop(self) -> bytes:
+        """Render in a worker thread, so a large registry never holds the event
+        loop; requests that arrive meanwhile share the render in progress."""
+        if self._rendering is None:
+            self._rendering = asyncio.ensure_future(asyncio.to_thread(self.render))
+            self._rendering.add_done_callback(self._rendered)
+        return await asyncio.shield(self._rendering)
+
+    def _rendered(self, fut: asyncio.Future) -> None:
+        self._rendering = None
+        if not fut.cancelled():
+            fut.exception()  # retrieved: waiters that were cancelled must not leave it unobserved

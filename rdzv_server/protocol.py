@@ -5,9 +5,10 @@ client imports this module; this module imports nothing of ours.
 
 Two channels:
 
-* REST (JSON over HTTP) for people and scripts: ``GET /v1/jobs``,
-  ``GET /v1/jobs/{job_id}``, ``POST /v1/jobs/{job_id}/close``, ``/healthz``,
-  ``/metrics``, ``/openapi.json``.
+* REST (JSON over HTTP) for people and scripts: ``GET /v1/jobs``
+  (``?state=&limit=&cursor=``, one page at a time), ``GET /v1/jobs/{job_id}``,
+  ``DELETE /v1/jobs/{job_id}`` (finished jobs only), ``POST /v1/jobs/{job_id}/close``,
+  ``/healthz``, ``/metrics``, ``/openapi.json``.
 * The agent channel: one WebSocket per agent at ``GET /v1/agent``. The agent
   sends :data:`AgentMessage` frames (JSON text), the server pushes
   :data:`ServerMessage` frames. A held connection is how the server knows an
@@ -76,6 +77,7 @@ class ErrorCode(str, Enum):
     NOT_JOINED = "not_joined"
     ALREADY_JOINED = "already_joined"
     UNAVAILABLE = "unavailable"
+    JOB_NOT_FINISHED = "job_not_finished"
 
 
 ERROR_STATUS: dict[ErrorCode, int] = {
@@ -94,6 +96,7 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.NOT_JOINED: 409,
     ErrorCode.ALREADY_JOINED: 409,
     ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.JOB_NOT_FINISHED: 409,
 }
 
 
@@ -168,6 +171,7 @@ ERROR_CLASSES: dict[ErrorCode, type[RdzvError]] = {
     ErrorCode.NOT_JOINED: NotJoinedError,
     ErrorCode.ALREADY_JOINED: RequestError,
     ErrorCode.UNAVAILABLE: UnavailableError,
+    ErrorCode.JOB_NOT_FINISHED: RequestError,
 }
 
 
@@ -507,10 +511,24 @@ class JobView(BaseModel):
     waiting_for: WaitingInfo | None
     root_cause: str | None
     history: list[RoundView]
+    nodes_omitted: int = Field(default=0, description="nodes and spares not listed (a view lists at most 10,000)")
+    history_omitted: int = Field(default=0, description="older rounds not listed (a view lists the latest 100)")
+
+
+MAX_PAGE = 1000
+DEFAULT_PAGE = 100
 
 
 class JobList(BaseModel):
     jobs: list[JobSummary]
+    next_cursor: str | None = Field(default=None, description="pass as ?cursor= for the next page; "
+                                                              "null on the last page")
+
+
+class DeleteResult(BaseModel):
+    job_id: str
+    state: JobState = Field(description="the state the job had when it was deleted")
+    deleted: Literal[True] = True
 
 
 class CloseResult(BaseModel):

@@ -61,6 +61,8 @@ SPARE = "spare"
 
 STATUS_PUSH_INTERVAL_S = 1.0
 MAX_HISTORY = 1000
+MAX_VIEW_NODES = 10_000  # a job view lists at most this many nodes (members first, by rank)
+MAX_VIEW_HISTORY = 100  # and the latest this many rounds
 
 
 @dataclass
@@ -79,6 +81,7 @@ class Node:
     lost_deadline: float | None = None
     dropped: bool = False  # its connection dropped (not merely restored from disk)
     joined_at: float = 0.0
+    graced: bool = False  # given a stall grace and not heard from since (see grace)
 
 
 @dataclass
@@ -115,6 +118,7 @@ class Job:
     status_dirty: bool = False
     next_status_at: float = 0.0
     counts: dict[str, int] = field(default_factory=dict)  # nodes per state, kept by _set_state
+    graced_at: float | None = None  # when a stall last extended the job's own deadlines
 
     @property
     def forming(self) -> bool:
@@ -193,6 +197,7 @@ def join(job: Job, msg: JoinMsg, now: float) -> Effects:
         # completed during a server restart or a reconnect). Either way: the same
         # assignment again, nothing else changes.
         node.connected, node.lost_deadline, node.last_seen, node.dropped = True, None, now, False
+        node.graced = False
         fx.send(node.node_id, AssignedMsg(assignment=_assignment(job, node)))
         fx.logs.append(f"job {job.job_id} round {job.round}: node {node.node_id} reconnected")
         return fx
@@ -206,6 +211,7 @@ def join(job: Job, msg: JoinMsg, now: float) -> Effects:
         if node.state == REJOINING:
             # It missed the news: its round is over. Tell it to stop and rejoin.
             node.connected, node.lost_deadline, node.last_seen, node.dropped = True, None, now, False
+            node.graced = False
             fx.send(node.node_id, RestartMsg(round=job.round, reason=job.history[-1].reason))
             return fx
         # a waiting/spare node that resumes: fall through and treat as a join
@@ -228,6 +234,7 @@ def join(job: Job, msg: JoinMsg, now: float) -> Effects:
         node.local_world_size, node.master_port = msg.local_world_size, msg.master_port
         node.requested_rank = msg.requested_rank
         node.last_seen, node.connected, node.lost_deadline, node.dropped = now, True, None, False
+        node.graced = False
     if job.forming:
         _set_state(job, node, WAITING)
         job.status_dirty = True
@@ -257,6 +264,7 @@ def heartbeat(job: Job, node_id: str, now: float) -> None:
     node = job.nodes.get(node_id)
     if node is not None:
         node.last_seen = now
+        node.graced = False
 
 
 def disconnect(job: Job, node_id: str, now: float, grace_s: float) -> Effects:
@@ -336,17 +344,30 @@ def close(job: Job, now: float) -> Effects:
     return _end(job, JobState.CLOSED, "closed by request", now)
 
 
-def grace(job: Job, now: float) -> None:
-    """After a server restart or a stall: every node gets a full heartbeat timeout."""
+def grace(job: Job, now: float, *, stall: bool = False) -> None:
+    """After a server restart or a stall: every node gets a full heartbeat timeout.
+
+    After a stall (``stall=True``) only nodes heard from since their last stall
+    grace get one, and the job's own deadlines are extended at most once per
+    heartbeat timeout: stalls that repeat (a client looping on a slow request)
+    cannot keep a dead node, or a last call, alive forever."""
+    timeout = job.spec.heartbeat_timeout_s
     for node in job.nodes.values():
+        if stall and node.graced:
+            continue  # silent through a whole grace already: the next tick judges it as usual
+        node.graced = stall
         node.last_seen = now
         if not node.connected:
-            node.lost_deadline = now + job.spec.heartbeat_timeout_s
+            node.lost_deadline = now + timeout
             node.dropped = False  # the drop was the server's doing, not the node's death
+    if stall and job.graced_at is not None and now - job.graced_at < timeout:
+        return
+    if stall:
+        job.graced_at = now
     if job.last_call_deadline is not None:
         job.last_call_deadline = max(job.last_call_deadline, now + job.spec.last_call_s)
     if job.join_deadline is not None:
-        job.join_deadline = max(job.join_deadline, now + job.spec.heartbeat_timeout_s)
+        job.join_deadline = max(job.join_deadline, now + timeout)
 
 
 def restored(job: Job, now: float) -> None:
@@ -395,6 +416,35 @@ def tick(job: Job, now: float) -> Effects:
             if node.state in (WAITING, SPARE) and node.connected:
                 fx.send(node.node_id, StatusMsg(round=job.round, waiting_for=info))
     return fx
+
+
+def next_due(job: Job, nodes: bool = True) -> float | None:
+    """The earliest time :func:`tick` could change ``job`` (None: never, it is
+    finished). Heartbeats only move it later, so a caller that keeps jobs in a
+    heap by this time may recompute it when the job is popped.
+
+    ``nodes=False`` skips the nodes' deadlines (O(1) instead of O(nodes)): they
+    only move later, except when a connection drops (``lost_deadline``)."""
+    if job.finished:
+        return None
+    due = float("inf")
+    timeout = job.spec.heartbeat_timeout_s
+    for node in job.nodes.values() if nodes else ():
+        if node.state == SUCCEEDED:
+            continue
+        if node.lost_deadline is not None and node.lost_deadline < due:
+            due = node.lost_deadline
+        if node.last_seen + timeout < due:
+            due = node.last_seen + timeout
+    if job.forming:
+        for t in (job.last_call_deadline, job.join_deadline):
+            if t is not None and t < due:
+                due = t
+        if job.status_dirty and job.next_status_at < due:
+            due = job.next_status_at
+    elif job.scale_up_deadline is not None and job.scale_up_deadline < due:
+        due = job.scale_up_deadline
+    return due
 
 
 # ------------------------------------------------------------------ internal
@@ -612,22 +662,31 @@ def _node_view(node: Node, now: float, job_state: JobState | None = None) -> Nod
 
 
 def view(job: Job, now: float) -> JobView:
+    """The job for REST, bounded: at most MAX_VIEW_NODES nodes (members in rank
+    order first, spares last) and the latest MAX_VIEW_HISTORY rounds; the
+    ``*_omitted`` fields count what was left out."""
     members = [job.nodes[n] for n in job.order if n in job.nodes]
     in_order = set(job.order)
     others = sorted((n for n in job.nodes.values() if n.node_id not in in_order and n.state != SPARE),
                     key=natural_key)
     spares = sorted((n for n in job.nodes.values() if n.state == SPARE), key=natural_key)
+    listed = (members + others)[:MAX_VIEW_NODES]
+    spares_listed = spares[:max(0, MAX_VIEW_NODES - len(listed))]
+    nodes_omitted = len(members) + len(others) + len(spares) - len(listed) - len(spares_listed)
+    history = job.history[-MAX_VIEW_HISTORY:]
     return JobView(
         job_id=job.job_id, state=job.state, round=job.round,
         min_nodes=job.spec.min_nodes, max_nodes=job.spec.max_nodes, world_size=job.world_size,
         restarts=job.restarts, max_restarts=job.spec.max_restarts,
         master_addr=job.master_addr, master_port=job.master_port,
-        nodes=[_node_view(n, now, job.state) for n in members + others],
-        spares=[_node_view(n, now, job.state) for n in spares],
+        nodes=[_node_view(n, now, job.state) for n in listed],
+        spares=[_node_view(n, now, job.state) for n in spares_listed],
         waiting_for=waiting_info(job, now),
         root_cause=job.root_cause or (job.end_reason if job.state == JobState.FAILED else None),
         history=[RoundView(round=r.round, reason=r.reason, started_at=r.started_at, completed_at=r.completed_at,
-                           world_size=r.world_size, nodes=r.nodes) for r in job.history],
+                           world_size=r.world_size, nodes=r.nodes) for r in history],
+        nodes_omitted=nodes_omitted,
+        history_omitted=len(job.history) - len(history),
     )
 
 

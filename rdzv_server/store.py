@@ -13,13 +13,23 @@ heartbeat timeout to reconnect before anyone is evicted. If the database is
 unreadable the server refuses to start; if a write fails (disk full), the job
 goes back to its last saved state, its agents are told to reconnect, and the
 request that caused it gets an ``unavailable`` error.
+
+Nothing grows without bound: the tick visits only jobs whose next deadline
+passed (a heap keyed by :func:`rounds.next_due`); finished jobs are removed
+after ``retain_finished_s`` (or on request) from memory, disk and metrics; a
+new job is refused (``unavailable``; its agent retries) while
+``max_waiting_jobs`` jobs wait for nodes or the data dir has less than
+``min_free_disk`` bytes free. Running jobs are never refused for space.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import bisect
 import errno
 import fcntl
+import heapq
 import json
 import logging
 import os
@@ -36,9 +46,12 @@ from .protocol import (
     EvictedError,
     ExitRecord,
     JobNotFoundError,
+    JobState,
     JoinMsg,
     RdzvError,
+    RequestError,
     UnavailableError,
+    is_valid_id,
 )
 from .rounds import Effects, Job
 
@@ -62,10 +75,21 @@ class DataDirError(RdzvError):
     """The data directory or its database cannot be used; the server must not start."""
 
 
+DEFAULT_RETAIN_FINISHED_S = 7 * 24 * 3600.0
+DEFAULT_MAX_WAITING_JOBS = 1000
+DEFAULT_MIN_FREE_DISK = 64 * 1024 * 1024
+MAX_REMOVALS_PER_TICK = 500  # finished jobs past retention, removed in one transaction per tick
+MAX_CURSOR_LEN = 512
+REFUSAL_LOG_INTERVAL_S = 10.0
+
+
 @dataclass
 class StoreSettings:
     data_dir: Path | None = None  # None: memory only (embedded/standalone server)
     disconnect_grace_s: float = 0.5
+    retain_finished_s: float = DEFAULT_RETAIN_FINISHED_S  # finished jobs older than this are removed
+    max_waiting_jobs: int = DEFAULT_MAX_WAITING_JOBS  # beyond it a new job is refused
+    min_free_disk: int = DEFAULT_MIN_FREE_DISK  # bytes; below it a new job is refused (0: no check)
 
 
 _SQLITE_CORRUPT, _SQLITE_NOTADB = 11, 26  # primary result codes that mean a damaged or foreign file
@@ -77,6 +101,14 @@ def _is_corruption(e: sqlite3.DatabaseError) -> bool:
         return code & 0xFF in (_SQLITE_CORRUPT, _SQLITE_NOTADB)
     text = str(e).lower()
     return "not a database" in text or "malformed" in text
+
+
+def free_bytes(path: Path) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def _free_space(path: Path) -> str:
@@ -215,6 +247,16 @@ class Database:
             (job.job_id, record, now),
         )
 
+    def delete(self, job_ids: list[str]) -> None:
+        """Remove jobs' rows, all in one transaction (one sync to disk)."""
+        self.conn.execute("BEGIN")
+        try:
+            self.conn.executemany("DELETE FROM jobs WHERE job_id=?", [(j,) for j in job_ids])
+            self.conn.execute("COMMIT")
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+
     def close(self) -> None:
         self.conn.close()
         self._unlock()
@@ -229,10 +271,20 @@ class Store:
         self.metrics = metrics
         self.jobs: dict[str, Job] = {}
         self.active: set[str] = set()
+        self.waiting: set[str] = set()  # active jobs whose round forms: capped for new jobs
         self.channels: dict[tuple[str, str], Channel] = {}
         self.db: Database | None = None
         self._tick_task: asyncio.Task | None = None
         self._last_tick = time.monotonic()
+        # Active jobs by the next time a tick could change them (rounds.next_due):
+        # (due, seq, job_id), stale when _due_at[job_id] says otherwise.
+        self._due: list[tuple[float, int, str]] = []
+        self._due_at: dict[str, float] = {}
+        self._seq = 0
+        self._ended: list[tuple[float, str]] = []  # finished jobs by end time, for retention
+        self._order: list[tuple[float, str]] = []  # every job by (created_at, job_id): listing pages
+        self._refusal_log_at = 0.0
+        self._refusals_unlogged = 0
 
     # ------------------------------------------------------------ lifecycle
 
@@ -244,9 +296,16 @@ class Store:
         self.jobs = self.db.load()
         now = self.clock()
         for job in self.jobs.values():
+            self._order.append((job.created_at, job.job_id))
             if not job.finished:
                 rounds.restored(job, now)
                 self.active.add(job.job_id)
+                if job.forming:
+                    self.waiting.add(job.job_id)
+                self._schedule(job)
+            else:
+                heapq.heappush(self._ended, (job.ended_at or job.created_at, job.job_id))
+        self._order.sort()
         if self.jobs:
             log.info("loaded %d job(s) from %s (%d active); every node has %s to reconnect",
                      len(self.jobs), self.db.path, len(self.active), "a full heartbeat timeout")
@@ -277,19 +336,100 @@ class Store:
                 log.exception("tick failed")
 
     def tick(self) -> None:
+        """Visit only the jobs whose next deadline passed (a heap), so the cost
+        does not grow with idle jobs; then remove finished jobs past retention.
+
+        After a stall of the loop every node heard from since its last stall
+        grace gets a full heartbeat timeout (rounds.grace): a silent node gets
+        one such grace, not one per stall."""
         mono = time.monotonic()
         stalled = mono - self._last_tick > STALL_S
         self._last_tick = mono
         now = self.clock()
-        for job_id in list(self.active):
-            job = self.jobs[job_id]
-            if stalled:
-                rounds.grace(job, now)
-                continue
-            self._apply(job, rounds.tick(job, now), now)
         if stalled:
+            for job_id in self.active:  # deadlines only move later: the heap stays valid
+                rounds.grace(self.jobs[job_id], now, stall=True)
             log.warning("the server did not run for a while (stopped or starved); "
-                        "every node gets a full heartbeat timeout")
+                        "every node heard from since gets a full heartbeat timeout")
+        due: list[str] = []
+        while self._due and self._due[0][0] <= now:
+            at, _, job_id = heapq.heappop(self._due)
+            if self._due_at.get(job_id) == at:
+                del self._due_at[job_id]
+                due.append(job_id)
+        for job_id in due:
+            job = self.jobs.get(job_id)
+            if job is None or job_id not in self.active:
+                continue
+            try:
+                self._apply(job, rounds.tick(job, now), now)  # reschedules it
+            except UnavailableError:
+                pass  # a write failed: the job was put back as saved, and rescheduled
+            except Exception:  # a bug here must not stop the clock for this job
+                log.exception("tick of job %s failed", job_id)
+                self._schedule(job)
+        if len(self._due) > 2 * len(self._due_at) + 1024:  # stale entries: rebuild
+            self._due = [(at, i, j) for i, (j, at) in enumerate(self._due_at.items())]
+            heapq.heapify(self._due)
+        self._expire(now)
+
+    def _schedule(self, job: Job, also: float | None = None) -> None:
+        """Queue the job for the tick at rounds.next_due. An entry already
+        queued is at or before every node's deadline (those only move later,
+        but for ``also``: a dropped connection's), so then only the job's own
+        deadlines are looked at: O(1) per join or report, not O(nodes)."""
+        queued = self._due_at.get(job.job_id)
+        if queued is None:
+            at = rounds.next_due(job)
+        else:
+            at = rounds.next_due(job, nodes=False)
+            if at is not None and also is not None:
+                at = min(at, also)
+        if at is None:
+            self._due_at.pop(job.job_id, None)
+            return
+        if at == float("inf") or (queued is not None and queued <= at):
+            return
+        self._seq += 1
+        self._due_at[job.job_id] = at
+        heapq.heappush(self._due, (at, self._seq, job.job_id))
+
+    def _expire(self, now: float) -> None:
+        """Remove finished jobs that ended more than --retain-finished ago."""
+        limit = now - self.settings.retain_finished_s
+        expired: list[Job] = []
+        while self._ended and self._ended[0][0] <= limit and len(expired) < MAX_REMOVALS_PER_TICK:
+            _, job_id = heapq.heappop(self._ended)
+            job = self.jobs.get(job_id)
+            if job is not None and job.finished and (job.ended_at or job.created_at) <= limit:
+                expired.append(job)
+        if not expired:
+            return
+        try:
+            self._remove(expired)
+        except sqlite3.Error as e:
+            log.error("cannot remove %d finished job(s) from %s: %s; trying again in a minute", len(expired),
+                      self.db.path if self.db else "?", e)
+            for job in expired:  # due again in 60 s
+                heapq.heappush(self._ended, (limit + 60.0, job.job_id))
+            return
+        shown = ", ".join(j.job_id for j in expired[:8]) + (" ..." if len(expired) > 8 else "")
+        log.info("removed %d finished job(s) older than --retain-finished %gs: %s", len(expired),
+                 self.settings.retain_finished_s, shown)
+
+    def _remove(self, jobs: list[Job]) -> None:
+        """Forget finished jobs: database first (raises sqlite3.Error), then
+        memory and metric series."""
+        if self.db is not None:
+            self.db.delete([j.job_id for j in jobs])
+        for job in jobs:
+            self.jobs.pop(job.job_id, None)
+            key = (job.created_at, job.job_id)
+            i = bisect.bisect_left(self._order, key)
+            if i < len(self._order) and self._order[i] == key:
+                del self._order[i]
+            if self.metrics:
+                self.metrics.forget(job.job_id)
 
     # ------------------------------------------------------------ agent side
 
@@ -300,11 +440,13 @@ class Store:
         if created:
             if msg.resume_round is not None:
                 raise EvictedError(f"job {msg.job_id!r} is unknown to this server; rejoin as a new node")
+            self._check_room(msg.job_id, chan)
             job = rounds.new_job(msg.job_id, msg.spec, now)
         fx = rounds.join(job, msg, now)  # raises before changing anything
         if created:
             self.jobs[job.job_id] = job
             self.active.add(job.job_id)
+            bisect.insort(self._order, (job.created_at, job.job_id))
             fx.persist = True
             fx.logs.insert(0, f"job {job.job_id} created: nnodes {msg.spec.min_nodes}:{msg.spec.max_nodes}, "
                               f"max_restarts {msg.spec.max_restarts}")
@@ -316,6 +458,37 @@ class Store:
         if self.metrics:
             self.metrics.joins.labels(job.job_id).inc()
         self._apply(job, fx, now, created=created, requester=chan)
+
+    def _check_room(self, job_id: str, chan: Channel) -> None:
+        """Refuse a new job (unavailable: its agent retries later) when too many
+        jobs wait for nodes or the data dir's disk is nearly full. Nothing is
+        created; the agent is told why and its connection closed so that it
+        retries with backoff. Existing jobs are never refused here."""
+        s = self.settings
+        why = None
+        if len(self.waiting) >= s.max_waiting_jobs:
+            why = (f"{len(self.waiting)} jobs are waiting for nodes on this server (--max-waiting-jobs "
+                   f"{s.max_waiting_jobs}); job {job_id!r} is not created: retry later")
+        elif self.db is not None and s.min_free_disk > 0:
+            free = free_bytes(self.settings.data_dir)
+            if free is not None and free < s.min_free_disk:
+                why = (f"only {free} bytes free on {self.settings.data_dir} (--min-free-disk {s.min_free_disk}); "
+                       f"new jobs are refused until there is space, running jobs carry on; "
+                       f"job {job_id!r} is not created")
+        if why is None:
+            return
+        error = UnavailableError(why, ErrorCode.UNAVAILABLE)
+        mono = time.monotonic()
+        if mono >= self._refusal_log_at:  # refused agents retry: one line per interval, with a count
+            n = self._refusals_unlogged
+            more = f" (and {n} more refusal(s) since the last line)" if n else ""
+            log.warning("refused a new job: %s%s", why, more)
+            self._refusal_log_at, self._refusals_unlogged = mono + REFUSAL_LOG_INTERVAL_S, 0
+        else:
+            self._refusals_unlogged += 1
+        chan.deliver(ErrorMsg(code=error.code, message=error.message).model_dump_json())
+        chan.drop()
+        raise error
 
     def heartbeat(self, job_id: str, node_id: str) -> None:
         job = self.jobs.get(job_id)
@@ -345,6 +518,9 @@ class Store:
         if job is not None:
             now = self.clock()
             self._apply(job, rounds.disconnect(job, node_id, now, self.settings.disconnect_grace_s), now)
+            node = job.nodes.get(node_id)
+            if node is not None and node.lost_deadline is not None and job_id in self.active:
+                self._schedule(job, also=node.lost_deadline)
 
     # ------------------------------------------------------------- REST side
 
@@ -357,8 +533,35 @@ class Store:
     def view(self, job_id: str):
         return rounds.view(self._job(job_id), self.clock())
 
-    def summaries(self):
-        return [rounds.summary(j) for j in sorted(self.jobs.values(), key=lambda j: j.created_at)]
+    def summaries(self, state: JobState | None = None, limit: int = 100, cursor: str | None = None):
+        """One page of job summaries in creation order: (summaries, next_cursor).
+        ``cursor`` is a ``next_cursor`` this server returned (opaque to clients)."""
+        start = 0
+        if cursor is not None:
+            start = bisect.bisect_right(self._order, decode_cursor(cursor))
+        out = []
+        i = start
+        while i < len(self._order) and len(out) < limit:
+            job = self.jobs[self._order[i][1]]
+            if state is None or job.state == state:
+                out.append(rounds.summary(job))
+            i += 1
+        more = i < len(self._order) and len(out) == limit
+        return out, (encode_cursor(self._order[i - 1]) if more else None)
+
+    def delete_job(self, job_id: str) -> Job:
+        """Forget a finished job (its view, its row, its metric series)."""
+        job = self._job(job_id)
+        if not job.finished:
+            raise RequestError(f"job {job_id!r} is {job.state.value}; close it first (rdzv close {job_id}, or "
+                               f"POST /v1/jobs/{job_id}/close), then delete it", ErrorCode.JOB_NOT_FINISHED)
+        try:
+            self._remove([job])
+        except sqlite3.Error as e:
+            raise UnavailableError(f"the server cannot delete job {job_id!r} from its database ({e}); retry later",
+                                   ErrorCode.UNAVAILABLE) from e
+        log.info("job %s deleted by request (it had %s)", job_id, job.state.value)
+        return job
 
     def close_job(self, job_id: str) -> Job:
         job, now = self._job(job_id), self.clock()
@@ -392,9 +595,19 @@ class Store:
             if chan is not None:
                 chan.drop()
         if job.finished:
-            self.active.discard(job.job_id)
+            if job.job_id in self.active:
+                self.active.discard(job.job_id)
+                self.waiting.discard(job.job_id)
+                self._due_at.pop(job.job_id, None)
+                heapq.heappush(self._ended, (job.ended_at or now, job.job_id))
             for key in [k for k in self.channels if k[0] == job.job_id]:
                 self.channels.pop(key)  # their agents close after the done message
+        else:
+            if job.forming:
+                self.waiting.add(job.job_id)
+            else:
+                self.waiting.discard(job.job_id)
+            self._schedule(job)
         if self.metrics:
             self.metrics.observe(job, fx)
 
@@ -418,9 +631,21 @@ class Store:
         if saved is None:
             self.jobs.pop(job.job_id, None)
             self.active.discard(job.job_id)
+            self.waiting.discard(job.job_id)
+            self._due_at.pop(job.job_id, None)
+            key = (job.created_at, job.job_id)
+            i = bisect.bisect_left(self._order, key)
+            if i < len(self._order) and self._order[i] == key:
+                del self._order[i]
         else:
             rounds.restored(saved, self.clock())
             self.jobs[job.job_id] = saved
+            if saved.forming:
+                self.waiting.add(saved.job_id)
+            else:
+                self.waiting.discard(saved.job_id)
+            self._due_at.pop(saved.job_id, None)
+            self._schedule(saved)
         error = UnavailableError(f"the server cannot save state ({err}); retry later", ErrorCode.UNAVAILABLE)
         if requester is not None:
             requester.deliver(ErrorMsg(code=error.code, message=error.message).model_dump_json())
@@ -430,3 +655,27 @@ class Store:
         if requester is not None and all(chan is not requester for chan in dropped):
             requester.drop()
         raise error
+
+
+def encode_cursor(key: tuple[float, str]) -> str:
+    raw = json.dumps([key[0], key[1]], separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[float, str]:
+    """A cursor this server made, or a validation error (changes nothing)."""
+    try:
+        if len(cursor) > MAX_CURSOR_LEN:
+            raise ValueError("too long")
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        created_at, job_id = json.loads(raw)
+        if (not isinstance(created_at, (int, float)) or isinstance(created_at, bool)
+                or not isinstance(job_id, str) or not is_valid_id(job_id)):
+            raise ValueError("not a cursor")
+        created_at = float(created_at)  # OverflowError for a huge integer
+        if created_at != created_at:
+            raise ValueError("NaN")
+    except (ValueError, TypeError, OverflowError, RecursionError):
+        raise RequestError("cursor is not one this server gave out: pass next_cursor back unchanged",
+                           ErrorCode.VALIDATION_ERROR) from None
+    return created_at, job_id

@@ -350,3 +350,21 @@ async def test_watch_refreshes_until_terminated(server: Server, agents) -> None:
     assert "\x1b[" not in text, "no screen control codes when stdout is not a terminal"
     assert "job watched: running" in text and "job watched: closed" in text, text
     assert b"Traceback" not in err, err.decode()
+
+
+async def test_delete_refuses_a_live_job_then_forgets_it_once_closed(server: Server, agents) -> None:
+    """`rdzv delete` of a running job: one line saying to close it first, exit 1;
+    after `rdzv close` it deletes, and `rdzv status --state closed` no longer lists it."""
+    a = await agents(server, "old", "node1", (1, 1))
+    await a.wait_for("assigned")
+    await agents(server, "other", "node1", (2, 2))
+    ep = ("--endpoint", server.endpoint)
+    _one_error_line(*await rdzv(*ep, "delete", "old"), "close it first")
+    assert server.get("/v1/jobs/old")["state"] == "running"
+    assert (await rdzv(*ep, "close", "old"))[0] == 0
+    rc, listing, err = await rdzv(*ep, "status", "--state", "closed")
+    assert rc == 0 and _row(listing, "old")[:2] == ["old", "closed"] and "other" not in listing, (listing, err)
+    assert await rdzv(*ep, "delete", "old") == (0, "job old: deleted (it had closed)\n", "")
+    rc, listing, _ = await rdzv(*ep, "status")
+    assert rc == 0 and "old" not in listing and _row(listing, "other")[:2] == ["other", "waiting"]
+    _one_error_line(*await rdzv(*ep, "delete", "old"), "no job 'old'")

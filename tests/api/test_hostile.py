@@ -296,7 +296,7 @@ async def test_close_bodies(client, world):
     assert await snapshot(client) == before
 
 
-WRONG_METHODS = [("DELETE", "/v1/jobs"), ("POST", "/v1/jobs"), ("PUT", "/v1/jobs/base"), ("DELETE", "/v1/jobs/base"),
+WRONG_METHODS = [("DELETE", "/v1/jobs"), ("POST", "/v1/jobs"), ("PUT", "/v1/jobs/base"), ("DELETE", "/v1/jobs/base/close"),
                  ("PATCH", "/v1/jobs/base"), ("GET", "/v1/jobs/base/close"), ("PUT", "/v1/jobs/base/close"),
                  ("POST", "/healthz"), ("POST", "/metrics"), ("POST", "/v1/agent"), ("DELETE", "/openapi.json")]
 

@@ -34,6 +34,9 @@ def test_bench_smoke(tmp_path):
     (live,) = scale["live"]
     assert live["nodes"] == 50 and live["assigned"] == 50
     assert live["server_cpu"] > 0 and live["server_rss_mb"] > 0
+    assert "9. Server: 30 finished jobs present" in table
+    finished = data["finished_jobs"]
+    assert finished["held"] == 30 and finished["failed"] == 0 and finished["first_page"]["errors"] == 0
 
 
 def test_server_scale_cli_smoke(tmp_path):
@@ -46,3 +49,20 @@ def test_server_scale_cli_smoke(tmp_path):
     data = json.loads(out.read_text())
     assert data["storm"]["missing"] == 0 and data["storm"]["from_first_join_s"] > 0
     assert data["live"][0]["assigned"] == 20
+
+
+def test_finished_jobs_cli_smoke(tmp_path):
+    out = tmp_path / "finished.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.finished_jobs", "--jobs", "40", "--idle-s", "1",
+                           "--requests", "10", "--waiting", "5", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| finished jobs (rdzv only) | result | target | met |" in proc.stdout
+    assert "40 finished jobs present" in proc.stdout and "GET /v1/jobs, first page (40 jobs)" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["held"] == 40 and data["failed"] == 0 and data["idle_cpu"] >= 0 and data["rss_mb"] > 0
+    for page in (data["first_page"], data["deep_page"]):
+        assert page["n"] == 10 and page["errors"] == 0 and page["p99"] > 0
+    assert data["deep_page"]["size"] == 20  # the second half: a page from the middle, by cursor
+    assert data["waiting"]["failed"] == 0 and data["waiting"]["waiting_now"] == 5
+    assert "5 jobs waiting for nodes that left" in proc.stdout

@@ -305,7 +305,8 @@ def test_full_disk_at_start_refuses_without_calling_the_database_corrupt(fcluste
     _mount_tmpfs(mnt, "1m")
     try:
         port, data = free_port(), mnt / "data"
-        server = fcluster.start_server_at(port, data, name="writer")
+        # --min-free-disk 0: this test fills the disk itself (the check would refuse the job first)
+        server = fcluster.start_server_at(port, data, "--min-free-disk", "0", name="writer")
         stop = tmp_path / "stop"
         agent = fcluster.start_ranks_agent(server.endpoint, "kept", "n0", stop, nnodes="2", flags=AGENT_FLAGS)
         server.wait_job("kept", lambda v: len(v["nodes"]) == 1, 30, "a job saved")
@@ -354,7 +355,8 @@ def test_full_disk_refuses_the_change_and_keeps_the_saved_state(fcluster: FaultC
     _mount_tmpfs(mnt, "2m")
     try:
         port, data = free_port(), mnt / "data"
-        server = fcluster.start_server_at(port, data, name="server")
+        # --min-free-disk 0: the change that fails is a round's, not a new job's (see tests/faults/test_growth.py)
+        server = fcluster.start_server_at(port, data, "--min-free-disk", "0", name="server")
         stop = tmp_path / "stop"
         first = fcluster.start_ranks_agent(server.endpoint, "full", "n0", stop, nnodes="2", flags=AGENT_FLAGS)
         saved = server.wait_job("full", lambda v: len(v["nodes"]) == 1, 30, "the first node joined")
@@ -378,7 +380,7 @@ def test_full_disk_refuses_the_change_and_keeps_the_saved_state(fcluster: FaultC
         try:
             fcluster.kill9(server)
             filler.unlink()
-            server = fcluster.start_server_at(port, data, name="server-restarted")
+            server = fcluster.start_server_at(port, data, "--min-free-disk", "0", name="server-restarted")
             view = server.wait_job("full", lambda v: [n["state"] for n in v["nodes"]] == ["waiting"], HB_TIMEOUT + 5,
                                    "the saved node back and reconnected")
             assert (view["round"], view["nodes"][0]["node_id"]) == (0, first_id), view

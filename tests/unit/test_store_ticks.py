@@ -1,0 +1,162 @@
+"""The store's clock work, driven with a fake clock and no server: stalls of
+the loop and what the tick visits. (Channels are recorders: this is a unit.)"""
+
+from __future__ import annotations
+
+import time
+
+from rdzv_server import store as store_mod
+from rdzv_server.protocol import SERVER_MESSAGE, JobSpec, JobState, JoinMsg
+from rdzv_server.store import STALL_S, Store, StoreSettings
+
+
+class Recorder:
+    """A channel that keeps what it was sent."""
+
+    def __init__(self) -> None:
+        self.ops: list[str] = []
+        self.dropped = False
+
+    def deliver(self, text: str) -> None:
+        self.ops.append(SERVER_MESSAGE.validate_json(text).op)
+
+    def drop(self) -> None:
+        self.dropped = True
+
+
+def join(job_id: str, node_id: str, spec: JobSpec) -> JoinMsg:
+    return JoinMsg(job_id=job_id, node_id=node_id, host=node_id, addr="10.0.0.1", local_world_size=1,
+                   master_port=29500, spec=spec)
+
+
+def make_store(clock: list[float]) -> Store:
+    return Store(StoreSettings(), clock=lambda: clock[0])
+
+
+def stalled_tick(store: Store) -> None:
+    """A tick that comes after the loop did not run for longer than STALL_S."""
+    store._last_tick = time.monotonic() - 2 * STALL_S
+    store.tick()
+
+
+def plain_tick(store: Store) -> None:
+    store._last_tick = time.monotonic()
+    store.tick()
+
+
+def test_repeated_stalls_still_evict_a_silent_node():
+    """Every tick comes after a stall (a client looping on a slow endpoint): the
+    node that heartbeats stays, the silent one is still evicted within two
+    heartbeat timeouts instead of being given a fresh timeout at every stall."""
+    clock = [1000.0]
+    store = make_store(clock)
+    spec = JobSpec(min_nodes=2, max_nodes=2, heartbeat_timeout_s=3.0)
+    live, silent = Recorder(), Recorder()
+    store.join(join("j", "live", spec), live)
+    store.join(join("j", "silent", spec), silent)
+    job = store.jobs["j"]
+    assert job.state == JobState.RUNNING
+    start = clock[0]
+    for _ in range(60):  # 30 s of fake time, a stall every 0.5 s
+        clock[0] += 0.5
+        store.heartbeat("j", "live")
+        stalled_tick(store)
+        if "silent" not in job.nodes:
+            break
+    assert "silent" not in job.nodes, "a node silent for 30 s was never evicted: every stall renewed its timeout"
+    assert clock[0] - start <= 2 * spec.heartbeat_timeout_s + 0.5
+    assert silent.ops[-1] == "evicted" and silent.dropped
+    assert "evicted" not in live.ops and "live" in job.nodes
+
+
+def test_one_stall_still_gives_every_node_a_full_timeout():
+    """A single long stall (SIGSTOP) is not the nodes' fault: nobody is evicted
+    by the tick that follows it, even a node last heard of long ago."""
+    clock = [1000.0]
+    store = make_store(clock)
+    spec = JobSpec(min_nodes=2, max_nodes=2, heartbeat_timeout_s=3.0)
+    a, b = Recorder(), Recorder()
+    store.join(join("j", "a", spec), a)
+    store.join(join("j", "b", spec), b)
+    clock[0] += 20.0
+    stalled_tick(store)
+    assert set(store.jobs["j"].nodes) == {"a", "b"}
+    clock[0] += 2.0
+    store.heartbeat("j", "a")
+    store.heartbeat("j", "b")
+    plain_tick(store)
+    assert set(store.jobs["j"].nodes) == {"a", "b"} and "evicted" not in a.ops + b.ops
+
+
+def test_tick_does_not_visit_idle_jobs(monkeypatch):
+    """With many running jobs whose nodes are fine, a tick looks at none of
+    them; once their heartbeat deadlines pass, each is visited (and its silent
+    node evicted)."""
+    clock = [1000.0]
+    store = make_store(clock)
+    spec = JobSpec(min_nodes=1, max_nodes=1, heartbeat_timeout_s=6.0)
+    chans = []
+    for i in range(300):
+        chans.append(Recorder())
+        store.join(join(f"j{i}", "n", spec), chans[-1])
+    assert all(j.state == JobState.RUNNING for j in store.jobs.values())
+    visited: list[str] = []
+    real_tick = store_mod.rounds.tick
+
+    def counting_tick(job, now):
+        visited.append(job.job_id)
+        return real_tick(job, now)
+
+    monkeypatch.setattr(store_mod.rounds, "tick", counting_tick)
+    for _ in range(20):  # 2 s of ticks, every node heard from
+        clock[0] += 0.1
+        for i in range(300):
+            store.heartbeat(f"j{i}", "n")
+        plain_tick(store)
+    assert visited == [], f"{len(visited)} visits of idle jobs in 20 ticks"
+    clock[0] += 6.5  # nobody heard from for longer than the timeout
+    plain_tick(store)
+    assert len(set(visited)) == 300
+    assert all(c.ops[-1] == "evicted" for c in chans)
+    assert all(j.state == JobState.WAITING and not j.nodes for j in store.jobs.values())
+
+
+def test_a_dropped_connection_is_lost_after_the_disconnect_grace_not_the_heartbeat_timeout():
+    """The tick queue learns of the earlier deadline a dropped connection sets."""
+    clock = [1000.0]
+    store = make_store(clock)
+    spec = JobSpec(min_nodes=2, max_nodes=2, heartbeat_timeout_s=6.0)
+    a, b = Recorder(), Recorder()
+    store.join(join("j", "a", spec), a)
+    store.join(join("j", "b", spec), b)
+    plain_tick(store)
+    store.disconnected("j", "b", b)
+    clock[0] += 0.3
+    plain_tick(store)
+    assert "b" in store.jobs["j"].nodes
+    clock[0] += 0.3  # past the 0.5 s disconnect grace, far from the 6 s heartbeat timeout
+    plain_tick(store)
+    assert "b" not in store.jobs["j"].nodes and a.ops[-1] == "restart"
+
+
+def test_refused_new_jobs_are_logged_once_per_interval(caplog):
+    """Agents of a refused job retry: the server logs one line per interval, not one per retry,
+    and the refused joins create nothing."""
+    import logging
+
+    import pytest
+
+    from rdzv_server.protocol import UnavailableError
+
+    clock = [1000.0]
+    store = Store(StoreSettings(max_waiting_jobs=1), clock=lambda: clock[0])
+    store.join(join("first", "a", JobSpec(min_nodes=2, max_nodes=2)), Recorder())
+    caplog.set_level(logging.WARNING, logger="rdzv_server.store")
+    for i in range(50):
+        chan = Recorder()
+        with pytest.raises(UnavailableError):
+            store.join(join(f"new{i}", "a", JobSpec(min_nodes=1, max_nodes=1)), chan)
+        assert chan.ops == ["error"] and chan.dropped
+    assert set(store.jobs) == {"first"}
+    lines = [r.getMessage() for r in caplog.records if "refused a new job" in r.getMessage()]
+    assert len(lines) == 1 and "--max-waiting-jobs 1" in lines[0], lines
