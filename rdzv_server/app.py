@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -12,7 +13,8 @@ from aiohttp import web
 from pydantic.json_schema import models_json_schema
 
 from . import handlers
-from .keys import METRICS, OPENAPI, STORE, TOKEN
+from .audit import Audit
+from .keys import AUDIT, METRICS, OPENAPI, STORE, TOKEN
 from .metrics import Metrics
 from .protocol import (
     AGENT_PATH,
@@ -24,6 +26,7 @@ from .protocol import (
     JobList,
     JobView,
     RdzvError,
+    printable,
 )
 from .store import Store, StoreSettings
 
@@ -89,6 +92,8 @@ async def auth_middleware(request: web.Request, handler):
         # surrogateescape: a header that is not UTF-8 is simply wrong, not a crash
         given_token = value.strip().encode("utf-8", "surrogateescape")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given_token, token.encode()):
+            request.app[AUDIT].event("token", f"token rejected: {request.method} {printable(request.path, 200)} "
+                                              f"from {printable(request.remote)}")
             return _error(ErrorCode.UNAUTHORIZED, "missing or wrong bearer token (Authorization: Bearer ...)",
                           401, {"WWW-Authenticate": "Bearer"})
     return await handler(request)
@@ -160,7 +165,9 @@ def create_app(settings: Settings | None = None) -> web.Application:
     app[STORE] = Store(settings.store_settings, metrics=metrics)
     app[TOKEN] = settings.token or ""
     app[OPENAPI] = openapi_document()
+    app[AUDIT] = Audit()
     app.cleanup_ctx.append(_store_ctx)
+    app.cleanup_ctx.append(_audit_ctx)
     app.router.add_get("/v1/jobs", handlers.list_jobs)
     app.router.add_get("/v1/jobs/{job_id}", handlers.get_job)
     app.router.add_post("/v1/jobs/{job_id}/close", handlers.close_job)
@@ -177,3 +184,22 @@ async def _store_ctx(app: web.Application):
     await store.start()
     yield
     await store.stop()
+
+
+async def _audit_ctx(app: web.Application):
+    """Say what the audit log suppressed once its window is over, even if all went quiet."""
+    audit = app[AUDIT]
+
+    async def flush_every_second():
+        while True:
+            await asyncio.sleep(1.0)
+            audit.flush()
+
+    task = asyncio.create_task(flush_every_second(), name="rdzv-audit")
+    yield
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    audit.flush()

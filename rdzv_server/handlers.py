@@ -12,7 +12,7 @@ import logging
 from aiohttp import WSMsgType, web
 from pydantic import ValidationError
 
-from .keys import METRICS, OPENAPI, STORE
+from .keys import AUDIT, METRICS, OPENAPI, STORE
 from .metrics import CONTENT_TYPE_LATEST
 from .protocol import (
     AGENT_MESSAGE,
@@ -32,6 +32,7 @@ from .protocol import (
     RequestError,
     SucceededMsg,
     is_valid_id,
+    printable,
 )
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,11 @@ async def close_job(request: web.Request) -> web.Response:
         body = await request.read()
         if body.strip() not in (b"", b"{}"):
             raise RequestError("close takes no body (or an empty JSON object)", ErrorCode.VALIDATION_ERROR)
-    job = request.app[STORE].close_job(job_id)
+    store = request.app[STORE]
+    was_open = job_id in store.jobs and not store.jobs[job_id].finished
+    job = store.close_job(job_id)
+    if was_open and job.finished:
+        request.app[AUDIT].event("close", f"job {job_id} closed on request from {printable(request.remote)}")
     return _json(CloseResult(job_id=job.job_id, state=job.state))
 
 
@@ -141,6 +146,10 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
                 bound = _dispatch(store, msg, bound, chan)
             except RdzvError as e:
                 chan.tell(ErrorMsg(code=e.code, message=e.message))
+                if isinstance(msg, JoinMsg):
+                    request.app[AUDIT].event(
+                        "join", f"join refused: job {msg.job_id} node {msg.node_id} from "
+                                f"{printable(request.remote)}: {e.code.value}: {e.message}")
     finally:
         if bound is not None:
             store.disconnected(*bound, chan)

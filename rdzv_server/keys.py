@@ -2,6 +2,7 @@
 
 from aiohttp import web
 
+from .audit import Audit
 from .metrics import Metrics
 from .store import Store
 
@@ -9,3 +10,4 @@ STORE = web.AppKey("store", Store)
 METRICS = web.AppKey("metrics", Metrics)
 OPENAPI = web.AppKey("openapi", dict)
 TOKEN = web.AppKey("token", str)
+AUDIT = web.AppKey("audit", Audit)
