@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -46,6 +47,8 @@ from torch.distributed.elastic.rendezvous import (
 
 from rdzv_server.protocol import (
     MAX_RESTARTS,
+    MAX_SECRET_LEN,
+    SECRET_PATTERN,
     AssignedMsg,
     Assignment,
     DoneMsg,
@@ -73,6 +76,8 @@ STORE_TIMEOUT_S = 300.0
 # round for another reason before it reports the failure (see _next_round).
 # Longer than the server's default disconnect grace (0.5 s).
 FAILURE_REPORT_DELAY_S = 1.0
+# The server forgot this node, or its node of this id is not ours (node secret): join as a new node.
+_NEW_NODE_CODES = (ErrorCode.EVICTED, ErrorCode.NODE_SECRET_MISMATCH)
 
 
 class RdzvRendezvousHandler(RendezvousHandler):
@@ -84,6 +89,10 @@ class RdzvRendezvousHandler(RendezvousHandler):
         _, host, port = parse_endpoint(params.endpoint)
         self.run_id = params.run_id
         self.token = params.get("token") or os.environ.get("RDZV_TOKEN") or None
+        self.job_secret = params.get("job_secret") or os.environ.get("RDZV_JOB_SECRET") or None
+        if self.job_secret is not None and not re.fullmatch(SECRET_PATTERN, self.job_secret):
+            raise ValueError(f"rdzv: the job secret (--rdzv-conf job_secret=... or RDZV_JOB_SECRET) must be "
+                             f"1-{MAX_SECRET_LEN} printable ASCII characters")
         self.addr = params.local_addr or route_addr(host, port)
         self.host = socket.gethostname()
         self.node_id = new_node_id(self.host)
@@ -143,7 +152,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
             msg = await self._link.recv()
             if isinstance(msg, RestartMsg):
                 self._restart_round = max(self._restart_round, msg.round)
-            elif isinstance(msg, EvictedMsg) or (isinstance(msg, ErrorMsg) and msg.code == ErrorCode.EVICTED):
+            elif isinstance(msg, EvictedMsg) or (isinstance(msg, ErrorMsg) and msg.code in _NEW_NODE_CODES):
                 self._restart_round = max(self._restart_round, (self._assignment.round + 1) if self._assignment else 0)
             elif isinstance(msg, DoneMsg) and msg.state != "succeeded":
                 self._closed_why = f"{msg.state}: {msg.reason}"
@@ -246,7 +255,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
             if isinstance(msg, DoneMsg):
                 self._closed = msg.state != "succeeded"
                 raise RendezvousClosedError(f"job {self.run_id} {msg.state}: {msg.reason}")
-            if isinstance(msg, EvictedMsg) or (isinstance(msg, ErrorMsg) and msg.code == ErrorCode.EVICTED):
+            if isinstance(msg, EvictedMsg) or (isinstance(msg, ErrorMsg) and msg.code in _NEW_NODE_CODES):
                 self.node_id = new_node_id(self.host)
                 link.set_intent(self._join_msg())
             elif isinstance(msg, ErrorMsg) and msg.code not in (ErrorCode.STALE_ROUND, ErrorCode.UNAVAILABLE):
@@ -257,7 +266,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
     def _join_msg(self, resume: Assignment | None = None) -> JoinMsg:
         return JoinMsg(job_id=self.run_id, node_id=self.node_id, host=self.host[:255] or "node", addr=self.addr,
                        local_world_size=self.nproc, master_port=resume.master_port if resume else free_port(self.addr),
-                       spec=self.spec, resume_round=resume.round if resume else None)
+                       spec=self.spec, resume_round=resume.round if resume else None, job_secret=self.job_secret)
 
     def shutdown(self) -> bool:
         """torchrun calls this from a ``finally``: an exception in flight means

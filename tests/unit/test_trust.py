@@ -220,3 +220,34 @@ def test_a_failure_signal_and_message_reach_logs_and_root_cause_escaped():
     for line in fx.logs:
         _one_line(line)
 
+
+
+# ------------------------------------------------------------- the agent side
+
+
+def test_worker_env_withholds_the_agents_credentials():
+    """RDZV_TOKEN and RDZV_JOB_SECRET in the agent's environment never reach a worker's."""
+    from rdzv_client.workers import worker_env
+    from test_workers import assignment
+
+    env = worker_env({"RDZV_TOKEN": "t", "RDZV_JOB_SECRET": "s", "RDZV_ENDPOINT": "h:1", "HOME": "/h"},
+                     assignment(), 0, "job1", "/tmp/err.json")
+    assert "RDZV_TOKEN" not in env and "RDZV_JOB_SECRET" not in env
+    assert (env["RDZV_ENDPOINT"], env["HOME"]) == ("h:1", "/h")  # the rest is kept
+
+
+def test_agent_job_secret_from_flag_or_environment(monkeypatch):
+    """--job-secret, else $RDZV_JOB_SECRET; a secret that is not printable ASCII is a usage error;
+    the config's repr never shows it."""
+    from rdzv_client.agent import UsageError, build_parser, config_from_args
+
+    argv = ["--endpoint", "127.0.0.1:1", "--job-id", "j", "train.py"]
+    monkeypatch.setenv("RDZV_JOB_SECRET", "from-env")
+    assert config_from_args(build_parser().parse_args(argv)).job_secret == "from-env"
+    cfg = config_from_args(build_parser().parse_args(["--job-secret", "from-flag", *argv]))
+    assert cfg.job_secret == "from-flag" and "from-flag" not in repr(cfg)
+    monkeypatch.setenv("RDZV_JOB_SECRET", "two\nlines")
+    with pytest.raises(UsageError, match="job secret"):
+        config_from_args(build_parser().parse_args(argv))
+    monkeypatch.delenv("RDZV_JOB_SECRET")
+    assert config_from_args(build_parser().parse_args(argv)).job_secret is None
