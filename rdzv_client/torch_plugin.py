@@ -68,6 +68,7 @@ from rdzv_server.protocol import (
 
 from .agent import free_port, new_node_id, route_addr
 from .client import AgentLink, RestClient, parse_endpoint
+from .workers import WITHHELD_FROM_WORKERS
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,9 @@ class RdzvRendezvousHandler(RendezvousHandler):
         if self.job_secret is not None and not re.fullmatch(SECRET_PATTERN, self.job_secret):
             raise ValueError(f"rdzv: the job secret (--rdzv-conf job_secret=... or RDZV_JOB_SECRET) must be "
                              f"1-{MAX_SECRET_LEN} printable ASCII characters")
+        # torchrun's workers inherit this process's environment: the credentials stay with us
+        for name in WITHHELD_FROM_WORKERS:
+            os.environ.pop(name, None)
         self.addr = params.local_addr or route_addr(host, port)
         self.host = socket.gethostname()
         self.node_id = new_node_id(self.host)

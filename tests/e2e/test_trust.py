@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import aiohttp
@@ -15,6 +17,8 @@ from rdzv_server.protocol import AGENT_PATH, ExitRecord, FailedMsg, JobSpec, Joi
 
 from .conftest import Cluster, wait_until
 from .test_elastic import _all_running
+from .test_torchrun_plugin import Proc as PluginProc
+from .test_torchrun_plugin import Rig, rig  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.e2e
 
@@ -114,3 +118,42 @@ def test_job_secret_and_spec_guard_a_job_and_workers_see_neither_secret(cluster:
         assert "RDZV_TOKEN" not in d["env"] and "RDZV_JOB_SECRET" not in d["env"], sorted(d["env"])
         assert token not in json.dumps(d["env"]) and secret not in json.dumps(d["env"])
     assert secret not in server.text() and secret not in first.text()
+
+
+def _torchrun(rig: Rig, name: str, job_id: str, env: dict[str, str], *script: str) -> PluginProc:
+    """Stock torchrun with our rendezvous backend, with ``env`` on top of the rig's."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=rdzv", f"--rdzv-endpoint={rig.endpoint}",
+            f"--rdzv-id={job_id}", "--nnodes=2", "--nproc-per-node=1", "--max-restarts=0",
+            "--monitor-interval=0.1", "--local-addr=127.0.0.1", *script]
+    log = rig.tmp / f"{name}.log"
+    with open(log, "wb") as f:
+        popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                                 env={**rig.env(), **env}, cwd=rig.tmp, start_new_session=True)
+    proc = PluginProc(name, popen, log)
+    rig.procs.append(proc)
+    return proc
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_plugin_sends_the_job_secret_and_withholds_credentials(rig: Rig, tmp_path: Path) -> None:
+    """torchrun nodes with RDZV_JOB_SECRET: one without it is refused (torchrun
+    fails saying why), the two with it train, and torchrun's workers see
+    neither RDZV_TOKEN nor RDZV_JOB_SECRET."""
+    server = rig.start_server()
+    out = tmp_path / "dumps"
+    out.mkdir()
+    secret = "plugin-job-s3cret"
+    env = {"RDZV_JOB_SECRET": secret, "RDZV_TOKEN": "unused-token"}
+    script = (str(Path(__file__).parent / "scripts" / "env_dump.py"), str(out))
+    first = _torchrun(rig, "first", "tguard", env, *script)
+    server.wait_log(r"job tguard created: .*with a job secret", 40)
+    stranger = _torchrun(rig, "stranger", "tguard", {}, *script)
+    assert stranger.wait_exit(60) != 0
+    assert "requires a job secret" in stranger.text(), stranger.text()[-3000:]
+    second = _torchrun(rig, "second", "tguard", env, *script)
+    assert first.wait_exit(60) == 0, first.text()[-3000:]
+    assert second.wait_exit(30) == 0, second.text()[-3000:]
+    dumps = [json.loads(p.read_text()) for p in out.glob("env_rank*_restart0.json")]
+    assert sorted(d["rank"] for d in dumps) == [0, 1]
+    for d in dumps:
+        assert "RDZV_TOKEN" not in d["env"] and "RDZV_JOB_SECRET" not in d["env"], sorted(d["env"])
