@@ -207,6 +207,10 @@ def _check_job_secret(job: Job, msg: JoinMsg) -> None:
         raise JobSecretMismatchError(f"wrong job secret for job {job.job_id!r}")
 
 
+def _show(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def _check_spec(job: Job, msg: JoinMsg) -> None:
     spec, asked = job.spec, msg.spec
     if (asked.min_nodes, asked.max_nodes) != (spec.min_nodes, spec.max_nodes):
@@ -214,7 +218,7 @@ def _check_spec(job: Job, msg: JoinMsg) -> None:
             f"job {job.job_id!r} has nnodes {spec.min_nodes}:{spec.max_nodes}, "
             f"but node {msg.node_id!r} asked for {asked.min_nodes}:{asked.max_nodes}"
         )
-    differ = [f"{name} {getattr(spec, name):g}, but node {msg.node_id!r} asked for {getattr(asked, name):g}"
+    differ = [f"{name} {_show(getattr(spec, name))}, but node {msg.node_id!r} asked for {_show(getattr(asked, name))}"
               for name in type(spec).model_fields if getattr(spec, name) != getattr(asked, name)]
     if differ:
         raise SpecMismatchError(f"job {job.job_id!r} has " + "; and ".join(differ)
