@@ -4,8 +4,9 @@
 own with exponential backoff and jitter, re-sends the node's current *intent*
 (a join, or a resume of the round it runs) after each reconnect, and sends
 heartbeats. It keeps the node secret the server's ``joined`` issued and puts
-it on every later join of that node id (held in memory only). A server hiccup therefore never reaches the agent's loop as an
-error: the loop just hears nothing until the server is back.
+it on every later join of that node id (held in memory only). A server
+hiccup therefore never reaches the agent's loop as an error: the loop just
+hears nothing until the server is back.
 
 :class:`RestClient` wraps the REST paths for the ``rdzv`` command and tests.
 """
