@@ -213,6 +213,8 @@ def _show(value) -> str:
 
 def _check_spec(job: Job, msg: JoinMsg) -> None:
     spec, asked = job.spec, msg.spec
+    if asked == spec:  # the common case, and the cheap one
+        return
     if (asked.min_nodes, asked.max_nodes) != (spec.min_nodes, spec.max_nodes):
         raise SpecMismatchError(
             f"job {job.job_id!r} has nnodes {spec.min_nodes}:{spec.max_nodes}, "
