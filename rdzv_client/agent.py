@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -38,6 +39,8 @@ from rdzv_server.protocol import (
     DEFAULT_LAST_CALL_S,
     DEFAULT_MAX_RESTARTS,
     DEFAULT_SCALE_UP_WINDOW_S,
+    MAX_SECRET_LEN,
+    SECRET_PATTERN,
     AckMsg,
     AssignedMsg,
     Assignment,
@@ -77,7 +80,7 @@ OUTAGE_LOG_EVERY_S = 30.0
 # Reports whose outcome we wait for; a server that is down is waited for this long.
 REPORT_TIMEOUT_S = 60.0
 FATAL_CODES = {ErrorCode.SPEC_MISMATCH, ErrorCode.JOB_FINISHED, ErrorCode.VALIDATION_ERROR,
-               ErrorCode.UNAUTHORIZED, ErrorCode.BAD_REQUEST}
+               ErrorCode.UNAUTHORIZED, ErrorCode.BAD_REQUEST, ErrorCode.JOB_SECRET_MISMATCH}
 
 
 class UsageError(Exception):
@@ -99,6 +102,7 @@ class AgentConfig:
     node_rank: int | None = None
     local_addr: str | None = None
     token: str | None = None
+    job_secret: str | None = field(default=None, repr=False)
     log_dir: Path | None = None
     redirects: dict[int, Std] | Std = Std.NONE
     tee: dict[int, Std] | Std = Std.NONE
@@ -156,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--local-addr", "--local_addr", dest="local_addr", default=_env("local_addr"),
       help="address other nodes reach this one at (default: the one that reaches the server)")
     a("--token", default=None, help="bearer token for the server (default: $RDZV_TOKEN)")
+    a("--job-secret", dest="job_secret", default=None,
+      help="the job's secret: the first node sets it, every other node must bring the same "
+           "(default: $RDZV_JOB_SECRET, better than the flag, which other users see in ps)")
     a("--log-dir", "--log_dir", dest="log_dir", default=_env("log_dir"),
       help="per-attempt worker logs: DIR/attempt_ROUND/LOCAL_RANK/{stdout,stderr}.log")
     a("--redirects", "-r", default=_env("redirects", "0"),
@@ -293,6 +300,10 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     if (any(redirects.values()) or any(tee.values())) and log_dir is None:
         log_dir = Path(tempfile.mkdtemp(prefix=f"rdzv-{job_id}-"))
     node_rank = int(args.node_rank) if args.node_rank is not None else None
+    job_secret = args.job_secret if args.job_secret is not None else os.environ.get("RDZV_JOB_SECRET") or None
+    if job_secret is not None and not re.fullmatch(SECRET_PATTERN, job_secret):
+        raise UsageError(f"the job secret (--job-secret or RDZV_JOB_SECRET) must be 1-{MAX_SECRET_LEN} "
+                         "printable ASCII characters")
     try:
         spec_check = JobSpec(min_nodes=min_nodes, max_nodes=max_nodes, max_restarts=args.max_restarts,
                              last_call_s=last_call, heartbeat_timeout_s=args.heartbeat_timeout,
@@ -308,7 +319,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     return AgentConfig(
         endpoint=endpoint, job_id=job_id, min_nodes=min_nodes, max_nodes=max_nodes, nproc=nproc, cmd=cmd,
         max_restarts=args.max_restarts, node_rank=node_rank, local_addr=args.local_addr,
-        token=args.token or os.environ.get("RDZV_TOKEN") or None, log_dir=log_dir,
+        token=args.token or os.environ.get("RDZV_TOKEN") or None, job_secret=job_secret, log_dir=log_dir,
         redirects=redirects, tee=tee, local_ranks_filter=ranks_filter,
         last_call_s=spec_check.last_call_s, heartbeat_timeout_s=spec_check.heartbeat_timeout_s,
         join_timeout_s=spec_check.join_timeout_s, scale_up_window_s=spec_check.scale_up_window_s,
@@ -414,7 +425,8 @@ class Agent:
                        addr=self.addr, local_world_size=self.cfg.nproc,
                        master_port=self.assignment.master_port if resume_round is not None and self.assignment
                        else free_port(self.addr),
-                       spec=self.cfg.spec(), requested_rank=self.cfg.node_rank, resume_round=resume_round)
+                       spec=self.cfg.spec(), requested_rank=self.cfg.node_rank, resume_round=resume_round,
+                       job_secret=self.cfg.job_secret)
 
     def _join(self) -> None:
         self.assignment = None
@@ -621,7 +633,9 @@ class Agent:
             log.warning("server unavailable: %s", printable(msg.message))
             return None
         self.link.clear_reports()
-        if msg.code == ErrorCode.EVICTED:
+        if msg.code in (ErrorCode.EVICTED, ErrorCode.NODE_SECRET_MISMATCH):
+            # node_secret_mismatch: the server's node of this id is not ours (we never
+            # got its secret, or it was lost and re-created): fence, then join as new
             return await self._on_message(EvictedMsg(reason=msg.message))
         if msg.code == ErrorCode.STALE_ROUND:
             if self._succeeded:

@@ -3,8 +3,10 @@
 :class:`AgentLink` is one agent's WebSocket to the server. It reconnects on its
 own with exponential backoff and jitter, re-sends the node's current *intent*
 (a join, or a resume of the round it runs) after each reconnect, and sends
-heartbeats. A server hiccup therefore never reaches the agent's loop as an
-error: the loop just hears nothing until the server is back.
+heartbeats. It keeps the node secret the server's ``joined`` issued and puts
+it on every later join of that node id (held in memory only). A server
+hiccup therefore never reaches the agent's loop as an error: the loop just
+hears nothing until the server is back.
 
 :class:`RestClient` wraps the REST paths for the ``rdzv`` command and tests.
 """
@@ -123,6 +125,7 @@ class AgentLink:
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
         self._pending: list[str] = []  # reports to re-send after a reconnect, until acked
+        self._secret: tuple[str, str] | None = None  # (node id, the node secret the server issued it)
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S))
@@ -138,10 +141,23 @@ class AgentLink:
             await self._session.close()
 
     def set_intent(self, msg: JoinMsg | None, send: bool = True) -> None:
-        """Remember what to say after a reconnect, and say it now."""
+        """Remember what to say after a reconnect, and say it now. A join of the
+        node id the server issued a secret to carries that secret."""
+        msg = self._with_secret(msg)
         self.intent = msg
         if msg is not None and send:
             self.send_nowait(msg.model_dump_json())
+
+    def _with_secret(self, msg: JoinMsg | None) -> JoinMsg | None:
+        if (msg is not None and msg.node_secret is None and self._secret is not None
+                and msg.node_id == self._secret[0]):
+            return msg.model_copy(update={"node_secret": self._secret[1]})
+        return msg
+
+    def _learn_secret(self, node_id: str, secret: str) -> None:
+        """The server created node ``node_id`` for us: from now on its joins carry ``secret``."""
+        self._secret = (node_id, secret)
+        self.intent = self._with_secret(self.intent)
 
     def report(self, msg) -> None:
         """A report (failed, succeeded, leave): sent now and after each reconnect until acked."""
@@ -233,6 +249,8 @@ class AgentLink:
                             break
                         if isinstance(msg, JoinedMsg):
                             self.heartbeat_s = msg.heartbeat_s
+                            if msg.node_secret is not None:
+                                self._learn_secret(msg.node_id, msg.node_secret)
                         self._messages.put_nowait(msg)
                     elif frame.type in (aiohttp.WSMsgType.ERROR, aiohttp.WSMsgType.CLOSED):
                         break

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -53,6 +54,8 @@ from torch.distributed.elastic.rendezvous import (
 
 from rdzv_server.protocol import (
     MAX_RESTARTS,
+    MAX_SECRET_LEN,
+    SECRET_PATTERN,
     AssignedMsg,
     Assignment,
     DoneMsg,
@@ -75,6 +78,7 @@ from rdzv_server.protocol import (
 
 from .agent import free_port, new_node_id, route_addr
 from .client import AgentLink, RestClient, parse_endpoint
+from .workers import WITHHELD_FROM_WORKERS
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +92,8 @@ OUTAGE_NOTICE_AFTER_S = 2.0
 OUTAGE_LOG_EVERY_S = 30.0
 # while a round forms, say what it waits for this often
 PROGRESS_EVERY_S = 10.0
+# The server forgot this node, or its node of this id is not ours (node secret): join as a new node.
+_NEW_NODE_CODES = (ErrorCode.EVICTED, ErrorCode.NODE_SECRET_MISMATCH)
 
 
 class RdzvRendezvousHandler(RendezvousHandler):
@@ -99,6 +105,13 @@ class RdzvRendezvousHandler(RendezvousHandler):
         _, host, port = parse_endpoint(params.endpoint)
         self.run_id = params.run_id
         self.token = params.get("token") or os.environ.get("RDZV_TOKEN") or None
+        self.job_secret = params.get("job_secret") or os.environ.get("RDZV_JOB_SECRET") or None
+        if self.job_secret is not None and not re.fullmatch(SECRET_PATTERN, self.job_secret):
+            raise ValueError(f"rdzv: the job secret (--rdzv-conf job_secret=... or RDZV_JOB_SECRET) must be "
+                             f"1-{MAX_SECRET_LEN} printable ASCII characters")
+        # torchrun's workers inherit this process's environment: the credentials stay with us
+        for name in WITHHELD_FROM_WORKERS:
+            os.environ.pop(name, None)
         self.addr = params.local_addr or route_addr(host, port)
         self.host = socket.gethostname()
         self.node_id = new_node_id(self.host)
@@ -193,7 +206,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
             msg = await self._link.recv()
             if isinstance(msg, RestartMsg):
                 self._restart_round = max(self._restart_round, msg.round)
-            elif isinstance(msg, EvictedMsg) or (isinstance(msg, ErrorMsg) and msg.code == ErrorCode.EVICTED):
+            elif isinstance(msg, EvictedMsg) or (isinstance(msg, ErrorMsg) and msg.code in _NEW_NODE_CODES):
                 self._restart_round = max(self._restart_round, (self._assignment.round + 1) if self._assignment else 0)
             elif isinstance(msg, DoneMsg) and msg.state != "succeeded":
                 self._closed_why = f"{msg.state}: {printable(msg.reason)}"
@@ -311,7 +324,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
             if isinstance(msg, DoneMsg):
                 self._closed = msg.state != "succeeded"
                 raise RendezvousClosedError(f"job {self.run_id} {msg.state}: {printable(msg.reason)}")
-            if isinstance(msg, EvictedMsg) or (isinstance(msg, ErrorMsg) and msg.code == ErrorCode.EVICTED):
+            if isinstance(msg, EvictedMsg) or (isinstance(msg, ErrorMsg) and msg.code in _NEW_NODE_CODES):
                 self.node_id = new_node_id(self.host)
                 link.set_intent(self._join_msg())
             elif isinstance(msg, ErrorMsg) and msg.code not in (ErrorCode.STALE_ROUND, ErrorCode.UNAVAILABLE):
@@ -322,7 +335,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
     def _join_msg(self, resume: Assignment | None = None) -> JoinMsg:
         return JoinMsg(job_id=self.run_id, node_id=self.node_id, host=self.host[:255] or "node", addr=self.addr,
                        local_world_size=self.nproc, master_port=resume.master_port if resume else free_port(self.addr),
-                       spec=self.spec, resume_round=resume.round if resume else None)
+                       spec=self.spec, resume_round=resume.round if resume else None, job_secret=self.job_secret)
 
     def shutdown(self) -> bool:
         """torchrun calls this from a ``finally``: an exception in flight means

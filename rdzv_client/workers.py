@@ -180,6 +180,10 @@ def error_file_path(log_dir: Path | str, attempt: int, local_rank: int) -> Path:
 # ------------------------------------------------------------------ worker env
 
 
+# What an agent may hold in its environment that its workers must not inherit.
+WITHHELD_FROM_WORKERS = ("RDZV_TOKEN", "RDZV_JOB_SECRET")
+
+
 def worker_env(
     base_env: Mapping[str, str],
     a: "Assignment",
@@ -187,7 +191,8 @@ def worker_env(
     job_id: str,
     error_file: str,
 ) -> dict[str, str]:
-    """Return ``base_env`` plus exactly the variables torchrun gives a worker.
+    """Return ``base_env`` plus exactly the variables torchrun gives a worker,
+    less the agent's credentials (``RDZV_TOKEN``, ``RDZV_JOB_SECRET``).
 
     See DESIGN.md "The worker's environment". ``TORCHELASTIC_RESTART_COUNT``
     is the round number, the same on every node.
@@ -219,6 +224,8 @@ def worker_env(
     )
     if "OMP_NUM_THREADS" not in base_env and a.local_world_size > 1:
         env["OMP_NUM_THREADS"] = "1"
+    for name in WITHHELD_FROM_WORKERS:  # the agent's credentials are not the training script's
+        env.pop(name, None)
     return env
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -12,7 +13,8 @@ from aiohttp import web
 from pydantic.json_schema import models_json_schema
 
 from . import handlers
-from .keys import JOIN_DEADLINE, METRICS, OPENAPI, STORE, TOKEN
+from .audit import Audit
+from .keys import AUDIT, JOIN_DEADLINE, METRICS, OPENAPI, STORE, TOKEN
 from .metrics import Metrics
 from .protocol import (
     AGENT_PATH,
@@ -30,6 +32,7 @@ from .protocol import (
     JobState,
     JobView,
     RdzvError,
+    printable,
 )
 from . import __version__
 from .store import (
@@ -110,6 +113,8 @@ async def auth_middleware(request: web.Request, handler):
         # surrogateescape: a header that is not UTF-8 is simply wrong, not a crash
         given_token = value.strip().encode("utf-8", "surrogateescape")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given_token, token.encode()):
+            request.app[AUDIT].event("token", f"token rejected: {request.method} {printable(request.path, 200)} "
+                                              f"from {printable(request.remote)}")
             return _error(ErrorCode.UNAUTHORIZED, "missing or wrong bearer token (Authorization: Bearer ...)",
                           401, {"WWW-Authenticate": "Bearer"})
     return await handler(request)
@@ -200,7 +205,9 @@ def create_app(settings: Settings | None = None) -> web.Application:
     app[TOKEN] = settings.token or ""
     app[JOIN_DEADLINE] = settings.join_deadline_s
     app[OPENAPI] = openapi_document()
+    app[AUDIT] = Audit()
     app.cleanup_ctx.append(_store_ctx)
+    app.cleanup_ctx.append(_audit_ctx)
     app.router.add_get("/v1/jobs", handlers.list_jobs)
     app.router.add_get("/v1/jobs/{job_id}", handlers.get_job)
     app.router.add_delete("/v1/jobs/{job_id}", handlers.delete_job)
@@ -218,3 +225,22 @@ async def _store_ctx(app: web.Application):
     await store.start()
     yield
     await store.stop()
+
+
+async def _audit_ctx(app: web.Application):
+    """Say what the audit log suppressed once its window is over, even if all went quiet."""
+    audit = app[AUDIT]
+
+    async def flush_every_second():
+        while True:
+            await asyncio.sleep(1.0)
+            audit.flush()
+
+    task = asyncio.create_task(flush_every_second(), name="rdzv-audit")
+    yield
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    audit.flush()

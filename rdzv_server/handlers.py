@@ -14,7 +14,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from pydantic import ValidationError
 
 from .conns import LogLimiter
-from .keys import JOIN_DEADLINE, METRICS, OPENAPI, STORE
+from .keys import AUDIT, JOIN_DEADLINE, METRICS, OPENAPI, STORE
 from .metrics import CONTENT_TYPE_LATEST
 from .protocol import (
     AGENT_MESSAGE,
@@ -91,12 +91,18 @@ async def close_job(request: web.Request) -> web.Response:
         body = await request.read()
         if body.strip() not in (b"", b"{}"):
             raise RequestError("close takes no body (or an empty JSON object)", ErrorCode.VALIDATION_ERROR)
-    job = request.app[STORE].close_job(job_id)
+    store = request.app[STORE]
+    was_open = job_id in store.jobs and not store.jobs[job_id].finished
+    job = store.close_job(job_id)
+    if was_open and job.finished:
+        request.app[AUDIT].event("close", f"job {job_id} closed on request from {printable(request.remote)}")
     return _json(CloseResult(job_id=job.job_id, state=job.state))
 
 
 async def delete_job(request: web.Request) -> web.Response:
     job = request.app[STORE].delete_job(_job_id(request))
+    request.app[AUDIT].event("delete", f"job {job.job_id} ({job.state.value}) deleted on request from "
+                                       f"{printable(request.remote)}")
     return _json(DeleteResult(job_id=job.job_id, state=job.state))
 
 
@@ -276,6 +282,10 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
             try:
                 now_bound = _dispatch(store, msg, bound, chan)
             except RdzvError as e:
+                if isinstance(msg, JoinMsg):
+                    request.app[AUDIT].event(
+                        "join", f"join refused: job {msg.job_id} node {msg.node_id} from "
+                                f"{printable(request.remote)}: {e.code.value}: {e.message}")
                 if not chan.refuse(ErrorMsg(code=e.code, message=e.message)):
                     break
                 continue

@@ -2,6 +2,7 @@
 
 from aiohttp import web
 
+from .audit import Audit
 from .metrics import Metrics
 from .store import Store
 
@@ -10,3 +11,4 @@ METRICS = web.AppKey("metrics", Metrics)
 OPENAPI = web.AppKey("openapi", dict)
 TOKEN = web.AppKey("token", str)
 JOIN_DEADLINE = web.AppKey("join_deadline", float)  # seconds a new agent WebSocket has to join
+AUDIT = web.AppKey("audit", Audit)

@@ -24,6 +24,8 @@ HTTP status; the client maps codes (never messages) to its exceptions::
     RdzvError                  root of every error rdzv raises
     +-- RequestError           the request itself was wrong (4xx codes)
     |   +-- SpecMismatchError  a join disagreed with the job's spec
+    |   +-- JobSecretMismatchError   a join's job secret is missing, unexpected or wrong
+    |   +-- NodeSecretMismatchError  a join named a known node without its node secret
     |   +-- StaleRoundError    a message named a round that is over
     |   +-- EvictedError       the node was evicted; rejoin as a new node
     |   +-- JobFinishedError   the job already ended
@@ -78,6 +80,8 @@ class ErrorCode(str, Enum):
     ALREADY_JOINED = "already_joined"
     UNAVAILABLE = "unavailable"
     JOB_NOT_FINISHED = "job_not_finished"
+    NODE_SECRET_MISMATCH = "node_secret_mismatch"
+    JOB_SECRET_MISMATCH = "job_secret_mismatch"
 
 
 ERROR_STATUS: dict[ErrorCode, int] = {
@@ -97,6 +101,8 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.ALREADY_JOINED: 409,
     ErrorCode.UNAVAILABLE: 503,
     ErrorCode.JOB_NOT_FINISHED: 409,
+    ErrorCode.NODE_SECRET_MISMATCH: 403,
+    ErrorCode.JOB_SECRET_MISMATCH: 403,
 }
 
 
@@ -151,6 +157,20 @@ class UnauthorizedError(RequestError):
     code = ErrorCode.UNAUTHORIZED
 
 
+class NodeSecretMismatchError(RequestError):
+    """A join named a node this job knows without that node's secret: only
+    the agent the server gave the secret to may speak for the node."""
+
+    code = ErrorCode.NODE_SECRET_MISMATCH
+
+
+class JobSecretMismatchError(RequestError):
+    """A join's job secret does not match the one the job was created with
+    (or one side has none)."""
+
+    code = ErrorCode.JOB_SECRET_MISMATCH
+
+
 class UnavailableError(RdzvError):
     code = ErrorCode.UNAVAILABLE
 
@@ -172,6 +192,8 @@ ERROR_CLASSES: dict[ErrorCode, type[RdzvError]] = {
     ErrorCode.ALREADY_JOINED: RequestError,
     ErrorCode.UNAVAILABLE: UnavailableError,
     ErrorCode.JOB_NOT_FINISHED: RequestError,
+    ErrorCode.NODE_SECRET_MISMATCH: NodeSecretMismatchError,
+    ErrorCode.JOB_SECRET_MISMATCH: JobSecretMismatchError,
 }
 
 
@@ -198,6 +220,10 @@ Host = Annotated[str, Field(min_length=1, max_length=255, pattern=HOST_PATTERN)]
 Port = Annotated[int, Field(ge=1, le=65535)]
 RoundNo = Annotated[int, Field(ge=0, le=2**53)]
 Seconds = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)]
+# Node and job secrets: printable ASCII, never shown in a repr (logs, tracebacks).
+SECRET_PATTERN = r"^[\x20-\x7e]+$"
+MAX_SECRET_LEN = 256
+Secret = Annotated[str, Field(min_length=1, max_length=MAX_SECRET_LEN, pattern=SECRET_PATTERN)]
 
 
 def is_valid_id(value: str) -> bool:
@@ -233,8 +259,8 @@ DEFAULT_MAX_RESTARTS = 3
 class JobSpec(_Strict):
     """What the first join of a job fixes for its life.
 
-    ``min_nodes``/``max_nodes`` must agree on every later join; the other fields
-    are taken from the first join and ignored afterwards.
+    Every later join must send the same spec, field for field; a join that
+    differs is refused with ``spec_mismatch`` naming the field and both values.
     """
 
     min_nodes: int = Field(ge=1, le=MAX_NODES)
@@ -286,7 +312,12 @@ class ExitRecord(_Strict):
 
 class JoinMsg(_Strict):
     """Join the job's next round, or, with ``resume_round``, reconnect to the
-    round this node is already running (no restart if that round still runs)."""
+    round this node is already running (no restart if that round still runs).
+
+    ``node_secret``: what the server's ``joined`` handed this node id when it
+    created it; every later join naming that node id must carry it.
+    ``job_secret``: optional; the first join of a job sets it, every later
+    join must carry the same one (a job created without one refuses it)."""
 
     op: Literal["join"] = "join"
     job_id: Id
@@ -298,6 +329,8 @@ class JoinMsg(_Strict):
     spec: JobSpec
     requested_rank: int | None = Field(default=None, ge=0, lt=MAX_NODES)
     resume_round: RoundNo | None = None
+    node_secret: Secret | None = Field(default=None, repr=False)
+    job_secret: Secret | None = Field(default=None, repr=False)
 
 
 class HeartbeatMsg(_Strict):
@@ -344,13 +377,17 @@ class WaitingInfo(_Strict):
 
 
 class JoinedMsg(_Strict):
-    """The server took the join; ``round`` forms. Heartbeat every ``heartbeat_s``."""
+    """The server took the join; ``round`` forms. Heartbeat every ``heartbeat_s``.
+
+    ``node_secret`` is set only when this join created the node: keep it, and
+    send it on every later join or resume of ``node_id``."""
 
     op: Literal["joined"] = "joined"
     round: RoundNo
     node_id: Id
     heartbeat_s: Seconds
     waiting_for: WaitingInfo | None = None
+    node_secret: Secret | None = Field(default=None, repr=False)
 
 
 class StatusMsg(_Strict):

@@ -23,6 +23,8 @@ completes as soon as no node is ``rejoining`` and at least ``min_nodes`` wait.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,12 +37,14 @@ from .protocol import (
     EvictedMsg,
     ExitRecord,
     JobFinishedError,
+    JobSecretMismatchError,
     JobSpec,
     JobState,
     JobSummary,
     JobView,
     JoinedMsg,
     JoinMsg,
+    NodeSecretMismatchError,
     NodeView,
     RestartMsg,
     RoundView,
@@ -51,6 +55,7 @@ from .protocol import (
     TERMINAL_STATES,
     WaitingInfo,
     heartbeat_interval,
+    printable,
 )
 
 WAITING = "waiting"
@@ -82,6 +87,7 @@ class Node:
     dropped: bool = False  # its connection dropped (not merely restored from disk)
     joined_at: float = 0.0
     graced: bool = False  # given a stall grace and not heard from since (see grace)
+    secret_hash: str | None = None  # sha256 of the secret it was issued; None: saved before secrets existed
 
 
 @dataclass
@@ -119,6 +125,7 @@ class Job:
     next_status_at: float = 0.0
     counts: dict[str, int] = field(default_factory=dict)  # nodes per state, kept by _set_state
     graced_at: float | None = None  # when a stall last extended the job's own deadlines
+    secret_hash: str | None = None  # the job secret's hash (see job_secret_hash); None: no job secret
 
     @property
     def forming(self) -> bool:
@@ -167,8 +174,21 @@ def natural_key(node: Node) -> tuple:
 # ------------------------------------------------------------------- create
 
 
-def new_job(job_id: str, spec: JobSpec, now: float) -> Job:
+def node_secret_hash(secret: str) -> str:
+    """What the job keeps of a node's secret (random, so a plain hash will do)."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def job_secret_hash(job_id: str, secret: str) -> str:
+    """What the job keeps of its job secret: a hash salted with the job id, so
+    equal secrets of two jobs do not show as equal."""
+    return hashlib.sha256(f"rdzv job secret\0{job_id}\0{secret}".encode()).hexdigest()
+
+
+def new_job(job_id: str, spec: JobSpec, now: float, job_secret: str | None = None) -> Job:
     job = Job(job_id=job_id, spec=spec, created_at=now)
+    if job_secret is not None:
+        job.secret_hash = job_secret_hash(job_id, job_secret)
     job.history.append(RoundRecord(round=0, reason="job created", started_at=now))
     job.join_deadline = now + spec.join_timeout_s
     return job
@@ -177,18 +197,67 @@ def new_job(job_id: str, spec: JobSpec, now: float) -> Job:
 # --------------------------------------------------------------------- join
 
 
-def join(job: Job, msg: JoinMsg, now: float) -> Effects:
-    """A node joins the forming round, queues for a scale-up, becomes a spare,
-    or (with ``resume_round``) reconnects to the round it still runs."""
-    if job.finished:
-        raise JobFinishedError(f"job {job.job_id!r} already {job.state.value}: {job.end_reason}; use a new job id")
-    spec = job.spec
-    if (msg.spec.min_nodes, msg.spec.max_nodes) != (spec.min_nodes, spec.max_nodes):
+def _check_job_secret(job: Job, msg: JoinMsg) -> None:
+    if job.secret_hash is None:
+        if msg.job_secret is not None:
+            raise JobSecretMismatchError(
+                f"job {job.job_id!r} was created without a job secret, but this join brings one: "
+                "another job uses this id; pick another job id")
+        return
+    if msg.job_secret is None:
+        raise JobSecretMismatchError(
+            f"job {job.job_id!r} requires a job secret (--job-secret or RDZV_JOB_SECRET); this join brings none")
+    if not hmac.compare_digest(job.secret_hash, job_secret_hash(job.job_id, msg.job_secret)):
+        raise JobSecretMismatchError(f"wrong job secret for job {job.job_id!r}")
+
+
+def _show(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _check_spec(job: Job, msg: JoinMsg) -> None:
+    spec, asked = job.spec, msg.spec
+    if asked == spec:  # the common case, and the cheap one
+        return
+    if (asked.min_nodes, asked.max_nodes) != (spec.min_nodes, spec.max_nodes):
         raise SpecMismatchError(
             f"job {job.job_id!r} has nnodes {spec.min_nodes}:{spec.max_nodes}, "
-            f"but node {msg.node_id!r} asked for {msg.spec.min_nodes}:{msg.spec.max_nodes}"
+            f"but node {msg.node_id!r} asked for {asked.min_nodes}:{asked.max_nodes}"
         )
+    differ = [f"{name} {_show(getattr(spec, name))}, but node {msg.node_id!r} asked for {_show(getattr(asked, name))}"
+              for name in type(spec).model_fields if getattr(spec, name) != getattr(asked, name)]
+    if differ:
+        raise SpecMismatchError(f"job {job.job_id!r} has " + "; and ".join(differ)
+                                + " (every node of a job must use the same settings)")
+
+
+def _check_node_secret(job: Job, node: Node, msg: JoinMsg) -> None:
+    if node.secret_hash is None:
+        return  # saved before node secrets existed
+    given = node_secret_hash(msg.node_secret) if msg.node_secret is not None else ""
+    if not hmac.compare_digest(node.secret_hash, given):
+        raise NodeSecretMismatchError(
+            f"node {node.node_id!r} of job {job.job_id!r} is held by another agent: this join "
+            f"{'carries a wrong' if msg.node_secret else 'does not carry its'} node secret; "
+            "a new agent joins with a new node id")
+
+
+def join(job: Job, msg: JoinMsg, now: float, node_secret: str | None = None) -> Effects:
+    """A node joins the forming round, queues for a scale-up, becomes a spare,
+    or (with ``resume_round``) reconnects to the round it still runs.
+
+    A join that creates the node gives it ``node_secret`` (the caller draws a
+    fresh random one), sent back in ``joined``; every later join naming that
+    node must carry it. The job secret and the whole spec must match the job's."""
+    if job.finished:
+        raise JobFinishedError(f"job {job.job_id!r} already {job.state.value}: {job.end_reason}; use a new job id")
+    _check_job_secret(job, msg)
+    spec = job.spec
+    _check_spec(job, msg)
     node = job.nodes.get(msg.node_id)
+    if node is not None:
+        _check_node_secret(job, node, msg)
+    issued = None  # the secret sent in `joined`: only to the join that created the node
     fx = Effects()
     if (node is not None and node.state == RUNNING and not job.forming
             and msg.resume_round in (None, job.round)):
@@ -227,8 +296,10 @@ def join(job: Job, msg: JoinMsg, now: float) -> Effects:
             requested_rank=msg.requested_rank,
             last_seen=now,
             joined_at=now,
+            secret_hash=node_secret_hash(node_secret) if node_secret is not None else None,
         )
         job.nodes[node.node_id] = node
+        issued = node_secret
     else:
         node.host, node.addr = msg.host, msg.addr
         node.local_world_size, node.master_port = msg.local_world_size, msg.master_port
@@ -240,10 +311,11 @@ def join(job: Job, msg: JoinMsg, now: float) -> Effects:
         job.status_dirty = True
         done = _check_complete(job, now)
         fx.send(node.node_id, JoinedMsg(round=job.round, node_id=node.node_id, heartbeat_s=heartbeat_interval(spec),
-                                        waiting_for=waiting_info(job, now, detail=False)))
+                                        waiting_for=waiting_info(job, now, detail=False), node_secret=issued))
         return fx.merge(done)
     # running: scale up below max, else spare
-    fx.send(node.node_id, JoinedMsg(round=job.round + 1, node_id=node.node_id, heartbeat_s=heartbeat_interval(spec)))
+    fx.send(node.node_id, JoinedMsg(round=job.round + 1, node_id=node.node_id, heartbeat_s=heartbeat_interval(spec),
+                                    node_secret=issued))
     queued = job.counts.get(WAITING, 0) - (node.state == WAITING)
     if len(job.order) + queued < spec.max_nodes:
         _set_state(job, node, WAITING)
@@ -298,8 +370,12 @@ def _member(job: Job, node_id: str, round_no: int, what: str):
 def fail(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], now: float) -> Effects:
     """A node's workers failed in ``round_no``: restart if the budget allows."""
     node = _member(job, node_id, round_no, "failure report")
+    if node.state == SUCCEEDED:
+        raise StaleRoundError(f"node {node_id!r} already succeeded in round {job.round}; "
+                              "a failure report cannot follow its success")
     first = min(failures, key=lambda r: (r.timestamp or float("inf"), r.rank))
-    cause = f"node {node.node_id} ({node.host}) {first.describe()}"
+    # signal and message came over the network: one line, control characters escaped
+    cause = printable(f"node {node.node_id} ({node.host}) {first.describe()}")
     fx = Effects()
     fx.logs.append(f"job {job.job_id} round {job.round}: worker failure on {cause}")
     # (nodes restored from disk and not back yet are not gone: they have a heartbeat timeout)
@@ -321,7 +397,12 @@ def fail(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], now:
 
 
 def succeed(job: Job, node_id: str, round_no: int, now: float) -> Effects:
-    """A node's workers all exited 0. The job succeeds when every member has."""
+    """A node's workers all exited 0. The job succeeds when every member has.
+    A repeat from a node that already succeeded in this round (a lost ack)
+    changes nothing and asks for no write."""
+    node = job.nodes.get(node_id)
+    if node is not None and node.state == SUCCEEDED and round_no == job.round:
+        return Effects()
     node = _member(job, node_id, round_no, "success report")
     _set_state(job, node, SUCCEEDED)
     fx = Effects(persist=True)
@@ -335,7 +416,7 @@ def leave(job: Job, node_id: str, reason: str, now: float) -> Effects:
     """A node leaves on purpose (SIGTERM to its agent): re-form without it now."""
     if job.finished or job.nodes.get(node_id) is None:
         return Effects()  # a finished job stays finished; agents leave after DoneMsg
-    return _lose(job, node_id, f"left ({reason})", now, evict=False)
+    return _lose(job, node_id, f"left ({printable(reason)})", now, evict=False)
 
 
 def close(job: Job, now: float) -> Effects:

@@ -33,6 +33,7 @@ import heapq
 import json
 import logging
 import os
+import secrets
 import sqlite3
 import time
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ from .protocol import (
     RequestError,
     UnavailableError,
     is_valid_id,
+    printable,
 )
 from .rounds import Effects, Job
 
@@ -441,15 +443,18 @@ class Store:
             if msg.resume_round is not None:
                 raise EvictedError(f"job {msg.job_id!r} is unknown to this server; rejoin as a new node")
             self._check_room(msg.job_id, chan)
-            job = rounds.new_job(msg.job_id, msg.spec, now)
-        fx = rounds.join(job, msg, now)  # raises before changing anything
+            job = rounds.new_job(msg.job_id, msg.spec, now, job_secret=msg.job_secret)
+        # a node this join creates gets a fresh secret; only its own connection hears it
+        issued = None if msg.node_id in job.nodes else secrets.token_urlsafe(24)
+        fx = rounds.join(job, msg, now, node_secret=issued)  # raises before changing anything
         if created:
             self.jobs[job.job_id] = job
             self.active.add(job.job_id)
             bisect.insort(self._order, (job.created_at, job.job_id))
             fx.persist = True
             fx.logs.insert(0, f"job {job.job_id} created: nnodes {msg.spec.min_nodes}:{msg.spec.max_nodes}, "
-                              f"max_restarts {msg.spec.max_restarts}")
+                              f"max_restarts {msg.spec.max_restarts}"
+                              + (", with a job secret" if msg.job_secret is not None else ""))
         key = (job.job_id, msg.node_id)
         old = self.channels.get(key)
         self.channels[key] = chan
@@ -581,7 +586,7 @@ class Store:
             except sqlite3.Error as e:
                 self._rollback(job, created, e, requester)
         for line in fx.logs:
-            log.info("%s", line)
+            log.info("%s", printable(line))  # one event, one line, whatever a client sent
         texts: dict[int, str] = {}  # a broadcast (restart, done, status) is serialized once
         for node_id, msg in fx.sends:
             chan = self.channels.get((job.job_id, node_id))

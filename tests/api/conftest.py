@@ -26,12 +26,20 @@ def join_msg(job_id: str, node_id: str, nnodes: tuple[int, int] = (2, 2), nproc:
 
 
 class Agent:
-    """One simulated agent: a WebSocket that speaks the protocol's JSON frames."""
+    """One simulated agent: a WebSocket that speaks the protocol's JSON frames.
+
+    Like the real agent's link it keeps the node secret its ``joined`` brought
+    and adds it to its later joins of that node id (a test that wants a join
+    without it builds one on another connection)."""
 
     def __init__(self, ws) -> None:
         self.ws = ws
+        self.node_secret: str | None = None  # what the server's `joined` issued to this connection
+        self.secret_of: str | None = None  # the node id it was issued for
 
     async def send(self, msg: BaseModel | dict | str) -> None:
+        if isinstance(msg, JoinMsg) and msg.node_secret is None and msg.node_id == self.secret_of:
+            msg = msg.model_copy(update={"node_secret": self.node_secret})
         if isinstance(msg, BaseModel):
             msg = msg.model_dump_json()
         elif isinstance(msg, dict):
@@ -44,6 +52,8 @@ class Agent:
             frame = await asyncio.wait_for(self.ws.receive(), timeout)
             assert frame.type == WSMsgType.TEXT, f"expected a text frame, got {frame.type!r} {frame.data!r}"
             msg = SERVER_MESSAGE.validate_json(frame.data)
+            if msg.op == "joined" and msg.node_secret:
+                self.node_secret, self.secret_of = msg.node_secret, msg.node_id
             if msg.op != "status":
                 return msg
 

@@ -225,9 +225,9 @@ async def test_conflicting_joins_are_refused(client, connect, world):
     await stranger.send(join_msg("unknown-job", "node5", resume_round=3))
     await expect_error(stranger, "evicted")
     assert await snapshot(client) == before
-    # the same node id on a new connection is that node reconnecting: same assignment, same round
+    # the same node id and its secret on a new connection is that node reconnecting: same assignment, same round
     again = await connect()
-    await again.send(join_msg("base", "node2"))
+    await again.send(join_msg("base", "node2", node_secret=world[1].node_secret))
     while (msg := await again.recv()).op != "assigned":
         pass
     assert msg.assignment.round == 0 and msg.assignment.group_rank in (0, 1)
@@ -363,8 +363,8 @@ async def test_refused_resume_does_not_revive_a_dropped_node(client, connect, wo
     a2.ws._response.connection.transport.abort()  # node2's agent died
     await wait_view(client, "base", lambda v: v["nodes"][1]["state"] == "disconnected")
     before = await snapshot(client)
-    impostor = await connect()
-    await impostor.send(join_msg("base", "node2", resume_round=7))
+    impostor = await connect()  # (with node2's secret: a node that resumes the wrong round)
+    await impostor.send(join_msg("base", "node2", resume_round=7, node_secret=a2.node_secret))
     await expect_error(impostor, "stale_round")
     assert await snapshot(client) == before
     restart = await a1.expect("restart", timeout=1.5)  # node2 is still lost after the 0.5 s grace

@@ -262,8 +262,8 @@ async def test_state_survives_a_server_restart(make_client, connect, tmp_path):
     assert view["history"] == view_before["history"]
 
     resumed = [await connect(on=second) for _ in range(2)]
-    for agent, node in zip(resumed, ("node1", "node2")):
-        await agent.send(join_msg("durable", node, nproc=2, resume_round=0))
+    for agent, old, node in zip(resumed, agents, ("node1", "node2")):
+        await agent.send(join_msg("durable", node, nproc=2, resume_round=0, node_secret=old.node_secret))
     for agent, node in zip(resumed, ("node1", "node2")):
         assert (await agent.expect("assigned")).assignment == before[node]
     view = await get_json(second, "/v1/jobs/durable")
