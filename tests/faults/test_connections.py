@@ -35,10 +35,34 @@ HEADER_TIMEOUT_S = 10.0  # the server's defaults, which these tests rely on
 JOIN_DEADLINE_S = 10.0
 
 
-def _join(job_id: str, node_id: str) -> str:
-    return json.dumps({"op": "join", "job_id": job_id, "node_id": node_id, "host": "flood", "addr": "127.0.0.1",
-                       "local_world_size": 1, "master_port": 29500,
-                       "spec": {"min_nodes": 1, "max_nodes": 1}})
+def _join(job_id: str, node_id: str, node_secret: str | None = None) -> str:
+    msg = {"op": "join", "job_id": job_id, "node_id": node_id, "host": "flood", "addr": "127.0.0.1",
+           "local_world_size": 1, "master_port": 29500, "spec": {"min_nodes": 1, "max_nodes": 1}}
+    if node_secret is not None:
+        msg["node_secret"] = node_secret
+    return json.dumps(msg)
+
+
+def _read_text_frame(s: socket.socket, timeout: float = 10.0) -> dict:
+    """One unmasked text frame from the server, parsed (small frames only)."""
+    s.settimeout(timeout)
+
+    def exact(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = s.recv(n - len(data))
+            if not chunk:
+                raise AssertionError("the server closed the connection")
+            data += chunk
+        return data
+
+    head = exact(2)
+    length = head[1] & 0x7F
+    if length == 126:
+        length = int.from_bytes(exact(2), "big")
+    elif length == 127:
+        length = int.from_bytes(exact(8), "big")
+    return json.loads(exact(length))
 
 
 def _flood(server: Server, s: socket.socket, frame: bytes, seconds: float) -> tuple[bool, float]:
@@ -80,8 +104,11 @@ def test_a_websocket_that_floods_and_never_reads_is_closed_and_memory_stays_boun
         frame = ws_frame(b"x")
     else:
         s.sendall(ws_frame(_join("flood", "n0")))
+        joined = _read_text_frame(s)  # the one frame read: it carries the node's secret
+        assert joined["op"] == "joined" and joined.get("node_secret"), joined
         server.wait_job("flood", lambda v: v["state"] == "running", 10, "the flooding node's job running")
-        frame = ws_frame(_join("flood", "n0"))
+        # the node's own valid re-joins (with its secret): each is answered, never read
+        frame = ws_frame(_join("flood", "n0", joined["node_secret"]))
     closed, peak = _flood(server, s, frame, seconds=30)
     s.close()
     assert closed, f"the flooding connection was never closed; server RSS {base:.0f} -> {peak:.0f} MB"

@@ -22,9 +22,9 @@ from .conftest import FaultCluster, Server, Ticks, free_port, wait_until
 pytestmark = [pytest.mark.e2e]
 
 
-def join(job_id: str, node_id: str, spec: JobSpec, resume: int | None = None) -> str:
+def join(job_id: str, node_id: str, spec: JobSpec, resume: int | None = None, secret: str | None = None) -> str:
     return JoinMsg(job_id=job_id, node_id=node_id, host=node_id, addr="127.0.0.1", local_world_size=1,
-                   master_port=29500, spec=spec, resume_round=resume).model_dump_json()
+                   master_port=29500, spec=spec, resume_round=resume, node_secret=secret).model_dump_json()
 
 
 class SimAgent:
@@ -202,7 +202,8 @@ async def test_nearly_full_disk_refuses_new_jobs_but_not_a_round_change(fcluster
             await b.ws.send_str(FailedMsg(round=0, failures=[failure]).model_dump_json())
             for agent, node in ((a, "a"), (b, "b")):
                 await agent.wait_op("restart")
-                await agent.ws.send_str(join("kept", node, spec))
+                secret = (await agent.wait_op("joined"))["node_secret"]  # a rejoin proves the node
+                await agent.ws.send_str(join("kept", node, spec, secret=secret))
             for agent in (a, b):
                 await agent.wait_op("assigned", count=2)
             view = server.job("kept")
