@@ -565,10 +565,11 @@ def test_k8s_training_job():
     secret = one_of_kind(k8s_objects(K8S_SECRET), "Secret")
     job = one_of_kind(objects, "Job")
     spec = job["spec"]
-    assert spec["completionMode"] == "Indexed"
-    assert spec["completions"] == spec["parallelism"]
+    # Elastic: the Job is done when one agent exited 0 and all pods ended (no
+    # completions), so an index that never joined the final round cannot hold it open.
+    assert "completions" not in spec and spec.get("completionMode", "NonIndexed") == "NonIndexed"
     pod = spec["template"]["spec"]
-    assert pod["restartPolicy"] in ("Never", "OnFailure")
+    assert pod["restartPolicy"] == "Never"  # podFailurePolicy requires it
     (container,) = pod["containers"]
     inv = container_invocation(container, "rdzv-agent", "training-job.yaml")
     host, _, port = inv.value("--endpoint").partition(":")
@@ -576,7 +577,7 @@ def test_k8s_training_job():
     assert int(port) == service["spec"]["ports"][0]["port"]
     assert inv.value("--job-id")
     low, _, high = inv.value("--nnodes").partition(":")
-    assert 1 <= int(low) <= int(high) and int(low) <= spec["parallelism"]
+    assert 1 <= int(low) <= int(high) == spec["parallelism"]
     assert inv.value("--nproc-per-node") == "gpu"
     assert inv.value("--local-addr") == "$(POD_IP)"
     assert env_var(container, "POD_IP")["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
@@ -823,3 +824,77 @@ def test_sbatch_fails_fast_when_server_dies(tmp_path):
     assert result.returncode == 1, result
     assert "exited before" in result.stderr and "cannot open data dir" in result.stderr
     assert "srun must not run" not in result.stderr
+
+
+# ---------------------------------------------------------------- Kubernetes: exit codes
+
+
+def agent_exit_codes() -> dict[str, int]:
+    """The EXIT_* constants of rdzv_client (wherever they live), by name."""
+    found: dict[str, int] = {}
+    for path in sorted((REPO / "rdzv_client").rglob("*.py")):
+        for name, value in re.findall(r"^(EXIT_[A-Z_]+)\s*(?::\s*\w+\s*)?=\s*(\d+)\s*$", path.read_text(), re.M):
+            assert found.get(name, int(value)) == int(value), f"{name} defined twice with different values"
+            found[name] = int(value)
+    return found
+
+
+def readme_exit_code_actions() -> dict[str, str]:
+    """deploy/README.md's table of agent exit codes -> pod failure policy action."""
+    text = README.read_text()
+    rows = re.findall(r"^\| `?(\d+|128\+N)`? \| [^|]+ \| `(FailJob|Ignore|Count)`", text, re.M)
+    return dict(rows)
+
+
+def test_agent_exit_codes_are_the_documented_ones():
+    """The agent's EXIT_* constants are the codes deploy/README.md and docs/design.md document."""
+    codes = agent_exit_codes()
+    assert {"EXIT_FAILED", "EXIT_USAGE", "EXIT_GAVE_UP"} <= codes.keys(), codes
+    documented = readme_exit_code_actions()
+    assert set(documented) == {"128+N"} | {str(c) for c in codes.values()}, documented
+    design = (REPO / "docs" / "design.md").read_text()
+    for code in ["0", *documented]:
+        assert re.search(rf"^\| {re.escape(code)} \|", design, re.M), f"docs/design.md lacks exit code {code}"
+
+
+def test_k8s_pod_failure_policy_follows_the_exit_codes():
+    """The Job's podFailurePolicy acts on the agent's exit codes as deploy/README.md says: a failed or
+    closed job (1) fails the Job at once; a refusal (2) and an unreachable server (3) count against
+    backoffLimit, never FailJob (a pod that joins after training succeeded exits 2); disruptions are
+    ignored; every rule is valid for the oldest schema that has podFailurePolicy (status required)."""
+    job = one_of_kind(k8s_objects(K8S_JOB), "Job")
+    spec = job["spec"]
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    assert isinstance(spec["backoffLimit"], int) and spec["backoffLimit"] >= 1
+    rules = spec["podFailurePolicy"]["rules"]
+    codes = agent_exit_codes()
+    documented = readme_exit_code_actions()
+    by_code: dict[int, str] = {}
+    disruption = None
+    for rule in rules:
+        assert rule["action"] in ("FailJob", "Ignore", "Count"), rule  # FailIndex needs an Indexed Job
+        assert ("onExitCodes" in rule) != ("onPodConditions" in rule), rule
+        if "onExitCodes" in rule:
+            on = rule["onExitCodes"]
+            assert on["operator"] == "In" and on["values"], rule
+            assert on.get("containerName", container["name"]) == container["name"], rule
+            assert 0 not in on["values"], "exit code 0 is success and must not be in a rule"
+            for value in on["values"]:
+                assert isinstance(value, int) and 0 < value < 256, rule
+                by_code.setdefault(value, rule["action"])  # the first matching rule wins
+        else:
+            for pattern in rule["onPodConditions"]:
+                # k8s < 1.31 requires status (later it defaults to "True")
+                assert set(pattern) == {"type", "status"} and pattern["status"] == "True", pattern
+                if pattern["type"] == "DisruptionTarget":
+                    disruption = rule["action"]
+    assert disruption == "Ignore", "a preempted or evicted pod must be replaced without counting"
+    assert by_code.get(codes["EXIT_FAILED"]) == "FailJob", by_code
+    assert by_code.get(codes["EXIT_USAGE"], "Count") == "Count", by_code
+    assert by_code.get(codes["EXIT_GAVE_UP"], "Count") == "Count", by_code
+    assert set(by_code) <= set(codes.values()), f"a rule names an exit code the agent does not have: {by_code}"
+    for name, code in codes.items():
+        assert documented[str(code)] == by_code.get(code, "Count"), (name, code, documented, by_code)
+    assert documented["128+N"] == "Count" and not any(c > 128 for c in by_code), \
+        "signals fall to the default (Count); disruptions are matched by their condition"
