@@ -898,3 +898,56 @@ def test_k8s_pod_failure_policy_follows_the_exit_codes():
         assert documented[str(code)] == by_code.get(code, "Count"), (name, code, documented, by_code)
     assert documented["128+N"] == "Count" and not any(c > 128 for c in by_code), \
         "signals fall to the default (Count); disruptions are matched by their condition"
+
+
+# ---------------------------------------------------------------- SLURM: node failures
+
+
+def sbatch_directives() -> list[str]:
+    """The #SBATCH options that Slurm reads: those before the first command line."""
+    options = []
+    for line in SBATCH.read_text().splitlines()[1:]:
+        stripped = line.strip()
+        if stripped.startswith("#SBATCH"):
+            options.append(stripped[len("#SBATCH"):].strip())
+        elif stripped and not stripped.startswith("#"):
+            break
+    return options
+
+
+def test_sbatch_survives_a_node_failure():
+    """--no-kill keeps the allocation (and the other agents) alive when a node fails, for sbatch and the
+    srun step; the script says that the server on the first node dies with that node and where else to run
+    it; NERSC Perlmutter's GPU settings are there as comments."""
+    directives = sbatch_directives()
+    assert "--no-kill" in directives, directives
+    text = SBATCH.read_text()
+    assert re.search(r"srun_opts=\([^)]*--no-kill", text), "srun must get --no-kill too"
+    assert re.search(r"srun_opts=\([^)]*--kill-on-bad-exit=0", text)
+    comments = "\n".join(line for line in text.splitlines() if line.lstrip().startswith("#"))
+    assert "dies with" in comments and "RDZV_ENDPOINT" in comments and "login" in comments
+    assert re.search(r"^#\s+#SBATCH -C gpu$", text, re.M), "Perlmutter: -C gpu as a comment"
+    assert re.search(r"^#\s+#SBATCH --gpus-per-node=4$", text, re.M), "Perlmutter: 4 GPUs per node"
+    readme = README.read_text()
+    assert "--no-kill" in readme and "dies with" in readme
+
+
+def test_sbatch_passes_no_kill_to_srun(tmp_path):
+    """The srun that starts the agents really gets --no-kill and --kill-on-bad-exit=0 (fake SLURM)."""
+    record = tmp_path / "record"
+    bin_dir = tmp_path / "bin"
+    for d in (record, bin_dir):
+        d.mkdir()
+    python = sys.executable
+    write_script(bin_dir / "rdzv-server", STUB_SERVER.format(python=python, record=str(record)))
+    write_script(bin_dir / "rdzv-agent", STUB_AGENT.format(python=python, record=str(record)))
+    write_script(bin_dir / "srun", STUB_SRUN.format(record=shlex.quote(str(record))))
+    (bin_dir / "python3").symlink_to(python)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "TMPDIR": str(tmp_path),
+           "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1",
+           "SLURM_SUBMIT_DIR": str(tmp_path), "RDZV_WAIT_S": "20"}
+    result = run([BASH, str(SBATCH), "--steps", "1"], env=env, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    srun = (record / "srun").read_text().split()
+    options = srun[:srun.index("rdzv-agent")]
+    assert "--no-kill" in options and "--kill-on-bad-exit=0" in options, srun
