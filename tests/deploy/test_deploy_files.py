@@ -1115,3 +1115,60 @@ def test_next_job_id_against_a_real_server(tmp_path):
         server.stop()
     down = next_job_id(server)
     assert down.returncode == 2 and len(down.stderr.strip().splitlines()) == 1 and "cannot ask" in down.stderr
+
+
+# ---------------------------------------------------------------- scripts/gpu-check
+
+GPU_CHECK = REPO / "scripts" / "gpu-check"
+
+
+def test_gpu_check_without_a_gpu_says_so_in_one_line():
+    """On a machine without a visible CUDA GPU (here: none, or hidden with CUDA_VISIBLE_DEVICES=""),
+    gpu-check starts nothing, prints one clear line and exits 2."""
+    help_text("rdzv_client.agent")  # skips while the agent cannot be imported
+    result = run([sys.executable, str(GPU_CHECK)], env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    assert result.returncode == 2, result
+    assert result.stdout == "" and len(result.stderr.strip().splitlines()) == 1, result
+    assert result.stderr.startswith("gpu-check: no CUDA GPU visible here") and "NVIDIA" in result.stderr
+    assert os.access(GPU_CHECK, os.X_OK)
+
+
+def test_gpu_check_uses_the_real_programs_on_loopback_only():
+    """gpu-check starts the project's real server and agent, binds 127.0.0.1 only (NCCL/gloo too),
+    and its NCCL worker all_reduces on cuda with backend nccl."""
+    text = GPU_CHECK.read_text()
+    assert '"-m", "rdzv_client.agent"' in text and '"-m", "rdzv_server"' in text
+    assert '"--host", "127.0.0.1"' in text and "0.0.0.0" not in text
+    assert 'setdefault("NCCL_SOCKET_IFNAME", "lo")' in text and 'setdefault("GLOO_SOCKET_IFNAME", "lo")' in text
+    assert "pkill" not in text and "killall" not in text
+    worker = (REPO / "scripts" / "gpu_worker.py").read_text()
+    assert 'default="nccl"' in worker and "dist.all_reduce(t)" in worker and 'torch.device("cuda", local_rank)' in worker
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_gpu_check_rehearsal_on_cpu(tmp_path):
+    """The same four checks on CPU with gloo (--rehearse-on-cpu 2): real server, real agents, the split,
+    and the node-loss drill re-forming after one agent and its workers were SIGKILLed; every worker
+    process gone afterwards."""
+    help_text("rdzv_client.agent")
+    workdir = tmp_path / "gpu-check"
+    result = run([sys.executable, str(GPU_CHECK), "--rehearse-on-cpu", "2", "--drill-seconds", "6",
+                  "--workdir", str(workdir)], timeout=290)
+    assert result.returncode == 0, result.stdout + result.stderr
+    table = result.stdout[result.stdout.index("\ncheck"):].strip().splitlines()
+    assert re.fullmatch(r"check\s+\| result\s+\| seconds", table[0]), table
+    rows = [line.split(" | ") for line in table[2:]]
+    assert [row[0].strip() for row in rows] == [
+        "--nproc-per-node 2 detection", "standalone gloo job on all 2", "2 agents split CUDA_VISIBLE_DEVICES",
+        "node-loss drill (gloo)"], rows
+    assert all(row[1].startswith("ok") and float(row[2]) >= 0 for row in rows), rows
+    assert "re-formed as world 1" in rows[3][1]
+    pids = {json.loads(p.read_text())["pid"] for p in workdir.rglob("*.json")}
+    assert len(pids) >= 6, pids
+    for pid in pids:  # gone (or the pid already reused by something that is not our worker)
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        assert b"gpu_worker.py" not in cmdline, f"worker {pid} still running"
