@@ -763,6 +763,7 @@ def test_sbatch_runs_server_and_agents(tmp_path, server, agent_rc):
         "SLURM_CPUS_PER_TASK": "4",
         "SLURM_SUBMIT_DIR": str(submit),
         "RDZV_WAIT_S": "20",
+        "RDZV_HOST": "127.0.0.1",  # tests bind loopback only
         "STUB_RC": str(agent_rc),
     }
     external = None
@@ -789,6 +790,7 @@ def test_sbatch_runs_server_and_agents(tmp_path, server, agent_rc):
         server_pid, *server_argv = (record / "server").read_text().split()
         served = parse_invocation("server", "rdzv-server", server_argv)
         assert served.value("--data-dir") == f"{tmp_path}/rdzv-4242"
+        assert served.value("--host") == "127.0.0.1"
         port = int(served.value("--port"))
         host = "localhost"
         with pytest.raises(ProcessLookupError):  # stopped at the end
@@ -1172,3 +1174,48 @@ def test_gpu_check_rehearsal_on_cpu(tmp_path):
         except OSError:
             continue
         assert b"gpu_worker.py" not in cmdline, f"worker {pid} still running"
+
+
+def test_sbatch_defaults_to_all_addresses_with_a_token():
+    """Without RDZV_HOST the batch script's server listens on 0.0.0.0 (the agents on other nodes must
+    reach it), which rdzv-server allows only with a token: the script exports one before starting it."""
+    text = SBATCH.read_text()
+    start = text.index('rdzv-server --host "${RDZV_HOST:-0.0.0.0}"')
+    assert text.rindex("export RDZV_TOKEN", 0, start) < start
+
+
+def test_sbatch_fails_fast_when_the_data_dir_is_in_use(tmp_path):
+    """A real server already holds RDZV_DATA_DIR: the batch script's real server refuses (exit 2, one
+    server per data dir), and the script fails at once with that reason, without running agents."""
+    help_text("rdzv_server")
+    data_dir = tmp_path / "shared-state"
+    port = free_port()
+    log = (tmp_path / "holder.log").open("w")
+    holder = subprocess.Popen([sys.executable, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(port),
+                               "--data-dir", str(data_dir)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    write_script(bin_dir / "rdzv-server", f"""
+        #!/bin/sh
+        exec {sys.executable} -m rdzv_server "$@"
+    """)
+    write_script(bin_dir / "srun", """
+        #!/bin/sh
+        echo "srun must not run" >&2
+        exit 99
+    """)
+    (bin_dir / "python3").symlink_to(sys.executable)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO),
+           "SLURM_JOB_ID": "8", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1",
+           "SLURM_SUBMIT_DIR": str(tmp_path), "RDZV_WAIT_S": "60", "RDZV_HOST": "127.0.0.1",
+           "RDZV_DATA_DIR": str(data_dir)}
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/healthz", timeout=30)
+        result = run([BASH, str(SBATCH)], env=env, timeout=90)
+    finally:
+        holder.terminate()
+        holder.wait(timeout=15)
+        log.close()
+    assert result.returncode == 1, result
+    assert "exited before" in result.stderr and "in use by another rdzv-server" in result.stderr, result.stderr
+    assert "srun must not run" not in result.stderr
