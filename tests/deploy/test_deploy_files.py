@@ -869,7 +869,7 @@ def test_k8s_pod_failure_policy_follows_the_exit_codes():
     """The Job's podFailurePolicy acts on the agent's exit codes as deploy/README.md says: a failed or
     closed job (1) fails the Job at once; a refusal (2) and an unreachable server (3) count against
     backoffLimit, never FailJob (a pod that joins after training succeeded exits 2); disruptions are
-    ignored; every rule is valid for the oldest schema that has podFailurePolicy (status required)."""
+    ignored; every rule is valid for older schemas too (status required, values ordered)."""
     job = one_of_kind(k8s_objects(K8S_JOB), "Job")
     spec = job["spec"]
     pod = spec["template"]["spec"]
@@ -886,6 +886,7 @@ def test_k8s_pod_failure_policy_follows_the_exit_codes():
         if "onExitCodes" in rule:
             on = rule["onExitCodes"]
             assert on["operator"] == "In" and on["values"], rule
+            assert on["values"] == sorted(set(on["values"])), "values must be ordered, without duplicates"
             assert on.get("containerName", container["name"]) == container["name"], rule
             assert 0 not in on["values"], "exit code 0 is success and must not be in a rule"
             for value in on["values"]:
@@ -893,7 +894,7 @@ def test_k8s_pod_failure_policy_follows_the_exit_codes():
                 by_code.setdefault(value, rule["action"])  # the first matching rule wins
         else:
             for pattern in rule["onPodConditions"]:
-                # k8s < 1.31 requires status (later it defaults to "True")
+                # older API versions (1.28's, for one) require status; newer default it to "True"
                 assert set(pattern) == {"type", "status"} and pattern["status"] == "True", pattern
                 if pattern["type"] == "DisruptionTarget":
                     disruption = rule["action"]
