@@ -2,7 +2,7 @@
 them work (probes on /healthz, the data dir on a volume, the token from a secret,
 one server at a time), their shell scripts are valid and behave, and every
 rdzv-server / rdzv-agent invocation in them uses only flags of the CLI contract
-(DESIGN.md), which the real entry points must also list in their --help.
+(CONTRACT_FLAGS below), which the real entry points must also list in their --help.
 
 No Docker, Kubernetes, SLURM or systemd is needed: the optional tools
 (shellcheck, systemd-analyze) are used when present and skipped otherwise.
@@ -41,7 +41,8 @@ K8S_SECRET = DEPLOY / "kubernetes" / "secret.example.yaml"
 README = DEPLOY / "README.md"
 BASH = shutil.which("bash") or "/bin/bash"
 
-# The command-line contract of DESIGN.md ("Interfaces that are contracts").
+# The command-line flags deploy files may use: the CLI contract they rely on (no DESIGN.md
+# section lists it; docs/design.md has the exit codes). A new flag here is a deliberate choice.
 CONTRACT_FLAGS = {
     "rdzv-server": {"--host", "--port", "--data-dir", "--token", "--tls-cert", "--tls-key", "--help", "-h"},
     "rdzv-agent": {
@@ -158,7 +159,10 @@ def invocations_in_yaml(path: Path) -> list[Invocation]:
     found = []
     for index, doc in enumerate(load_yaml(path)):
         for trail, items in string_lists(doc):
-            found += invocations_in_tokens(f"{path.relative_to(REPO)}#{index}{trail}", items)
+            where = f"{path.relative_to(REPO)}#{index}{trail}"
+            found += invocations_in_tokens(where, items)
+            if items[:2] == ["sh", "-c"] and len(items) > 2:  # a command run by sh: its words
+                found += invocations_in_tokens(where, shell_words(items[2].replace("$$", "$")))
     return found
 
 
@@ -275,7 +279,7 @@ def test_invocations_found_where_expected():
 
 
 def test_invocations_use_only_contract_flags():
-    """Every rdzv-server/rdzv-agent command in deploy/ uses only flags of DESIGN.md's contract."""
+    """Every rdzv-server/rdzv-agent command in deploy/ uses only flags of the CLI contract (CONTRACT_FLAGS)."""
     bad = [f"{inv.where}: {inv.program} {flag}"
            for inv in all_invocations() for flag in inv.flags if flag not in CONTRACT_FLAGS[inv.program]]
     assert not bad, "flags outside the contract:\n" + "\n".join(bad)
@@ -446,6 +450,8 @@ def test_dockerfile():
             for source in sources:
                 assert source == "." or (REPO / source).exists(), f"COPY source {source} missing"
     assert any(word == "COPY" and str(ENTRYPOINT.relative_to(REPO)) in rest for word, rest in instructions)
+    assert any(word == "COPY" and f"{NEXT_JOB_ID.relative_to(REPO)} /usr/local/bin/next-job-id" in rest
+               for word, rest in instructions), "the compose agents run next-job-id from PATH"
 
 
 def test_entrypoint_dispatches(tmp_path):
@@ -486,14 +492,15 @@ def test_compose():
     assert str(server["environment"]["RDZV_TOKEN"]).startswith("${RDZV_TOKEN")
     port = server_inv.value("--port")
 
-    agents = {name: s for name, s in services.items() if s.get("command", [None])[0] == "rdzv-agent"}
+    scripts = compose_agent_scripts()
+    agents = {name: s for name, s in services.items() if name in scripts}
     default_agents = [name for name, s in agents.items() if not s.get("profiles")]
     assert len(default_agents) == 2, default_agents
     for name, agent in agents.items():
-        inv = container_invocation({"command": agent["command"]}, "rdzv-agent", f"compose {name}")
+        (inv,) = invocations_in_tokens(f"compose {name}", shell_words(scripts[name][2]))
         assert inv.value("--endpoint") == f"{server_name}:{port}"
         assert inv.value("--nnodes") == "2:3"
-        assert inv.value("--local-addr") == agent["hostname"]
+        assert inv.value("--local-addr") == "$0" and scripts[name][3] == agent["hostname"] == name
         assert inv.rest[0] == "examples/train_ddp.py" and "--ckpt-dir" in inv.rest
         assert agent["depends_on"][server_name]["condition"] == "service_healthy"
         assert str(agent["environment"]["RDZV_TOKEN"]).startswith("${RDZV_TOKEN")
@@ -565,10 +572,11 @@ def test_k8s_training_job():
     secret = one_of_kind(k8s_objects(K8S_SECRET), "Secret")
     job = one_of_kind(objects, "Job")
     spec = job["spec"]
-    assert spec["completionMode"] == "Indexed"
-    assert spec["completions"] == spec["parallelism"]
+    # Elastic: the Job is done when one agent exited 0 and all pods ended (no
+    # completions), so an index that never joined the final round cannot hold it open.
+    assert "completions" not in spec and spec.get("completionMode", "NonIndexed") == "NonIndexed"
     pod = spec["template"]["spec"]
-    assert pod["restartPolicy"] in ("Never", "OnFailure")
+    assert pod["restartPolicy"] == "Never"  # podFailurePolicy requires it
     (container,) = pod["containers"]
     inv = container_invocation(container, "rdzv-agent", "training-job.yaml")
     host, _, port = inv.value("--endpoint").partition(":")
@@ -576,7 +584,7 @@ def test_k8s_training_job():
     assert int(port) == service["spec"]["ports"][0]["port"]
     assert inv.value("--job-id")
     low, _, high = inv.value("--nnodes").partition(":")
-    assert 1 <= int(low) <= int(high) and int(low) <= spec["parallelism"]
+    assert 1 <= int(low) <= int(high) == spec["parallelism"]
     assert inv.value("--nproc-per-node") == "gpu"
     assert inv.value("--local-addr") == "$(POD_IP)"
     assert env_var(container, "POD_IP")["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
@@ -756,6 +764,7 @@ def test_sbatch_runs_server_and_agents(tmp_path, server, agent_rc):
         "SLURM_CPUS_PER_TASK": "4",
         "SLURM_SUBMIT_DIR": str(submit),
         "RDZV_WAIT_S": "20",
+        "RDZV_HOST": "127.0.0.1",  # tests bind loopback only
         "STUB_RC": str(agent_rc),
     }
     external = None
@@ -782,6 +791,7 @@ def test_sbatch_runs_server_and_agents(tmp_path, server, agent_rc):
         server_pid, *server_argv = (record / "server").read_text().split()
         served = parse_invocation("server", "rdzv-server", server_argv)
         assert served.value("--data-dir") == f"{tmp_path}/rdzv-4242"
+        assert served.value("--host") == "127.0.0.1"
         port = int(served.value("--port"))
         host = "localhost"
         with pytest.raises(ProcessLookupError):  # stopped at the end
@@ -822,4 +832,392 @@ def test_sbatch_fails_fast_when_server_dies(tmp_path):
     result = run([BASH, str(SBATCH)], env=env, timeout=20)
     assert result.returncode == 1, result
     assert "exited before" in result.stderr and "cannot open data dir" in result.stderr
+    assert "srun must not run" not in result.stderr
+
+
+# ---------------------------------------------------------------- Kubernetes: exit codes
+
+
+def agent_exit_codes() -> dict[str, int]:
+    """The EXIT_* constants of rdzv_client (wherever they live), by name."""
+    found: dict[str, int] = {}
+    for path in sorted((REPO / "rdzv_client").rglob("*.py")):
+        for name, value in re.findall(r"^(EXIT_[A-Z_]+)\s*(?::\s*\w+\s*)?=\s*(\d+)\s*$", path.read_text(), re.M):
+            assert found.get(name, int(value)) == int(value), f"{name} defined twice with different values"
+            found[name] = int(value)
+    return found
+
+
+def readme_exit_code_actions() -> dict[str, str]:
+    """deploy/README.md's table of agent exit codes -> pod failure policy action."""
+    text = README.read_text()
+    rows = re.findall(r"^\| `?(\d+|128\+N)`? \| [^|]+ \| `(FailJob|Ignore|Count)`", text, re.M)
+    return dict(rows)
+
+
+def test_agent_exit_codes_are_the_documented_ones():
+    """The agent's EXIT_* constants are the codes deploy/README.md and docs/design.md document."""
+    codes = agent_exit_codes()
+    assert {"EXIT_FAILED", "EXIT_USAGE", "EXIT_GAVE_UP"} <= codes.keys(), codes
+    documented = readme_exit_code_actions()
+    assert set(documented) == {"128+N"} | {str(c) for c in codes.values()}, documented
+    design = (REPO / "docs" / "design.md").read_text()
+    for code in ["0", *documented]:
+        assert re.search(rf"^\| {re.escape(code)} \|", design, re.M), f"docs/design.md lacks exit code {code}"
+
+
+def test_k8s_pod_failure_policy_follows_the_exit_codes():
+    """The Job's podFailurePolicy acts on the agent's exit codes as deploy/README.md says: a failed or
+    closed job (1) fails the Job at once; a refusal (2) and an unreachable server (3) count against
+    backoffLimit, never FailJob (a pod that joins after training succeeded exits 2); disruptions are
+    ignored; every rule is valid for older schemas too (status required, values ordered)."""
+    job = one_of_kind(k8s_objects(K8S_JOB), "Job")
+    spec = job["spec"]
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    assert isinstance(spec["backoffLimit"], int) and spec["backoffLimit"] >= 1
+    rules = spec["podFailurePolicy"]["rules"]
+    codes = agent_exit_codes()
+    documented = readme_exit_code_actions()
+    by_code: dict[int, str] = {}
+    disruption = None
+    for rule in rules:
+        assert rule["action"] in ("FailJob", "Ignore", "Count"), rule  # FailIndex needs an Indexed Job
+        assert ("onExitCodes" in rule) != ("onPodConditions" in rule), rule
+        if "onExitCodes" in rule:
+            on = rule["onExitCodes"]
+            assert on["operator"] == "In" and on["values"], rule
+            assert on["values"] == sorted(set(on["values"])), "values must be ordered, without duplicates"
+            assert on.get("containerName", container["name"]) == container["name"], rule
+            assert 0 not in on["values"], "exit code 0 is success and must not be in a rule"
+            for value in on["values"]:
+                assert isinstance(value, int) and 0 < value < 256, rule
+                by_code.setdefault(value, rule["action"])  # the first matching rule wins
+        else:
+            for pattern in rule["onPodConditions"]:
+                # older API versions (1.28's, for one) require status; newer default it to "True"
+                assert set(pattern) == {"type", "status"} and pattern["status"] == "True", pattern
+                if pattern["type"] == "DisruptionTarget":
+                    disruption = rule["action"]
+    assert disruption == "Ignore", "a preempted or evicted pod must be replaced without counting"
+    assert by_code.get(codes["EXIT_FAILED"]) == "FailJob", by_code
+    assert by_code.get(codes["EXIT_USAGE"], "Count") == "Count", by_code
+    assert by_code.get(codes["EXIT_GAVE_UP"], "Count") == "Count", by_code
+    assert set(by_code) <= set(codes.values()), f"a rule names an exit code the agent does not have: {by_code}"
+    for name, code in codes.items():
+        assert documented[str(code)] == by_code.get(code, "Count"), (name, code, documented, by_code)
+    assert documented["128+N"] == "Count" and not any(c > 128 for c in by_code), \
+        "signals fall to the default (Count); disruptions are matched by their condition"
+
+
+# ---------------------------------------------------------------- SLURM: node failures
+
+
+def sbatch_directives() -> list[str]:
+    """The #SBATCH options that Slurm reads: those before the first command line."""
+    options = []
+    for line in SBATCH.read_text().splitlines()[1:]:
+        stripped = line.strip()
+        if stripped.startswith("#SBATCH"):
+            options.append(stripped[len("#SBATCH"):].strip())
+        elif stripped and not stripped.startswith("#"):
+            break
+    return options
+
+
+def test_sbatch_survives_a_node_failure():
+    """--no-kill keeps the allocation (and the other agents) alive when a node fails, for sbatch and the
+    srun step; the script says that the server on the first node dies with that node and where else to run
+    it; NERSC Perlmutter's GPU settings are there as comments."""
+    directives = sbatch_directives()
+    assert "--no-kill" in directives, directives
+    text = SBATCH.read_text()
+    assert re.search(r"srun_opts=\([^)]*--no-kill", text), "srun must get --no-kill too"
+    assert re.search(r"srun_opts=\([^)]*--kill-on-bad-exit=0", text)
+    comments = "\n".join(line for line in text.splitlines() if line.lstrip().startswith("#"))
+    assert "dies with" in comments and "RDZV_ENDPOINT" in comments and "login" in comments
+    assert re.search(r"^#\s+#SBATCH -C gpu$", text, re.M), "Perlmutter: -C gpu as a comment"
+    assert re.search(r"^#\s+#SBATCH --gpus-per-node=4$", text, re.M), "Perlmutter: 4 GPUs per node"
+    readme = README.read_text()
+    assert "--no-kill" in readme and "dies with" in readme
+
+
+def test_sbatch_passes_no_kill_to_srun(tmp_path):
+    """The srun that starts the agents really gets --no-kill and --kill-on-bad-exit=0 (fake SLURM)."""
+    record = tmp_path / "record"
+    bin_dir = tmp_path / "bin"
+    for d in (record, bin_dir):
+        d.mkdir()
+    python = sys.executable
+    write_script(bin_dir / "rdzv-server", STUB_SERVER.format(python=python, record=str(record)))
+    write_script(bin_dir / "rdzv-agent", STUB_AGENT.format(python=python, record=str(record)))
+    write_script(bin_dir / "srun", STUB_SRUN.format(record=shlex.quote(str(record))))
+    (bin_dir / "python3").symlink_to(python)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "TMPDIR": str(tmp_path),
+           "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1",
+           "SLURM_SUBMIT_DIR": str(tmp_path), "RDZV_WAIT_S": "20"}
+    result = run([BASH, str(SBATCH), "--steps", "1"], env=env, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    srun = (record / "srun").read_text().split()
+    options = srun[:srun.index("rdzv-agent")]
+    assert "--no-kill" in options and "--kill-on-bad-exit=0" in options, srun
+
+
+# ---------------------------------------------------------------- compose: a job id per run
+
+NEXT_JOB_ID = DEPLOY / "container" / "next-job-id"
+
+
+def compose_agent_scripts() -> dict[str, list[str]]:
+    """Each compose agent's command, as the argv its container runs (compose's $$ unescaped)."""
+    services = load_yaml(COMPOSE)[0]["services"]
+    out = {}
+    for name, service in services.items():
+        command = service.get("command", [])
+        if command[:2] == ["sh", "-c"] and "rdzv-agent" in command[2]:
+            out[name] = [part.replace("$$", "$") for part in command]
+    return out
+
+
+def test_compose_agents_take_a_job_id_per_run(tmp_path):
+    """Each compose agent asks next-job-id for the run's job id and uses it for --job-id and its
+    checkpoint dir; run for real with sh, a stub next-job-id and a stub rdzv-agent."""
+    scripts = compose_agent_scripts()
+    assert {"agent-1", "agent-2", "agent-3"} <= scripts.keys(), scripts
+    record = tmp_path / "record"
+    bin_dir = tmp_path / "bin"
+    for d in (record, bin_dir):
+        d.mkdir()
+    write_script(bin_dir / "next-job-id", f"""
+        #!/bin/sh
+        echo "$*" > {record}/next-job-id
+        echo compose-demo-7
+    """)
+    write_script(bin_dir / "rdzv-agent", f"""
+        #!{sys.executable}
+        import json, sys
+        json.dump(sys.argv[1:], open({str(record / "agent")!r}, "w"))
+    """)
+    env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"}
+    for name, argv in scripts.items():
+        result = run(argv, env=env)
+        assert result.returncode == 0, (name, result)
+        assert (record / "next-job-id").read_text().split() == ["rdzv-server:29400", "compose-demo"]
+        agent = parse_invocation(name, "rdzv-agent", json.loads((record / "agent").read_text()))
+        assert agent.value("--job-id") == "compose-demo-7", agent
+        assert agent.value("--endpoint") == "rdzv-server:29400"
+        assert agent.value("--local-addr") == name
+        assert agent.rest[0] == "examples/train_ddp.py"
+        assert agent.rest[agent.rest.index("--ckpt-dir") + 1] == "/app/checkpoints/compose-demo-7"
+
+
+def test_compose_next_job_id_stops_on_failure(tmp_path):
+    """When next-job-id cannot tell (exit 2), the agent does not start with an empty job id."""
+    scripts = compose_agent_scripts()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    write_script(bin_dir / "next-job-id", """
+        #!/bin/sh
+        echo "next-job-id: no server" >&2
+        exit 2
+    """)
+    write_script(bin_dir / "rdzv-agent", """
+        #!/bin/sh
+        echo "agent must not run" >&2
+        exit 99
+    """)
+    result = run(scripts["agent-1"], env={**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"})
+    assert result.returncode == 2 and "agent must not run" not in result.stderr, result
+
+
+class RealServer:
+    """A real rdzv-server on 127.0.0.1 with a token, stopped by pid."""
+
+    def __init__(self, tmp_path: Path, token: str):
+        self.port = free_port()
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.token = token
+        self.log = (tmp_path / "server.log").open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(self.port),
+             "--data-dir", str(tmp_path / "state")],
+            env={**os.environ, "RDZV_TOKEN": token}, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
+        wait_healthy(f"http://{self.endpoint}/healthz", timeout=30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.log.close()
+
+
+def next_job_id(server: RealServer, **env) -> subprocess.CompletedProcess:
+    return run([sys.executable, str(NEXT_JOB_ID), server.endpoint, "compose-demo"],
+               env={**os.environ, "RDZV_TOKEN": server.token, **env})
+
+
+def job_state(server: RealServer, job_id: str) -> str | None:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"http://{server.endpoint}/v1/jobs/{job_id}",
+                                     headers={"Authorization": f"Bearer {server.token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return json.load(response)["state"]
+    except urllib.error.HTTPError as error:
+        if error.code == 404:
+            return None
+        raise
+
+
+def test_next_job_id_against_a_real_server(tmp_path):
+    """With a real server and real agents: a fresh server gives compose-demo-1; a run that has not ended
+    is joined again; once it succeeded the next `up` gets compose-demo-2; a wrong token is one line, exit 2."""
+    import time
+
+    help_text("rdzv_server")  # skips while the server cannot be imported
+    server = RealServer(tmp_path, token="t" * 32)
+    waiting = None
+    try:
+        first = next_job_id(server)
+        assert first.returncode == 0 and first.stdout.strip() == "compose-demo-1", first
+        # One of two nodes has joined compose-demo-1: the run is on, the second agent joins it too.
+        waiting = subprocess.Popen(
+            [sys.executable, "-m", "rdzv_client.agent", "--endpoint", server.endpoint, "--job-id", "compose-demo-1",
+             "--nnodes", "2:2", "--nproc-per-node", "1", "--no-python", "true"],
+            env={**os.environ, "RDZV_TOKEN": server.token}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            cwd=REPO)
+        deadline = time.monotonic() + 30
+        while job_state(server, "compose-demo-1") is None:
+            assert time.monotonic() < deadline and waiting.poll() is None, "the agent never joined"
+            time.sleep(0.1)
+        again = next_job_id(server)
+        assert again.stdout.strip() == "compose-demo-1", again
+        # The second node arrives; both run `true` and the job succeeds.
+        done = run([sys.executable, "-m", "rdzv_client.agent", "--endpoint", server.endpoint, "--job-id",
+                    "compose-demo-1", "--nnodes", "2:2", "--nproc-per-node", "1", "--no-python", "true"],
+                   timeout=60, env={**os.environ, "RDZV_TOKEN": server.token}, cwd=REPO)
+        assert done.returncode == 0, done.stderr
+        assert waiting.wait(timeout=30) == 0
+        assert job_state(server, "compose-demo-1") == "succeeded"
+        second = next_job_id(server)
+        assert second.returncode == 0 and second.stdout.strip() == "compose-demo-2", second
+        given = next_job_id(server, RDZV_JOB_ID="mine")
+        assert given.stdout.strip() == "mine"
+        wrong = next_job_id(server, RDZV_TOKEN="wrong")
+        assert wrong.returncode == 2 and wrong.stdout == "" and len(wrong.stderr.strip().splitlines()) == 1, wrong
+        assert "HTTP 401" in wrong.stderr
+    finally:
+        if waiting is not None and waiting.poll() is None:
+            waiting.terminate()
+            waiting.wait(timeout=20)
+        server.stop()
+    down = next_job_id(server)
+    assert down.returncode == 2 and len(down.stderr.strip().splitlines()) == 1 and "cannot ask" in down.stderr
+
+
+# ---------------------------------------------------------------- scripts/gpu-check
+
+GPU_CHECK = REPO / "scripts" / "gpu-check"
+
+
+def test_gpu_check_without_a_gpu_says_so_in_one_line():
+    """On a machine without a visible CUDA GPU (here: none, or hidden with CUDA_VISIBLE_DEVICES=""),
+    gpu-check starts nothing, prints one clear line and exits 2."""
+    help_text("rdzv_client.agent")  # skips while the agent cannot be imported
+    result = run([sys.executable, str(GPU_CHECK)], env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    assert result.returncode == 2, result
+    assert result.stdout == "" and len(result.stderr.strip().splitlines()) == 1, result
+    assert result.stderr.startswith("gpu-check: no CUDA GPU visible here") and "NVIDIA" in result.stderr
+    assert os.access(GPU_CHECK, os.X_OK)
+
+
+def test_gpu_check_uses_the_real_programs_on_loopback_only():
+    """gpu-check starts the project's real server and agent, binds 127.0.0.1 only (NCCL/gloo too),
+    and its NCCL worker all_reduces on cuda with backend nccl."""
+    text = GPU_CHECK.read_text()
+    assert '"-m", "rdzv_client.agent"' in text and '"-m", "rdzv_server"' in text
+    assert '"--host", "127.0.0.1"' in text and "0.0.0.0" not in text
+    assert 'setdefault("NCCL_SOCKET_IFNAME", "lo")' in text and 'setdefault("GLOO_SOCKET_IFNAME", "lo")' in text
+    assert "pkill" not in text and "killall" not in text
+    worker = (REPO / "scripts" / "gpu_worker.py").read_text()
+    assert 'default="nccl"' in worker and "dist.all_reduce(t)" in worker and 'torch.device("cuda", local_rank)' in worker
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_gpu_check_rehearsal_on_cpu(tmp_path):
+    """The same four checks on CPU with gloo (--rehearse-on-cpu 2): real server, real agents, the split,
+    and the node-loss drill re-forming after one agent and its workers were SIGKILLed; every worker
+    process gone afterwards."""
+    help_text("rdzv_client.agent")
+    workdir = tmp_path / "gpu-check"
+    result = run([sys.executable, str(GPU_CHECK), "--rehearse-on-cpu", "2", "--drill-seconds", "6",
+                  "--workdir", str(workdir)], timeout=290)
+    assert result.returncode == 0, result.stdout + result.stderr
+    table = result.stdout[result.stdout.index("\ncheck"):].strip().splitlines()
+    assert re.fullmatch(r"check\s+\| result\s+\| seconds", table[0]), table
+    rows = [line.split(" | ") for line in table[2:]]
+    assert [row[0].strip() for row in rows] == [
+        "--nproc-per-node 2 detection", "standalone gloo job on all 2", "2 agents split CUDA_VISIBLE_DEVICES",
+        "node-loss drill (gloo)"], rows
+    assert all(row[1].startswith("ok") and float(row[2]) >= 0 for row in rows), rows
+    assert "re-formed as world 1" in rows[3][1]
+    pids = {json.loads(p.read_text())["pid"] for p in workdir.rglob("*.json")}
+    assert len(pids) >= 6, pids
+    for pid in pids:  # gone (or the pid already reused by something that is not our worker)
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        assert b"gpu_worker.py" not in cmdline, f"worker {pid} still running"
+
+
+def test_sbatch_defaults_to_all_addresses_with_a_token():
+    """Without RDZV_HOST the batch script's server listens on 0.0.0.0 (the agents on other nodes must
+    reach it), which rdzv-server allows only with a token: the script exports one before starting it."""
+    text = SBATCH.read_text()
+    start = text.index('rdzv-server --host "${RDZV_HOST:-0.0.0.0}"')
+    assert text.rindex("export RDZV_TOKEN", 0, start) < start
+
+
+def test_sbatch_fails_fast_when_the_data_dir_is_in_use(tmp_path):
+    """A real server already holds RDZV_DATA_DIR: the batch script's real server refuses (exit 2, one
+    server per data dir), and the script fails at once with that reason, without running agents."""
+    help_text("rdzv_server")
+    data_dir = tmp_path / "shared-state"
+    port = free_port()
+    log = (tmp_path / "holder.log").open("w")
+    holder = subprocess.Popen([sys.executable, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(port),
+                               "--data-dir", str(data_dir)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    write_script(bin_dir / "rdzv-server", f"""
+        #!/bin/sh
+        exec {sys.executable} -m rdzv_server "$@"
+    """)
+    write_script(bin_dir / "srun", """
+        #!/bin/sh
+        echo "srun must not run" >&2
+        exit 99
+    """)
+    (bin_dir / "python3").symlink_to(sys.executable)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO),
+           "SLURM_JOB_ID": "8", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1",
+           "SLURM_SUBMIT_DIR": str(tmp_path), "RDZV_WAIT_S": "60", "RDZV_HOST": "127.0.0.1",
+           "RDZV_DATA_DIR": str(data_dir)}
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/healthz", timeout=30)
+        result = run([BASH, str(SBATCH)], env=env, timeout=90)
+    finally:
+        holder.terminate()
+        holder.wait(timeout=15)
+        log.close()
+    assert result.returncode == 1, result
+    assert "exited before" in result.stderr and "in use by another rdzv-server" in result.stderr, result.stderr
     assert "srun must not run" not in result.stderr

@@ -1,0 +1,90 @@
+"""Worker of scripts/gpu-check, started by rdzv-agent with torchrun's environment.
+
+    gpu_worker.py --out DIR --mode env|allreduce|train [--seconds S] [--backend nccl|gloo]
+
+env        records what the agent gave this worker (ranks, sizes, visible GPUs); no collective
+allreduce  one all_reduce of a 4 MiB tensor on cuda:LOCAL_RANK (nccl) and checks the sum
+train      all_reduce in a loop for S seconds (the node-loss drill); "started" once the
+           first one is through, "done" at the end
+
+Each worker writes DIR/<mode>-round<R>-rank<RANK>.json (R = TORCHELASTIC_RESTART_COUNT, the
+round) and exits 0, or exits 1 with the reason on stderr. --backend gloo runs the same on
+CPU (gpu-check --rehearse-on-cpu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def write(out: Path, name: str, record: dict) -> None:
+    path = out / name
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    tmp.replace(path)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--mode", choices=["env", "allreduce", "train"], required=True)
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--backend", choices=["nccl", "gloo"], default="nccl")
+    args = p.parse_args()
+    env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                          "GROUP_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "CUDA_VISIBLE_DEVICES")}
+    rank, local_rank = int(env["RANK"]), int(env["LOCAL_RANK"])
+    world = int(env["WORLD_SIZE"])
+    tag = f"{args.mode}-round{env['TORCHELASTIC_RESTART_COUNT']}-rank{rank}"
+    record: dict = {"env": env, "pid": os.getpid()}
+
+    import torch
+    import torch.distributed as dist
+
+    if args.backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        props = torch.cuda.get_device_properties(local_rank)
+        record["gpu"] = {"name": props.name, "uuid": str(getattr(props, "uuid", "")),
+                         "visible": torch.cuda.device_count()}
+    else:
+        device = torch.device("cpu")
+    if args.mode == "env":
+        write(args.out, tag + ".json", record)
+        return 0
+
+    dist.init_process_group(args.backend)
+    expected = world * (world + 1) / 2
+    started = time.monotonic()
+    steps = 0
+    try:
+        while True:
+            t = torch.full((1 << 20,), float(rank + 1), device=device)
+            dist.all_reduce(t)
+            if args.backend == "nccl":
+                torch.cuda.synchronize(device)
+            lo, hi = t.min().item(), t.max().item()
+            if lo != expected or hi != expected:
+                print(f"gpu_worker rank {rank}: all_reduce gave {lo}..{hi}, expected {expected}", file=sys.stderr)
+                return 1
+            steps += 1
+            if steps == 1 and args.mode == "train":
+                write(args.out, tag + "-started.json", record)
+            if args.mode == "allreduce" or time.monotonic() - started >= args.seconds:
+                break
+            time.sleep(0.05)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    record.update(steps=steps, sum=expected, seconds=round(time.monotonic() - started, 2))
+    write(args.out, tag + ("-done.json" if args.mode == "train" else ".json"), record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
