@@ -46,6 +46,7 @@ from .protocol import (
     ErrorMsg,
     EvictedError,
     ExitRecord,
+    JobNotFinishedError,
     JobNotFoundError,
     JobState,
     JoinMsg,
@@ -77,6 +78,7 @@ class DataDirError(RdzvError):
     """The data directory or its database cannot be used; the server must not start."""
 
 
+DEFAULT_DISCONNECT_GRACE_S = 0.5  # a dropped connection has this long to come back (--disconnect-grace)
 DEFAULT_RETAIN_FINISHED_S = 7 * 24 * 3600.0
 DEFAULT_MAX_WAITING_JOBS = 1000
 DEFAULT_MIN_FREE_DISK = 64 * 1024 * 1024
@@ -88,7 +90,7 @@ REFUSAL_LOG_INTERVAL_S = 10.0
 @dataclass
 class StoreSettings:
     data_dir: Path | None = None  # None: memory only (embedded/standalone server)
-    disconnect_grace_s: float = 0.5
+    disconnect_grace_s: float = DEFAULT_DISCONNECT_GRACE_S
     retain_finished_s: float = DEFAULT_RETAIN_FINISHED_S  # finished jobs older than this are removed
     max_waiting_jobs: int = DEFAULT_MAX_WAITING_JOBS  # beyond it a new job is refused
     min_free_disk: int = DEFAULT_MIN_FREE_DISK  # bytes; below it a new job is refused (0: no check)
@@ -558,8 +560,8 @@ class Store:
         """Forget a finished job (its view, its row, its metric series)."""
         job = self._job(job_id)
         if not job.finished:
-            raise RequestError(f"job {job_id!r} is {job.state.value}; close it first (rdzv close {job_id}, or "
-                               f"POST /v1/jobs/{job_id}/close), then delete it", ErrorCode.JOB_NOT_FINISHED)
+            raise JobNotFinishedError(f"job {job_id!r} is {job.state.value}; close it first (rdzv close {job_id}, "
+                                      f"or POST /v1/jobs/{job_id}/close), then delete it")
         try:
             self._remove([job])
         except sqlite3.Error as e:
