@@ -172,10 +172,11 @@ def move(job: Job, node: Node, state: NodeState | None) -> None:
     if state not in TRANSITIONS.get(node.state, ()):
         raise IllegalTransitionError(f"illegal node state transition for node {node.node_id!r} of job "
                                      f"{job.job_id!r}: {node.state} -> {state}")
-    if node.state is not None:
-        job.counts[node.state] -= 1
     if state is None:  # the node keeps its last state, for whoever still holds it
         del job.nodes[node.node_id]
+    if node.state is not None:
+        job.counts[node.state] -= 1
+    if state is None:
         return
     node.state = state
     job.counts[state] = job.counts.get(state, 0) + 1
