@@ -25,7 +25,7 @@ from .conns import (
     connection_limit,
     raise_fd_limit,
 )
-from .store import DEFAULT_MAX_WAITING_JOBS, DataDirError, free_bytes
+from .store import DEFAULT_DISCONNECT_GRACE_S, DEFAULT_MAX_WAITING_JOBS, DataDirError, free_bytes
 
 log = logging.getLogger("rdzv_server")
 
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bearer token required on every request but /healthz (default: $RDZV_TOKEN)")
     p.add_argument("--tls-cert", default=None, help="PEM certificate: serve HTTPS")
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
-    p.add_argument("--disconnect-grace", type=float, default=0.5,
+    p.add_argument("--disconnect-grace", type=float, default=DEFAULT_DISCONNECT_GRACE_S,
                    help="seconds a node whose connection dropped has to reconnect before it is lost")
     p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
                    help="seconds a client has to send a request line and headers (after connecting, or "

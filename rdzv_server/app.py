@@ -22,6 +22,7 @@ from .protocol import (
     ID_PATTERN,
     MAX_BODY_BYTES,
     MAX_ID_LEN,
+    MAX_ERROR_MESSAGE,
     MAX_PAGE,
     CloseResult,
     DeleteResult,
@@ -36,6 +37,7 @@ from .protocol import (
 )
 from . import __version__
 from .store import (
+    DEFAULT_DISCONNECT_GRACE_S,
     DEFAULT_MAX_WAITING_JOBS,
     DEFAULT_MIN_FREE_DISK,
     DEFAULT_RETAIN_FINISHED_S,
@@ -53,7 +55,7 @@ DEFAULT_JOIN_DEADLINE_S = 10.0
 class Settings:
     data_dir: Path | None = None
     token: str | None = None
-    disconnect_grace_s: float = 0.5
+    disconnect_grace_s: float = DEFAULT_DISCONNECT_GRACE_S
     join_deadline_s: float = DEFAULT_JOIN_DEADLINE_S
     retain_finished_s: float = DEFAULT_RETAIN_FINISHED_S
     max_waiting_jobs: int = DEFAULT_MAX_WAITING_JOBS
@@ -77,7 +79,7 @@ _HTTP_CODES = {
 
 
 def _error(code: ErrorCode, message: str, status: int, headers=None) -> web.Response:
-    return web.json_response(text=ErrorBody(code=code, message=message[:4096]).model_dump_json(),
+    return web.json_response(text=ErrorBody(code=code, message=message[:MAX_ERROR_MESSAGE]).model_dump_json(),
                              status=status, headers=headers)
 
 

@@ -20,6 +20,7 @@ from .protocol import (
     AGENT_MESSAGE,
     MAX_BODY_BYTES,
     DEFAULT_PAGE,
+    HEARTBEAT_FRAME,
     MAX_PAGE,
     AckMsg,
     CloseResult,
@@ -121,8 +122,6 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 # ----------------------------------------------------------- agent channel
-
-_HB_FRAME = '{"op":"hb"}'
 
 # What one connection may cost the server. Outgoing messages queue per
 # connection; an agent that does not read its messages is disconnected when
@@ -269,7 +268,7 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
                     if not chan.refuse(ErrorMsg(code=ErrorCode.BAD_REQUEST, message="send JSON text frames")):
                         break
                 continue
-            if frame.data == _HB_FRAME and bound is not None:  # the hot path: no parsing
+            if frame.data == HEARTBEAT_FRAME and bound is not None:  # the hot path: no parsing
                 store.heartbeat(*bound)
                 continue
             try:

@@ -1,7 +1,7 @@
 """The wire contract between rdzv's server, its agents and its REST users.
 
 Everything that crosses the network is one of the pydantic models below. The
-client imports this module; this module imports nothing of ours.
+client imports this module; this module imports only rdzv_server.errors.
 
 Two channels:
 
@@ -18,18 +18,9 @@ Two channels:
 Errors
 ------
 Every refusal is ``{"code": ..., "message": ...}``: the HTTP body of a 4xx, or
-an ``error`` frame on the agent channel. ``ERROR_STATUS`` maps every code to its
-HTTP status; the client maps codes (never messages) to its exceptions::
-
-    RdzvError                  root of every error rdzv raises
-    +-- RequestError           the request itself was wrong (4xx codes)
-    |   +-- SpecMismatchError  a join disagreed with the job's spec
-    |   +-- JobSecretMismatchError   a join's job secret is missing, unexpected or wrong
-    |   +-- NodeSecretMismatchError  a join named a known node without its node secret
-    |   +-- StaleRoundError    a message named a round that is over
-    |   +-- EvictedError       the node was evicted; rejoin as a new node
-    |   +-- JobFinishedError   the job already ended
-    +-- ...                    (transport errors live in the client)
+an ``error`` frame on the agent channel. The codes and the exception classes
+live in :mod:`rdzv_server.errors` (re-exported here); its docstring draws the
+error tree.
 """
 
 from __future__ import annotations
@@ -40,8 +31,30 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-API_PREFIX = "/v1"
+from .errors import (  # noqa: F401  (re-exported: the wire contract is one import)
+    ERROR_CLASSES,
+    ERROR_STATUS,
+    ErrorCode,
+    EvictedError,
+    JobFinishedError,
+    JobNotFinishedError,
+    JobNotFoundError,
+    JobSecretMismatchError,
+    NodeSecretMismatchError,
+    NotJoinedError,
+    RdzvError,
+    RequestError,
+    SpecMismatchError,
+    StaleRoundError,
+    UnauthorizedError,
+    UnavailableError,
+    error_from_body,
+)
+
 AGENT_PATH = "/v1/agent"
+# The heartbeat frame, exactly: agents send this text and the server compares
+# frames to it before parsing anything (the hot path). HeartbeatMsg serializes to it.
+HEARTBEAT_FRAME = '{"op":"hb"}'
 
 # Limits that keep hostile or broken clients from costing memory or time.
 MAX_ID_LEN = 128
@@ -56,154 +69,6 @@ MAX_FAILURES_PER_REPORT = MAX_NPROC
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*$"
 _ID_RE = re.compile(ID_PATTERN)
 HOST_PATTERN = r"^[A-Za-z0-9._:\[\]%-]+$"
-
-
-# --------------------------------------------------------------------- errors
-
-
-class ErrorCode(str, Enum):
-    """Stable wire codes. Add new ones; never change the meaning of one."""
-
-    BAD_REQUEST = "bad_request"
-    VALIDATION_ERROR = "validation_error"
-    BODY_TOO_LARGE = "body_too_large"
-    UNAUTHORIZED = "unauthorized"
-    NOT_FOUND = "not_found"
-    METHOD_NOT_ALLOWED = "method_not_allowed"
-    JOB_NOT_FOUND = "job_not_found"
-    NODE_NOT_FOUND = "node_not_found"
-    SPEC_MISMATCH = "spec_mismatch"
-    STALE_ROUND = "stale_round"
-    EVICTED = "evicted"
-    JOB_FINISHED = "job_finished"
-    NOT_JOINED = "not_joined"
-    ALREADY_JOINED = "already_joined"
-    UNAVAILABLE = "unavailable"
-    JOB_NOT_FINISHED = "job_not_finished"
-    NODE_SECRET_MISMATCH = "node_secret_mismatch"
-    JOB_SECRET_MISMATCH = "job_secret_mismatch"
-
-
-ERROR_STATUS: dict[ErrorCode, int] = {
-    ErrorCode.BAD_REQUEST: 400,
-    ErrorCode.VALIDATION_ERROR: 422,
-    ErrorCode.BODY_TOO_LARGE: 413,
-    ErrorCode.UNAUTHORIZED: 401,
-    ErrorCode.NOT_FOUND: 404,
-    ErrorCode.METHOD_NOT_ALLOWED: 405,
-    ErrorCode.JOB_NOT_FOUND: 404,
-    ErrorCode.NODE_NOT_FOUND: 404,
-    ErrorCode.SPEC_MISMATCH: 409,
-    ErrorCode.STALE_ROUND: 409,
-    ErrorCode.EVICTED: 410,
-    ErrorCode.JOB_FINISHED: 409,
-    ErrorCode.NOT_JOINED: 409,
-    ErrorCode.ALREADY_JOINED: 409,
-    ErrorCode.UNAVAILABLE: 503,
-    ErrorCode.JOB_NOT_FINISHED: 409,
-    ErrorCode.NODE_SECRET_MISMATCH: 403,
-    ErrorCode.JOB_SECRET_MISMATCH: 403,
-}
-
-
-class RdzvError(Exception):
-    """Root of rdzv's errors. ``code`` is the stable wire code."""
-
-    code: ErrorCode = ErrorCode.BAD_REQUEST
-
-    def __init__(self, message: str, code: ErrorCode | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        if code is not None:
-            self.code = code
-
-    @property
-    def status(self) -> int:
-        return ERROR_STATUS[self.code]
-
-    def to_body(self) -> "ErrorBody":
-        return ErrorBody(code=self.code, message=self.message)
-
-
-class RequestError(RdzvError):
-    """The request was wrong; repeating it unchanged will not help."""
-
-
-class JobNotFoundError(RequestError):
-    code = ErrorCode.JOB_NOT_FOUND
-
-
-class SpecMismatchError(RequestError):
-    code = ErrorCode.SPEC_MISMATCH
-
-
-class StaleRoundError(RequestError):
-    code = ErrorCode.STALE_ROUND
-
-
-class EvictedError(RequestError):
-    code = ErrorCode.EVICTED
-
-
-class JobFinishedError(RequestError):
-    code = ErrorCode.JOB_FINISHED
-
-
-class NotJoinedError(RequestError):
-    code = ErrorCode.NOT_JOINED
-
-
-class UnauthorizedError(RequestError):
-    code = ErrorCode.UNAUTHORIZED
-
-
-class NodeSecretMismatchError(RequestError):
-    """A join named a node this job knows without that node's secret: only
-    the agent the server gave the secret to may speak for the node."""
-
-    code = ErrorCode.NODE_SECRET_MISMATCH
-
-
-class JobSecretMismatchError(RequestError):
-    """A join's job secret does not match the one the job was created with
-    (or one side has none)."""
-
-    code = ErrorCode.JOB_SECRET_MISMATCH
-
-
-class UnavailableError(RdzvError):
-    code = ErrorCode.UNAVAILABLE
-
-
-ERROR_CLASSES: dict[ErrorCode, type[RdzvError]] = {
-    ErrorCode.BAD_REQUEST: RequestError,
-    ErrorCode.VALIDATION_ERROR: RequestError,
-    ErrorCode.BODY_TOO_LARGE: RequestError,
-    ErrorCode.UNAUTHORIZED: UnauthorizedError,
-    ErrorCode.NOT_FOUND: RequestError,
-    ErrorCode.METHOD_NOT_ALLOWED: RequestError,
-    ErrorCode.JOB_NOT_FOUND: JobNotFoundError,
-    ErrorCode.NODE_NOT_FOUND: RequestError,
-    ErrorCode.SPEC_MISMATCH: SpecMismatchError,
-    ErrorCode.STALE_ROUND: StaleRoundError,
-    ErrorCode.EVICTED: EvictedError,
-    ErrorCode.JOB_FINISHED: JobFinishedError,
-    ErrorCode.NOT_JOINED: NotJoinedError,
-    ErrorCode.ALREADY_JOINED: RequestError,
-    ErrorCode.UNAVAILABLE: UnavailableError,
-    ErrorCode.JOB_NOT_FINISHED: RequestError,
-    ErrorCode.NODE_SECRET_MISMATCH: NodeSecretMismatchError,
-    ErrorCode.JOB_SECRET_MISMATCH: JobSecretMismatchError,
-}
-
-
-def error_from_body(code: str, message: str) -> RdzvError:
-    """Rebuild the exception a server sent, by code; unknown codes stay generic."""
-    try:
-        ec = ErrorCode(code)
-    except ValueError:
-        return RdzvError(f"{code}: {message}")
-    return ERROR_CLASSES[ec](message, ec)
 
 
 class _Strict(BaseModel):

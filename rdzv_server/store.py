@@ -7,7 +7,7 @@ messages to the agents' channels, then log. So nobody ever hears of a round
 that a crash could forget.
 
 Durability is a SQLite database (``<data dir>/rdzv.db``, WAL, synchronous
-FULL); one row per job holding its state as JSON. A server started again over
+FULL; :mod:`rdzv_server.database`); one row per job holding its state as JSON. A server started again over
 the same data dir gets every job back as it was and gives every node a full
 heartbeat timeout to reconnect before anyone is evicted. If the database is
 unreadable the server refuses to start; if a write fails (disk full), the job
@@ -27,12 +27,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import bisect
-import errno
-import fcntl
 import heapq
 import json
 import logging
-import os
 import secrets
 import sqlite3
 import time
@@ -41,15 +38,16 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from . import rounds
+from .database import Database, DataDirError, free_bytes  # noqa: F401  (DataDirError: re-exported)
 from .protocol import (
     ErrorCode,
     ErrorMsg,
     EvictedError,
     ExitRecord,
+    JobNotFinishedError,
     JobNotFoundError,
     JobState,
     JoinMsg,
-    RdzvError,
     RequestError,
     UnavailableError,
     is_valid_id,
@@ -73,10 +71,7 @@ class Channel(Protocol):
         """Close the connection so the agent reconnects."""
 
 
-class DataDirError(RdzvError):
-    """The data directory or its database cannot be used; the server must not start."""
-
-
+DEFAULT_DISCONNECT_GRACE_S = 0.5  # a dropped connection has this long to come back (--disconnect-grace)
 DEFAULT_RETAIN_FINISHED_S = 7 * 24 * 3600.0
 DEFAULT_MAX_WAITING_JOBS = 1000
 DEFAULT_MIN_FREE_DISK = 64 * 1024 * 1024
@@ -88,180 +83,10 @@ REFUSAL_LOG_INTERVAL_S = 10.0
 @dataclass
 class StoreSettings:
     data_dir: Path | None = None  # None: memory only (embedded/standalone server)
-    disconnect_grace_s: float = 0.5
+    disconnect_grace_s: float = DEFAULT_DISCONNECT_GRACE_S
     retain_finished_s: float = DEFAULT_RETAIN_FINISHED_S  # finished jobs older than this are removed
     max_waiting_jobs: int = DEFAULT_MAX_WAITING_JOBS  # beyond it a new job is refused
     min_free_disk: int = DEFAULT_MIN_FREE_DISK  # bytes; below it a new job is refused (0: no check)
-
-
-_SQLITE_CORRUPT, _SQLITE_NOTADB = 11, 26  # primary result codes that mean a damaged or foreign file
-
-
-def _is_corruption(e: sqlite3.DatabaseError) -> bool:
-    code = getattr(e, "sqlite_errorcode", None)  # Python 3.11+
-    if code is not None:
-        return code & 0xFF in (_SQLITE_CORRUPT, _SQLITE_NOTADB)
-    text = str(e).lower()
-    return "not a database" in text or "malformed" in text
-
-
-def free_bytes(path: Path) -> int | None:
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
-
-
-def _free_space(path: Path) -> str:
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return "free space unknown"
-    return f"{st.f_bavail * st.f_frsize} bytes free"
-
-
-def _read_only(path: Path) -> bool:
-    try:
-        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
-    except OSError:
-        return False
-
-
-def _lock_data_dir(data_dir: Path) -> int:
-    """Take ``<data dir>/rdzv.lock`` (flock, exclusive, non-blocking) and write
-    our pid into it; return its descriptor, held (and the lock with it) until
-    closed. One server per data dir: a second one would split the jobs' state."""
-    path = data_dir / "rdzv.lock"
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError as e:
-        raise DataDirError(f"cannot create lock file {path}: {e.strerror or e}") from e
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        try:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
-        except OSError:
-            holder = "unknown"
-        os.close(fd)
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise DataDirError(f"data dir {data_dir} is in use by another rdzv-server (pid {holder}, "
-                               f"lock {path}); stop it first, or use another --data-dir") from e
-        raise DataDirError(f"cannot lock {path}: {e.strerror or e}") from e
-    pid = f"{os.getpid()}\n".encode()
-    try:  # in place, then cut: a full disk keeps the file's block
-        os.pwrite(fd, pid, 0)
-        os.ftruncate(fd, len(pid))
-    except OSError:
-        pass  # the lock holds anyway; a second server just cannot name us
-    return fd
-
-
-class Database:
-    """One table, one JSON row per job. Synchronous: writes are small and rare
-    (once per round change), and must finish before anyone is told.
-
-    The data dir is locked for the database's life (``rdzv.lock``), and the
-    database file is created 0600 (SQLite gives its -wal and -shm the same mode)."""
-
-    def __init__(self, data_dir: Path) -> None:
-        self.path = data_dir / "rdzv.db"
-        self.lock_fd: int | None = None
-        try:
-            data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except OSError as e:
-            raise DataDirError(f"cannot create data dir {data_dir}: {e.strerror or e}") from e
-        if not os.access(data_dir, os.W_OK | os.X_OK):
-            if _read_only(data_dir):
-                raise DataDirError(f"data dir {data_dir} is on a read-only file system")
-            raise DataDirError(f"data dir {data_dir} is not writable by this user (uid {os.getuid()})")
-        existed = self.path.exists()
-        self.lock_fd = _lock_data_dir(data_dir)
-        self.conn = None
-        try:
-            self._private_file()
-            self.conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-            self.conn.execute("PRAGMA journal_mode=WAL")
-            self.conn.execute("PRAGMA synchronous=FULL")
-            ok = self.conn.execute("PRAGMA quick_check").fetchone()[0]
-            if ok != "ok":
-                raise DataDirError(f"database {self.path} is corrupt ({ok}); move it away to start empty")
-            self.conn.execute(
-                "CREATE TABLE IF NOT EXISTS jobs (job_id TEXT PRIMARY KEY, record TEXT NOT NULL, updated_at REAL NOT NULL)"
-            )
-        except (sqlite3.DatabaseError, DataDirError) as e:
-            if self.conn is not None:
-                self.conn.close()
-            self._unlock()
-            if isinstance(e, DataDirError):
-                raise
-            if existed and not _is_corruption(e):
-                # A full, read-only or failing file system: the file may be fine.
-                # Never tell the operator to throw away a database that holds jobs.
-                raise DataDirError(
-                    f"cannot open database {self.path} ({e}): the file system refused "
-                    f"({_free_space(data_dir)}); is it full or read-only? Fix that and start again; "
-                    "keep the file, it holds the jobs' state"
-                ) from e
-            raise DataDirError(
-                f"cannot open database {self.path} ({e}); "
-                + ("it exists but is unreadable or corrupt: move it away to start empty, or restore a backup"
-                   if existed else "check the data dir")
-            ) from e
-
-    def _private_file(self) -> None:
-        """Create the database file 0600 (SQLite would use 0644 under the usual
-        umask); tighten an existing one and its -wal/-shm."""
-        for path in (self.path, self.path.with_name(self.path.name + "-wal"),
-                     self.path.with_name(self.path.name + "-shm")):
-            try:
-                if path == self.path and not path.exists():
-                    os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
-                elif path.exists() and path.stat().st_mode & 0o077:
-                    path.chmod(0o600)
-            except OSError:
-                pass  # a read-only or full file system: the open below says so
-
-    def _unlock(self) -> None:
-        if self.lock_fd is not None:
-            os.close(self.lock_fd)
-            self.lock_fd = None
-
-    def load(self) -> dict[str, Job]:
-        jobs = {}
-        try:
-            rows = self.conn.execute("SELECT job_id, record FROM jobs").fetchall()
-        except sqlite3.DatabaseError as e:
-            raise DataDirError(f"cannot read database {self.path}: {e}") from e
-        for job_id, record in rows:
-            try:
-                jobs[job_id] = rounds.from_record(json.loads(record))
-            except Exception as e:  # any shape error means the file is not ours or damaged
-                raise DataDirError(f"database {self.path}: job {job_id!r} cannot be loaded ({e!r})") from e
-        return jobs
-
-    def save(self, job: Job, now: float) -> None:
-        record = json.dumps(rounds.to_record(job), separators=(",", ":"))
-        self.conn.execute(
-            "INSERT INTO jobs (job_id, record, updated_at) VALUES (?, ?, ?) "
-            "ON CONFLICT(job_id) DO UPDATE SET record=excluded.record, updated_at=excluded.updated_at",
-            (job.job_id, record, now),
-        )
-
-    def delete(self, job_ids: list[str]) -> None:
-        """Remove jobs' rows, all in one transaction (one sync to disk)."""
-        self.conn.execute("BEGIN")
-        try:
-            self.conn.executemany("DELETE FROM jobs WHERE job_id=?", [(j,) for j in job_ids])
-            self.conn.execute("COMMIT")
-        except BaseException:
-            self.conn.execute("ROLLBACK")
-            raise
-
-    def close(self) -> None:
-        self.conn.close()
-        self._unlock()
 
 
 class Store:
@@ -558,8 +383,8 @@ class Store:
         """Forget a finished job (its view, its row, its metric series)."""
         job = self._job(job_id)
         if not job.finished:
-            raise RequestError(f"job {job_id!r} is {job.state.value}; close it first (rdzv close {job_id}, or "
-                               f"POST /v1/jobs/{job_id}/close), then delete it", ErrorCode.JOB_NOT_FINISHED)
+            raise JobNotFinishedError(f"job {job_id!r} is {job.state.value}; close it first (rdzv close {job_id}, "
+                                      f"or POST /v1/jobs/{job_id}/close), then delete it")
         try:
             self._remove([job])
         except sqlite3.Error as e:

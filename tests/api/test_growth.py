@@ -208,8 +208,8 @@ async def test_job_view_is_bounded(client, connect, monkeypatch):
             await agent.send(join_msg("big", node, (5, 5)))
         for agent in agents:
             await until(agent, "assigned")
-    monkeypatch.setattr(rounds, "MAX_VIEW_NODES", 3)
-    monkeypatch.setattr(rounds, "MAX_VIEW_HISTORY", 2)
+    monkeypatch.setattr(rounds.views, "MAX_VIEW_NODES", 3)
+    monkeypatch.setattr(rounds.views, "MAX_VIEW_HISTORY", 2)
     view = await get(client, "/v1/jobs/big")
     assert [n["group_rank"] for n in view["nodes"]] == [0, 1, 2] and view["nodes_omitted"] == 2
     assert [h["round"] for h in view["history"]] == [1, 2] and view["history_omitted"] == 1

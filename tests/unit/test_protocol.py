@@ -58,3 +58,31 @@ def test_printable_escapes_control_characters():
     assert printable("nul\x00 del\x7f csi\x9b") == "nul\\x00 del\\x7f csi\\x9b"
     assert "\n" not in printable("a\r\nb") and "\r" not in printable("a\r\nb")
     assert printable("x" * 50, limit=10) == "xxxxxxx..."
+
+
+def test_heartbeat_frame_is_what_a_heartbeat_serializes_to():
+    """The server compares frames to HEARTBEAT_FRAME before parsing: the text
+    must be exactly a HeartbeatMsg's JSON, and parse back to one."""
+    from rdzv_server.protocol import HEARTBEAT_FRAME, HeartbeatMsg
+
+    assert HeartbeatMsg().model_dump_json() == HEARTBEAT_FRAME
+    assert isinstance(AGENT_MESSAGE.validate_json(HEARTBEAT_FRAME), HeartbeatMsg)
+
+
+def test_error_tree_names_every_error_class_and_protocol_reexports_them():
+    """The error tree in rdzv_server.errors lists every RdzvError subclass of
+    the server, and each is importable from rdzv_server.protocol too."""
+    import inspect
+
+    from rdzv_server import errors, protocol, store
+
+    classes = {c for m in (errors, store) for _, c in inspect.getmembers(m, inspect.isclass)
+               if issubclass(c, errors.RdzvError)}
+    assert {c.__name__ for c in classes} >= {"RdzvError", "RequestError", "JobNotFinishedError",
+                                             "NodeSecretMismatchError", "JobSecretMismatchError", "DataDirError"}
+    tree = errors.__doc__.split("::", 1)[1]
+    for c in classes:
+        assert f"+-- {c.__name__} " in tree or tree.lstrip().startswith(c.__name__ + " "), c.__name__
+    for name in dir(errors):
+        if not name.startswith("_") and name not in ("annotations", "Enum"):
+            assert getattr(protocol, name) is getattr(errors, name), name

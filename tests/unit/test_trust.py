@@ -9,6 +9,7 @@ import pytest
 
 from rdzv_server import rounds
 from rdzv_server.protocol import (
+    AssignedMsg,
     ExitRecord,
     JobSecretMismatchError,
     JobState,
@@ -69,7 +70,7 @@ def test_the_right_secret_reconnects_and_a_restart_round_keeps_rank_0s_master():
     _join(job, "a", 0.0, issue="sa")
     _join(job, "b", 0.1, issue="sb")
     fx = _join(job, "a", 0.5, node_secret="sa", resume=0)
-    assert sent(fx, rounds.AssignedMsg)["a"].assignment.master_addr == "a.addr"
+    assert sent(fx, AssignedMsg)["a"].assignment.master_addr == "a.addr"
     with pytest.raises(NodeSecretMismatchError):
         _join(job, "a", 0.6, node_secret="sb")  # another node's secret is no proof either
     rounds.fail(job, "b", 0, [EXIT], 1.0)
@@ -88,7 +89,7 @@ def test_a_node_without_a_secret_hash_is_not_checked():
     job = form(["a", "b"])
     assert job.nodes["a"].secret_hash is None
     fx = _join(job, "a", 2.0, resume=0)
-    assert "a" in sent(fx, rounds.AssignedMsg)
+    assert "a" in sent(fx, AssignedMsg)
 
 
 # --------------------------------------------------------------- job spec

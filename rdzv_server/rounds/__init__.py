@@ -1,0 +1,60 @@
+"""The round state machine of a job: pure, no I/O, no clock.
+
+``from rdzv_server import rounds; rounds.join(job, msg, now)``: every name a
+caller needs is here. Inside:
+
+* :mod:`.model`: node states (:class:`NodeState`) and the table of allowed
+  transitions (:data:`TRANSITIONS`, applied only by :func:`move`), the
+  ``Node``/``Job`` data and the ``Effects`` a step returns;
+* :mod:`.machine`: the steps (reports, disconnects, time), and :mod:`.joins`:
+  a join and its named cases (reconnect, resume, new node, rejoin);
+* :mod:`.views`: what REST and a forming round's status show (read-only);
+* :mod:`.records`: jobs to JSON-able records for the store, and back.
+"""
+
+from .machine import (
+    MAX_HISTORY,
+    STATUS_PUSH_INTERVAL_S,
+    assign_ranks,
+    close,
+    disconnect,
+    fail,
+    grace,
+    heartbeat,
+    leave,
+    new_job,
+    next_due,
+    restored,
+    succeed,
+    tick,
+)
+from .joins import join
+from .model import (
+    REJOINING,
+    RUNNING,
+    SPARE,
+    SUCCEEDED,
+    TRANSITIONS,
+    WAITING,
+    Effects,
+    IllegalTransitionError,
+    Job,
+    Node,
+    NodeState,
+    RoundRecord,
+    count,
+    job_secret_hash,
+    move,
+    natural_key,
+    node_secret_hash,
+)
+from .records import from_record, to_record
+from .views import MAX_VIEW_HISTORY, MAX_VIEW_NODES, summary, view, waiting_info
+
+__all__ = [
+    "MAX_HISTORY", "MAX_VIEW_HISTORY", "MAX_VIEW_NODES", "REJOINING", "RUNNING", "SPARE", "STATUS_PUSH_INTERVAL_S",
+    "SUCCEEDED", "TRANSITIONS", "WAITING", "Effects", "IllegalTransitionError", "Job", "Node", "NodeState",
+    "RoundRecord", "assign_ranks", "close", "count", "disconnect", "fail", "from_record", "grace", "heartbeat",
+    "job_secret_hash", "join", "leave", "move", "natural_key", "new_job", "next_due", "node_secret_hash",
+    "restored", "succeed", "summary", "tick", "to_record", "view", "waiting_info",
+]

@@ -1,0 +1,212 @@
+"""A join and its named cases (the round machine's busiest step). Pure, like
+:mod:`.machine`, whose helpers it uses to complete a round and build an
+assignment.
+
+Order of checks: the job is not finished, the job secret, the whole spec, and
+for a known node its node secret; only then does anything change."""
+
+from __future__ import annotations
+
+import hmac
+
+from ..protocol import (
+    AssignedMsg,
+    EvictedError,
+    JobFinishedError,
+    JobSecretMismatchError,
+    JoinedMsg,
+    JoinMsg,
+    NodeSecretMismatchError,
+    RestartMsg,
+    SpareMsg,
+    SpecMismatchError,
+    StaleRoundError,
+    heartbeat_interval,
+)
+from .machine import _assignment, _check_complete
+from .model import (
+    REJOINING,
+    RUNNING,
+    SPARE,
+    SUCCEEDED,
+    WAITING,
+    Effects,
+    Job,
+    Node,
+    count,
+    job_secret_hash,
+    move,
+    node_secret_hash,
+)
+from .views import waiting_info
+
+
+def _check_job_secret(job: Job, msg: JoinMsg) -> None:
+    if job.secret_hash is None:
+        if msg.job_secret is not None:
+            raise JobSecretMismatchError(
+                f"job {job.job_id!r} was created without a job secret, but this join brings one: "
+                "another job uses this id; pick another job id")
+        return
+    if msg.job_secret is None:
+        raise JobSecretMismatchError(
+            f"job {job.job_id!r} requires a job secret (--job-secret or RDZV_JOB_SECRET); this join brings none")
+    if not hmac.compare_digest(job.secret_hash, job_secret_hash(job.job_id, msg.job_secret)):
+        raise JobSecretMismatchError(f"wrong job secret for job {job.job_id!r}")
+
+
+def _show(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _check_spec(job: Job, msg: JoinMsg) -> None:
+    spec, asked = job.spec, msg.spec
+    if asked == spec:  # the common case, and the cheap one
+        return
+    if (asked.min_nodes, asked.max_nodes) != (spec.min_nodes, spec.max_nodes):
+        raise SpecMismatchError(
+            f"job {job.job_id!r} has nnodes {spec.min_nodes}:{spec.max_nodes}, "
+            f"but node {msg.node_id!r} asked for {asked.min_nodes}:{asked.max_nodes}"
+        )
+    differ = [f"{name} {_show(getattr(spec, name))}, but node {msg.node_id!r} asked for {_show(getattr(asked, name))}"
+              for name in type(spec).model_fields if getattr(spec, name) != getattr(asked, name)]
+    if differ:
+        raise SpecMismatchError(f"job {job.job_id!r} has " + "; and ".join(differ)
+                                + " (every node of a job must use the same settings)")
+
+
+def _check_node_secret(job: Job, node: Node, msg: JoinMsg) -> None:
+    if node.secret_hash is None:
+        return  # saved before node secrets existed
+    given = node_secret_hash(msg.node_secret) if msg.node_secret is not None else ""
+    if not hmac.compare_digest(node.secret_hash, given):
+        raise NodeSecretMismatchError(
+            f"node {node.node_id!r} of job {job.job_id!r} is held by another agent: this join "
+            f"{'carries a wrong' if msg.node_secret else 'does not carry its'} node secret; "
+            "a new agent joins with a new node id")
+
+
+def join(job: Job, msg: JoinMsg, now: float, node_secret: str | None = None) -> Effects:
+    """A node joins the forming round, queues for a scale-up, becomes a spare,
+    or (with ``resume_round``) reconnects to the round it still runs.
+
+    A join that creates the node gives it ``node_secret`` (the caller draws a
+    fresh random one), sent back in ``joined``; every later join naming that
+    node must carry it. The job secret and the whole spec must match the job's.
+
+    The cases, each its own function: :func:`_reconnect` (a running member is
+    back), :func:`_resume` (a node resumes a round: refused, or told to
+    restart), else :func:`_new_node` or :func:`_rejoin`, then :func:`_enter`
+    (the forming round, a scale-up, or a spare)."""
+    if job.finished:
+        raise JobFinishedError(f"job {job.job_id!r} already {job.state.value}: {job.end_reason}; use a new job id")
+    _check_job_secret(job, msg)
+    _check_spec(job, msg)
+    node = job.nodes.get(msg.node_id)
+    if node is not None:
+        _check_node_secret(job, node, msg)
+    if (node is not None and node.state == RUNNING and not job.forming
+            and msg.resume_round in (None, job.round)):
+        return _reconnect(job, node, now)
+    if msg.resume_round is not None:
+        fx = _resume(job, node, msg, now)
+        if fx is not None:
+            return fx
+        # a waiting/spare node that resumes: treat as a join
+    if node is not None and node.state == SUCCEEDED:
+        raise StaleRoundError(f"node {msg.node_id!r} already succeeded in round {job.round}; it cannot join again")
+    if node is None:
+        return _enter(job, _new_node(job, msg, now, node_secret), now, issued=node_secret)
+    _rejoin(node, msg, now)
+    return _enter(job, node, now, issued=None)
+
+
+def _heard(node: Node, now: float) -> None:
+    """The node's agent is connected and speaking now."""
+    node.connected, node.lost_deadline, node.last_seen, node.dropped = True, None, now, False
+    node.graced = False
+
+
+def _reconnect(job: Job, node: Node, now: float) -> Effects:
+    """A member of the running round reconnects: with resume_round its workers
+    run on; without, its assignment was sent while it was away (a round that
+    completed during a server restart or a reconnect). Either way: the same
+    assignment again, nothing else changes."""
+    _heard(node, now)
+    fx = Effects()
+    fx.send(node.node_id, AssignedMsg(assignment=_assignment(job, node)))
+    fx.logs.append(f"job {job.job_id} round {job.round}: node {node.node_id} reconnected")
+    return fx
+
+
+def _resume(job: Job, node: Node | None, msg: JoinMsg, now: float) -> Effects | None:
+    """A node resumes a round that is not (or no longer) its running one:
+    refused, or told to restart; None: it is waiting or a spare, and joins."""
+    if node is None:
+        raise EvictedError(f"node {msg.node_id!r} is not part of job {job.job_id!r} any more (evicted)")
+    if node.state == SUCCEEDED:
+        raise StaleRoundError(f"node {msg.node_id!r} already reported success in round {job.round}")
+    if node.state == RUNNING:  # running in the current round but resuming an older one
+        raise StaleRoundError(f"round {msg.resume_round} is over; job {job.job_id!r} runs round {job.round}")
+    if node.state == REJOINING:
+        # It missed the news: its round is over. Tell it to stop and rejoin.
+        _heard(node, now)
+        fx = Effects()
+        fx.send(node.node_id, RestartMsg(round=job.round, reason=job.history[-1].reason))
+        return fx
+    return None
+
+
+def _new_node(job: Job, msg: JoinMsg, now: float, node_secret: str | None) -> Node:
+    """The first join of a node id: the job keeps the hash of its new secret."""
+    node = Node(
+        node_id=msg.node_id,
+        host=msg.host,
+        addr=msg.addr,
+        local_world_size=msg.local_world_size,
+        master_port=msg.master_port,
+        requested_rank=msg.requested_rank,
+        last_seen=now,
+        joined_at=now,
+        secret_hash=node_secret_hash(node_secret) if node_secret is not None else None,
+    )
+    job.nodes[node.node_id] = node
+    return node
+
+
+def _rejoin(node: Node, msg: JoinMsg, now: float) -> None:
+    """A known node joins again (a previous member, a waiting node or a spare):
+    it may come back with a new address, port or size."""
+    node.host, node.addr = msg.host, msg.addr
+    node.local_world_size, node.master_port = msg.local_world_size, msg.master_port
+    node.requested_rank = msg.requested_rank
+    _heard(node, now)
+
+
+def _enter(job: Job, node: Node, now: float, issued: str | None) -> Effects:
+    """Place a joining node: in the forming round; or, while a round runs, in
+    the queue of a scale-up below max_nodes, else as a spare. ``issued``: the
+    node secret to send in ``joined`` (only to the join that created the node)."""
+    spec = job.spec
+    fx = Effects()
+    if job.forming:
+        move(job, node, WAITING)
+        job.status_dirty = True
+        done = _check_complete(job, now)
+        fx.send(node.node_id, JoinedMsg(round=job.round, node_id=node.node_id, heartbeat_s=heartbeat_interval(spec),
+                                        waiting_for=waiting_info(job, now, detail=False), node_secret=issued))
+        return fx.merge(done)
+    fx.send(node.node_id, JoinedMsg(round=job.round + 1, node_id=node.node_id, heartbeat_s=heartbeat_interval(spec),
+                                    node_secret=issued))
+    queued = count(job, WAITING) - (node.state == WAITING)
+    if len(job.order) + queued < spec.max_nodes:
+        move(job, node, WAITING)
+        if job.scale_up_deadline is None:
+            job.scale_up_deadline = now + spec.scale_up_window_s
+        fx.logs.append(f"job {job.job_id} round {job.round}: node {node.node_id} ({node.host}) arrived; "
+                       f"scale-up in {spec.scale_up_window_s:g}s")
+    else:
+        move(job, node, SPARE)
+        fx.send(node.node_id, SpareMsg(round=job.round))
+        fx.logs.append(f"job {job.job_id} round {job.round}: node {node.node_id} ({node.host}) is a spare")
+    return fx

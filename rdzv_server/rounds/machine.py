@@ -1,0 +1,437 @@
+"""The round state machine of one job: its steps (reports, disconnects, time;
+a join is in :mod:`.joins`). Pure, no I/O, no clock; the data it works on is
+in :mod:`.model`.
+
+Every operation takes the job, an event and ``now`` (seconds, any epoch), checks
+the event, and only then changes the job; it returns :class:`Effects`: what to
+tell whom, whether the change must be made durable before anyone hears of it,
+and what to log. A refused event raises an :class:`RdzvError` and leaves the job
+exactly as it was.
+
+Life of a job::
+
+    waiting (round r forms) --complete--> running (round r)
+       ^                                    |  node lost / left, worker failure,
+       |                                    |  scale-up: round r+1 opens
+       +------------------------------------+
+    running --all members succeeded--> succeeded
+    any --budget spent / join timeout--> failed;  any --close--> closed
+
+Node states: ``waiting`` (joined the forming round, or queued for a scale-up),
+``rejoining`` (member of the previous round, alive, stopping its workers),
+``running``, ``succeeded``, ``spare`` (beyond max_nodes): :class:`.model.NodeState`,
+changed only through :func:`.model.move` (the table of allowed transitions).
+A round that re-forms completes as soon as no node is ``rejoining`` and at
+least ``min_nodes`` wait.
+"""
+
+from __future__ import annotations
+
+from ..protocol import (
+    AssignedMsg,
+    Assignment,
+    DoneMsg,
+    EvictedError,
+    EvictedMsg,
+    ExitRecord,
+    JobFinishedError,
+    JobSpec,
+    JobState,
+    RestartMsg,
+    SpareMsg,
+    StaleRoundError,
+    StatusMsg,
+    printable,
+)
+from .model import (
+    REJOINING,
+    RUNNING,
+    SPARE,
+    SUCCEEDED,
+    WAITING,
+    Effects,
+    Job,
+    Node,
+    RoundRecord,
+    count,
+    job_secret_hash,
+    move,
+    natural_key,
+)
+from .views import waiting_info
+
+STATUS_PUSH_INTERVAL_S = 1.0
+MAX_HISTORY = 1000
+
+
+# ------------------------------------------------------------------- create
+
+
+def new_job(job_id: str, spec: JobSpec, now: float, job_secret: str | None = None) -> Job:
+    job = Job(job_id=job_id, spec=spec, created_at=now)
+    if job_secret is not None:
+        job.secret_hash = job_secret_hash(job_id, job_secret)
+    job.history.append(RoundRecord(round=0, reason="job created", started_at=now))
+    job.join_deadline = now + spec.join_timeout_s
+    return job
+
+
+def heartbeat(job: Job, node_id: str, now: float) -> None:
+    """The fast path: a node is alive. Unknown nodes are ignored (their
+    connection is told on their next real message)."""
+    node = job.nodes.get(node_id)
+    if node is not None:
+        node.last_seen = now
+        node.graced = False
+
+
+def disconnect(job: Job, node_id: str, now: float, grace_s: float) -> Effects:
+    """The node's connection dropped: lose it unless it is back within grace_s."""
+    node = job.nodes.get(node_id)
+    if node is None or job.finished:
+        return Effects()
+    if node.state == SUCCEEDED:
+        # it reported success and went away: that is how agents finish
+        return Effects()
+    node.connected = False
+    node.lost_deadline = now + grace_s
+    node.dropped = True
+    return Effects()
+
+
+def _member(job: Job, node_id: str, round_no: int, what: str):
+    if job.finished:
+        raise JobFinishedError(f"job {job.job_id!r} already {job.state.value}")
+    node = job.nodes.get(node_id)
+    if node is None:
+        raise EvictedError(f"node {node_id!r} is not part of job {job.job_id!r} (evicted?)")
+    if round_no != job.round or job.forming or node.state not in (RUNNING, SUCCEEDED):
+        raise StaleRoundError(
+            f"{what} for round {round_no} from node {node_id!r} is stale: job {job.job_id!r} is "
+            f"{'forming' if job.forming else 'running'} round {job.round}"
+        )
+    return node
+
+
+def fail(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], now: float) -> Effects:
+    """A node's workers failed in ``round_no``: restart if the budget allows."""
+    node = _member(job, node_id, round_no, "failure report")
+    if node.state == SUCCEEDED:
+        raise StaleRoundError(f"node {node_id!r} already succeeded in round {job.round}; "
+                              "a failure report cannot follow its success")
+    first = min(failures, key=lambda r: (r.timestamp or float("inf"), r.rank))
+    # signal and message came over the network: one line, control characters escaped
+    cause = printable(f"node {node.node_id} ({node.host}) {first.describe()}")
+    fx = Effects()
+    fx.logs.append(f"job {job.job_id} round {job.round}: worker failure on {cause}")
+    # (nodes restored from disk and not back yet are not gone: they have a heartbeat timeout)
+    gone = [n for n in job.order if n in job.nodes and job.nodes[n].state == RUNNING and job.nodes[n].dropped]
+    if gone:
+        # A member's connection already dropped: its death is the root cause and this
+        # failure its echo (a collective lost its peer). Lose it now, charge nothing.
+        for node_id in gone:
+            if node_id in job.nodes:
+                fx.merge(_lose(job, node_id, "connection lost", now, evict=True))
+        return fx
+    if job.restarts >= job.spec.max_restarts:
+        job.root_cause = cause
+        return fx.merge(_end(job, JobState.FAILED,
+                             f"restart budget of {job.spec.max_restarts} spent; first failure: {cause}", now))
+    job.restarts += 1
+    fx.restarts += 1
+    return fx.merge(_open_round(job, f"worker failure: {cause} (restart {job.restarts}/{job.spec.max_restarts})", now))
+
+
+def succeed(job: Job, node_id: str, round_no: int, now: float) -> Effects:
+    """A node's workers all exited 0. The job succeeds when every member has.
+    A repeat from a node that already succeeded in this round (a lost ack)
+    changes nothing and asks for no write."""
+    node = job.nodes.get(node_id)
+    if node is not None and node.state == SUCCEEDED and round_no == job.round:
+        return Effects()
+    node = _member(job, node_id, round_no, "success report")
+    move(job, node, SUCCEEDED)
+    fx = Effects(persist=True)
+    fx.logs.append(f"job {job.job_id} round {job.round}: node {node.node_id} succeeded")
+    if count(job, RUNNING) == 0:  # members are running or succeeded: O(1), not a scan per report
+        fx.merge(_end(job, JobState.SUCCEEDED, f"all {len(job.order)} nodes of round {job.round} succeeded", now))
+    return fx
+
+
+def leave(job: Job, node_id: str, reason: str, now: float) -> Effects:
+    """A node leaves on purpose (SIGTERM to its agent): re-form without it now."""
+    if job.finished or job.nodes.get(node_id) is None:
+        return Effects()  # a finished job stays finished; agents leave after DoneMsg
+    return _lose(job, node_id, f"left ({printable(reason)})", now, evict=False)
+
+
+def close(job: Job, now: float) -> Effects:
+    if job.finished:
+        return Effects()
+    return _end(job, JobState.CLOSED, "closed by request", now)
+
+
+def grace(job: Job, now: float, *, stall: bool = False) -> None:
+    """After a server restart or a stall: every node gets a full heartbeat timeout.
+
+    After a stall (``stall=True``) only nodes heard from since their last stall
+    grace get one, and the job's own deadlines are extended at most once per
+    heartbeat timeout: stalls that repeat (a client looping on a slow request)
+    cannot keep a dead node, or a last call, alive forever."""
+    timeout = job.spec.heartbeat_timeout_s
+    for node in job.nodes.values():
+        if stall and node.graced:
+            continue  # silent through a whole grace already: the next tick judges it as usual
+        node.graced = stall
+        node.last_seen = now
+        if not node.connected:
+            node.lost_deadline = now + timeout
+            node.dropped = False  # the drop was the server's doing, not the node's death
+    if stall and job.graced_at is not None and now - job.graced_at < timeout:
+        return
+    if stall:
+        job.graced_at = now
+    if job.last_call_deadline is not None:
+        job.last_call_deadline = max(job.last_call_deadline, now + job.spec.last_call_s)
+    if job.join_deadline is not None:
+        job.join_deadline = max(job.join_deadline, now + timeout)
+
+
+def restored(job: Job, now: float) -> None:
+    """A job loaded from disk: nobody is connected yet; give everyone a timeout."""
+    for node in job.nodes.values():
+        node.connected, node.dropped = False, False
+    grace(job, now)
+
+
+def tick(job: Job, now: float) -> Effects:
+    """Time passes: lose silent or disconnected nodes, fire last call, scale-up,
+    join timeout, and push throttled status while a round forms."""
+    fx = Effects()
+    if job.finished:
+        return fx
+    timeout = job.spec.heartbeat_timeout_s
+    for node in list(job.nodes.values()):
+        if node.state == SUCCEEDED:
+            continue
+        if node.lost_deadline is not None and now >= node.lost_deadline:
+            fx.merge(_lose(job, node.node_id, "connection lost", now, evict=True))
+        elif now - node.last_seen >= timeout:
+            fx.merge(_lose(job, node.node_id, f"no heartbeat for {timeout:g}s", now, evict=True))
+        if job.finished:
+            return fx
+    if job.forming:
+        if job.last_call_deadline is not None and now >= job.last_call_deadline:
+            fx.merge(_complete(job, now))
+        elif job.join_deadline is not None and now >= job.join_deadline:
+            joined = count(job, WAITING)
+            missing = [n for n in job.prev_order if n in job.nodes and job.nodes[n].state == REJOINING]
+            why = (f"previous member(s) {', '.join(missing[:8])} never rejoined" if missing and
+                   joined >= job.spec.min_nodes else f"{joined} of min {job.spec.min_nodes} nodes joined")
+            fx.merge(_end(job, JobState.FAILED, f"join timeout: {why} within {job.spec.join_timeout_s:g}s", now))
+            return fx
+    elif job.scale_up_deadline is not None and now >= job.scale_up_deadline:
+        newcomers = [n.node_id for n in job.nodes.values() if n.state == WAITING]
+        job.scale_up_deadline = None
+        if newcomers:
+            fx.merge(_open_round(job, f"scale-up: {len(newcomers)} new node(s) {', '.join(newcomers[:8])}", now))
+    if job.forming and job.status_dirty and now >= job.next_status_at:
+        job.status_dirty = False
+        job.next_status_at = now + STATUS_PUSH_INTERVAL_S
+        status = StatusMsg(round=job.round, waiting_for=waiting_info(job, now))  # one message for all
+        for node in job.nodes.values():
+            if node.state in (WAITING, SPARE) and node.connected:
+                fx.send(node.node_id, status)
+    return fx
+
+
+def next_due(job: Job, nodes: bool = True) -> float | None:
+    """The earliest time :func:`tick` could change ``job`` (None: never, it is
+    finished). Heartbeats only move it later, so a caller that keeps jobs in a
+    heap by this time may recompute it when the job is popped.
+
+    ``nodes=False`` skips the nodes' deadlines (O(1) instead of O(nodes)): they
+    only move later, except when a connection drops (``lost_deadline``)."""
+    if job.finished:
+        return None
+    due = float("inf")
+    timeout = job.spec.heartbeat_timeout_s
+    for node in job.nodes.values() if nodes else ():
+        if node.state == SUCCEEDED:
+            continue
+        if node.lost_deadline is not None and node.lost_deadline < due:
+            due = node.lost_deadline
+        if node.last_seen + timeout < due:
+            due = node.last_seen + timeout
+    if job.forming:
+        for t in (job.last_call_deadline, job.join_deadline):
+            if t is not None and t < due:
+                due = t
+        if job.status_dirty and job.next_status_at < due:
+            due = job.next_status_at
+    elif job.scale_up_deadline is not None and job.scale_up_deadline < due:
+        due = job.scale_up_deadline
+    return due
+
+
+# ------------------------------------------------------------------ internal
+
+
+def _lose(job: Job, node_id: str, why: str, now: float, *, evict: bool) -> Effects:
+    node = job.nodes[node_id]
+    move(job, node, None)
+    fx = Effects()
+    if evict:
+        fx.evicted.append(node_id)
+        fx.send(node_id, EvictedMsg(reason=f"node {node_id} {why}"))
+    fx.logs.append(f"job {job.job_id} round {job.round}: node {node_id} ({node.host}) {why}")
+    job.status_dirty = True
+    if node.state == RUNNING and not job.forming:
+        return fx.merge(_open_round(job, f"node {node_id} ({node.host}) {why}", now))
+    if job.forming:
+        fx.merge(_check_complete(job, now))
+    return fx
+
+
+def _open_round(job: Job, reason: str, now: float) -> Effects:
+    """Round r+1 opens: running members must stop their workers and rejoin."""
+    fx = Effects(persist=True, rounds_opened=1)
+    job.prev_order = [n for n in job.order if n in job.nodes and job.nodes[n].state == RUNNING]
+    job.round += 1
+    job.state = JobState.WAITING
+    job.order = []
+    job.world_size = 0
+    job.master_addr = job.master_port = None
+    job.last_call_deadline = None
+    job.scale_up_deadline = None
+    job.join_deadline = now + job.spec.join_timeout_s
+    job.status_dirty = True
+    job.history.append(RoundRecord(round=job.round, reason=reason, started_at=now))
+    del job.history[:-MAX_HISTORY]
+    restart = RestartMsg(round=job.round, reason=reason)  # one message for all members
+    for node in list(job.nodes.values()):
+        node.group_rank = None
+        if node.state == RUNNING:
+            move(job, node, REJOINING)
+            fx.send(node.node_id, restart)
+        elif node.state == SUCCEEDED:
+            move(job, node, None)  # it exited; it will not come back
+        elif node.state == SPARE:
+            move(job, node, WAITING)
+    fx.logs.append(f"job {job.job_id} round {job.round} opened: {reason}; "
+                   f"waiting for {len(job.prev_order)} node(s) {', '.join(job.prev_order[:16]) or 'nobody'}"
+                   f"{' ...' if len(job.prev_order) > 16 else ''}")
+    return fx.merge(_check_complete(job, now))
+
+
+def _check_complete(job: Job, now: float) -> Effects:
+    if not job.forming:
+        return Effects()
+    spec = job.spec
+    waiting = count(job, WAITING)
+    if job.prev_order:  # a re-formed round: no last call, the server knows who lives
+        # Wait for every live previous member even when max_nodes already wait
+        # (promoted spares): otherwise a spare takes its slot and rank 0 moves.
+        if count(job, REJOINING) == 0 and waiting >= spec.min_nodes:
+            return _complete(job, now)
+        return Effects()
+    if waiting >= spec.max_nodes:
+        return _complete(job, now)
+    if waiting >= spec.min_nodes:
+        if job.last_call_deadline is None:
+            job.last_call_deadline = now + spec.last_call_s
+            job.status_dirty = True
+    else:
+        job.last_call_deadline = None
+    return Effects()
+
+
+def assign_ranks(prev_order: list[str], candidates: list[Node], world: int) -> tuple[list[Node], list[Node]]:
+    """Pick ``world`` members and order them; return (members by group rank, spares).
+
+    1. previous members first, in their previous order, then new nodes in
+       natural host order, then node id; the first ``world`` are members;
+    2. a surviving previous rank 0 keeps rank 0 (MASTER_ADDR does not move);
+    3. a requested rank is honoured when free and < world;
+    4. the rest fill the free slots in the order of 1.
+    """
+    prev_pos = {nid: i for i, nid in enumerate(prev_order)}
+    old = sorted((n for n in candidates if n.node_id in prev_pos), key=lambda n: prev_pos[n.node_id])
+    new = sorted((n for n in candidates if n.node_id not in prev_pos), key=natural_key)
+    ordered = old + new
+    members, spares = ordered[:world], ordered[world:]
+    slots: list[Node | None] = [None] * len(members)
+    placed: set[str] = set()
+    if prev_order and members and members[0].node_id == prev_order[0]:
+        slots[0] = members[0]
+        placed.add(members[0].node_id)
+    for node in members:
+        r = node.requested_rank
+        if node.node_id not in placed and r is not None and r < len(slots) and slots[r] is None:
+            slots[r] = node
+            placed.add(node.node_id)
+    rest = iter(n for n in members if n.node_id not in placed)
+    result = [s if s is not None else next(rest) for s in slots]
+    return result, spares
+
+
+def _complete(job: Job, now: float) -> Effects:
+    """Freeze the membership: ranks, master, everyone told."""
+    candidates = [n for n in job.nodes.values() if n.state == WAITING]
+    members, spares = assign_ranks(job.prev_order, candidates, min(len(candidates), job.spec.max_nodes))
+    job.order = [n.node_id for n in members]
+    job.state = JobState.RUNNING
+    job.world_size = sum(n.local_world_size for n in members)
+    job.master_addr, job.master_port = members[0].addr, members[0].master_port
+    job.last_call_deadline = job.join_deadline = job.scale_up_deadline = None
+    rec = job.history[-1]
+    rec.completed_at, rec.world_size, rec.nodes = now, job.world_size, len(members)
+    fx = Effects(persist=True, rounds_completed=1)
+    offset = 0
+    for rank, node in enumerate(members):
+        move(job, node, RUNNING)
+        node.group_rank, node.rank_offset = rank, offset
+        offset += node.local_world_size
+    for node in spares:
+        move(job, node, SPARE)
+    for node in members:
+        fx.send(node.node_id, AssignedMsg(assignment=_assignment(job, node)))
+    spare = SpareMsg(round=job.round)  # one message for all spares
+    for node in spares:
+        fx.send(node.node_id, spare)
+    shown = ", ".join(f"{n.node_id}={n.group_rank}" for n in members[:16])
+    more = f" (+{len(members) - 16} more)" if len(members) > 16 else ""
+    fx.logs.append(f"job {job.job_id} round {job.round} complete: {len(members)} nodes, world size "
+                   f"{job.world_size}, master {job.master_addr}:{job.master_port}, spares {len(spares)}; "
+                   f"ranks {shown}{more}")
+    return fx
+
+
+def _assignment(job: Job, node: Node) -> Assignment:
+    return Assignment(
+        job_id=job.job_id,
+        round=job.round,
+        group_rank=node.group_rank,
+        group_world_size=len(job.order),
+        local_world_size=node.local_world_size,
+        rank_offset=node.rank_offset,
+        world_size=job.world_size,
+        master_addr=job.master_addr,
+        master_port=job.master_port,
+        max_restarts=job.spec.max_restarts,
+        restarts=job.restarts,
+    )
+
+
+def _end(job: Job, state: JobState, reason: str, now: float) -> Effects:
+    job.state = state
+    job.end_reason = reason
+    job.ended_at = now
+    job.last_call_deadline = job.join_deadline = job.scale_up_deadline = None
+    fx = Effects(persist=True)
+    msg = DoneMsg(state=state.value, reason=reason, root_cause=job.root_cause)
+    for node_id in job.nodes:
+        fx.send(node_id, msg)
+    fx.logs.append(f"job {job.job_id} round {job.round}: {state.value}: {reason}")
+    return fx
+

@@ -1,0 +1,182 @@
+"""The data of the round machine: node states and their allowed transitions,
+nodes, jobs, and the effects a step returns. No I/O, no clock.
+
+A node's state changes only through :func:`move`, which checks the transition
+against :data:`TRANSITIONS` and keeps ``Job.counts`` (nodes per state) true.
+See docs/design.md for what each state means.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from ..protocol import TERMINAL_STATES, JobSpec, JobState
+
+
+class NodeState(str, Enum):
+    """A node's state in its job. The values are what records store (strings):
+    never change one, or saved jobs stop loading."""
+
+    WAITING = "waiting"  # joined the forming round, or queued for a scale-up
+    REJOINING = "rejoining"  # member of the previous round, alive, stopping its workers
+    RUNNING = "running"  # member of the running round
+    SUCCEEDED = "succeeded"  # its workers all exited 0 in the running round
+    SPARE = "spare"  # beyond max_nodes: replaces the first member lost
+
+    def __str__(self) -> str:
+        return self.value
+
+
+WAITING, REJOINING, RUNNING, SUCCEEDED, SPARE = NodeState
+
+# Every allowed change of a node's state; None is "not in the job" (before its
+# first join, after it was lost, left, or finished).
+TRANSITIONS: dict[NodeState | None, frozenset[NodeState | None]] = {
+    None: frozenset({WAITING, SPARE}),  # a new node joins: the forming round / a scale-up, or a spare
+    WAITING: frozenset({WAITING, RUNNING, SPARE, None}),  # joins again / round completes / no slot / lost
+    REJOINING: frozenset({WAITING, None}),  # it rejoins the re-forming round / lost
+    RUNNING: frozenset({REJOINING, SUCCEEDED, None}),  # a new round opens / success / lost
+    SUCCEEDED: frozenset({None}),  # it exited; the next round (or the end) forgets it
+    SPARE: frozenset({SPARE, WAITING, None}),  # joins again / a round opens or a slot frees / lost
+}
+
+
+class IllegalTransitionError(RuntimeError):
+    """A bug in the round machine: a node state change the table does not allow."""
+
+
+@dataclass
+class Node:
+    node_id: str
+    host: str
+    addr: str
+    local_world_size: int
+    master_port: int
+    requested_rank: int | None
+    last_seen: float
+    state: NodeState | None = None  # set only through move(), which keeps Job.counts
+    group_rank: int | None = None
+    rank_offset: int = 0
+    connected: bool = True
+    lost_deadline: float | None = None
+    dropped: bool = False  # its connection dropped (not merely restored from disk)
+    joined_at: float = 0.0
+    graced: bool = False  # given a stall grace and not heard from since (see grace)
+    secret_hash: str | None = None  # sha256 of the secret it was issued; None: saved before secrets existed
+
+
+@dataclass
+class RoundRecord:
+    round: int
+    reason: str
+    started_at: float
+    completed_at: float | None = None
+    world_size: int | None = None
+    nodes: int | None = None
+
+
+@dataclass
+class Job:
+    job_id: str
+    spec: JobSpec
+    created_at: float
+    state: JobState = JobState.WAITING
+    round: int = 0
+    nodes: dict[str, Node] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)  # running round, group-rank order
+    prev_order: list[str] = field(default_factory=list)  # previous round's order
+    world_size: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    restarts: int = 0
+    history: list[RoundRecord] = field(default_factory=list)
+    last_call_deadline: float | None = None
+    join_deadline: float | None = None
+    scale_up_deadline: float | None = None
+    root_cause: str | None = None
+    end_reason: str | None = None
+    ended_at: float | None = None
+    status_dirty: bool = False
+    next_status_at: float = 0.0
+    counts: dict[NodeState, int] = field(default_factory=dict)  # nodes per state, kept by move()
+    graced_at: float | None = None  # when a stall last extended the job's own deadlines
+    secret_hash: str | None = None  # the job secret's hash (see job_secret_hash); None: no job secret
+
+    @property
+    def forming(self) -> bool:
+        return self.state == JobState.WAITING
+
+    @property
+    def finished(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+
+@dataclass
+class Effects:
+    """What the caller must do after a step, in order: persist, then send, then log."""
+
+    sends: list[tuple[str, Any]] = field(default_factory=list)
+    persist: bool = False
+    logs: list[str] = field(default_factory=list)
+    evicted: list[str] = field(default_factory=list)
+    rounds_opened: int = 0
+    rounds_completed: int = 0
+    restarts: int = 0
+
+    def send(self, node_id: str, msg: Any) -> None:
+        self.sends.append((node_id, msg))
+
+    def merge(self, other: "Effects") -> "Effects":
+        self.sends.extend(other.sends)
+        self.persist |= other.persist
+        self.logs.extend(other.logs)
+        self.evicted.extend(other.evicted)
+        self.rounds_opened += other.rounds_opened
+        self.rounds_completed += other.rounds_completed
+        self.restarts += other.restarts
+        return self
+
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def natural_key(node: Node) -> tuple:
+    """``node2`` before ``node10``; then node id. re.split alternates str/int."""
+    parts = _DIGITS.split(node.host)
+    return tuple(int(p) if i % 2 else p.lower() for i, p in enumerate(parts)), node.node_id
+
+
+def node_secret_hash(secret: str) -> str:
+    """What the job keeps of a node's secret (random, so a plain hash will do)."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def job_secret_hash(job_id: str, secret: str) -> str:
+    """What the job keeps of its job secret: a hash salted with the job id, so
+    equal secrets of two jobs do not show as equal."""
+    return hashlib.sha256(f"rdzv job secret\0{job_id}\0{secret}".encode()).hexdigest()
+
+
+def count(job: Job, state: NodeState) -> int:
+    """How many of the job's nodes are in ``state`` (O(1))."""
+    return job.counts.get(state, 0)
+
+
+def move(job: Job, node: Node, state: NodeState | None) -> None:
+    """The one place a node's state changes: check the transition, keep the
+    counts. ``None`` removes the node from the job."""
+    if state not in TRANSITIONS.get(node.state, ()):
+        raise IllegalTransitionError(f"illegal node state transition for node {node.node_id!r} of job "
+                                     f"{job.job_id!r}: {node.state} -> {state}")
+    if state is None:  # the node keeps its last state, for whoever still holds it
+        del job.nodes[node.node_id]
+    if node.state is not None:
+        job.counts[node.state] -= 1
+    if state is None:
+        return
+    node.state = state
+    job.counts[state] = job.counts.get(state, 0) + 1
