@@ -32,7 +32,7 @@ from rdzv_server.protocol import (
 )
 
 from .client import parse_endpoint
-from .workers import Std, parse_std
+from .launch import Std, parse_std
 
 DEFAULT_SERVER_TIMEOUT_S = 300.0
 DEFAULT_STOP_TIMEOUT_S = 10.0

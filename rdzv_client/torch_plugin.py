@@ -74,7 +74,7 @@ from rdzv_server.protocol import (
 
 from .client import AgentLink, RestClient, parse_endpoint
 from .session import NodeSession, OutageWatch, route_addr
-from .workers import WITHHELD_FROM_WORKERS
+from .launch import WITHHELD_FROM_WORKERS
 
 log = logging.getLogger(__name__)
 
