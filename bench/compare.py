@@ -270,6 +270,8 @@ class FirstContact:
 
         self.port, self.ws = port, ws
         self.at: float | None = None
+        self.pid: int | None = None  # the agent's: its CPU time is read at the first contact
+        self.cpu_s: float | None = None
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="first-contact", daemon=True)
@@ -322,7 +324,7 @@ class FirstContact:
                 except ValueError:
                     op = None
                 if op == "join":
-                    self.at = self.at or time.time()
+                    self._stamp()
                     break
         await ws.close()
         return ws
@@ -330,9 +332,15 @@ class FirstContact:
     async def _on_raw(self, reader, writer) -> None:
         try:
             if await reader.read(1):
-                self.at = self.at or time.time()
+                self._stamp()
         finally:
             writer.close()
+
+    def _stamp(self) -> None:
+        if self.at is None:
+            self.at = time.time()
+            ticks = C.cpu_ticks(self.pid) if self.pid else None
+            self.cpu_s = ticks / C.CLK_TCK if ticks is not None else None
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -360,14 +368,15 @@ def row_join_sent(cl: Cluster, bound: float) -> Outcome:
     cl.endpoint = f"127.0.0.1:{port}"
     try:
         agent = cl.launch("1", ["true"], no_python=True, is_host=False)
+        listener.pid = agent.pid
         if not C.wait_until(lambda: listener.at is not None or agent.poll() is not None, bound, 0.005):
             return Outcome(None, f"> {bound:g} s")
         if listener.at is None:
             return Outcome(None, f"agent exited {agent.popen.returncode} before it spoke")
-        info = {}
+        info = {"agent_cpu_s": listener.cpu_s}
         if cl.launcher == "rdzv":
-            info = {"python_floor_s": _floor_s("pass"), "aiohttp_import_s": _floor_s("import aiohttp"),
-                    "protocol_import_s": _floor_s("import rdzv_server.protocol")}
+            info.update(python_floor_s=_floor_s("pass"), aiohttp_import_s=_floor_s("import aiohttp"),
+                        protocol_import_s=_floor_s("import rdzv_server.protocol"))
         return Outcome(listener.at - agent.launched_at, info=info)
     finally:
         listener.close()
@@ -629,6 +638,13 @@ def info_lines(results: dict) -> list[str]:
                      f"rdzv_server.protocol` (pydantic and the wire models) "
                      f"{C.median([f['protocol_import_s'] for f in floors]) * 1000:.0f} ms: the agent needs both "
                      "before its join frame")
+    for launcher in LAUNCHERS:
+        cpu = [o.info["agent_cpu_s"] for o in results.get("join_sent", {}).get(launcher, [])
+               if o.info.get("agent_cpu_s") is not None]
+        if cpu:
+            lines.append(f"- row 0, {launcher}: the agent's own CPU time (user+sys) when its first word arrived, "
+                         f"median {C.median(cpu) * 1000:.0f} ms over {len(cpu)} run(s) (less load-dependent "
+                         "than the wall time)")
     if any(k in results for k in STEP_KEYS):
         lines.append("- rows 4-6, [1st all_reduce]: from the same start of the clock until every worker of the "
                      "new world finished its first gloo all_reduce (import torch and init_process_group "

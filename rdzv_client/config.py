@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="seconds a job below min nodes waits for more before it fails")
     a("--scale-up-window", type=float, default=DEFAULT_SCALE_UP_WINDOW_S,
       help="seconds new nodes are batched before one scale-up round")
-    a("--stop-timeout", type=float, default=DEFAULT_STOP_TIMEOUT_S, help="seconds workers get between SIGTERM and SIGKILL")
+    a("--stop-timeout", type=float, default=DEFAULT_STOP_TIMEOUT_S,
+      help="seconds workers get between SIGTERM and SIGKILL")
     a("--server-timeout", type=float,
       default=os.environ.get("RDZV_SERVER_TIMEOUT", DEFAULT_SERVER_TIMEOUT_S),
       help="give up (stop workers, exit 3) when the server has been unreachable this many seconds "
