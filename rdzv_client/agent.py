@@ -2,9 +2,13 @@
 supervise them, rejoin when membership changes, exit when the job ends.
 
 The loop (one asyncio task) waits on three sources: the server's messages,
-the worker group's end, and signals. Each combination of state and event is
-one small branch of :meth:`Agent.run`; everything slow (stopping workers,
-reporting) is awaited there, so there is never more than one attempt alive.
+the worker group's end, and signals. The agent's state is one :class:`Phase`;
+each combination of phase and event is one small branch of :meth:`Agent.run`;
+everything slow (stopping workers, reporting) is awaited there, so there is
+never more than one attempt alive. What is said to the server (joins, resume,
+eviction, reports) is the :class:`~rdzv_client.session.NodeSession`'s, shared
+with the torchrun plugin; the flags are parsed once into an
+:class:`~rdzv_client.config.AgentConfig`.
 
 Exit status: 0 when this node's workers all succeeded; 1 when the job failed
 or was closed; 2 for a usage or configuration error (or the server refused this

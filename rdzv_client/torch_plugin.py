@@ -9,6 +9,10 @@ dies and pushes round changes, which :meth:`num_nodes_waiting` reports to
 torchrun's monitor loop (it restarts the workers and calls
 :meth:`next_rendezvous` again).
 
+The node's side of the protocol (node id, joins, resume, eviction, reports,
+assignment checks, the server-timeout bookkeeping) is the
+:class:`~rdzv_client.session.NodeSession` rdzv-agent uses too.
+
 Each round gets a fresh TCPStore hosted by that round's group rank 0 on the
 port it reported, so losing any node, rank 0 included, only costs a round:
 the survivors' next round has its own rank 0 and its own store.
