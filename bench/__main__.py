@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="runs per row and launcher (default 3, and 2 for the rows where torchrun waits out "
                         "long timeouts: 3, 4a, 4b, 5; --quick 1)")
     p.add_argument("--out", default=None, help="write all results as JSON here")
-    p.add_argument("--only", default=None, help="comma-separated row keys (rdzv_n2, wall_n2, elastic_2_4, "
+    p.add_argument("--only", default=None, help="comma-separated row keys (join_sent, rdzv_n2, wall_n2, elastic_2_4, "
                                                  "node_loss, host_loss, scale_up, worker_crash, footprint)")
     p.add_argument("--no-server-scale", action="store_true", help="skip rows 8 and 9")
     p.add_argument("--smoke", action="store_true", help="rdzv only, one tiny row and a tiny server scale run")

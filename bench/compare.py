@@ -86,7 +86,7 @@ def read_lines(path: Path) -> list[Line]:
 class Cluster:
     """Processes of one measurement; everything is stopped by pid in close()."""
 
-    def __init__(self, launcher: str, tmp: Path, name: str):
+    def __init__(self, launcher: str, tmp: Path, name: str, server: bool = True):
         self.launcher = launcher
         self.dir = tmp / f"{name}-{launcher}-{uuid.uuid4().hex[:6]}"
         self.dir.mkdir(parents=True)
@@ -101,7 +101,7 @@ class Cluster:
                     if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB}
         self.env.update({TAG_VAR: self.tag, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(C.ROOT),
                          "RDZV_LOG_LEVEL": "INFO"})
-        if launcher == "rdzv":
+        if launcher == "rdzv" and server:
             self._start_server()
 
     def _start_server(self) -> None:
@@ -114,15 +114,16 @@ class Cluster:
         if self.server.poll() is not None:
             raise RuntimeError("rdzv-server exited:\n" + self.server.text()[-2000:])
 
-    def launch(self, nnodes: str, cmd: list[str], no_python: bool = False) -> C.Proc:
+    def launch(self, nnodes: str, cmd: list[str], no_python: bool = False, is_host: bool | None = None) -> C.Proc:
         i = len(self.agents)
+        is_host = i == 0 if is_host is None else is_host
         if self.launcher == "rdzv":
             argv = [sys.executable, "-m", "rdzv_client.agent", "--endpoint", self.endpoint, "--job-id", self.job,
                     "--local-addr", "127.0.0.1"]
         else:
             argv = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.job}",
-                    f"--rdzv-conf=is_host={1 if i == 0 else 0}", "--local-addr", "127.0.0.1"]
+                    f"--rdzv-conf=is_host={int(is_host)}", "--local-addr", "127.0.0.1"]
         argv += ["--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", "3"]
         if no_python:
             argv.append("--no-python")
@@ -257,6 +258,130 @@ def _form(cl: Cluster, n: int, nnodes: str, bound: float, extra: tuple[str, ...]
     return None
 
 
+class FirstContact:
+    """A stand-in for the rendezvous endpoint that only timestamps the first
+    contact, on its own thread: for rdzv, the first WebSocket text frame whose
+    op is ``join`` (on the real agent path); for torchrun, the first bytes a
+    connection sends (its c10d store client, ``is_host=0``)."""
+
+    def __init__(self, port: int, ws: bool) -> None:
+        import asyncio
+        import threading
+
+        self.port, self.ws = port, ws
+        self.at: float | None = None
+        self.pid: int | None = None  # the agent's: its CPU time is read at the first contact
+        self.cpu_s: float | None = None
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="first-contact", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("first-contact listener did not start")
+
+    def _run(self) -> None:
+        import asyncio
+
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self._start())
+        self._ready.set()
+        self.loop.run_forever()
+        self.loop.run_until_complete(self._stop())
+        self.loop.close()
+
+    async def _start(self) -> None:
+        import asyncio
+
+        if self.ws:
+            from aiohttp import web
+
+            from rdzv_server.protocol import AGENT_PATH
+
+            app = web.Application()
+            app.router.add_get(AGENT_PATH, self._on_ws)
+            self._runner = web.AppRunner(app, access_log=None)
+            await self._runner.setup()
+            await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        else:
+            self._server = await asyncio.start_server(self._on_raw, "127.0.0.1", self.port)
+
+    async def _stop(self) -> None:
+        if self.ws:
+            await self._runner.cleanup()
+        else:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _on_ws(self, request):
+        from aiohttp import WSMsgType, web
+
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        async for msg in ws:
+            if msg.type == WSMsgType.TEXT:
+                try:
+                    op = json.loads(msg.data).get("op")
+                except ValueError:
+                    op = None
+                if op == "join":
+                    self._stamp()
+                    break
+        await ws.close()
+        return ws
+
+    async def _on_raw(self, reader, writer) -> None:
+        try:
+            if await reader.read(1):
+                self._stamp()
+        finally:
+            writer.close()
+
+    def _stamp(self) -> None:
+        if self.at is None:
+            self.at = time.time()
+            ticks = C.cpu_ticks(self.pid) if self.pid else None
+            self.cpu_s = ticks / C.CLK_TCK if ticks is not None else None
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+def _floor_s(code: str, reps: int = 3) -> float:
+    """Best wall time of ``python -c CODE`` (what an import costs by itself here)."""
+    import subprocess
+
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], check=True, cwd=C.ROOT)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def row_join_sent(cl: Cluster, bound: float) -> Outcome:
+    """Agent launched -> its first word reaches the rendezvous endpoint: for
+    rdzv the join frame, for torchrun its first bytes to the c10d store. No
+    round forms: a listener stands in for the server (FirstContact)."""
+    port = C.free_port()
+    listener = FirstContact(port, ws=cl.launcher == "rdzv")
+    cl.endpoint = f"127.0.0.1:{port}"
+    try:
+        agent = cl.launch("1", ["true"], no_python=True, is_host=False)
+        listener.pid = agent.pid
+        if not C.wait_until(lambda: listener.at is not None or agent.poll() is not None, bound, 0.005):
+            return Outcome(None, f"> {bound:g} s")
+        if listener.at is None:
+            return Outcome(None, f"agent exited {agent.popen.returncode} before it spoke")
+        info = {"agent_cpu_s": listener.cpu_s}
+        if cl.launcher == "rdzv":
+            info.update(python_floor_s=_floor_s("pass"), aiohttp_import_s=_floor_s("import aiohttp"),
+                        protocol_import_s=_floor_s("import rdzv_server.protocol"))
+        return Outcome(listener.at - agent.launched_at, info=info)
+    finally:
+        listener.close()
+
+
 def row_node_loss(cl: Cluster, victim_kind: str, bound: float, setup_bound: float) -> Outcome:
     """3 agents (2:3) train; SIGKILL one node (agent + workers) -> both
     survivors' workers started again with world 2.
@@ -359,13 +484,17 @@ class Row:
     unit: str = "s"
     launchers: tuple[str, ...] = LAUNCHERS
     slow: bool = False  # torchrun waits out long timeouts here: fewer runs by default
+    server: bool = True  # rdzv: start a real rdzv-server for the row
 
 
 def plan(quick: bool = False, smoke: bool = False) -> list[Row]:
     if smoke:
-        return [Row("rdzv_n2", "1. Rendezvous N=2: last agent launched -> all workers started",
+        return [Row("join_sent", "0. Start-up: agent launched -> join sent", lambda cl: row_join_sent(cl, 30),
+                    launchers=("rdzv",), server=False),
+                Row("rdzv_n2", "1. Rendezvous N=2: last agent launched -> all workers started",
                     lambda cl: row_rendezvous(cl, 2, 30), launchers=("rdzv",))]
-    rows = []
+    rows = [Row("join_sent", "0. Start-up: agent launched -> join sent (torchrun: first bytes to its store)",
+                lambda cl: row_join_sent(cl, 30), server=False)]
     for n in ((2, 4) if quick else (2, 4, 8)):
         rows.append(Row(f"rdzv_n{n}", f"1. Rendezvous N={n}: last agent launched -> all workers started",
                         lambda cl, n=n: row_rendezvous(cl, n, 90)))
@@ -411,7 +540,7 @@ def measure(rows: list[Row], runs: int, tmp: Path, log=print, launchers=LAUNCHER
             if run % 2:
                 order.reverse()
             for launcher in order:
-                cl = Cluster(launcher, tmp, row.key)
+                cl = Cluster(launcher, tmp, row.key, server=row.server)
                 t0 = time.time()
                 try:
                     out = row.fn(cl)
@@ -501,6 +630,21 @@ def info_lines(results: dict) -> list[str]:
         lines.append(f"- rdzv server history, {k}: first join -> round complete (completed_at - started_at), "
                      f"median {C.median(vals) * 1000:.0f} ms over {len(vals)} run(s); the rest of row 1 is agent "
                      f"start-up (Python imports, connect) and worker spawn")
+    floors = [o.info for o in results.get("join_sent", {}).get("rdzv", []) if "aiohttp_import_s" in o.info]
+    if floors:
+        lines.append("- row 0, what a bare `python -c` costs here (best of 3, wall, per run's median): nothing "
+                     f"{C.median([f['python_floor_s'] for f in floors]) * 1000:.0f} ms, `import aiohttp` "
+                     f"{C.median([f['aiohttp_import_s'] for f in floors]) * 1000:.0f} ms, `import "
+                     f"rdzv_server.protocol` (pydantic and the wire models) "
+                     f"{C.median([f['protocol_import_s'] for f in floors]) * 1000:.0f} ms: the agent needs both "
+                     "before its join frame")
+    for launcher in LAUNCHERS:
+        cpu = [o.info["agent_cpu_s"] for o in results.get("join_sent", {}).get(launcher, [])
+               if o.info.get("agent_cpu_s") is not None]
+        if cpu:
+            lines.append(f"- row 0, {launcher}: the agent's own CPU time (user+sys) when its first word arrived, "
+                         f"median {C.median(cpu) * 1000:.0f} ms over {len(cpu)} run(s) (less load-dependent "
+                         "than the wall time)")
     if any(k in results for k in STEP_KEYS):
         lines.append("- rows 4-6, [1st all_reduce]: from the same start of the clock until every worker of the "
                      "new world finished its first gloo all_reduce (import torch and init_process_group "

@@ -2,9 +2,13 @@
 supervise them, rejoin when membership changes, exit when the job ends.
 
 The loop (one asyncio task) waits on three sources: the server's messages,
-the worker group's end, and signals. Each combination of state and event is
-one small branch of :meth:`Agent.run`; everything slow (stopping workers,
-reporting) is awaited there, so there is never more than one attempt alive.
+the worker group's end, and signals. The agent's state is one :class:`Phase`;
+each combination of phase and event is one small branch of :meth:`Agent.run`;
+everything slow (stopping workers, reporting) is awaited there, so there is
+never more than one attempt alive. What is said to the server (joins, resume,
+eviction, reports) is the :class:`~rdzv_client.session.NodeSession`'s, shared
+with the torchrun plugin; the flags are parsed once into an
+:class:`~rdzv_client.config.AgentConfig`.
 
 Exit status: 0 when this node's workers all succeeded; 1 when the job failed
 or was closed; 2 for a usage or configuration error (or the server refused this
@@ -12,35 +16,24 @@ node); 3 when the server stayed unreachable for ``--server-timeout`` seconds;
 128+N after signal N.
 
 Everything that came from the server is validated (the protocol models, then
-:meth:`Agent._check_assignment`) and printed through ``printable()``.
+:meth:`NodeSession.check_assignment`) and printed through ``printable()``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import enum
 import logging
 import os
-import re
-import secrets
 import shutil
 import signal
 import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from rdzv_server import __version__
 from rdzv_server.protocol import (
-    DEFAULT_HEARTBEAT_TIMEOUT_S,
-    DEFAULT_JOIN_TIMEOUT_S,
-    DEFAULT_LAST_CALL_S,
-    DEFAULT_MAX_RESTARTS,
-    DEFAULT_SCALE_UP_WINDOW_S,
-    MAX_SECRET_LEN,
-    SECRET_PATTERN,
     AckMsg,
     AssignedMsg,
     Assignment,
@@ -49,313 +42,50 @@ from rdzv_server.protocol import (
     ErrorMsg,
     EvictedMsg,
     ExitRecord,
-    FailedMsg,
     heartbeat_interval,
-    JobSpec,
     JoinedMsg,
-    JoinMsg,
-    LeaveMsg,
     RdzvError,
     RestartMsg,
     SpareMsg,
     StatusMsg,
-    SucceededMsg,
-    is_valid_id,
     printable,
 )
 
 from .client import AgentLink, parse_endpoint
-from .workers import ExitInfo, LaunchConfig, Std, WorkerGroup, describe, error_file_path, parse_std, worker_env
+from .config import (  # noqa: F401 - build_parser, config_from_args, UsageError: the agent's public names
+    DEFAULT_SERVER_TIMEOUT_S,
+    AgentConfig,
+    UsageError,
+    build_parser,
+    config_from_args,
+)
+from .session import NodeSession, OutageWatch, route_addr
+from .workers import ExitInfo, LaunchConfig, WorkerGroup, describe, error_file_path, worker_env
 
 log = logging.getLogger("rdzv_agent")
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_GAVE_UP = 3
-DEFAULT_SERVER_TIMEOUT_S = 300.0
-# An outage shorter than this is a reconnect, not news; a longer one is logged
-# when it starts, every OUTAGE_LOG_EVERY_S while it lasts, and when it ends.
-OUTAGE_NOTICE_AFTER_S = 2.0
-OUTAGE_LOG_EVERY_S = 30.0
 # Reports whose outcome we wait for; a server that is down is waited for this long.
 REPORT_TIMEOUT_S = 60.0
 FATAL_CODES = {ErrorCode.SPEC_MISMATCH, ErrorCode.JOB_FINISHED, ErrorCode.VALIDATION_ERROR,
                ErrorCode.UNAUTHORIZED, ErrorCode.BAD_REQUEST, ErrorCode.JOB_SECRET_MISMATCH}
 
 
-class UsageError(Exception):
-    """Bad flags or environment: print one line, exit 2."""
-
-
-# ------------------------------------------------------------------ settings
-
-
-@dataclass
-class AgentConfig:
-    endpoint: str
-    job_id: str
-    min_nodes: int
-    max_nodes: int
-    nproc: int
-    cmd: list[str]
-    max_restarts: int = DEFAULT_MAX_RESTARTS
-    node_rank: int | None = None
-    local_addr: str | None = None
-    token: str | None = None
-    job_secret: str | None = field(default=None, repr=False)
-    log_dir: Path | None = None
-    redirects: dict[int, Std] | Std = Std.NONE
-    tee: dict[int, Std] | Std = Std.NONE
-    local_ranks_filter: set[int] | None = None
-    last_call_s: float = DEFAULT_LAST_CALL_S
-    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
-    join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
-    scale_up_window_s: float = DEFAULT_SCALE_UP_WINDOW_S
-    stop_timeout_s: float = 10.0
-    server_timeout_s: float = DEFAULT_SERVER_TIMEOUT_S
-    standalone: bool = False
-    host: str = field(default_factory=socket.gethostname)
-
-    def spec(self) -> JobSpec:
-        return JobSpec(min_nodes=self.min_nodes, max_nodes=self.max_nodes, max_restarts=self.max_restarts,
-                       last_call_s=self.last_call_s, heartbeat_timeout_s=self.heartbeat_timeout_s,
-                       join_timeout_s=self.join_timeout_s, scale_up_window_s=self.scale_up_window_s)
-
-
-def _env(name: str, default=None):
-    """torchrun's PET_* variables (as Kubernetes operators set them), then ours."""
-    return os.environ.get("PET_" + name.upper().replace("-", "_"), default)
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Show a default only where there is one and the help does not say it."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, False, "") or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="rdzv-agent",
-        allow_abbrev=False,  # the script's own --node or --log must not match our flags
-        description="Launch and supervise one node's workers of an elastic PyTorch job "
-                    "(a drop-in for torchrun; see rdzv-server).",
-        formatter_class=_HelpFormatter,
-    )
-    a = p.add_argument
-    a("--version", action="version", version=f"rdzv-agent {__version__}")
-    a("--endpoint", "--rdzv-endpoint", "--rdzv_endpoint", dest="endpoint",
-      default=os.environ.get("RDZV_ENDPOINT") or _env("rdzv_endpoint"), help="rdzv-server HOST:PORT ($RDZV_ENDPOINT)")
-    a("--job-id", "--rdzv-id", "--rdzv_id", "--run-id", dest="job_id",
-      default=_env("rdzv_id") or os.environ.get("SLURM_JOB_ID"), help="job id; under SLURM defaults to $SLURM_JOB_ID")
-    a("--nnodes", default=_env("nnodes", "1"), help="N or MIN:MAX nodes")
-    a("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default=_env("nproc_per_node", "1"),
-      help="workers on this node: N, gpu (one per GPU), cpu (one per core), auto (gpu if any, else cpu)")
-    a("--max-restarts", "--max_restarts", dest="max_restarts", type=int,
-      default=int(_env("max_restarts", DEFAULT_MAX_RESTARTS)), help="restarts after worker failures before the job fails")
-    a("--node-rank", "--node_rank", dest="node_rank", type=int, default=_env("node_rank"),
-      help="ask for this group rank (honoured when free and smaller than the number of nodes)")
-    a("--local-addr", "--local_addr", dest="local_addr", default=_env("local_addr"),
-      help="address other nodes reach this one at (default: the one that reaches the server)")
-    a("--token", default=None, help="bearer token for the server (default: $RDZV_TOKEN)")
-    a("--job-secret", dest="job_secret", default=None,
-      help="the job's secret: the first node sets it, every other node must bring the same "
-           "(default: $RDZV_JOB_SECRET, better than the flag, which other users see in ps)")
-    a("--log-dir", "--log_dir", dest="log_dir", default=_env("log_dir"),
-      help="per-attempt worker logs: DIR/attempt_ROUND/LOCAL_RANK/{stdout,stderr}.log")
-    a("--redirects", "-r", default=_env("redirects", "0"),
-      help="send worker output to log files only: 0 none, 1 stdout, 2 stderr, 3 both; or 0:3,1:0 per rank")
-    a("--tee", "-t", default=_env("tee", "0"), help="copy worker output to log files too (values as --redirects)")
-    a("--local-ranks-filter", "--local_ranks_filter", dest="local_ranks_filter", default=_env("local_ranks_filter", ""),
-      help="show only these local ranks on the console, e.g. 0 or 0,2")
-    a("--standalone", action="store_true", default=bool(_env("standalone")),
-      help="single node: run an embedded server on a free localhost port")
-    a("-m", "--module", action="store_true", help="run the script as a python module (python -m)")
-    a("--no-python", "--no_python", dest="no_python", action="store_true",
-      help="run the script as an executable, not with python")
-    a("--last-call", type=float, default=DEFAULT_LAST_CALL_S,
-      help="seconds the first round waits for more nodes once min is reached")
-    a("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S,
-      help="seconds of silence after which the server evicts a node")
-    a("--join-timeout", type=float, default=DEFAULT_JOIN_TIMEOUT_S,
-      help="seconds a job below min nodes waits for more before it fails")
-    a("--scale-up-window", type=float, default=DEFAULT_SCALE_UP_WINDOW_S,
-      help="seconds new nodes are batched before one scale-up round")
-    a("--stop-timeout", type=float, default=10.0, help="seconds workers get between SIGTERM and SIGKILL")
-    a("--server-timeout", type=float,
-      default=os.environ.get("RDZV_SERVER_TIMEOUT", DEFAULT_SERVER_TIMEOUT_S),
-      help="give up (stop workers, exit 3) when the server has been unreachable this many seconds "
-           "($RDZV_SERVER_TIMEOUT, default 300)")
-    # torchrun flags that mean nothing here: accepted so command lines carry over.
-    a("--rdzv-backend", "--rdzv_backend", default=None, help=argparse.SUPPRESS)
-    a("--rdzv-conf", "--rdzv_conf", default="", help="torchrun's key=value,... (join_timeout, last_call_timeout)")
-    a("--monitor-interval", "--monitor_interval", default=None, help=argparse.SUPPRESS)
-    a("--start-method", "--start_method", default=None, help=argparse.SUPPRESS)
-    a("--role", default=None, help=argparse.SUPPRESS)
-    a("script", help="training script (or module with -m, or executable with --no-python)")
-    a("script_args", nargs=argparse.REMAINDER, help="its arguments")
-    return p
-
-
-def parse_nnodes(text: str) -> tuple[int, int]:
-    try:
-        if ":" in text:
-            lo, hi = (int(x) for x in text.split(":", 1))
-        else:
-            lo = hi = int(text)
-    except ValueError:
-        raise UsageError(f"--nnodes {text!r}: expected N or MIN:MAX") from None
-    if not 1 <= lo <= hi:
-        raise UsageError(f"--nnodes {text!r}: need 1 <= MIN <= MAX")
-    return lo, hi
-
-
-def count_procs(value: str) -> int:
-    """torchrun's --nproc-per-node: a number, or gpu/cpu/auto. Imports torch
-    only to count GPUs."""
-    if value.isdigit():
-        n = int(value)
-        if n < 1:
-            raise UsageError("--nproc-per-node must be at least 1")
-        return n
-    if value == "cpu":
-        return os.cpu_count() or 1
-    if value in ("gpu", "auto"):
-        try:
-            import torch  # noqa: PLC0415 - only here, on purpose
-            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        except ImportError:
-            gpus = 0
-        if gpus:
-            return gpus
-        if value == "gpu":
-            raise UsageError("--nproc-per-node gpu: no CUDA GPU found on this node")
-        return os.cpu_count() or 1
-    raise UsageError(f"--nproc-per-node {value!r}: expected N, gpu, cpu or auto")
-
-
-def check_slurm() -> None:
-    """One agent per node: a second SLURM task on the same node would start a
-    second set of workers on the same GPUs."""
-    ntasks = os.environ.get("SLURM_NTASKS_PER_NODE", "")
-    localid = os.environ.get("SLURM_LOCALID", "")
-    first = ntasks.split("(")[0].split(",")[0]
-    if (first.isdigit() and int(first) > 1) or (localid.isdigit() and int(localid) > 0):
-        raise UsageError(
-            f"SLURM started more than one task on this node (SLURM_NTASKS_PER_NODE={ntasks or '?'}, "
-            f"SLURM_LOCALID={localid or '?'}); rdzv-agent starts all of a node's workers itself: "
-            "run it with srun --ntasks-per-node=1")
-
-
-def config_from_args(args: argparse.Namespace) -> AgentConfig:
-    check_slurm()
-    min_nodes, max_nodes = parse_nnodes(str(args.nnodes))
-    conf = {}
-    for item in filter(None, (args.rdzv_conf or "").split(",")):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise UsageError(f"--rdzv-conf item {item!r}: expected key=value")
-        conf[key.strip()] = value.strip()
-    try:
-        join_timeout = float(conf.pop("join_timeout", args.join_timeout))
-        last_call = float(conf.pop("last_call_timeout", args.last_call))
-    except ValueError as e:
-        raise UsageError(f"--rdzv-conf: {e}") from None
-    if args.rdzv_backend not in (None, "rdzv", "c10d", "static"):
-        raise UsageError(f"--rdzv-backend {args.rdzv_backend!r}: rdzv-agent always uses an rdzv server")
-    standalone = args.standalone
-    endpoint = args.endpoint
-    if standalone:
-        min_nodes = max_nodes = 1
-        endpoint = "127.0.0.1:29400"  # replaced by the embedded server's free port
-    elif not endpoint:
-        raise UsageError("no server: pass --endpoint HOST:PORT (or set RDZV_ENDPOINT), or use --standalone")
-    try:
-        parse_endpoint(endpoint)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    job_id = args.job_id or ("standalone" if standalone else None)
-    if not job_id:
-        raise UsageError("no job id: pass --job-id (torchrun: --rdzv-id), or run under SLURM")
-    if not is_valid_id(job_id):
-        raise UsageError(f"--job-id {job_id!r}: use 1-128 characters of letters, digits and ._:@+-")
-    nproc = count_procs(str(args.nproc_per_node))
-    if args.module and args.no_python:
-        raise UsageError("-m and --no-python do not go together")
-    if args.no_python:
-        cmd = [args.script, *args.script_args]
-    elif args.module:
-        cmd = [sys.executable, "-u", "-m", args.script, *args.script_args]
-    else:
-        cmd = [sys.executable, "-u", args.script, *args.script_args]
-    log_dir = Path(args.log_dir) if args.log_dir else None
-    try:
-        redirects = parse_std(str(args.redirects), nproc)
-        tee = parse_std(str(args.tee), nproc)
-        ranks_filter = {int(x) for x in str(args.local_ranks_filter).split(",") if x.strip()} or None
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if (any(redirects.values()) or any(tee.values())) and log_dir is None:
-        log_dir = Path(tempfile.mkdtemp(prefix=f"rdzv-{job_id}-"))
-    node_rank = int(args.node_rank) if args.node_rank is not None else None
-    job_secret = args.job_secret if args.job_secret is not None else os.environ.get("RDZV_JOB_SECRET") or None
-    if job_secret is not None and not re.fullmatch(SECRET_PATTERN, job_secret):
-        raise UsageError(f"the job secret (--job-secret or RDZV_JOB_SECRET) must be 1-{MAX_SECRET_LEN} "
-                         "printable ASCII characters")
-    try:
-        spec_check = JobSpec(min_nodes=min_nodes, max_nodes=max_nodes, max_restarts=args.max_restarts,
-                             last_call_s=last_call, heartbeat_timeout_s=args.heartbeat_timeout,
-                             join_timeout_s=join_timeout, scale_up_window_s=args.scale_up_window)
-    except ValueError as e:
-        raise UsageError(f"bad job settings: {e}") from None
-    try:
-        server_timeout = float(args.server_timeout)
-    except ValueError:
-        raise UsageError(f"--server-timeout {args.server_timeout!r}: expected seconds") from None
-    if not 0 < server_timeout < float("inf"):
-        raise UsageError(f"--server-timeout {args.server_timeout!r}: must be a positive number of seconds")
-    return AgentConfig(
-        endpoint=endpoint, job_id=job_id, min_nodes=min_nodes, max_nodes=max_nodes, nproc=nproc, cmd=cmd,
-        max_restarts=args.max_restarts, node_rank=node_rank, local_addr=args.local_addr,
-        token=args.token or os.environ.get("RDZV_TOKEN") or None, job_secret=job_secret, log_dir=log_dir,
-        redirects=redirects, tee=tee, local_ranks_filter=ranks_filter,
-        last_call_s=spec_check.last_call_s, heartbeat_timeout_s=spec_check.heartbeat_timeout_s,
-        join_timeout_s=spec_check.join_timeout_s, scale_up_window_s=spec_check.scale_up_window_s,
-        stop_timeout_s=args.stop_timeout, server_timeout_s=server_timeout, standalone=standalone,
-    )
-
-
 # ------------------------------------------------------------------ helpers
 
 
-def new_node_id(host: str) -> str:
-    """host, pid and a random suffix: IP addresses make poor ids (reused)."""
-    clean = "".join(c if c.isalnum() or c in "._-" else "-" for c in host)[:80].lstrip("-._") or "node"
-    return f"{clean}-{os.getpid()}-{secrets.token_hex(3)}"
+class Phase(enum.Enum):
+    """Where the agent is; one value instead of interacting flags."""
 
-
-def free_port(addr: str) -> int:
-    """A port free on this node now: MASTER_PORT, fresh for every round."""
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((addr, 0))
-        except OSError:
-            s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def route_addr(host: str, port: int) -> str:
-    """The local address that reaches ``host``: what peers can reach us at."""
-    try:
-        info = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(info[0], socket.SOCK_DGRAM) as s:
-            s.connect(info[4])
-            return s.getsockname()[0]
-    except OSError:
-        return socket.gethostname()
+    JOINING = "joining"  # a join is the link's intent: waiting for a round
+    SPARE = "spare"  # the job is at max nodes: waiting to replace one
+    RUNNING = "running"  # this round's workers are up
+    STOPPING = "stopping"  # workers are being stopped (a restart, a signal, the end)
+    REPORTED = "reported"  # workers failed and that is reported: waiting for the next round
+    SUCCEEDED = "succeeded"  # workers all exited 0 and that is reported: waiting for the ack
+    DONE = "done"  # the loop returns an exit status
 
 
 class StatusLine:
@@ -400,19 +130,29 @@ class Agent:
 
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
-        self.node_id = new_node_id(cfg.host)
+        self.session = NodeSession(job_id=cfg.job_id, host=cfg.host, nproc=cfg.nproc, spec=cfg.spec(),
+                                   addr=cfg.local_addr, job_secret=cfg.job_secret, requested_rank=cfg.node_rank)
+        self.phase = Phase.JOINING
         self.link: AgentLink | None = None
         self.group: WorkerGroup | None = None
         self._stopping: set[WorkerGroup] = set()  # groups being stopped: a second Ctrl-C kills them
-        self.assignment: Assignment | None = None
         self.signals: asyncio.Queue[int] = asyncio.Queue()
         self.sigint_count = 0
         self.status = StatusLine()
-        self.addr = cfg.local_addr
         self._err_dir = Path(tempfile.mkdtemp(prefix="rdzv-err-")) if cfg.log_dir is None else None
-        self._group_running = False  # a worker group of the current round is up
-        self._succeeded = False  # this node's workers all exited 0 and it reported so
-        self._outage_logged_at: float | None = None  # when the outage notice was last logged
+        self.outage = OutageWatch(cfg.server_timeout_s)
+
+    @property
+    def node_id(self) -> str:
+        return self.session.node_id
+
+    @property
+    def assignment(self) -> Assignment | None:
+        return self.session.assignment
+
+    @property
+    def addr(self) -> str | None:
+        return self.session.addr
 
     # -- messages
 
@@ -420,17 +160,9 @@ class Agent:
         self.status.done()
         log.info("job %s node %s: " + text, self.cfg.job_id, self.node_id, *args)
 
-    def _join_msg(self, resume_round: int | None = None) -> JoinMsg:
-        return JoinMsg(job_id=self.cfg.job_id, node_id=self.node_id, host=_host_label(self.cfg.host),
-                       addr=self.addr, local_world_size=self.cfg.nproc,
-                       master_port=self.assignment.master_port if resume_round is not None and self.assignment
-                       else free_port(self.addr),
-                       spec=self.cfg.spec(), requested_rank=self.cfg.node_rank, resume_round=resume_round,
-                       job_secret=self.cfg.job_secret)
-
     def _join(self) -> None:
-        self.assignment = None
-        self.link.set_intent(self._join_msg())
+        self.phase = Phase.JOINING
+        self.session.join()
 
     # -- signals
 
@@ -454,7 +186,9 @@ class Agent:
         server = None
         try:
             if self.cfg.standalone:
-                server = await _start_embedded_server()
+                from rdzv_server.embedded import start_embedded  # noqa: PLC0415 - the server only here
+
+                server = await start_embedded()
                 self.cfg.endpoint = f"127.0.0.1:{server[1]}"
             _, host, port = parse_endpoint(self.cfg.endpoint)
             try:
@@ -464,9 +198,10 @@ class Agent:
                     print(f"rdzv-agent: error: server host {printable(host)!r} does not resolve: {e.strerror}",
                           file=sys.stderr, flush=True)
                     return EXIT_USAGE
-            if not self.addr:
-                self.addr = route_addr(host, port)
-            self.link = AgentLink(self.cfg.endpoint, self.cfg.token, heartbeat_s=heartbeat_interval(self.cfg.spec()))
+            if not self.session.addr:
+                self.session.addr = route_addr(host, port)
+            self.link = AgentLink(self.cfg.endpoint, self.cfg.token, heartbeat_s=heartbeat_interval(self.session.spec))
+            self.session.link = self.link
             await self.link.start()
             self._say("joining %s at %s (nnodes %d:%d, %d worker(s) here, address %s)", self.cfg.endpoint,
                       time.strftime("%H:%M:%S"), self.cfg.min_nodes, self.cfg.max_nodes, self.cfg.nproc, self.addr)
@@ -518,7 +253,7 @@ class Agent:
                 if workers is not None and workers_for is not self.group:
                     workers.cancel()  # that attempt was stopped; its end is no news
                     workers = None
-                if self.group is not None and workers is None and self._group_running:
+                if self.group is not None and workers is None and self.phase is Phase.RUNNING:
                     workers, workers_for = asyncio.ensure_future(self.group.wait()), self.group
         finally:
             for f in (recv, sig, workers):
@@ -531,38 +266,27 @@ class Agent:
         when it starts, every OUTAGE_LOG_EVERY_S and when it ends, a countdown on
         the status line), and give up after --server-timeout."""
         link, cfg = self.link, self.cfg
-        down = link.down_for()
-        now = time.monotonic()
-        if down < OUTAGE_NOTICE_AFTER_S:
-            if down == 0 and self._outage_logged_at is not None:
-                self._outage_logged_at = None
-                self._say("server %s reachable again", cfg.endpoint)
+        out = self.outage.check(link.down_for())
+        if out is None:
             return None
-        left = cfg.server_timeout_s - down
+        if out.kind == "back":
+            self._say("server %s reachable again", cfg.endpoint)
+            return None
         why = printable(link.last_error or "no answer", limit=300)
-        if left <= 0:
+        if out.kind == "give_up":
             self.status.done()
             print(f"[rdzv-agent] job {cfg.job_id}: giving up: server {cfg.endpoint} unreachable for "
                   f"{cfg.server_timeout_s:g}s (--server-timeout; {why})"
                   + ("; stopping workers" if self.group is not None else ""), file=sys.stderr, flush=True)
             await self._stop_workers()
+            self.phase = Phase.DONE
             return EXIT_GAVE_UP
-        notice = (f"server unreachable for {down:.0f}s at {cfg.endpoint} ({why})"
+        notice = (f"server unreachable for {out.down:.0f}s at {cfg.endpoint} ({why})"
                   + ("; workers keep running" if self.group is not None else "")
-                  + f"; giving up in {left:.0f}s")
-        if self._outage_logged_at is None or now - self._outage_logged_at >= OUTAGE_LOG_EVERY_S:
-            self._outage_logged_at = now
+                  + f"; giving up in {out.left:.0f}s")
+        if out.kind == "notice":
             self._say("%s", notice)
         self.status.show(f"[rdzv-agent] {notice}")
-        return None
-
-    def _check_assignment(self, a: Assignment) -> str | None:
-        """What makes an assignment unusable by this node (the model checked
-        the rest), or None."""
-        if a.job_id != self.cfg.job_id:
-            return f"assignment for job {a.job_id!r}, this node runs job {self.cfg.job_id!r}"
-        if a.local_world_size != self.cfg.nproc:
-            return f"assignment for {a.local_world_size} local worker(s), this node runs {self.cfg.nproc}"
         return None
 
     async def _on_message(self, msg) -> int | None:
@@ -573,11 +297,13 @@ class Agent:
         elif isinstance(msg, StatusMsg):
             self._show_waiting(msg.round, msg.waiting_for)
         elif isinstance(msg, SpareMsg):
+            if self.phase is Phase.JOINING:
+                self.phase = Phase.SPARE
             self.status.show(f"[rdzv-agent] job {cfg.job_id}: spare (the job is at max {cfg.max_nodes} nodes); "
                              "waiting to replace a node")
         elif isinstance(msg, AssignedMsg):
             a = msg.assignment
-            problem = self._check_assignment(a)
+            problem = self.session.check_assignment(a)
             if problem is not None:
                 self.link.protocol_error(f"round {a.round}: {problem}")
                 return None
@@ -598,13 +324,13 @@ class Agent:
             if self.group is not None:
                 self.group.kill_now()
                 await self._stop_workers(timeout=1.0)
-            self.link.clear_reports()  # they name the old node; the server forgot it
             self._say("evicted (%s); rejoining as a new node", printable(msg.reason))
-            self.node_id = new_node_id(cfg.host)
-            self._join()
+            self.phase = Phase.JOINING
+            self.session.evicted()
         elif isinstance(msg, DoneMsg):
             self.link.clear_reports()
             await self._stop_workers()
+            self.phase = Phase.DONE
             if msg.state == "succeeded":
                 self._say("job succeeded")
                 return 0
@@ -617,6 +343,7 @@ class Agent:
         elif isinstance(msg, AckMsg):
             self.link.clear_reports()
             if msg.of == "succeeded":
+                self.phase = Phase.DONE
                 self._say("workers succeeded; done")
                 return 0
         elif isinstance(msg, ErrorMsg):
@@ -638,9 +365,9 @@ class Agent:
             # got its secret, or it was lost and re-created): fence, then join as new
             return await self._on_message(EvictedMsg(reason=msg.message))
         if msg.code == ErrorCode.STALE_ROUND:
-            if self._succeeded:
+            if self.phase is Phase.SUCCEEDED:
                 return 0  # our success was recorded before the connection dropped
-            if self.group is not None and self._group_running:
+            if self.group is not None and self.phase is Phase.RUNNING:
                 # we resumed a round that is over: stop and join the next one
                 self._say("%s; stopping workers and rejoining", printable(msg.message))
                 await self._stop_workers()
@@ -664,7 +391,7 @@ class Agent:
 
     async def _start_workers(self, a: Assignment) -> None:
         cfg = self.cfg
-        self.assignment = a
+        self.session.assignment = a
         self._say("round %d: group rank %d of %d, ranks %d-%d of world %d, master %s:%d, restart %d/%d",
                   a.round, a.group_rank, a.group_world_size, a.rank_offset, a.rank_offset + a.local_world_size - 1,
                   a.world_size, a.master_addr, a.master_port, a.restarts, a.max_restarts)
@@ -691,14 +418,16 @@ class Agent:
             self._say("cannot start workers: %s", e)
             rec = ExitRecord(local_rank=0, rank=a.rank_offset, pid=0, exit_code=127,
                              message=f"cannot start {cfg.cmd[0]}: {e}", timestamp=time.time())
-            self.link.report(FailedMsg(round=a.round, failures=[rec]))
+            self.phase = Phase.REPORTED
+            self.session.report_failed(a.round, [rec])
             return
-        self._group_running = True
-        self.link.set_intent(self._join_msg(resume_round=a.round), send=False)
+        self.phase = Phase.RUNNING
+        self.session.resume(a)
 
     async def _stop_workers(self, timeout: float | None = None, sig: int = signal.SIGTERM) -> None:
         group, self.group = self.group, None
-        self._group_running = False
+        if self.phase is Phase.RUNNING:
+            self.phase = Phase.STOPPING
         if group is not None:
             self._stopping.add(group)
             try:
@@ -710,14 +439,13 @@ class Agent:
 
     async def _on_workers_ended(self, infos: list[ExitInfo]) -> int | None:
         a = self.assignment
-        if not self._group_running or a is None:
+        if self.phase is not Phase.RUNNING or a is None:
             return None
-        self._group_running = False
         if all(i.ok for i in infos):
             await self._stop_workers()
-            self._succeeded = True
+            self.phase = Phase.SUCCEEDED
             self._say("round %d: all %d worker(s) exited 0; reporting success", a.round, len(infos))
-            self.link.report(SucceededMsg(round=a.round))
+            self.session.report_succeeded(a.round)
             return None
         failed = [i for i in infos if not i.ok]
         for i in failed:
@@ -726,15 +454,16 @@ class Agent:
         records = [ExitRecord(local_rank=i.local_rank, rank=a.rank_offset + i.local_rank, pid=i.pid,
                               exit_code=i.exit_code, signal=i.signal, message=i.message[:4000],
                               timestamp=i.timestamp) for i in failed]
-        self.link.report(FailedMsg(round=a.round, failures=records))
+        self.phase = Phase.REPORTED
+        self.session.report_failed(a.round, records)
         return None
 
     async def _on_signal(self, signum: int) -> int:
         name = signal.Signals(signum).name
         self._say("%s: stopping workers and leaving the job", name)
+        self.phase = Phase.STOPPING
         if self.link is not None and self.link.connected.is_set():
-            self.link.set_intent(None, send=False)
-            self.link.report(LeaveMsg(reason=f"agent got {name}"))
+            self.session.leave(f"agent got {name}")
         await self._stop_workers(sig=signum if signum in (signal.SIGTERM, signal.SIGINT) else signal.SIGTERM)
         await asyncio.sleep(0.05)  # let the leave frame go out before the socket closes
         return 128 + signum
@@ -744,25 +473,6 @@ def _first_line(text: str) -> str:
     """A reason's first line: failure reasons carry the worker's traceback."""
     lines = text.strip().splitlines() or [""]
     return lines[0] + (" [...]" if len(lines) > 1 else "")
-
-
-def _host_label(host: str) -> str:
-    clean = "".join(c if c.isalnum() or c in "._-" else "-" for c in host)[:255]
-    return clean or "node"
-
-
-async def _start_embedded_server():
-    """--standalone: a memory-only server on a free localhost port, in-process."""
-    from aiohttp import web
-
-    from rdzv_server.app import Settings, create_app
-
-    runner = web.AppRunner(create_app(Settings(data_dir=None)), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    return runner, port
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,6 +9,10 @@ dies and pushes round changes, which :meth:`num_nodes_waiting` reports to
 torchrun's monitor loop (it restarts the workers and calls
 :meth:`next_rendezvous` again).
 
+The node's side of the protocol (node id, joins, resume, eviction, reports,
+assignment checks, the server-timeout bookkeeping) is the
+:class:`~rdzv_client.session.NodeSession` rdzv-agent uses too.
+
 Each round gets a fresh TCPStore hosted by that round's group rank 0 on the
 port it reported, so losing any node, rank 0 included, only costs a round:
 the survivors' next round has its own rank 0 and its own store.
@@ -63,22 +67,18 @@ from rdzv_server.protocol import (
     ErrorMsg,
     EvictedMsg,
     ExitRecord,
-    FailedMsg,
     JobSpec,
-    JoinMsg,
-    LeaveMsg,
     RdzvError,
     RestartMsg,
     StatusMsg,
     JoinedMsg,
-    SucceededMsg,
     heartbeat_interval,
     printable,
 )
 
-from .agent import free_port, new_node_id, route_addr
 from .client import AgentLink, RestClient, parse_endpoint
-from .workers import WITHHELD_FROM_WORKERS
+from .session import NodeSession, OutageWatch, route_addr
+from .launch import WITHHELD_FROM_WORKERS
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +88,6 @@ STORE_TIMEOUT_S = 300.0
 # Longer than the server's default disconnect grace (0.5 s).
 FAILURE_REPORT_DELAY_S = 1.0
 DEFAULT_SERVER_TIMEOUT_S = 300.0
-OUTAGE_NOTICE_AFTER_S = 2.0
-OUTAGE_LOG_EVERY_S = 30.0
 # while a round forms, say what it waits for this often
 PROGRESS_EVERY_S = 10.0
 # The server forgot this node, or its node of this id is not ours (node secret): join as a new node.
@@ -112,9 +110,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
         # torchrun's workers inherit this process's environment: the credentials stay with us
         for name in WITHHELD_FROM_WORKERS:
             os.environ.pop(name, None)
-        self.addr = params.local_addr or route_addr(host, port)
-        self.host = socket.gethostname()
-        self.node_id = new_node_id(self.host)
+        addr = params.local_addr or route_addr(host, port)
         self.join_timeout_s = float(params.get("join_timeout", 600))
         self.server_timeout_s = float(params.get("server_timeout", DEFAULT_SERVER_TIMEOUT_S))
         if not 0 < self.server_timeout_s < float("inf"):
@@ -129,6 +125,8 @@ class RdzvRendezvousHandler(RendezvousHandler):
             join_timeout_s=self.join_timeout_s,
         )
         self.nproc = _torchrun_nproc()
+        self.session = NodeSession(job_id=self.run_id, host=socket.gethostname(), nproc=self.nproc, spec=self.spec,
+                                   addr=addr, job_secret=self.job_secret)
         self.failure_report_delay_s = float(params.get("failure_report_delay", FAILURE_REPORT_DELAY_S))
         self._assignment: Assignment | None = None
         self._restart_round = -1  # the newest round the server said is forming
@@ -139,6 +137,14 @@ class RdzvRendezvousHandler(RendezvousHandler):
         self._thread: threading.Thread | None = None
         self._link: AgentLink | None = None
         self._inbox: asyncio.Queue | None = None
+
+    @property
+    def node_id(self) -> str:
+        return self.session.node_id
+
+    @property
+    def addr(self) -> str:
+        return self.session.addr
 
     # ---------------------------------------------------------------- thread
 
@@ -165,6 +171,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
 
     async def _start_link(self) -> None:
         self._link = AgentLink(self.endpoint, self.token, heartbeat_s=heartbeat_interval(self.spec))
+        self.session.link = self._link
         self._inbox = asyncio.Queue()
         self._news = asyncio.Event()
         await self._link.start()
@@ -175,18 +182,17 @@ class RdzvRendezvousHandler(RendezvousHandler):
         """Say that the server is unreachable (when it starts, every 30 s and
         when it ends), and give up after server_timeout_s: the job is then
         closed for this node, so torchrun stops its workers and exits."""
-        logged_at: float | None = None
+        watch = OutageWatch(self.server_timeout_s)
         while True:
             await asyncio.sleep(0.5)
-            down = self._link.down_for()
-            if down < OUTAGE_NOTICE_AFTER_S:
-                if down == 0 and logged_at is not None:
-                    logged_at = None
-                    log.warning("rdzv server %s reachable again", self.endpoint)
+            out = watch.check(self._link.down_for())
+            if out is None or out.kind == "ongoing":
+                continue
+            if out.kind == "back":
+                log.warning("rdzv server %s reachable again", self.endpoint)
                 continue
             why = printable(self._link.last_error or "no answer", limit=300)
-            left = self.server_timeout_s - down
-            if left <= 0:
+            if out.kind == "give_up":
                 self._gave_up = (f"gave up: rdzv server {self.endpoint} unreachable for {self.server_timeout_s:g}s "
                                  f"(rdzv-conf server_timeout; {why})")
                 log.error("job %s: %s", self.run_id, self._gave_up)
@@ -194,11 +200,8 @@ class RdzvRendezvousHandler(RendezvousHandler):
                 self._closed = True
                 self._news.set()
                 return
-            now = time.monotonic()
-            if logged_at is None or now - logged_at >= OUTAGE_LOG_EVERY_S:
-                logged_at = now
-                log.warning("rdzv server %s unreachable for %.0fs (%s); giving up in %.0fs", self.endpoint, down,
-                            why, left)
+            log.warning("rdzv server %s unreachable for %.0fs (%s); giving up in %.0fs", self.endpoint, out.down,
+                        why, out.left)
 
     async def _dispatch(self) -> None:
         """Keep the handler's view current while torchrun's workers run."""
@@ -291,11 +294,11 @@ class RdzvRendezvousHandler(RendezvousHandler):
                     break
         if prev is not None and self._restart_round <= prev.round:
             # torchrun restarts because a local worker failed: the others must restart too
-            link.report(FailedMsg(round=prev.round, failures=[ExitRecord(
+            self.session.report_failed(prev.round, [ExitRecord(
                 local_rank=0, rank=prev.rank_offset, pid=os.getpid(), exit_code=1, timestamp=time.time(),
-                message="torchrun restarted its worker group on this node (see its log for the worker error)")]))
+                message="torchrun restarted its worker group on this node (see its log for the worker error)")])
         self._assignment = None
-        link.set_intent(self._join_msg())
+        self.session.join()
         started = time.monotonic()
         deadline = started + self.join_timeout_s
         said = started
@@ -318,24 +321,22 @@ class RdzvRendezvousHandler(RendezvousHandler):
                 a = msg.assignment
                 if prev is not None and a.round <= prev.round:
                     continue  # the answer to a resume sent before this restart: a round that is over
+                problem = self.session.check_assignment(a)
+                if problem is not None:
+                    link.protocol_error(f"round {a.round}: {problem}")
+                    continue
                 link.clear_reports()
-                link.set_intent(self._join_msg(resume=a), send=False)
+                self.session.resume(a)
                 return a
             if isinstance(msg, DoneMsg):
                 self._closed = msg.state != "succeeded"
                 raise RendezvousClosedError(f"job {self.run_id} {msg.state}: {printable(msg.reason)}")
             if isinstance(msg, EvictedMsg) or (isinstance(msg, ErrorMsg) and msg.code in _NEW_NODE_CODES):
-                self.node_id = new_node_id(self.host)
-                link.set_intent(self._join_msg())
+                self.session.evicted()
             elif isinstance(msg, ErrorMsg) and msg.code not in (ErrorCode.STALE_ROUND, ErrorCode.UNAVAILABLE):
                 raise RendezvousError(f"rdzv server refused this node: {printable(msg.message)}")
             elif isinstance(msg, RdzvError):
                 raise RendezvousError(printable(msg.message))
-
-    def _join_msg(self, resume: Assignment | None = None) -> JoinMsg:
-        return JoinMsg(job_id=self.run_id, node_id=self.node_id, host=self.host[:255] or "node", addr=self.addr,
-                       local_world_size=self.nproc, master_port=resume.master_port if resume else free_port(self.addr),
-                       spec=self.spec, resume_round=resume.round if resume else None, job_secret=self.job_secret)
 
     def shutdown(self) -> bool:
         """torchrun calls this from a ``finally``: an exception in flight means
@@ -348,9 +349,9 @@ class RdzvRendezvousHandler(RendezvousHandler):
 
         async def finish() -> None:
             if a is not None and not failed:
-                self._link.report(SucceededMsg(round=a.round))
+                self.session.report_succeeded(a.round)
             else:
-                self._link.report(LeaveMsg(reason="torchrun agent stopped" + (" after a failure" if failed else "")))
+                self.session.leave("torchrun agent stopped" + (" after a failure" if failed else ""))
             try:
                 await asyncio.wait_for(self._link.connected.wait(), 5.0)
                 await asyncio.sleep(0.1)  # let the frame go out

@@ -23,23 +23,37 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import os
-import re
 import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import IntFlag
 from pathlib import Path
 from string import Template
-from typing import TYPE_CHECKING, TextIO
+from typing import TextIO
 
-if TYPE_CHECKING:
-    from rdzv_server.protocol import Assignment
+from .exits import (  # noqa: F401 - part of this module's interface
+    _STDERR_TAIL_LINES,
+    MAX_MESSAGE_CHARS,
+    ExitInfo,
+    _decode_returncode,
+    _file_tail_lines,
+    _trim_message,
+    describe,
+    read_error_file,
+    root_cause_line,
+)
+from .launch import (  # noqa: F401 - part of this module's interface
+    WITHHELD_FROM_WORKERS,
+    LaunchConfig,
+    Std,
+    error_file_path,
+    parse_std,
+    worker_env,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +68,10 @@ __all__ = [
     "WorkerGroup",
 ]
 
-MAX_MESSAGE_CHARS = 4000
 # Workers die with their agent: an agent that is SIGKILLed (OOM killer, kill -9)
 # must not leave workers running as a stale rank. util-linux's setpriv sets the
 # parent-death signal and execs the worker (no preexec_fn: unsafe with threads).
 _SETPRIV = shutil.which("setpriv") if sys.platform.startswith("linux") else None
-_STDERR_TAIL_LINES = 20
 _READ_CHUNK = 64 * 1024
 # A "line" longer than this is printed in pieces rather than buffered forever
 # (progress bars that only ever write "\r").
@@ -67,302 +79,6 @@ _MAX_LINE_BYTES = 64 * 1024
 # After a worker exits, how long its pipes may stay open (held by a surviving
 # grandchild) before its exit record is made without the rest of its output.
 _DRAIN_GRACE_S = 1.0
-
-
-# ------------------------------------------------------------------ std flags
-
-
-class Std(IntFlag):
-    """Which standard streams a setting applies to (torchrun's values)."""
-
-    NONE = 0
-    OUT = 1
-    ERR = 2
-    ALL = 3
-
-
-_VALUE_RE = re.compile(r"^[0-3]$")
-_MAPPING_RE = re.compile(r"^\d+:[0-3](,\d+:[0-3])*$")
-
-
-def parse_std(value: str, local_world_size: int) -> dict[int, Std]:
-    """Parse torchrun's ``--redirects``/``--tee`` syntax into a per-local-rank map.
-
-    ``"3"`` applies to every local rank; ``"0:3,1:0"`` names local ranks, the
-    others get ``Std.NONE``. Ranks beyond ``local_world_size`` are ignored, as
-    torchrun does, because every node gets the same flag whatever its nproc.
-    Unlike torchrun, ranks may have more than one digit.
-    """
-    if local_world_size < 0:
-        raise ValueError(f"local_world_size must be >= 0, got {local_world_size}")
-    text = value.strip().replace(" ", "")
-    if _VALUE_RE.match(text):
-        return dict.fromkeys(range(local_world_size), Std(int(text)))
-    if not _MAPPING_RE.match(text):
-        raise ValueError(
-            f"invalid stream setting {value!r}: expected one of 0,1,2,3 (0 none, 1 stdout, "
-            "2 stderr, 3 both) for all local ranks, or local_rank:value pairs such as '0:3,1:2'"
-        )
-    out = dict.fromkeys(range(local_world_size), Std.NONE)
-    seen: set[int] = set()
-    for pair in text.split(","):
-        rank_s, std_s = pair.split(":")
-        rank = int(rank_s)
-        if rank in seen:
-            raise ValueError(f"invalid stream setting {value!r}: local rank {rank} given twice")
-        seen.add(rank)
-        if rank < local_world_size:
-            out[rank] = Std(int(std_s))
-    return out
-
-
-def _to_map(setting: Mapping[int, Std] | Std, n: int) -> dict[int, Std]:
-    if isinstance(setting, Std):
-        return dict.fromkeys(range(n), setting)
-    return {i: Std(setting.get(i, Std.NONE)) for i in range(n)}
-
-
-# --------------------------------------------------------------- launch config
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """How to start one node's workers; the same for every attempt.
-
-    ``cmd`` is the full argv (``[python, "-u", script, *args]``); ``${local_rank}``
-    in it is replaced per worker, as torchrun does. ``redirects`` sends a stream
-    to its log file only, ``tee`` to the file and the console;
-    ``local_ranks_filter`` limits what reaches the console, never the files.
-    Files need ``log_dir``.
-    """
-
-    cmd: list[str]
-    local_world_size: int
-    log_dir: Path | None = None
-    redirects: dict[int, Std] | Std = Std.NONE
-    tee: dict[int, Std] | Std = Std.NONE
-    local_ranks_filter: set[int] | None = None
-
-    def __post_init__(self) -> None:
-        if not self.cmd:
-            raise ValueError("LaunchConfig.cmd must not be empty")
-        if self.local_world_size < 1:
-            raise ValueError(f"local_world_size must be >= 1, got {self.local_world_size}")
-        if self.log_dir is None and any(
-            _to_map(s, self.local_world_size)[r]
-            for s in (self.redirects, self.tee)
-            for r in range(self.local_world_size)
-        ):
-            raise ValueError("redirects and tee write log files: they need a log_dir")
-
-    def streams(self, local_rank: int) -> tuple[Std, Std, bool]:
-        """Return (to file, to console, shown) for one local rank.
-
-        torchrun's rules: tee implies a file; a redirected stream that is not
-        tee'd leaves the console; a filtered-out rank shows nothing.
-        """
-        redirect = _to_map(self.redirects, self.local_world_size)[local_rank]
-        tee = _to_map(self.tee, self.local_world_size)[local_rank]
-        to_file = redirect | tee
-        to_console = (Std.ALL & ~to_file) | tee
-        shown = self.local_ranks_filter is None or local_rank in self.local_ranks_filter
-        return Std(to_file), Std(to_console if shown else Std.NONE), shown
-
-    def attempt_dir(self, attempt: int) -> Path | None:
-        return None if self.log_dir is None else Path(self.log_dir) / f"attempt_{attempt}"
-
-
-def error_file_path(log_dir: Path | str, attempt: int, local_rank: int) -> Path:
-    """Where a worker's ``TORCHELASTIC_ERROR_FILE`` goes in torchrun's layout."""
-    return Path(log_dir) / f"attempt_{attempt}" / str(local_rank) / "error.json"
-
-
-# ------------------------------------------------------------------ worker env
-
-
-# What an agent may hold in its environment that its workers must not inherit.
-WITHHELD_FROM_WORKERS = ("RDZV_TOKEN", "RDZV_JOB_SECRET")
-
-
-def worker_env(
-    base_env: Mapping[str, str],
-    a: "Assignment",
-    local_rank: int,
-    job_id: str,
-    error_file: str,
-) -> dict[str, str]:
-    """Return ``base_env`` plus exactly the variables torchrun gives a worker,
-    less the agent's credentials (``RDZV_TOKEN``, ``RDZV_JOB_SECRET``).
-
-    See DESIGN.md "The worker's environment". ``TORCHELASTIC_RESTART_COUNT``
-    is the round number, the same on every node.
-    """
-    if not 0 <= local_rank < a.local_world_size:
-        raise ValueError(f"local_rank {local_rank} outside 0..{a.local_world_size - 1}")
-    rank = a.rank_offset + local_rank
-    env = dict(base_env)
-    env.update(
-        {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(local_rank),
-            "WORLD_SIZE": str(a.world_size),
-            "LOCAL_WORLD_SIZE": str(a.local_world_size),
-            "GROUP_RANK": str(a.group_rank),
-            "GROUP_WORLD_SIZE": str(a.group_world_size),
-            "ROLE_RANK": str(rank),
-            "ROLE_WORLD_SIZE": str(a.world_size),
-            "ROLE_NAME": "default",
-            "MASTER_ADDR": a.master_addr,
-            "MASTER_PORT": str(a.master_port),
-            "TORCHELASTIC_RESTART_COUNT": str(a.round),
-            "TORCHELASTIC_MAX_RESTARTS": str(a.max_restarts),
-            "TORCHELASTIC_RUN_ID": job_id,
-            "TORCHELASTIC_USE_AGENT_STORE": "False",
-            "TORCHELASTIC_ERROR_FILE": error_file,
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": base_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-        }
-    )
-    if "OMP_NUM_THREADS" not in base_env and a.local_world_size > 1:
-        env["OMP_NUM_THREADS"] = "1"
-    for name in WITHHELD_FROM_WORKERS:  # the agent's credentials are not the training script's
-        env.pop(name, None)
-    return env
-
-
-# ----------------------------------------------------------------- exit records
-
-
-@dataclass(frozen=True)
-class ExitInfo:
-    """How one worker ended: an exit code, or the signal that killed it."""
-
-    local_rank: int
-    pid: int
-    exit_code: int | None
-    signal: str | None
-    message: str
-    timestamp: float
-    # where ``message`` came from: "error_file", "stderr" (its last lines), or ""
-    source: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0 and self.signal is None
-
-
-def _decode_returncode(returncode: int) -> tuple[int | None, str | None]:
-    if returncode >= 0:
-        return returncode, None
-    try:
-        return None, signal.Signals(-returncode).name
-    except ValueError:
-        return None, f"signal {-returncode}"
-
-
-def describe(info: ExitInfo, rank: int | None = None) -> str:
-    """One line for people: who ended, how, and the first words of why."""
-    who = f"local rank {info.local_rank}" + (f" (rank {rank})" if rank is not None else "")
-    who += f" pid {info.pid}"
-    if info.signal is not None:
-        how = f"was killed by {info.signal}"
-        if info.signal == "SIGKILL":
-            how += " (out of memory?)"
-    elif info.exit_code == 0:
-        how = "exited successfully"
-    else:
-        how = f"exited with code {info.exit_code}"
-    lines = info.message.strip().splitlines()
-    # an error file starts with "Type: text"; a stderr message with its error line
-    why = lines[0].strip() if lines else ""
-    return f"{who} {how}" + (f": {why}" if why else "")
-
-
-def _trim_message(head: str, tail_lines: list[str], limit: int = MAX_MESSAGE_CHARS) -> str:
-    """``head`` then as many of the last ``tail_lines`` as fit in ``limit`` chars."""
-    head = head.strip()
-    if len(head) >= limit:
-        return head[: limit - 3] + "..."
-    kept: list[str] = []
-    size = len(head)
-    for line in reversed(tail_lines):
-        if size + len(line) + 1 > limit:
-            break
-        kept.append(line)
-        size += len(line) + 1
-    kept.reverse()
-    return "\n".join([head, *kept]) if head else "\n".join(kept)
-
-
-def read_error_file(path: str | os.PathLike[str]) -> str | None:
-    """Return the message of a torch elastic error file, or None if there is none.
-
-    torch's ``ErrorHandler.record_exception`` writes
-    ``{"message": {"message": "Type: text", "extraInfo": {"py_callstack": ...,
-    "timestamp": ...}}}``; older or hand-written files have ``{"message": str}``.
-    The result is the first line plus the end of the traceback, at most
-    ``MAX_MESSAGE_CHARS`` characters.
-    """
-    try:
-        with open(path, encoding="utf-8", errors="replace") as fp:
-            data = json.load(fp)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        return f"unreadable error file {os.fspath(path)}: {e}"
-    message = data.get("message") if isinstance(data, dict) else None
-    if isinstance(message, str):
-        return _trim_message(message, [])
-    if not isinstance(message, dict):
-        return None
-    head = str(message.get("message", ""))
-    extra = message.get("extraInfo")
-    stack = extra.get("py_callstack", "") if isinstance(extra, dict) else ""
-    lines = [ln for ln in str(stack or "").splitlines() if ln.strip()]
-    # the traceback's last line repeats the head; keep the frames before it
-    if lines and lines[-1].strip() == head.strip():
-        lines = lines[:-1]
-    return _trim_message(head, lines)
-
-
-_TRACEBACK_HEAD = "Traceback (most recent call last):"
-
-
-def root_cause_line(lines: list[str]) -> str:
-    """The line of a stderr tail that names the error, as torchrun's summary does.
-
-    That is the first unindented line after the last traceback (the last
-    ``Traceback (most recent call last):``, or, when a deep traceback's head
-    scrolled out of the tail, its last ``File "..."`` frame): for chained
-    exceptions the final one, never a warning printed before it nor the
-    interpreter's noise after it. Without a traceback, the last line.
-    """
-    start = -1
-    for i, line in enumerate(lines):
-        if line.startswith(_TRACEBACK_HEAD) or line.startswith('  File "'):
-            start = i
-    if start >= 0:
-        for line in lines[start + 1:]:
-            if line.strip() and not line[:1].isspace():
-                return line.strip()
-    for line in reversed(lines):
-        if line.strip():
-            return line.strip()
-    return ""
-
-
-def _file_tail_lines(path: Path, n: int = _STDERR_TAIL_LINES, max_bytes: int = 8192) -> list[str]:
-    try:
-        with open(path, "rb") as fp:
-            fp.seek(0, os.SEEK_END)
-            size = fp.tell()
-            fp.seek(max(0, size - max_bytes))
-            data = fp.read()
-    except OSError:
-        return []
-    lines = data.decode("utf-8", errors="replace").splitlines()
-    if size > max_bytes and lines:
-        lines = lines[1:]  # the first one is probably cut
-    return [ln for ln in lines if ln.strip()][-n:]
 
 
 # --------------------------------------------------------------------- workers

@@ -28,6 +28,9 @@ def test_bench_smoke(tmp_path):
     assert rdzv["failure"] is None and rdzv["value"] > 0, rdzv
     assert rdzv["info"]["exit_codes"] == [0, 0]
     assert rdzv["info"]["server_first_join_to_complete"] >= 0
+    (start,) = data["rows"]["join_sent"]["rdzv"]
+    assert start["failure"] is None and start["value"] > 0, start
+    assert start["info"]["aiohttp_import_s"] > 0 and "0. Start-up: agent launched -> join sent" in table
     scale = data["server_scale"]
     (form,) = scale["formation"]
     assert form["n"] == 8 and form["missing"] == 0 and form["p99"] > 0

@@ -1,0 +1,282 @@
+"""rdzv-agent's flags -> one :class:`AgentConfig` (the job's :class:`JobSpec` and
+this node's launch settings), built once by :func:`config_from_args`.
+
+Every torchrun spelling of a flag is accepted (``--rdzv-endpoint`` and
+``--rdzv_endpoint``, ``--nproc_per_node``, ...), and torchrun's ``PET_*``
+variables (as Kubernetes operators set them) give the defaults; see
+tests/unit/test_config.py for the full list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rdzv_server import __version__
+from rdzv_server.protocol import (
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    DEFAULT_JOIN_TIMEOUT_S,
+    DEFAULT_LAST_CALL_S,
+    DEFAULT_MAX_RESTARTS,
+    DEFAULT_SCALE_UP_WINDOW_S,
+    MAX_SECRET_LEN,
+    SECRET_PATTERN,
+    JobSpec,
+    is_valid_id,
+)
+
+from .client import parse_endpoint
+from .launch import Std, parse_std
+
+DEFAULT_SERVER_TIMEOUT_S = 300.0
+DEFAULT_STOP_TIMEOUT_S = 10.0
+
+class UsageError(Exception):
+    """Bad flags or environment: print one line, exit 2."""
+
+
+# ------------------------------------------------------------------ settings
+
+
+@dataclass
+class AgentConfig:
+    endpoint: str
+    job_id: str
+    min_nodes: int
+    max_nodes: int
+    nproc: int
+    cmd: list[str]
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    node_rank: int | None = None
+    local_addr: str | None = None
+    token: str | None = None
+    job_secret: str | None = field(default=None, repr=False)
+    log_dir: Path | None = None
+    redirects: dict[int, Std] | Std = Std.NONE
+    tee: dict[int, Std] | Std = Std.NONE
+    local_ranks_filter: set[int] | None = None
+    last_call_s: float = DEFAULT_LAST_CALL_S
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
+    scale_up_window_s: float = DEFAULT_SCALE_UP_WINDOW_S
+    stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S
+    server_timeout_s: float = DEFAULT_SERVER_TIMEOUT_S
+    standalone: bool = False
+    host: str = field(default_factory=socket.gethostname)
+
+    def spec(self) -> JobSpec:
+        return JobSpec(min_nodes=self.min_nodes, max_nodes=self.max_nodes, max_restarts=self.max_restarts,
+                       last_call_s=self.last_call_s, heartbeat_timeout_s=self.heartbeat_timeout_s,
+                       join_timeout_s=self.join_timeout_s, scale_up_window_s=self.scale_up_window_s)
+
+
+def _env(name: str, default=None):
+    """torchrun's PET_* variables (as Kubernetes operators set them), then ours."""
+    return os.environ.get("PET_" + name.upper().replace("-", "_"), default)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show a default only where there is one and the help does not say it."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, "") or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rdzv-agent",
+        allow_abbrev=False,  # the script's own --node or --log must not match our flags
+        description="Launch and supervise one node's workers of an elastic PyTorch job "
+                    "(a drop-in for torchrun; see rdzv-server).",
+        formatter_class=_HelpFormatter,
+    )
+    a = p.add_argument
+    a("--version", action="version", version=f"rdzv-agent {__version__}")
+    a("--endpoint", "--rdzv-endpoint", "--rdzv_endpoint", dest="endpoint",
+      default=os.environ.get("RDZV_ENDPOINT") or _env("rdzv_endpoint"), help="rdzv-server HOST:PORT ($RDZV_ENDPOINT)")
+    a("--job-id", "--rdzv-id", "--rdzv_id", "--run-id", dest="job_id",
+      default=_env("rdzv_id") or os.environ.get("SLURM_JOB_ID"), help="job id; under SLURM defaults to $SLURM_JOB_ID")
+    a("--nnodes", default=_env("nnodes", "1"), help="N or MIN:MAX nodes")
+    a("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default=_env("nproc_per_node", "1"),
+      help="workers on this node: N, gpu (one per GPU), cpu (one per core), auto (gpu if any, else cpu)")
+    a("--max-restarts", "--max_restarts", dest="max_restarts", type=int,
+      default=int(_env("max_restarts", DEFAULT_MAX_RESTARTS)), help="restarts after worker failures before the job fails")
+    a("--node-rank", "--node_rank", dest="node_rank", type=int, default=_env("node_rank"),
+      help="ask for this group rank (honoured when free and smaller than the number of nodes)")
+    a("--local-addr", "--local_addr", dest="local_addr", default=_env("local_addr"),
+      help="address other nodes reach this one at (default: the one that reaches the server)")
+    a("--token", default=None, help="bearer token for the server (default: $RDZV_TOKEN)")
+    a("--job-secret", dest="job_secret", default=None,
+      help="the job's secret: the first node sets it, every other node must bring the same "
+           "(default: $RDZV_JOB_SECRET, better than the flag, which other users see in ps)")
+    a("--log-dir", "--log_dir", dest="log_dir", default=_env("log_dir"),
+      help="per-attempt worker logs: DIR/attempt_ROUND/LOCAL_RANK/{stdout,stderr}.log")
+    a("--redirects", "-r", default=_env("redirects", "0"),
+      help="send worker output to log files only: 0 none, 1 stdout, 2 stderr, 3 both; or 0:3,1:0 per rank")
+    a("--tee", "-t", default=_env("tee", "0"), help="copy worker output to log files too (values as --redirects)")
+    a("--local-ranks-filter", "--local_ranks_filter", dest="local_ranks_filter", default=_env("local_ranks_filter", ""),
+      help="show only these local ranks on the console, e.g. 0 or 0,2")
+    a("--standalone", action="store_true", default=bool(_env("standalone")),
+      help="single node: run an embedded server on a free localhost port")
+    a("-m", "--module", action="store_true", help="run the script as a python module (python -m)")
+    a("--no-python", "--no_python", dest="no_python", action="store_true",
+      help="run the script as an executable, not with python")
+    a("--last-call", type=float, default=DEFAULT_LAST_CALL_S,
+      help="seconds the first round waits for more nodes once min is reached")
+    a("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S,
+      help="seconds of silence after which the server evicts a node")
+    a("--join-timeout", type=float, default=DEFAULT_JOIN_TIMEOUT_S,
+      help="seconds a job below min nodes waits for more before it fails")
+    a("--scale-up-window", type=float, default=DEFAULT_SCALE_UP_WINDOW_S,
+      help="seconds new nodes are batched before one scale-up round")
+    a("--stop-timeout", type=float, default=DEFAULT_STOP_TIMEOUT_S,
+      help="seconds workers get between SIGTERM and SIGKILL")
+    a("--server-timeout", type=float,
+      default=os.environ.get("RDZV_SERVER_TIMEOUT", DEFAULT_SERVER_TIMEOUT_S),
+      help="give up (stop workers, exit 3) when the server has been unreachable this many seconds "
+           "($RDZV_SERVER_TIMEOUT, default 300)")
+    # torchrun flags that mean nothing here: accepted so command lines carry over.
+    a("--rdzv-backend", "--rdzv_backend", default=None, help=argparse.SUPPRESS)
+    a("--rdzv-conf", "--rdzv_conf", default="", help="torchrun's key=value,... (join_timeout, last_call_timeout)")
+    a("--monitor-interval", "--monitor_interval", default=None, help=argparse.SUPPRESS)
+    a("--start-method", "--start_method", default=None, help=argparse.SUPPRESS)
+    a("--role", default=None, help=argparse.SUPPRESS)
+    a("script", help="training script (or module with -m, or executable with --no-python)")
+    a("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    return p
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    try:
+        if ":" in text:
+            lo, hi = (int(x) for x in text.split(":", 1))
+        else:
+            lo = hi = int(text)
+    except ValueError:
+        raise UsageError(f"--nnodes {text!r}: expected N or MIN:MAX") from None
+    if not 1 <= lo <= hi:
+        raise UsageError(f"--nnodes {text!r}: need 1 <= MIN <= MAX")
+    return lo, hi
+
+
+def count_procs(value: str) -> int:
+    """torchrun's --nproc-per-node: a number, or gpu/cpu/auto. Imports torch
+    only to count GPUs."""
+    if value.isdigit():
+        n = int(value)
+        if n < 1:
+            raise UsageError("--nproc-per-node must be at least 1")
+        return n
+    if value == "cpu":
+        return os.cpu_count() or 1
+    if value in ("gpu", "auto"):
+        try:
+            import torch  # noqa: PLC0415 - only here, on purpose
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        except ImportError:
+            gpus = 0
+        if gpus:
+            return gpus
+        if value == "gpu":
+            raise UsageError("--nproc-per-node gpu: no CUDA GPU found on this node")
+        return os.cpu_count() or 1
+    raise UsageError(f"--nproc-per-node {value!r}: expected N, gpu, cpu or auto")
+
+
+def check_slurm() -> None:
+    """One agent per node: a second SLURM task on the same node would start a
+    second set of workers on the same GPUs."""
+    ntasks = os.environ.get("SLURM_NTASKS_PER_NODE", "")
+    localid = os.environ.get("SLURM_LOCALID", "")
+    first = ntasks.split("(")[0].split(",")[0]
+    if (first.isdigit() and int(first) > 1) or (localid.isdigit() and int(localid) > 0):
+        raise UsageError(
+            f"SLURM started more than one task on this node (SLURM_NTASKS_PER_NODE={ntasks or '?'}, "
+            f"SLURM_LOCALID={localid or '?'}); rdzv-agent starts all of a node's workers itself: "
+            "run it with srun --ntasks-per-node=1")
+
+
+def config_from_args(args: argparse.Namespace) -> AgentConfig:
+    check_slurm()
+    min_nodes, max_nodes = parse_nnodes(str(args.nnodes))
+    conf = {}
+    for item in filter(None, (args.rdzv_conf or "").split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"--rdzv-conf item {item!r}: expected key=value")
+        conf[key.strip()] = value.strip()
+    try:
+        join_timeout = float(conf.pop("join_timeout", args.join_timeout))
+        last_call = float(conf.pop("last_call_timeout", args.last_call))
+    except ValueError as e:
+        raise UsageError(f"--rdzv-conf: {e}") from None
+    if args.rdzv_backend not in (None, "rdzv", "c10d", "static"):
+        raise UsageError(f"--rdzv-backend {args.rdzv_backend!r}: rdzv-agent always uses an rdzv server")
+    standalone = args.standalone
+    endpoint = args.endpoint
+    if standalone:
+        min_nodes = max_nodes = 1
+        endpoint = "127.0.0.1:29400"  # replaced by the embedded server's free port
+    elif not endpoint:
+        raise UsageError("no server: pass --endpoint HOST:PORT (or set RDZV_ENDPOINT), or use --standalone")
+    try:
+        parse_endpoint(endpoint)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    job_id = args.job_id or ("standalone" if standalone else None)
+    if not job_id:
+        raise UsageError("no job id: pass --job-id (torchrun: --rdzv-id), or run under SLURM")
+    if not is_valid_id(job_id):
+        raise UsageError(f"--job-id {job_id!r}: use 1-128 characters of letters, digits and ._:@+-")
+    nproc = count_procs(str(args.nproc_per_node))
+    if args.module and args.no_python:
+        raise UsageError("-m and --no-python do not go together")
+    if args.no_python:
+        cmd = [args.script, *args.script_args]
+    elif args.module:
+        cmd = [sys.executable, "-u", "-m", args.script, *args.script_args]
+    else:
+        cmd = [sys.executable, "-u", args.script, *args.script_args]
+    log_dir = Path(args.log_dir) if args.log_dir else None
+    try:
+        redirects = parse_std(str(args.redirects), nproc)
+        tee = parse_std(str(args.tee), nproc)
+        ranks_filter = {int(x) for x in str(args.local_ranks_filter).split(",") if x.strip()} or None
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if (any(redirects.values()) or any(tee.values())) and log_dir is None:
+        log_dir = Path(tempfile.mkdtemp(prefix=f"rdzv-{job_id}-"))
+    node_rank = int(args.node_rank) if args.node_rank is not None else None
+    job_secret = args.job_secret if args.job_secret is not None else os.environ.get("RDZV_JOB_SECRET") or None
+    if job_secret is not None and not re.fullmatch(SECRET_PATTERN, job_secret):
+        raise UsageError(f"the job secret (--job-secret or RDZV_JOB_SECRET) must be 1-{MAX_SECRET_LEN} "
+                         "printable ASCII characters")
+    try:
+        spec_check = JobSpec(min_nodes=min_nodes, max_nodes=max_nodes, max_restarts=args.max_restarts,
+                             last_call_s=last_call, heartbeat_timeout_s=args.heartbeat_timeout,
+                             join_timeout_s=join_timeout, scale_up_window_s=args.scale_up_window)
+    except ValueError as e:
+        raise UsageError(f"bad job settings: {e}") from None
+    try:
+        server_timeout = float(args.server_timeout)
+    except ValueError:
+        raise UsageError(f"--server-timeout {args.server_timeout!r}: expected seconds") from None
+    if not 0 < server_timeout < float("inf"):
+        raise UsageError(f"--server-timeout {args.server_timeout!r}: must be a positive number of seconds")
+    return AgentConfig(
+        endpoint=endpoint, job_id=job_id, min_nodes=min_nodes, max_nodes=max_nodes, nproc=nproc, cmd=cmd,
+        max_restarts=args.max_restarts, node_rank=node_rank, local_addr=args.local_addr,
+        token=args.token or os.environ.get("RDZV_TOKEN") or None, job_secret=job_secret, log_dir=log_dir,
+        redirects=redirects, tee=tee, local_ranks_filter=ranks_filter,
+        last_call_s=spec_check.last_call_s, heartbeat_timeout_s=spec_check.heartbeat_timeout_s,
+        join_timeout_s=spec_check.join_timeout_s, scale_up_window_s=spec_check.scale_up_window_s,
+        stop_timeout_s=args.stop_timeout, server_timeout_s=server_timeout, standalone=standalone,
+    )

@@ -1,0 +1,106 @@
+"""The node session both rdzv-agent and the torchrun plugin drive
+(rdzv_client/session.py): joins, resume, eviction, reports, assignment checks,
+the server-timeout bookkeeping. A recording link stands in for AgentLink (a
+unit); the agent and plugin e2e tests hold the claims about real processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from rdzv_client.session import OUTAGE_LOG_EVERY_S, NodeSession, OutageWatch, host_label, new_node_id
+from rdzv_server.protocol import Assignment, ExitRecord, FailedMsg, JobSpec, LeaveMsg, SucceededMsg
+
+A = Assignment(job_id="j", round=3, group_rank=0, group_world_size=1, local_world_size=2, rank_offset=0,
+               world_size=2, master_addr="127.0.0.1", master_port=29555, max_restarts=3, restarts=0)
+
+
+class RecordingLink:
+    def __init__(self) -> None:
+        self.intents: list[tuple[object, bool]] = []
+        self.reports: list[object] = []
+        self.cleared = 0
+
+    def set_intent(self, msg, send: bool = True) -> None:
+        self.intents.append((msg, send))
+
+    def report(self, msg) -> None:
+        self.reports.append(msg)
+
+    def clear_reports(self) -> None:
+        self.cleared += 1
+        self.reports.clear()
+
+
+@pytest.fixture
+def session() -> NodeSession:
+    s = NodeSession(job_id="j", host="host a", nproc=2, spec=JobSpec(min_nodes=1, max_nodes=2), addr="127.0.0.1",
+                    job_secret="s3cret", requested_rank=1)
+    s.link = RecordingLink()
+    return s
+
+
+def test_join_builds_a_fresh_join_and_forgets_the_round(session: NodeSession) -> None:
+    session.assignment = A
+    session.join()
+    (msg, send), = session.link.intents
+    assert send is True and session.assignment is None
+    assert (msg.job_id, msg.node_id, msg.host, msg.local_world_size, msg.requested_rank) == (
+        "j", session.node_id, "host-a", 2, 1)
+    assert msg.resume_round is None and msg.job_secret == "s3cret" and 0 < msg.master_port < 65536
+
+
+def test_resume_keeps_the_round_and_its_master_port_without_sending(session: NodeSession) -> None:
+    session.resume(A)
+    (msg, send), = session.link.intents
+    assert send is False and session.assignment is A
+    assert (msg.resume_round, msg.master_port) == (3, 29555)
+
+
+def test_eviction_is_a_new_node_whose_old_reports_are_dropped(session: NodeSession) -> None:
+    old = session.node_id
+    session.report_succeeded(3)
+    session.evicted()
+    assert session.node_id != old and session.link.cleared == 1 and session.link.reports == []
+    (msg, send), = session.link.intents
+    assert msg.node_id == session.node_id and msg.node_secret is None and send is True
+
+
+def test_reports(session: NodeSession) -> None:
+    rec = ExitRecord(local_rank=0, rank=0, pid=1, exit_code=1, message="boom", timestamp=1.0)
+    session.report_failed(3, [rec])
+    session.report_succeeded(4)
+    session.leave("bye")
+    failed, ok, leave = session.link.reports
+    assert isinstance(failed, FailedMsg) and failed.round == 3 and failed.failures == [rec]
+    assert isinstance(ok, SucceededMsg) and ok.round == 4
+    assert isinstance(leave, LeaveMsg) and leave.reason == "bye"
+    assert session.link.intents == [(None, False)]  # a node that left does not rejoin on reconnect
+
+
+def test_check_assignment(session: NodeSession) -> None:
+    assert session.check_assignment(A) is None
+    assert "job 'other'" in session.check_assignment(A.model_copy(update={"job_id": "other"}))
+    assert "4 local worker(s)" in session.check_assignment(A.model_copy(update={"local_world_size": 4}))
+
+
+def test_node_ids_and_host_labels() -> None:
+    assert new_node_id("a b/c") != new_node_id("a b/c")
+    assert new_node_id("...").startswith("node-") and new_node_id("a b").startswith("a-b-")
+    assert host_label("") == "node" and host_label("x\ny") == "x-y" and len(host_label("h" * 999)) == 255
+
+
+def test_outage_watch(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr("rdzv_client.session.time.monotonic", lambda: now[0])
+    w = OutageWatch(timeout_s=60)
+    assert w.check(0) is None and w.check(1.0) is None  # a reconnect is not news
+    assert w.check(0) is None  # nothing was said, so nothing to take back
+    first = w.check(3.0)
+    assert (first.kind, first.down, first.left) == ("notice", 3.0, 57.0)
+    now[0] += 1
+    assert w.check(4.0).kind == "ongoing"
+    now[0] += OUTAGE_LOG_EVERY_S
+    assert w.check(34.0).kind == "notice"
+    assert w.check(60.0).kind == "give_up"
+    assert w.check(0).kind == "back"
+    assert w.check(0) is None
