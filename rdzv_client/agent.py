@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from rdzv_server.protocol import (
+    MAX_ERROR_MESSAGE,
     AckMsg,
     AssignedMsg,
     Assignment,
@@ -67,8 +68,6 @@ log = logging.getLogger("rdzv_agent")
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_GAVE_UP = 3
-# Reports whose outcome we wait for; a server that is down is waited for this long.
-REPORT_TIMEOUT_S = 60.0
 FATAL_CODES = {ErrorCode.SPEC_MISMATCH, ErrorCode.JOB_FINISHED, ErrorCode.VALIDATION_ERROR,
                ErrorCode.UNAUTHORIZED, ErrorCode.BAD_REQUEST, ErrorCode.JOB_SECRET_MISMATCH}
 
@@ -452,7 +451,7 @@ class Agent:
             self._say("round %d: %s", a.round, describe(i, a.rank_offset + i.local_rank))
         await self._stop_workers()
         records = [ExitRecord(local_rank=i.local_rank, rank=a.rank_offset + i.local_rank, pid=i.pid,
-                              exit_code=i.exit_code, signal=i.signal, message=i.message[:4000],
+                              exit_code=i.exit_code, signal=i.signal, message=i.message[:MAX_ERROR_MESSAGE],
                               timestamp=i.timestamp) for i in failed]
         self.phase = Phase.REPORTED
         self.session.report_failed(a.round, records)

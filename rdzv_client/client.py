@@ -28,11 +28,11 @@ import aiohttp
 from pydantic import ValidationError
 
 from rdzv_server.protocol import (
+    HEARTBEAT_FRAME,
     AGENT_PATH,
     SERVER_MESSAGE,
     CloseResult,
     DeleteResult,
-    Health,
     JobList,
     JobView,
     JoinedMsg,
@@ -272,7 +272,7 @@ class AgentLink:
         try:
             while not ws.closed:
                 await asyncio.sleep(self.heartbeat_s)
-                await ws.send_str('{"op":"hb"}')
+                await ws.send_str(HEARTBEAT_FRAME)
         except (ConnectionError, RuntimeError, aiohttp.ClientError):
             pass
 
@@ -329,8 +329,3 @@ class RestClient:
     async def delete_job(self, job_id: str) -> DeleteResult:
         return DeleteResult.model_validate_json(await self._call("DELETE", f"/v1/jobs/{quote(job_id, safe='')}"))
 
-    async def health(self) -> Health:
-        return Health.model_validate_json(await self._call("GET", "/healthz"))
-
-    async def raw(self, path: str) -> bytes:
-        return await self._call("GET", path)

@@ -12,7 +12,9 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-MAX_MESSAGE_CHARS = 4000
+from rdzv_server.errors import MAX_ERROR_MESSAGE
+
+MAX_MESSAGE_CHARS = MAX_ERROR_MESSAGE  # an exit record's message: the wire's limit
 _STDERR_TAIL_LINES = 20
 
 # ----------------------------------------------------------------- exit records

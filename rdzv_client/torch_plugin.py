@@ -85,7 +85,7 @@ log = logging.getLogger(__name__)
 STORE_TIMEOUT_S = 300.0
 # How long a node whose local worker failed waits for the server to open a new
 # round for another reason before it reports the failure (see _next_round).
-# Longer than the server's default disconnect grace (0.5 s).
+# Longer than the server's default disconnect grace (store.DEFAULT_DISCONNECT_GRACE_S, 0.5 s).
 FAILURE_REPORT_DELAY_S = 1.0
 DEFAULT_SERVER_TIMEOUT_S = 300.0
 # while a round forms, say what it waits for this often

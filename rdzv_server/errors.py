@@ -30,6 +30,10 @@ from __future__ import annotations
 
 from enum import Enum
 
+# The longest error or exit message that crosses the wire (characters). Here, not in
+# protocol.py, so that the client's light modules (exits.py) can share it without pydantic.
+MAX_ERROR_MESSAGE = 4096
+
 
 class ErrorCode(str, Enum):
     """Stable wire codes. Add new ones; never change the meaning of one."""

@@ -32,6 +32,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from .errors import (  # noqa: F401  (re-exported: the wire contract is one import)
+    MAX_ERROR_MESSAGE,
     ERROR_CLASSES,
     ERROR_STATUS,
     ErrorCode,
@@ -63,7 +64,6 @@ MAX_NPROC = 1024
 MAX_RESTARTS = 1_000_000
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 MAX_BODY_BYTES = 64 * 1024
-MAX_ERROR_MESSAGE = 4096
 MAX_FAILURES_PER_REPORT = MAX_NPROC
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*$"

@@ -402,7 +402,9 @@ async def test_stderr_tail_from_redirected_file(tmp_path: Path) -> None:
 
 
 def test_error_message_is_trimmed(tmp_path: Path) -> None:
-    """A huge traceback is cut to its head plus its last lines, within 4000 characters."""
+    """A huge traceback is cut to its head plus its last lines, within the wire's message limit."""
+    from rdzv_server.protocol import MAX_ERROR_MESSAGE
+
     path = tmp_path / "error.json"
     frames = "".join(f'  File "x.py", line {i}, in f{i}\n    f{i + 1}()\n' for i in range(500))
     path.write_text(
@@ -411,7 +413,8 @@ def test_error_message_is_trimmed(tmp_path: Path) -> None:
         + ', "timestamp": "1"}}}'
     )
     message = read_error_file(path)
-    assert message is not None and len(message) <= 4000
+    assert message is not None and len(message) <= MAX_ERROR_MESSAGE
+    assert len(message) > MAX_ERROR_MESSAGE // 2  # trimmed, not emptied
     assert message.startswith("RecursionError: deep\n")
     assert message.rstrip().endswith("f500()")
     assert read_error_file(tmp_path / "absent.json") is None
