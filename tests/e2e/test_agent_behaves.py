@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, Cluster, Proc, Server, free_port, wait_until
+from tests.helpers.cluster import Cluster
+from tests.helpers.procs import ROOT, Proc, Server, free_port, wait_until
 
 pytestmark = pytest.mark.e2e
 

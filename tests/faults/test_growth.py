@@ -17,7 +17,8 @@ import pytest
 
 from rdzv_server.protocol import AGENT_PATH, ExitRecord, FailedMsg, JobSpec, JoinMsg, SucceededMsg
 
-from .conftest import FaultCluster, Server, Ticks, free_port, wait_until
+from tests.helpers.cluster import FaultCluster, Ticks
+from tests.helpers.procs import Server, free_port, wait_until
 
 pytestmark = [pytest.mark.e2e]
 

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import SCRIPTS, FaultCluster, Proc, Ticks, free_port, wait_until
+from tests.helpers.cluster import FAULT_SCRIPTS as SCRIPTS
+from tests.helpers.cluster import FaultCluster, Ticks
+from tests.helpers.procs import Proc, free_port, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -48,8 +50,7 @@ def test_thousands_of_nodes_do_not_disturb_a_real_job(fcluster: FaultCluster, tm
     started = time.monotonic()
     argv = [sys.executable, str(SCRIPTS / "loadgen.py"), "--endpoint", server.endpoint, "--jobs", str(JOBS),
             "--nodes", str(per_job)]
-    gen = Proc("loadgen", fcluster._spawn("loadgen", argv, fcluster.env()), fcluster.tmp / "loadgen.log")
-    fcluster.procs.append(gen)
+    gen = fcluster.start("loadgen", argv)
 
     def all_in():
         s = _stats(gen)
