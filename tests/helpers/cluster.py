@@ -41,10 +41,10 @@ from .procs import (
     Server,
     clean_env,
     descendants,
-    free_port,
     kill_pid,
     killpg,
     spawn,
+    start_server,
     tagged_pids,
     wait_healthy,
 )
@@ -86,13 +86,8 @@ class Cluster:
     def start_server(self, *flags: str, timeout: float = 20.0, data_dir: Path | str | None = None) -> Server:
         """A real rdzv-server on a free loopback port (its data in ``data_dir``,
         default ``tmp/server-data``); returns once /healthz answers."""
-        for attempt in range(3):
-            server = self._server(f"server{attempt}" if attempt else "server", free_port(),
-                                  data_dir or self.tmp / "server-data", flags)
-            if wait_healthy(server, timeout):
-                return server
-            # it exited: most likely the port was taken in the meantime; try another
-        raise AssertionError(f"server would not start:\n{server.text()[-3000:]}")
+        return start_server(self.tmp, *flags, data_dir=data_dir or self.tmp / "server-data", env=self.env(),
+                            timeout=timeout, started=self.procs)
 
     @staticmethod
     def agent_argv(endpoint: str | None, job_id: str, nnodes: str, nproc: int = 1,

@@ -25,6 +25,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -202,6 +203,16 @@ class Proc:
             raise AssertionError(f"{self.name} did not exit within {timeout:g}s\n--- log tail ---\n"
                                  f"{self.text()[-3000:]}") from None
 
+    def stop(self, timeout: float = 5.0) -> int:
+        """SIGTERM, then SIGKILL if it has not exited after ``timeout`` seconds; its exit code."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+        return self.popen.wait(timeout)
+
     def steps(self) -> list[Step]:
         """The ``step`` lines its workers printed (scripts/loop.py)."""
         return [Step(*(int(g) for g in m.groups()[1:])) for m in STEP_RE.finditer(self.text())]
@@ -219,15 +230,22 @@ class Server(Proc):
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def request(self, method: str, path: str, timeout: float = 5.0) -> tuple[int, Any]:
-        """One REST call: (HTTP status, decoded JSON body)."""
-        req = urllib.request.Request(self.url + path, method=method, data=b"" if method == "POST" else None)
+    def request(self, method: str, path: str, timeout: float = 5.0, token: str | None = None) -> tuple[int, Any]:
+        """One REST call (with ``token`` as the bearer token): (HTTP status, decoded JSON body)."""
+        req = urllib.request.Request(self.url + path, method=method, data=b"" if method == "POST" else None,
+                                     headers={"Authorization": f"Bearer {token}"} if token else {})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
             with e:
                 return e.code, json.loads(e.read() or b"null")
+
+    def get(self, path: str, token: str | None = None) -> Any:
+        """GET ``path``: its JSON body, which must come with 200."""
+        status, body = self.request("GET", path, token=token)
+        assert status == 200, (path, status, body)
+        return body
 
     def job(self, job_id: str) -> dict | None:
         """GET /v1/jobs/{job_id}; None while the job does not exist."""
@@ -260,6 +278,28 @@ class Server(Proc):
             return self.request("GET", "/healthz", timeout=1.0)[0] == 200
         except (OSError, ValueError):
             return False
+
+
+def start_server(tmp: Path, *flags: str, data_dir: Path | str = "none", env: dict[str, str] | None = None,
+                 timeout: float = 20.0, started: list[Proc] | None = None) -> Server:
+    """A real rdzv-server on a free loopback port, in ``tmp`` (its log
+    ``tmp/server.log``; ``--data-dir none``: memory only, by default);
+    returns once /healthz answers. A server that exits first most likely lost
+    its port to another process meanwhile: another port is tried (3 in all).
+    Every process started is appended to ``started`` (for teardown)."""
+    for attempt in range(3):
+        name = f"server{attempt}" if attempt else "server"
+        port = free_port()
+        argv = [sys.executable, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(port),
+                "--data-dir", str(data_dir), *flags]
+        log_path = tmp / f"{name}.log"
+        server = Server(name, spawn(argv, log_path, env if env is not None else clean_env(), tmp), log_path,
+                        port=port)
+        if started is not None:
+            started.append(server)
+        if wait_healthy(server, timeout):
+            return server
+    raise AssertionError(f"server would not start:\n{server.text()[-3000:]}")
 
 
 def wait_healthy(server: Server, timeout: float) -> bool:

@@ -49,10 +49,6 @@ class Rig(Cluster):
         self.port = self.server.port
         return self.server
 
-    def get(self, path: str, timeout: float = 5.0) -> tuple[int, Any]:
-        assert self.server is not None
-        return self.server.request("GET", path, timeout)
-
     def post(self, path: str) -> tuple[int, Any]:
         assert self.server is not None
         return self.server.request("POST", path)
