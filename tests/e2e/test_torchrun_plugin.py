@@ -1,9 +1,9 @@
 """The stock torchrun with ``--rdzv-backend=rdzv``: our rendezvous handler
 (rdzv_client/torch_plugin.py, found through the ``torchrun.handlers`` entry
 point) against a real ``rdzv-server`` subprocess, with real gloo workers
-(plugin_scripts/allreduce_loop.py: one all_reduce per step, checked against
-the world size, one ``step S rank R world W restart C`` line per step), run by
-the ``rig`` fixture (tests/helpers/torchrun.py). Every wait is on a condition
+(scripts/loop.py: one all_reduce per step, checked against the world size,
+one ``step S rank R world W restart C pid P`` line per step), run by the
+``rig`` fixture (tests/helpers/torchrun.py). Every wait is on a condition
 with a deadline.
 """
 

@@ -283,16 +283,7 @@ class NsServer(Server):
     """A server inside a network namespace: REST calls go through a thread
     that lives in that namespace (``via``), to the address it listens on."""
 
-    host: str = ""
     via: Any = None
 
-    @property
-    def endpoint(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def request(self, method: str, path: str, timeout: float = 5.0):
-        return self.via(Server.request, self, method, path, timeout)
+    def request(self, method: str, path: str, timeout: float = 5.0, token: str | None = None) -> tuple[int, Any]:
+        return self.via(Server.request, self, method, path, timeout, token)

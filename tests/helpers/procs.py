@@ -221,14 +221,15 @@ class Proc:
 @dataclass
 class Server(Proc):
     port: int = 0
+    host: str = "127.0.0.1"  # the address REST calls and agents reach it at
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def request(self, method: str, path: str, timeout: float = 5.0, token: str | None = None) -> tuple[int, Any]:
         """One REST call (with ``token`` as the bearer token): (HTTP status, decoded JSON body)."""

@@ -1,10 +1,11 @@
 """Stock torchrun with ``--rdzv-backend=rdzv`` (our handler,
 rdzv_client/torch_plugin.py, found through the ``torchrun.handlers`` entry
 point) against a real ``rdzv-server``: :class:`Rig` is a :class:`Cluster`
-whose nodes are torchrun processes. Its workers are, by default,
-``tests/e2e/plugin_scripts/allreduce_loop.py`` (one all_reduce per step,
-checked against the world size, one ``step S rank R world W restart C`` line
-per step), read back by :meth:`TorchrunProc.steps`.
+whose nodes are torchrun processes. Its workers are, by default, the e2e
+tests' ``scripts/loop.py`` with ``--on-collective-error exit`` (one
+all_reduce per step, checked against the world size, one ``step S rank R
+world W restart C pid P`` line per step; a collective that fails because a
+peer died exits 1 at once), read back by :meth:`TorchrunProc.steps`.
 
 torchrun's workers lead sessions of their own and outlive a SIGKILLed
 torchrun; they carry the rig's tag, and teardown kills them by it.
@@ -18,15 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .cluster import Cluster
-from .procs import ROOT, Proc, Server
+from .cluster import E2E_SCRIPTS, Cluster
+from .procs import Proc, Server
 
-WORKER = ROOT / "tests" / "e2e" / "plugin_scripts" / "allreduce_loop.py"
-STEP_RE = re.compile(r"^step (\d+) rank (\d+) world (\d+) restart (\d+)$", re.M)
+WORKER = E2E_SCRIPTS / "loop.py"
+WORKER_ARGS = ("--on-collective-error", "exit")
+STEP_RE = re.compile(r"^step (\d+) rank (\d+) world (\d+) restart (\d+) pid \d+$", re.M)  # torchrun: no prefix
 
 
 class TorchrunProc(Proc):
-    """A torchrun node, reading allreduce_loop.py's step lines."""
+    """A torchrun node, reading loop.py's step lines."""
 
     def steps(self) -> list[tuple[int, int, int, int]]:  # type: ignore[override]
         """(step, rank, world, restart) of every step line its workers printed."""
@@ -63,11 +65,14 @@ class Rig(Cluster):
 
     def torchrun(self, name: str, job_id: str, nnodes: str, *worker_args: str, conf: str = "",
                  script: Path = WORKER, max_restarts: int = 3, env: dict[str, str] | None = None) -> TorchrunProc:
-        """``python -m torch.distributed.run --rdzv-backend=rdzv ... SCRIPT WORKER_ARGS``, one worker."""
+        """``python -m torch.distributed.run --rdzv-backend=rdzv ... SCRIPT WORKER_ARGS``, one worker
+        (the default script gets ``--on-collective-error exit`` first)."""
         argv = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=rdzv",
                 f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={job_id}", f"--nnodes={nnodes}",
                 "--nproc-per-node=1", f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
                 "--local-addr=127.0.0.1"]
         if conf:
             argv.append(f"--rdzv-conf={conf}")
+        if script == WORKER:
+            worker_args = (*WORKER_ARGS, *worker_args)
         return self.start(name, [*argv, str(script), *worker_args], env, cls=TorchrunProc)
