@@ -70,10 +70,13 @@ class Cluster:
               cls: type[Proc] = Proc, **fields: Any) -> Any:
         """Start ``argv`` (logged to ``tmp/NAME.log``, tagged, in a session of
         its own), register it for teardown and return it as a ``cls``."""
-        log_path = self.tmp / f"{name}.log"
-        proc = cls(name, spawn(argv, log_path, self.env(env), self.tmp), log_path, **fields)
+        proc = cls(name, self._spawn(name, argv, self.env(env)), self.tmp / f"{name}.log", **fields)
         self.procs.append(proc)
         return proc
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+        """``argv`` logged to ``tmp/NAME.log``, not registered (:meth:`start` does both)."""
+        return spawn(argv, self.tmp / f"{name}.log", env, self.tmp)
 
     def _server(self, name: str, port: int, data_dir: Path | str, flags: tuple[str, ...], host: str = "127.0.0.1",
                 netns: str | None = None, cls: type[Server] = Server) -> Server:
