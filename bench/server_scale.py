@@ -93,10 +93,6 @@ class Server:
         self.proc.stop(5)
 
 
-def node_specs(job_id: str, n: int, base: int = 0) -> list[list]:
-    return [[job_id, f"{job_id}-n{base + i}", base + i, n] for i in range(n)]
-
-
 def _merge(answers: list[dict], key: str) -> list:
     return [v for a in answers for v in a[key]]
 

@@ -12,7 +12,6 @@ import aiohttp
 import pytest
 
 from rdzv_server.protocol import AGENT_PATH, ExitRecord, FailedMsg, JobSpec, JoinMsg, LeaveMsg
-
 from tests.helpers.cluster import Cluster
 from tests.helpers.procs import wait_until
 from tests.helpers.torchrun import Rig, TorchrunProc

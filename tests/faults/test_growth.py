@@ -16,7 +16,6 @@ import aiohttp
 import pytest
 
 from rdzv_server.protocol import AGENT_PATH, ExitRecord, FailedMsg, JobSpec, JoinMsg, SucceededMsg
-
 from tests.helpers.cluster import FaultCluster, Ticks
 from tests.helpers.procs import Server, free_port, wait_until
 

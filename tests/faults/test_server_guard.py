@@ -19,6 +19,7 @@ import pytest
 
 from tests.helpers.cluster import FaultCluster
 from tests.helpers.procs import Server, free_port, wait_until
+
 from .rawnet import listening, ws_frame, ws_open
 
 pytestmark = [pytest.mark.e2e]
