@@ -13,13 +13,9 @@ import http.server
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -27,6 +23,7 @@ import aiohttp
 import pytest
 
 from rdzv_server.protocol import AGENT_PATH, SERVER_MESSAGE, JobSpec, JobView, JoinMsg
+from tests.helpers.procs import Server, free_port, start_server
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -36,12 +33,6 @@ CLI_TIMEOUT_S = 15.0
 WATCH_HEADER = re.compile(r"^\d\d:\d\d:\d\d  rdzv status ", re.M)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RDZV_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
@@ -49,59 +40,16 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-class Server:
-    def __init__(self, tmp: Path, *flags: str) -> None:
-        self.log = tmp / "server.log"
-        for _ in range(3):
-            self.port = _free_port()
-            with open(self.log, "wb") as f:
-                self.popen = subprocess.Popen(
-                    [sys.executable, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(self.port),
-                     "--data-dir", "none", *flags],
-                    stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline and self.popen.poll() is None:
-                try:
-                    with urllib.request.urlopen(f"{self.url}/healthz", timeout=1):
-                        return
-                except OSError:
-                    time.sleep(0.05)
-            self.stop()  # most likely its port was taken meanwhile: another one
-        raise AssertionError(f"server would not start:\n{self.log.read_text()[-2000:]}")
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.endpoint}"
-
-    def get(self, path: str, token: str | None = None) -> dict:
-        req = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {token}"} if token else {})
-        with urllib.request.urlopen(req, timeout=5) as r:
-            return json.loads(r.read())
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(5)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(5)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    s = Server(tmp_path_factory.mktemp("server"))
+    s = start_server(tmp_path_factory.mktemp("server"), env=_env())
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
 def token_server(tmp_path_factory: pytest.TempPathFactory):
-    s = Server(tmp_path_factory.mktemp("token-server"), "--token", TOKEN)
+    s = start_server(tmp_path_factory.mktemp("token-server"), "--token", TOKEN, env=_env())
     yield s
     s.stop()
 
@@ -163,7 +111,7 @@ async def agents():
         opened.append(agent)
         await agent.ws.send_str(JoinMsg(
             job_id=job_id, node_id=f"{host}-1-abcdef", host=host, addr="127.0.0.1", local_world_size=nproc,
-            master_port=_free_port(), spec=JobSpec(min_nodes=nnodes[0], max_nodes=nnodes[1])).model_dump_json())
+            master_port=free_port(), spec=JobSpec(min_nodes=nnodes[0], max_nodes=nnodes[1])).model_dump_json())
         await agent.wait_for("joined")
         return agent
 
@@ -263,7 +211,7 @@ async def test_status_lists_shows_and_closes_a_job(server: Server, agents) -> No
 
 
 async def test_errors_are_one_line_and_exit_1(server: Server, tmp_path: Path) -> None:
-    down = f"127.0.0.1:{_free_port()}"  # nothing listens there
+    down = f"127.0.0.1:{free_port()}"  # nothing listens there
 
     # a port that answers HTTP 200 with something that is not rdzv's JSON
     class Foreign(http.server.BaseHTTPRequestHandler):

@@ -4,12 +4,6 @@ from the server's own /openapi.json and checks every answer against it."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 
 import aiohttp
 import pytest
@@ -27,29 +21,12 @@ from schemathesis.specs.openapi.checks import (
 
 from rdzv_server.app import openapi_document
 from rdzv_server.protocol import AGENT_PATH, SucceededMsg
+from tests.helpers.procs import start_server
 
 from .conftest import join_msg
 
 SEEDED = ["seeded-running", "seeded-waiting", "seeded-done"]
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(base: str, proc: subprocess.Popen, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"rdzv-server exited with {proc.returncode}"
-        try:
-            if requests.get(f"{base}/healthz", timeout=1).status_code == 200:
-                return
-        except requests.ConnectionError:
-            time.sleep(0.05)  # the process is starting: nothing to wait on but the port
-    raise TimeoutError(f"rdzv-server not healthy at {base} within {timeout}s")
 
 
 async def seed(base: str) -> None:
@@ -78,27 +55,13 @@ async def seed(base: str) -> None:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """rdzv-server as a real process on a free loopback port, memory only, with seeded jobs."""
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(port), "--data-dir", "none"],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RDZV_TOKEN": ""},
-        )
+    proc = start_server(tmp_path_factory.mktemp("server"), timeout=15.0)  # no RDZV_TOKEN: the clean env has none
     try:
-        wait_healthy(base, proc)
-        asyncio.run(seed(base))
-        yield base
+        asyncio.run(seed(proc.url))
+        yield proc.url
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise
-        server_log = log_path.read_text(errors="replace")
+        rc = proc.stop(10)
+        server_log = proc.text()
     assert rc == 0, server_log
     assert "Traceback" not in server_log and "Error handling request" not in server_log, server_log
 

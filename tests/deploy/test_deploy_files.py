@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers.procs import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 SBATCH = DEPLOY / "slurm" / "train.sbatch"
@@ -711,14 +713,6 @@ STUB_SRUN = """
     while [ "$#" -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done
     exec "$@"
 """
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, timeout: float = 10) -> None:

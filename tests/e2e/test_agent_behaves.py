@@ -14,19 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, Cluster, Proc, Server, free_port, wait_until
+from tests.helpers.cluster import Cluster
+from tests.helpers.procs import ROOT, Proc, Server, alive, free_port, wait_until
 
 pytestmark = pytest.mark.e2e
 
 READY_RE = r"^\[(\d+)\]: ready rank \d+ pid (\d+)$"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2] != "Z"
 
 
 def _worker_pids(agent: Proc, count: int = 1, timeout: float = 30.0) -> list[int]:
@@ -55,11 +48,11 @@ def test_second_sigint_kills_workers_that_ignore_signals(cluster: Cluster) -> No
     [pid] = _worker_pids(agent)
     os.kill(agent.pid, signal.SIGINT)
     agent.wait_log(r"SIGINT: stopping workers", 10)
-    assert _alive(pid)  # it ignores SIGINT: only the stop timeout or a second Ctrl-C ends it
+    assert alive(pid)  # it ignores SIGINT: only the stop timeout or a second Ctrl-C ends it
     os.kill(agent.pid, signal.SIGINT)
     # well before the 60 s stop timeout
     assert agent.wait_exit(30) == 128 + signal.SIGINT, agent.text()
-    assert not _alive(pid)
+    assert not alive(pid)
     assert not cluster.leftovers()
     _no_traceback(agent)
 
@@ -78,11 +71,11 @@ def test_sighup_is_handled_like_sigterm(cluster: Cluster, tmp_path: Path) -> Non
     hup_id = agents[0].wait_log(r"node (\S+): joining", 1)[0].group(1)
     os.kill(agents[0].pid, signal.SIGHUP)
     assert agents[0].wait_exit(20) == 128 + signal.SIGHUP, agents[0].text()
-    assert not _alive(pids[0])
+    assert not alive(pids[0])
     view = server.wait_job("hup", lambda v: v["round"] >= 1, 20, "a new round without the hung-up node")
     assert hup_id in view["history"][1]["reason"] and "left" in view["history"][1]["reason"], view["history"]
     assert "SIGHUP" in view["history"][1]["reason"]
-    assert _alive(pids[1]) or agents[1].popen.poll() is None
+    assert alive(pids[1]) or agents[1].popen.poll() is None
     os.kill(agents[1].pid, signal.SIGTERM)
     assert agents[1].wait_exit(20) == 128 + signal.SIGTERM
     assert not list(tmp.iterdir()), list(tmp.iterdir())
@@ -145,10 +138,10 @@ def test_server_dies_while_workers_run_then_the_agent_gives_up(cluster: Cluster)
     server.wait_exit(10)
     agent.wait_log(LOG_LINE + r".*server unreachable for \d+s at 127\.0\.0\.1:\d+ \(.*\); workers keep running; "
                    r"giving up in \d+s$", 20)
-    assert _alive(pid)
+    assert alive(pid)
     assert agent.wait_exit(40) == 3, agent.text()
     assert "giving up: server" in agent.text() and "stopping workers" in agent.text()
-    assert not _alive(pid)
+    assert not alive(pid)
     assert not cluster.leftovers()
     _no_traceback(agent)
 
@@ -181,7 +174,7 @@ def test_outage_notice_is_a_log_line_when_it_starts_and_ends(cluster: Cluster) -
     agent.wait_log(LOG_LINE + r".*server unreachable for \d+s .*; workers keep running; giving up in \d+s$", 20)
     _restart_server(cluster, server)
     agent.wait_log(LOG_LINE + r"job blip node \S+: server 127\.0\.0\.1:\d+ reachable again$", 20)
-    assert _alive(pid) and agent.popen.poll() is None
+    assert alive(pid) and agent.popen.poll() is None
     _no_traceback(agent)
 
 
@@ -282,7 +275,7 @@ def test_bad_server_messages_are_protocol_errors_not_crashes(cluster: Cluster) -
         [pid] = _worker_pids(agent, timeout=40)
         wait_until(lambda: fake.connections >= 6, 40, "the agent reconnecting after the 10**18 world")
         text = agent.text()
-        assert _alive(pid) and agent.popen.poll() is None, text
+        assert alive(pid) and agent.popen.poll() is None, text
         assert len(re.findall(r"^\[0\]: ready rank", text, re.M)) == 1, text  # started once, never restarted
         errors = [ln for ln in text.splitlines() if "protocol error" in ln]
         for field in ("master_addr", "local_world_size", "master_port", "someone-else", "world_size"):

@@ -14,8 +14,8 @@ import time
 import pytest
 
 from rdzv_server.protocol import DEFAULT_HEARTBEAT_TIMEOUT_S as HEARTBEAT_TIMEOUT_S
-
-from .conftest import Cluster, Proc, wait_until
+from tests.helpers.cluster import Cluster
+from tests.helpers.procs import Proc, wait_until
 
 pytestmark = pytest.mark.e2e
 

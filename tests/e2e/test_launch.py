@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import Cluster, wait_until
+from tests.helpers.cluster import Cluster
+from tests.helpers.procs import wait_until
 
 pytestmark = pytest.mark.e2e
 

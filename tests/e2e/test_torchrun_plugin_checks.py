@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from .conftest import free_port  # noqa: E402
+from tests.helpers.procs import free_port  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

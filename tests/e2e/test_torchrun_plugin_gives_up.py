@@ -1,7 +1,7 @@
 """torchrun with ``--rdzv-backend=rdzv`` gives up on an unreachable server
 after ``--rdzv-conf server_timeout=S`` (issue 13, item 12), saying so while it
 waits, instead of 600 s of silence. Stock torchrun, our handler, real
-processes (the rig of test_torchrun_plugin)."""
+processes (the ``rig`` fixture, tests/helpers/torchrun.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from .conftest import descendants, free_port, wait_until  # noqa: E402
-from .test_torchrun_plugin import Rig, _alive, _at, rig  # noqa: E402,F401 - rig is a fixture
+from tests.helpers.procs import alive, descendants, free_port, wait_until  # noqa: E402
+from tests.helpers.torchrun import Rig  # noqa: E402
+
+from .test_torchrun_plugin import _at  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -44,4 +46,4 @@ def test_plugin_gives_up_when_the_server_dies_while_workers_run(rig: Rig) -> Non
     text = node.text()
     assert rc != 0, text[-3000:]
     assert "unreachable for" in text and "server_timeout" in text, text[-3000:]
-    wait_until(lambda: not any(_alive(pid) for pid in workers), 10, "its workers gone")
+    wait_until(lambda: not any(alive(pid) for pid in workers), 10, "its workers gone")

@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import aiohttp
 import pytest
 
 from rdzv_server.protocol import AGENT_PATH, ExitRecord, FailedMsg, JobSpec, JoinMsg, LeaveMsg
+from tests.helpers.cluster import Cluster
+from tests.helpers.procs import wait_until
+from tests.helpers.torchrun import Rig, TorchrunProc
 
-from .conftest import Cluster, wait_until
 from .test_elastic import _all_running
-from .test_torchrun_plugin import Proc as PluginProc
-from .test_torchrun_plugin import Rig, rig  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.e2e
 
@@ -120,18 +118,9 @@ def test_job_secret_and_spec_guard_a_job_and_workers_see_neither_secret(cluster:
     assert secret not in server.text() and secret not in first.text()
 
 
-def _torchrun(rig: Rig, name: str, job_id: str, env: dict[str, str], *script: str) -> PluginProc:
+def _torchrun(rig: Rig, name: str, job_id: str, env: dict[str, str], script: str, *args: str) -> TorchrunProc:
     """Stock torchrun with our rendezvous backend, with ``env`` on top of the rig's."""
-    argv = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=rdzv", f"--rdzv-endpoint={rig.endpoint}",
-            f"--rdzv-id={job_id}", "--nnodes=2", "--nproc-per-node=1", "--max-restarts=0",
-            "--monitor-interval=0.1", "--local-addr=127.0.0.1", *script]
-    log = rig.tmp / f"{name}.log"
-    with open(log, "wb") as f:
-        popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
-                                 env={**rig.env(), **env}, cwd=rig.tmp, start_new_session=True)
-    proc = PluginProc(name, popen, log)
-    rig.procs.append(proc)
-    return proc
+    return rig.torchrun(name, job_id, "2", *args, script=Path(script), max_restarts=0, env=env)
 
 
 @pytest.mark.timeout(120)

@@ -37,7 +37,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import FaultCluster, Proc, Server, assigned_ranks, descendants, free_port, wait_until
+from tests.helpers.cluster import FaultCluster, assigned_ranks
+from tests.helpers.procs import Proc, Server, descendants, free_port, wait_until
 
 torch = pytest.importorskip("torch")
 

@@ -16,8 +16,8 @@ import aiohttp
 import pytest
 
 from rdzv_server.protocol import AGENT_PATH, ExitRecord, FailedMsg, JobSpec, JoinMsg, SucceededMsg
-
-from .conftest import FaultCluster, Server, Ticks, free_port, wait_until
+from tests.helpers.cluster import FaultCluster, Ticks
+from tests.helpers.procs import Server, free_port, wait_until
 
 pytestmark = [pytest.mark.e2e]
 
@@ -64,6 +64,17 @@ class SimAgent:
         except asyncio.TimeoutError:
             raise AssertionError(f"no {op!r} within {timeout:g}s; got {[m['op'] for m in self.ops]}") from None
 
+    @classmethod
+    async def form(cls, session: aiohttp.ClientSession, server: Server, job_id: str, nodes: tuple[str, ...],
+                   spec: JobSpec) -> list["SimAgent"]:
+        """One agent per node id, all joined to ``job_id``; returns once each is assigned."""
+        agents = [await cls.connect(session, server) for _ in nodes]
+        for agent, node in zip(agents, nodes):
+            await agent.ws.send_str(join(job_id, node, spec))
+        for agent in agents:
+            await agent.wait_op("assigned")
+        return agents
+
     async def closed(self, timeout: float = 5.0) -> None:
         await asyncio.wait_for(asyncio.shield(self._reader), timeout)
 
@@ -83,11 +94,7 @@ async def test_silent_node_is_evicted_while_the_server_stalls_again_and_again(fc
     server = fcluster.start_server_at(free_port(), tmp_path / "data")
     spec = JobSpec(min_nodes=2, max_nodes=2, heartbeat_timeout_s=3.0)
     async with aiohttp.ClientSession() as session:
-        live, silent = await SimAgent.connect(session, server), await SimAgent.connect(session, server)
-        await live.ws.send_str(join("stall", "live", spec))
-        await silent.ws.send_str(join("stall", "silent", spec))
-        for a in (live, silent):
-            await a.wait_op("assigned")
+        live, silent = await SimAgent.form(session, server, "stall", ("live", "silent"), spec)
         live.heartbeat(0.5)
         stops = 0
         try:
@@ -180,11 +187,8 @@ async def test_nearly_full_disk_refuses_new_jobs_but_not_a_round_change(fcluster
         server = fcluster.start_server_at(free_port(), mnt / "data", "--min-free-disk", "1MiB")
         spec = JobSpec(min_nodes=2, max_nodes=2)
         async with aiohttp.ClientSession() as session:
-            a, b = await SimAgent.connect(session, server), await SimAgent.connect(session, server)
-            await a.ws.send_str(join("kept", "a", spec))
-            await b.ws.send_str(join("kept", "b", spec))
+            a, b = await SimAgent.form(session, server, "kept", ("a", "b"), spec)
             for agent in (a, b):
-                await agent.wait_op("assigned")
                 agent.heartbeat(1.0)
             st = os.statvfs(mnt)
             free = st.f_bavail * st.f_frsize

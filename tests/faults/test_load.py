@@ -1,27 +1,29 @@
 """Load: thousands of simulated nodes on the server while a real job trains.
 
-scripts/loadgen.py (a separate process) opens ``RDZV_LOAD_NODES`` WebSocket
-clients (default 2000) that join two jobs of half that size each and
-heartbeat at the ``heartbeat_s`` the server gives them, as agents do. Next to
-them one real 2-agent job (gloo workers, ``--heartbeat-timeout 3``, the
-strictest the tests use) trains. Under that load the real job must see no
-spurious eviction: its round stays 0, its workers are never restarted, and it
-succeeds; no simulated node is evicted or dropped either.
+bench/simagents.py (the benchmark's simulated agents, in a client process
+of their own) opens ``RDZV_LOAD_NODES`` WebSocket clients (default 2000) that
+join two jobs of half that size each and heartbeat at the ``heartbeat_s`` the
+server gives them, as agents do. Next to them one real 2-agent job (gloo
+workers, ``--heartbeat-timeout 3``, the strictest the tests use) trains.
+Under that load the real job must see no spurious eviction: its round stays
+0, its workers are never restarted, and it succeeds; no simulated node is
+evicted, told to restart or dropped either.
 
 On a busy 2-core CI runner set ``RDZV_LOAD_NODES=500``.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from .conftest import SCRIPTS, FaultCluster, Proc, Ticks, free_port, wait_until
+from bench.simagents import Clients, node_specs
+from rdzv_server.protocol import AGENT_PATH
+from tests.helpers.cluster import FaultCluster, Ticks
+from tests.helpers.procs import free_port, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -29,15 +31,26 @@ NODES = int(os.environ.get("RDZV_LOAD_NODES", "2000"))
 JOBS = 2
 HB_TIMEOUT = 3.0
 SIM_HB_TIMEOUT = 6.0  # the protocol's default, which the simulated nodes use
+BAD = ("evicted", "restart", "dropped", "errors")
 
 
-def _stats(gen: Proc) -> dict:
-    lines = [ln for ln in gen.text().splitlines() if ln.startswith('{"t"')]
-    return json.loads(lines[-1]) if lines else {}
+@pytest.fixture
+def sim(fcluster: FaultCluster):
+    """Starts simulated agents: ``sim(url)`` -> one bench/simagents client
+    process (no WebSocket pings), stopped at teardown."""
+    started: list[Clients] = []
+
+    def start(url: str) -> Clients:
+        started.append(Clients(1, url, ws_ping=None))
+        return started[-1]
+
+    yield start
+    for clients in started:
+        clients.stop()
 
 
 @pytest.mark.timeout(170)
-def test_thousands_of_nodes_do_not_disturb_a_real_job(fcluster: FaultCluster, tmp_path: Path) -> None:
+def test_thousands_of_nodes_do_not_disturb_a_real_job(fcluster: FaultCluster, sim, tmp_path: Path) -> None:
     per_job = NODES // JOBS
     server = fcluster.start_server_at(free_port(), tmp_path / "data", name="server")
     stop = tmp_path / "stop"
@@ -46,18 +59,13 @@ def test_thousands_of_nodes_do_not_disturb_a_real_job(fcluster: FaultCluster, tm
     wait_until(lambda: all(Ticks.last_step(a, 0) >= 2 for a in real), 60, "the real job training")
 
     started = time.monotonic()
-    argv = [sys.executable, str(SCRIPTS / "loadgen.py"), "--endpoint", server.endpoint, "--jobs", str(JOBS),
-            "--nodes", str(per_job)]
-    gen = Proc("loadgen", fcluster._spawn("loadgen", argv, fcluster.env()), fcluster.tmp / "loadgen.log")
-    fcluster.procs.append(gen)
-
-    def all_in():
-        s = _stats(gen)
-        assert gen.popen.poll() is None, gen.text()[-3000:]
-        assert not s.get("failed") and not s.get("errors"), s
-        return s if s.get("assigned", 0) >= per_job * JOBS else None
-
-    s = wait_until(all_in, 120, f"{per_job * JOBS} simulated nodes joined and assigned", interval=0.5)
+    gen = sim(server.url + AGENT_PATH)
+    for j in range(JOBS):  # one job after the other, as the benchmark's live part does
+        gen.split("connect", node_specs(f"sim-{j}", per_job, base=j * per_job))
+        (joined,) = gen.same({"cmd": "join", "jobs": [f"sim-{j}"]})  # answers once all are assigned (or 60 s)
+        assert None not in joined["recv"], f"{joined['recv'].count(None)} of sim-{j}'s nodes got no assignment"
+    (s,) = gen.same({"cmd": "stats"})
+    assert s["assigned"] == per_job * JOBS and {k: s[k] for k in BAD} == dict.fromkeys(BAD, 0), s
     all_in_s = time.monotonic() - started
     for j in range(JOBS):
         view = server.job(f"sim-{j}")
@@ -75,18 +83,17 @@ def test_thousands_of_nodes_do_not_disturb_a_real_job(fcluster: FaultCluster, tm
         return time.monotonic() - started - all_in_s > SIM_HB_TIMEOUT + 2
 
     wait_until(watch, 60, "the load held", interval=0.25)
-    s = _stats(gen)
-    assert {k: s[k] for k in ("evicted", "restart", "dropped", "errors", "failed")} == dict.fromkeys(
-        ("evicted", "restart", "dropped", "errors", "failed"), 0), s
-    assert s["hb"] > 0
+    (s,) = gen.same({"cmd": "stats"})
+    assert {k: s[k] for k in BAD} == dict.fromkeys(BAD, 0), s
+    assert s["hb_sent"] > 0
     for v in views:
         assert (v["state"], v["round"]) == ("running", 0), v
         assert all(n["state"] == "running" for n in v["nodes"]), v["nodes"]
 
     for j in range(JOBS):
         server.close_job(f"sim-{j}")
-    wait_until(lambda: _stats(gen).get("done", 0) >= per_job * JOBS, 60, "every simulated node told the job closed",
-               interval=0.5)
+    wait_until(lambda: gen.same({"cmd": "stats"})[0]["done"] >= per_job * JOBS, 60,
+               "every simulated node told the job closed", interval=0.5)
     stop.touch()
     for a in real:
         assert a.wait_exit(40) == 0, a.text()[-3000:]
@@ -98,5 +105,5 @@ def test_thousands_of_nodes_do_not_disturb_a_real_job(fcluster: FaultCluster, tm
         assert "evicted" not in a.text() and "stopping workers" not in a.text()
     latencies.sort()
     print(f"\nload: {per_job * JOBS} simulated nodes in {JOBS} jobs, all assigned {all_in_s:.1f}s after start; "
-          f"{s['hb']} heartbeats; /healthz p50 {latencies[len(latencies) // 2] * 1000:.0f} ms, "
+          f"{s['hb_sent']} heartbeats; /healthz p50 {latencies[len(latencies) // 2] * 1000:.0f} ms, "
           f"max {latencies[-1] * 1000:.0f} ms over {len(latencies)} probes; real job round 0, no eviction")

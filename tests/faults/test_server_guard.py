@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import FaultCluster, Server, free_port, wait_until
+from tests.helpers.cluster import FaultCluster
+from tests.helpers.procs import Server, free_port, wait_until
+
 from .rawnet import listening, ws_frame, ws_open
 
 pytestmark = [pytest.mark.e2e]

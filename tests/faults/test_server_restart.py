@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import FaultCluster, Ticks, descendants, free_port, wait_until
+from tests.helpers.cluster import FaultCluster, Ticks
+from tests.helpers.procs import descendants, free_port, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -33,6 +33,18 @@ def make_store(clock: list[float]) -> Store:
     return Store(StoreSettings(), clock=lambda: clock[0])
 
 
+def two_node_job(heartbeat_timeout_s: float, a: str = "a", b: str = "b"):
+    """A store on a fake clock with job ``j`` (2:2) formed by nodes ``a`` and
+    ``b``: (clock, store, spec, a's channel, b's channel)."""
+    clock = [1000.0]
+    store = make_store(clock)
+    spec = JobSpec(min_nodes=2, max_nodes=2, heartbeat_timeout_s=heartbeat_timeout_s)
+    chan_a, chan_b = Recorder(), Recorder()
+    store.join(join("j", a, spec), chan_a)
+    store.join(join("j", b, spec), chan_b)
+    return clock, store, spec, chan_a, chan_b
+
+
 def stalled_tick(store: Store) -> None:
     """A tick that comes after the loop did not run for longer than STALL_S."""
     store._last_tick = time.monotonic() - 2 * STALL_S
@@ -48,12 +60,7 @@ def test_repeated_stalls_still_evict_a_silent_node():
     """Every tick comes after a stall (a client looping on a slow endpoint): the
     node that heartbeats stays, the silent one is still evicted within two
     heartbeat timeouts instead of being given a fresh timeout at every stall."""
-    clock = [1000.0]
-    store = make_store(clock)
-    spec = JobSpec(min_nodes=2, max_nodes=2, heartbeat_timeout_s=3.0)
-    live, silent = Recorder(), Recorder()
-    store.join(join("j", "live", spec), live)
-    store.join(join("j", "silent", spec), silent)
+    clock, store, spec, live, silent = two_node_job(3.0, "live", "silent")
     job = store.jobs["j"]
     assert job.state == JobState.RUNNING
     start = clock[0]
@@ -72,12 +79,7 @@ def test_repeated_stalls_still_evict_a_silent_node():
 def test_one_stall_still_gives_every_node_a_full_timeout():
     """A single long stall (SIGSTOP) is not the nodes' fault: nobody is evicted
     by the tick that follows it, even a node last heard of long ago."""
-    clock = [1000.0]
-    store = make_store(clock)
-    spec = JobSpec(min_nodes=2, max_nodes=2, heartbeat_timeout_s=3.0)
-    a, b = Recorder(), Recorder()
-    store.join(join("j", "a", spec), a)
-    store.join(join("j", "b", spec), b)
+    clock, store, spec, a, b = two_node_job(3.0)
     clock[0] += 20.0
     stalled_tick(store)
     assert set(store.jobs["j"].nodes) == {"a", "b"}
@@ -123,12 +125,7 @@ def test_tick_does_not_visit_idle_jobs(monkeypatch):
 
 def test_a_dropped_connection_is_lost_after_the_disconnect_grace_not_the_heartbeat_timeout():
     """The tick queue learns of the earlier deadline a dropped connection sets."""
-    clock = [1000.0]
-    store = make_store(clock)
-    spec = JobSpec(min_nodes=2, max_nodes=2, heartbeat_timeout_s=6.0)
-    a, b = Recorder(), Recorder()
-    store.join(join("j", "a", spec), a)
-    store.join(join("j", "b", spec), b)
+    clock, store, spec, a, b = two_node_job(6.0)
     plain_tick(store)
     store.disconnected("j", "b", b)
     clock[0] += 0.3
