@@ -76,13 +76,19 @@ def new_job(job_id: str, spec: JobSpec, now: float, job_secret: str | None = Non
     return job
 
 
-def heartbeat(job: Job, node_id: str, now: float) -> None:
+def heartbeat(job: Job, node_id: str, now: float, step: int | None = None, rate: float | None = None) -> None:
     """The fast path: a node is alive. Unknown nodes are ignored (their
-    connection is told on their next real message)."""
+    connection is told on their next real message). ``step``/``rate``: the
+    progress its workers reported (the heartbeat's second form)."""
     node = job.nodes.get(node_id)
     if node is not None:
         node.last_seen = now
         node.graced = False
+        if step is not None:
+            if node.step is None or step != node.step or node.progress_at is None:
+                node.progress_at = now
+            node.step = step
+            node.step_rate = rate
 
 
 def disconnect(job: Job, node_id: str, now: float, grace_s: float) -> Effects:

@@ -67,6 +67,11 @@ class Node:
     joined_at: float = 0.0
     graced: bool = False  # given a stall grace and not heard from since (see grace)
     secret_hash: str | None = None  # sha256 of the secret it was issued; None: saved before secrets existed
+    # progress its agent sent with heartbeats (rdzv_client.worker.progress): the lowest
+    # last step of its ranks, that rank's steps/s, and when the step last advanced
+    step: int | None = None
+    step_rate: float | None = None
+    progress_at: float | None = None
 
 
 @dataclass
