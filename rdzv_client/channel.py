@@ -52,6 +52,7 @@ class RankProgress:
     rate_step: int = 0
     rate_at: float = 0.0
     rate: float | None = None
+    finished: bool = False  # rdzv_client.worker.finished(): not watched for hangs
 
 
 class _Protocol(asyncio.DatagramProtocol):
@@ -98,23 +99,28 @@ class WorkerChannel:
         self.ranks.clear()
 
     def received(self, data: bytes, now: float) -> None:
-        parts = data[:MAX_DATAGRAM].split() if len(data) <= MAX_DATAGRAM else []
+        parts = data.split() if len(data) <= MAX_DATAGRAM else []
+        end = len(parts) == 3 and parts[2] == b"end"
         try:
-            round_no, local_rank, step = (int(p) for p in parts) if len(parts) == 3 else (-1, -1, -1)
-        except ValueError:
+            round_no, local_rank = (int(p) for p in parts[:2]) if len(parts) == 3 else (-1, -1)
+            step = 0 if end else int(parts[2])
+        except (ValueError, IndexError):
             round_no = local_rank = step = -1
         if round_no != self.round or not 0 <= local_rank < self.nproc or not 0 <= step <= MAX_STEP:
             self.dropped += 1
             return
         rp = self.ranks.get(local_rank)
-        if rp is None:
+        if end:
+            if rp is not None:
+                rp.finished = True
+        elif rp is None:
             self.ranks[local_rank] = RankProgress(step=step, at=now, rate_step=step, rate_at=now)
         else:
-            rp.step, rp.at = step, now
+            rp.step, rp.at, rp.finished = step, now, False
 
     def hung(self, timeout_s: float, now: float) -> list[int]:
         """Local ranks that called progress() once and then not for ``timeout_s``."""
-        return sorted(lr for lr, rp in self.ranks.items() if now - rp.at > timeout_s)
+        return sorted(lr for lr, rp in self.ranks.items() if not rp.finished and now - rp.at > timeout_s)
 
     def sample(self, now: float) -> tuple[int, float | None] | None:
         """This node's progress for the server: the lowest last step of its

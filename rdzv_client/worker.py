@@ -11,16 +11,21 @@ imports it runs exactly as before.
   (``RDZV_AGENT_SOCKET``), at most every :data:`SEND_EVERY_S`; the latest step
   is kept in memory in between. It never blocks and never raises: with no
   agent (plain ``python script.py``) it does nothing.
+* :func:`finished` - the training loop is over: what follows (evaluation,
+  saving, interpreter teardown) is not a hang. Called at exit by itself; a
+  later :func:`progress` call starts the watch again.
 * On import, :mod:`faulthandler` is registered for SIGUSR1 (all threads, to
   stderr): the agent sends SIGUSR1 to dump every worker's Python stack into
   the node's log before it ends a hung round.
 
 The datagram is ASCII: ``"<round> <local_rank> <step>"`` (the step is the
-number of calls so far when :func:`progress` was never given one).
+number of calls so far when :func:`progress` was never given one), or
+``"<round> <local_rank> end"`` from :func:`finished`.
 """
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import os
 import signal
@@ -28,7 +33,7 @@ import socket
 import sys
 import time
 
-__all__ = ["progress", "SEND_EVERY_S"]
+__all__ = ["progress", "finished", "SEND_EVERY_S"]
 
 # At most this often a call sends; in between it only records the step.
 SEND_EVERY_S = 0.05
@@ -87,3 +92,22 @@ def progress(step: int | None = None) -> None:
         s.send(_prefix + str(shown).encode())
     except OSError:
         pass  # the agent is busy (queue full) or gone: the next call tries again
+
+
+def finished() -> None:
+    """The training loop is over: stop watching this worker for hangs (until
+    its next :func:`progress` call). Never blocks, never raises."""
+    global _last_sent
+    if _calls == 0:
+        return  # never watched
+    s = _sock if _sock is not None else _open()
+    if s is None:
+        return
+    _last_sent = -1.0e9  # a progress() after this is sent at once
+    try:
+        s.send(_prefix + b"end")
+    except OSError:
+        pass
+
+
+atexit.register(finished)

@@ -75,13 +75,17 @@ async def test_agent_sees_each_ranks_last_step_from_real_workers() -> None:
         await _until(lambda: {lr: rp.step for lr, rp in ch.ranks.items()} == {0: 5, 1: 5})
         # a datagram from the previous round's workers, or malformed, or out of range: dropped
         before = dict((lr, rp.step) for lr, rp in ch.ranks.items())
-        for bad in (b"2 0 99", b"3 2 99", b"3 0 -1", b"3 0 x", b"", b"3 0 1 2", b"9" * 200):
+        for bad in (b"2 0 99", b"3 2 99", b"3 0 -1", b"3 0 x", b"", b"3 0 1 2", b"9" * 200, b"2 0 end"):
             ch.received(bad, time.monotonic())
-        assert {lr: rp.step for lr, rp in ch.ranks.items()} == before and ch.dropped == 7
-        # hung: ranks silent for longer than the timeout
+        assert {lr: rp.step for lr, rp in ch.ranks.items()} == before and ch.dropped == 8
+        # the workers exited: finished() (at exit) ended the watch, so teardown is no hang
+        await _until(lambda: all(rp.finished for rp in ch.ranks.values()))
         now = time.monotonic()
         ch.ranks[1].at = now - 10
-        assert ch.hung(5.0, now) == [1]
+        assert ch.hung(5.0, now) == []
+        # a progress() call after finished() starts the watch again; silent past the timeout: hung
+        ch.received(b"3 1 6", now - 10)
+        assert ch.hung(5.0, now) == [1] and ch.ranks[1].step == 6
         assert ch.sample(now) is not None
     finally:
         ch.close()

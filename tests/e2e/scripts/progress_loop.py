@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from rdzv_client.worker import progress
+from rdzv_client.worker import finished, progress
 
 
 def main() -> None:
@@ -40,6 +40,7 @@ def main() -> None:
         if step == args.stop_self_at and restart == "0" and rank == args.stop_rank:
             os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(args.interval)
+    finished()  # teardown is not a hang
     print(f"done rank {rank} world {world} restart {restart}", flush=True)
     dist.destroy_process_group()
 
