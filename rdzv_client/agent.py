@@ -315,7 +315,7 @@ class Agent:
         a, group, cfg = self.assignment, self.group, self.cfg
         if a is None or group is None:
             return
-        records = []
+        records: list[ExitRecord] = []
         for lr in hung:
             rp = self.channel.ranks[lr]
             idle = now - rp.at
