@@ -9,6 +9,7 @@ reported as a hang, and the next round runs to the end.
 from __future__ import annotations
 
 import re
+import urllib.request
 
 from .conftest import SCRIPTS, Cluster
 
@@ -79,3 +80,19 @@ def test_torch_file_timer_expiry_kills_the_worker_and_counts_as_a_failure(cluste
     view = server.job("ftimer")
     assert view["state"] == "succeeded" and view["restarts"] == 1, view
     assert "torch elastic timer expired" in _history_reasons(view), view["history"]
+
+
+def test_agents_send_their_workers_progress_to_the_server(cluster: Cluster) -> None:
+    server = cluster.start_server()
+    agent = cluster.start_agent(server, "prog", SCRIPT, "--steps", "100000", "--interval", "0.05", nnodes="1")
+    view = server.wait_job("prog", lambda v: bool(v["nodes"]) and (v["nodes"][0]["step"] or 0) >= 3
+                           and (v["nodes"][0]["steps_per_s"] or 0) > 0, 90, "the node's progress in the job view")
+    node = view["nodes"][0]
+    assert node["since_progress_s"] is not None and node["since_progress_s"] >= 0, node
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    assert 'rdzv_job_max_seconds_since_progress{job_id="prog"}' in metrics
+    # the step keeps advancing
+    server.wait_job("prog", lambda v: (v["nodes"][0]["step"] or 0) > node["step"], 60, "a later step")
+    server.close_job("prog")
+    assert agent.wait_exit(60) == 1
