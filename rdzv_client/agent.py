@@ -299,7 +299,8 @@ class Agent:
         now = time.monotonic()
         hang = self.cfg.hang_timeout_s
         if hang is not None:
-            hung = self.channel.hung(hang, now)
+            # a worker that exited without finished() (os._exit) is not hung: its end is reported
+            hung = [lr for lr in self.channel.hung(hang, now) if self.group is not None and self.group.running(lr)]
             if hung:
                 await self._on_hang(hung, now)
                 return
