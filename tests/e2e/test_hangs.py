@@ -96,3 +96,15 @@ def test_agents_send_their_workers_progress_to_the_server(cluster: Cluster) -> N
     server.wait_job("prog", lambda v: (v["nodes"][0]["step"] or 0) > node["step"], 60, "a later step")
     server.close_job("prog")
     assert agent.wait_exit(60) == 1
+
+
+def test_a_worker_that_exited_without_finished_is_not_hung(cluster: Cluster) -> None:
+    server = cluster.start_server()
+    agent = cluster.start_agent(server, "early", "progress_exit.py", "--seconds", "12", nnodes="1", nproc=2,
+                                flags=("--hang-timeout", "3", "--max-restarts", "2"))
+    assert agent.wait_exit(90) == 0, agent.text()[-3000:]
+    text = agent.text()
+    assert " hung: " not in text, text[-3000:]
+    assert "[1]: done local rank 1 restart 0" in text
+    view = server.job("early")
+    assert view["state"] == "succeeded" and view["restarts"] == 0, view
