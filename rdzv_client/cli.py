@@ -125,7 +125,7 @@ def _progress_cell(n: NodeView) -> str:
         return "-"
     rate = f" {n.steps_per_s:g}/s" if n.steps_per_s is not None else ""
     since = f" {n.since_progress_s:.0f}s ago" if n.since_progress_s is not None else ""
-    return f"step {n.step}{rate}{since}"
+    return f"step {n.step}{rate}{since}" + (" STRAGGLER" if n.straggler else "")
 
 
 async def _status_text(client: RestClient, job: str | None, as_json: bool, state: str | None = None,

@@ -403,6 +403,7 @@ class NodeView(BaseModel):
                                                        "(null: its workers do not call rdzv_client.worker.progress)")
     steps_per_s: float | None = Field(default=None, description="that rank's recent steps per second")
     since_progress_s: float | None = Field(default=None, description="seconds since its step last advanced")
+    straggler: bool = Field(default=False, description="its steps/s stayed below half the job's median for 30 s")
 
 
 class RoundView(BaseModel):

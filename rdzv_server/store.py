@@ -324,9 +324,11 @@ class Store:
     def heartbeat(self, job_id: str, node_id: str, step: int | None = None, rate: float | None = None) -> None:
         job = self.jobs.get(job_id)
         if job is not None:
-            rounds.heartbeat(job, node_id, self.clock(), step, rate)
+            lines = rounds.heartbeat(job, node_id, self.clock(), step, rate)
             if step is not None:
                 self.progress_jobs.add(job_id)
+            for line in lines:
+                log.warning("%s", printable(line))
 
     def since_progress(self) -> dict[str, float]:
         """Per job whose agents report progress: the most seconds any running

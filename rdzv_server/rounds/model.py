@@ -72,6 +72,8 @@ class Node:
     step: int | None = None
     step_rate: float | None = None
     progress_at: float | None = None
+    slow_since: float | None = None  # since when its rate is below the straggler fraction of the median
+    straggler: bool = False  # slow for the straggler window (see machine.check_stragglers)
 
 
 @dataclass
@@ -110,6 +112,7 @@ class Job:
     counts: dict[NodeState, int] = field(default_factory=dict)  # nodes per state, kept by move()
     graced_at: float | None = None  # when a stall last extended the job's own deadlines
     secret_hash: str | None = None  # the job secret's hash (see job_secret_hash); None: no job secret
+    stragglers_at: float = 0.0  # when stragglers were last looked for (at most every STRAGGLER_CHECK_S)
 
     @property
     def forming(self) -> bool:

@@ -51,3 +51,23 @@ async def test_invalid_progress_heartbeat_is_refused_and_changes_nothing(client,
     nodes = {n["node_id"]: n for n in (await _view(client, "q"))["nodes"]}
     assert nodes["n0"]["step"] == 5 and nodes["n0"]["steps_per_s"] == 1.0
     assert not agents[0].ws.closed
+
+
+async def test_a_slow_node_is_flagged_straggler_in_the_view_and_the_log(client, connect, monkeypatch, caplog) -> None:
+    from rdzv_server.rounds import machine  # noqa: PLC0415
+
+    monkeypatch.setattr(machine, "STRAGGLER_WINDOW_S", 0.0)  # flag on the first slow check
+    monkeypatch.setattr(machine, "STRAGGLER_CHECK_S", 0.0)
+    agents, _ = await form(connect, "s", ["n0", "n1", "n2"])
+    for agent, rate in zip(agents, (10.0, 10.0, 1.0)):
+        await agent.send(HeartbeatMsg(step=100, rate=rate))
+    await agents[0].send(HeartbeatMsg(step=101, rate=10.0))  # a check after all three rates are in
+
+    for _ in range(200):
+        nodes = {n["node_id"]: n for n in (await _view(client, "s"))["nodes"]}
+        if nodes["n2"]["straggler"]:
+            break
+        await asyncio.sleep(0.01)
+    assert nodes["n2"]["straggler"] and not nodes["n0"]["straggler"] and not nodes["n1"]["straggler"], nodes
+    assert any("node n2 (" in r.getMessage() and "is a straggler: 1 steps/s" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
