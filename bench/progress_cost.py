@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +34,7 @@ print(json.dumps(per))
 """
 
 
-async def _measure(calls: int, reps: int) -> dict:
+async def _measure(calls: int, reps: int) -> dict[str, Any]:
     from rdzv_client.channel import WorkerChannel  # noqa: PLC0415
 
     ch = WorkerChannel(nproc=1)
@@ -54,12 +55,14 @@ async def _measure(calls: int, reps: int) -> dict:
             "min_s": min(per), "max_s": max(per), "agent_saw_step": seen}
 
 
-def run(calls: int = 1_000_000, reps: int = 5) -> dict:
+def run(calls: int = 1_000_000, reps: int = 5) -> dict[str, Any]:
     return asyncio.run(_measure(calls, reps))
 
 
-def rows(res: dict) -> list[list[str]]:
-    us = lambda s: f"{s * 1e6:.2f} µs"  # noqa: E731
+def rows(res: dict[str, Any]) -> list[list[str]]:
+    def us(s: float) -> str:
+        return f"{s * 1e6:.2f} µs"
+
     return [[f"10. Worker: `rdzv_client.worker.progress()` per call ({res['calls']:,} calls, median of {res['reps']})",
              f"{us(res['median_s'])} ({us(res['min_s'])}-{us(res['max_s'])})", "n/a", "-"]]
 
