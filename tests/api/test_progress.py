@@ -71,3 +71,18 @@ async def test_a_slow_node_is_flagged_straggler_in_the_view_and_the_log(client, 
     assert nodes["n2"]["straggler"] and not nodes["n0"]["straggler"] and not nodes["n1"]["straggler"], nodes
     assert any("node n2 (" in r.getMessage() and "is a straggler: 1 steps/s" in r.getMessage()
                for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+async def test_a_join_with_another_hang_timeout_is_refused_naming_the_field(client, connect) -> None:
+    from rdzv_server.protocol import JobSpec  # noqa: PLC0415
+
+    from .conftest import join_msg  # noqa: PLC0415
+
+    a, b = await connect(), await connect()
+    await a.send(join_msg("h", "n0", spec=JobSpec(min_nodes=2, max_nodes=2, hang_timeout_s=60.0)))
+    await a.expect("joined")
+    await b.send(join_msg("h", "n1", spec=JobSpec(min_nodes=2, max_nodes=2)))
+    err = await b.expect("error")
+    assert err.code.value == "spec_mismatch" and "hang_timeout_s" in err.message, err
+    view = await _view(client, "h")
+    assert [n["node_id"] for n in view["nodes"]] == ["n0"]
