@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from . import _common as C
-from . import compare, finished_jobs, server_scale
+from . import compare, finished_jobs, progress_cost, server_scale
 
 
 def server_rows(res: dict) -> list[list[str]]:
@@ -110,11 +110,14 @@ def main(argv: list[str] | None = None) -> None:
         else:
             finished = finished_jobs.run(10_000, 20.0, 500, waiting=1000, log=log)
 
+    progress = progress_cost.run(*((20_000, 1) if a.smoke else (200_000, 3) if a.quick else (1_000_000, 5)))
+
     text = compare.table(rows, results)
     if scale:
         text += "\n" + "\n".join("| " + " | ".join(r) + " |" for r in server_rows(scale))
     if finished:
         text += "\n" + "\n".join("| " + " | ".join(r) + " |" for r in finished_rows(finished))
+    text += "\n" + "\n".join("| " + " | ".join(r) + " |" for r in progress_cost.rows(progress))
     print(text)
     notes = compare.info_lines(results)
     print()
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{'private network namespace' if C.in_private_netns() else 'plain loopback'}")
     if a.out:
         Path(a.out).write_text(json.dumps({"rows": compare.to_json(rows, results), "server_scale": scale,
-                                           "finished_jobs": finished,
+                                           "finished_jobs": finished, "progress_cost": progress,
                                            "runs": runs, "slow_runs": slow_runs, "load_start": load0, "load_end": C.loadavg(),
                                            "table": text}, indent=1))
 

@@ -26,7 +26,8 @@ import time
 from pydantic import ValidationError
 
 from rdzv_server import __version__
-from rdzv_server.protocol import JobList, JobNotFoundError, JobState, JobView, RdzvError, is_valid_id, printable
+from rdzv_server.protocol import (JobList, JobNotFoundError, JobState, JobView, NodeView, RdzvError, is_valid_id,
+                                  printable)
 
 from .client import RestClient
 
@@ -67,8 +68,9 @@ def render_job(job: JobView) -> str:
         out.append(f"root cause: {printable(job.root_cause)}")
     out.append("")
     rows = [[n.group_rank if n.group_rank is not None else "-", n.node_id, n.host, n.addr, n.state,
-             n.local_world_size, f"{n.last_seen_s:.1f}s ago"] for n in job.nodes + job.spares]
-    out.append(_table(["RANK", "NODE", "HOST", "ADDR", "STATE", "NPROC", "LAST SEEN"], rows) if rows else "no nodes")
+             n.local_world_size, f"{n.last_seen_s:.1f}s ago", _progress_cell(n)] for n in job.nodes + job.spares]
+    out.append(_table(["RANK", "NODE", "HOST", "ADDR", "STATE", "NPROC", "LAST SEEN", "PROGRESS"], rows)
+               if rows else "no nodes")
     if job.nodes_omitted:
         out.append(f"(+{job.nodes_omitted} more nodes not listed)")
     out.append("")
@@ -115,6 +117,15 @@ def _json(model, compact: bool) -> str:
     """ASCII JSON: no control or non-ASCII character reaches the terminal raw."""
     data = model.model_dump(mode="json")
     return json.dumps(data, separators=(",", ":")) if compact else json.dumps(data, indent=2)
+
+
+def _progress_cell(n: NodeView) -> str:
+    """step N, steps/s, seconds since the step advanced; "-" when its workers do not call progress()."""
+    if n.step is None:
+        return "-"
+    rate = f" {n.steps_per_s:g}/s" if n.steps_per_s is not None else ""
+    since = f" {n.since_progress_s:.0f}s ago" if n.since_progress_s is not None else ""
+    return f"step {n.step}{rate}{since}" + (" STRAGGLER" if n.straggler else "")
 
 
 async def _status_text(client: RestClient, job: str | None, as_json: bool, state: str | None = None,

@@ -69,11 +69,13 @@ class AgentConfig:
     server_timeout_s: float = DEFAULT_SERVER_TIMEOUT_S
     standalone: bool = False
     host: str = field(default_factory=socket.gethostname)
+    hang_timeout_s: float | None = None
 
     def spec(self) -> JobSpec:
         return JobSpec(min_nodes=self.min_nodes, max_nodes=self.max_nodes, max_restarts=self.max_restarts,
                        last_call_s=self.last_call_s, heartbeat_timeout_s=self.heartbeat_timeout_s,
-                       join_timeout_s=self.join_timeout_s, scale_up_window_s=self.scale_up_window_s)
+                       join_timeout_s=self.join_timeout_s, scale_up_window_s=self.scale_up_window_s,
+                       hang_timeout_s=self.hang_timeout_s)
 
 
 def _env(name: str, default=None):
@@ -137,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="seconds a job below min nodes waits for more before it fails")
     a("--scale-up-window", type=float, default=DEFAULT_SCALE_UP_WINDOW_S,
       help="seconds new nodes are batched before one scale-up round")
+    a("--hang-timeout", type=float, default=None,
+      help="a worker that called rdzv_client.worker.progress() and then goes this many seconds without "
+           "another call is hung: its stacks are dumped and the round restarts (default: off; part of the job spec)")
     a("--stop-timeout", type=float, default=DEFAULT_STOP_TIMEOUT_S,
       help="seconds workers get between SIGTERM and SIGKILL")
     a("--server-timeout", type=float,
@@ -262,7 +267,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     try:
         spec_check = JobSpec(min_nodes=min_nodes, max_nodes=max_nodes, max_restarts=args.max_restarts,
                              last_call_s=last_call, heartbeat_timeout_s=args.heartbeat_timeout,
-                             join_timeout_s=join_timeout, scale_up_window_s=args.scale_up_window)
+                             join_timeout_s=join_timeout, scale_up_window_s=args.scale_up_window,
+                             hang_timeout_s=args.hang_timeout)
     except ValueError as e:
         raise UsageError(f"bad job settings: {e}") from None
     try:
@@ -279,4 +285,5 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         last_call_s=spec_check.last_call_s, heartbeat_timeout_s=spec_check.heartbeat_timeout_s,
         join_timeout_s=spec_check.join_timeout_s, scale_up_window_s=spec_check.scale_up_window_s,
         stop_timeout_s=args.stop_timeout, server_timeout_s=server_timeout, standalone=standalone,
+        hang_timeout_s=spec_check.hang_timeout_s,
     )

@@ -261,6 +261,11 @@ class WorkerGroup:
         message = _trim_message(head, lines)
         return message, ("stderr" if message else "")
 
+    def running(self, local_rank: int) -> bool:
+        """Whether that worker was started and has not exited yet."""
+        w = self._workers[local_rank]
+        return w.proc is not None and w.proc.returncode is None
+
     def _monitors(self) -> list[asyncio.Task[ExitInfo]]:
         if not self._started:
             raise RuntimeError("WorkerGroup.start() has not been called")

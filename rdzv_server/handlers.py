@@ -113,6 +113,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    request.app[METRICS].set_progress(request.app[STORE].since_progress())
     body = await request.app[METRICS].render_off_loop()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -311,7 +312,7 @@ def _dispatch(store, msg, bound, chan):
     if bound is None:
         raise NotJoinedError(f"send a join before {msg.op!r}")
     if isinstance(msg, HeartbeatMsg):
-        store.heartbeat(*bound)
+        store.heartbeat(*bound, msg.step, msg.rate)
     elif isinstance(msg, FailedMsg):
         store.fail(*bound, msg.round, msg.failures)
         chan.tell(AckMsg(of="failed"))

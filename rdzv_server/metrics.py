@@ -23,8 +23,11 @@ class Metrics:
         self.latency = Histogram("rdzv_request_seconds", "REST request latency", ["route"], registry=r,
                                  buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
         self.agent_messages = Counter("rdzv_agent_messages", "Agent channel messages received", ["op"], registry=r)
+        self.since_progress = Gauge("rdzv_job_max_seconds_since_progress",
+                                    "Most seconds any node's step has not advanced (jobs whose workers call "
+                                    "rdzv_client.worker.progress)", ["job_id"], registry=r)
         self.per_job = (self.joins, self.rounds_opened, self.rounds_completed, self.evictions, self.restarts,
-                        self.live_nodes, self.job_round)
+                        self.live_nodes, self.job_round, self.since_progress)
         self._rendering: asyncio.Future | None = None
 
     def observe(self, job: Job, fx: Effects) -> None:
@@ -47,6 +50,10 @@ class Metrics:
                 metric.remove(job_id)
             except KeyError:
                 pass
+
+    def set_progress(self, since: dict[str, float]) -> None:
+        for job_id, seconds in since.items():
+            self.since_progress.labels(job_id).set(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -29,7 +29,7 @@ import re
 from enum import Enum
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, TypeAdapter, model_serializer, model_validator
 
 from .errors import (  # noqa: F401  (re-exported: the wire contract is one import)
     MAX_ERROR_MESSAGE,
@@ -135,6 +135,9 @@ class JobSpec(_Strict):
     heartbeat_timeout_s: Seconds = DEFAULT_HEARTBEAT_TIMEOUT_S
     join_timeout_s: Seconds = DEFAULT_JOIN_TIMEOUT_S
     scale_up_window_s: Seconds = DEFAULT_SCALE_UP_WINDOW_S
+    # a worker that called rdzv_client.worker.progress() and then goes this long
+    # without another call is hung (see design.md "Hangs"); None: no hang detection
+    hang_timeout_s: Seconds | None = None
 
     @model_validator(mode="after")
     def _min_le_max(self) -> "JobSpec":
@@ -162,11 +165,21 @@ class ExitRecord(_Strict):
     signal: str | None = Field(default=None, max_length=32)
     message: str = Field(default="", max_length=MAX_ERROR_MESSAGE)
     timestamp: float = Field(default=0.0, ge=0, le=2**40, allow_inf_nan=False)
+    # why the agent ended it, when it did: "hang" (no progress() for the job's
+    # hang timeout), "timer" (a torch elastic FileTimer expired); None: it ended by itself
+    reason: Literal["hang", "timer"] | None = None
+    last_step: int | None = Field(default=None, ge=0, le=2**53)  # its last progress() step, if any
 
     def describe(self) -> str:
+        who = f"rank {self.rank} (local rank {self.local_rank}, pid {self.pid})"
+        if self.reason == "hang":
+            text = f"{who} hung" + (f" after step {self.last_step}" if self.last_step is not None else "")
+            return text + (f": {self.message.strip().splitlines()[0][:500]}" if self.message.strip() else "")
         how = f"signal {self.signal}" if self.signal else f"exit code {self.exit_code}"
-        text = f"rank {self.rank} (local rank {self.local_rank}, pid {self.pid}) failed with {how}"
-        if self.signal == "SIGKILL":
+        text = f"{who} failed with {how}"
+        if self.reason == "timer":
+            text += " (torch elastic timer expired)"
+        elif self.signal == "SIGKILL":
             text += " (out of memory?)"
         if self.message:
             # the first line is the error itself; the traceback stays in the worker's log
@@ -199,7 +212,20 @@ class JoinMsg(_Strict):
 
 
 class HeartbeatMsg(_Strict):
+    """``{"op":"hb"}`` (HEARTBEAT_FRAME, matched without parsing), or, at most
+    once per heartbeat interval from an agent whose workers call
+    ``rdzv_client.worker.progress()``, the same with this node's progress: the
+    lowest last step of its local ranks and that rank's steps per second."""
+
     op: Literal["hb"] = "hb"
+    step: int | None = Field(default=None, ge=0, le=2**53)
+    rate: float | None = Field(default=None, ge=0, le=1e9, allow_inf_nan=False)
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        # a plain heartbeat is exactly HEARTBEAT_FRAME
+        data: dict[str, object] = handler(self)
+        return {k: v for k, v in data.items() if v is not None}
 
 
 class FailedMsg(_Strict):
@@ -373,6 +399,11 @@ class NodeView(BaseModel):
     requested_rank: int | None = Field(default=None, description="the --node-rank it asked for, if any")
     local_world_size: int
     last_seen_s: float = Field(description="seconds since the server last heard from this node")
+    step: int | None = Field(default=None, description="the lowest last progress() step of its local ranks "
+                                                       "(null: its workers do not call rdzv_client.worker.progress)")
+    steps_per_s: float | None = Field(default=None, description="that rank's recent steps per second")
+    since_progress_s: float | None = Field(default=None, description="seconds since its step last advanced")
+    straggler: bool = Field(default=False, description="its steps/s stayed below half the job's median for 30 s")
 
 
 class RoundView(BaseModel):

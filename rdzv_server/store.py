@@ -95,6 +95,7 @@ class Store:
     def __init__(self, settings: StoreSettings, clock: Callable[[], float] = time.time, metrics=None) -> None:
         self.settings = settings
         self.clock = clock
+        self.progress_jobs: set[str] = set()  # jobs whose agents sent progress (a subset of jobs)
         self.metrics = metrics
         self.jobs: dict[str, Job] = {}
         self.active: set[str] = set()
@@ -320,10 +321,27 @@ class Store:
         chan.drop()
         raise error
 
-    def heartbeat(self, job_id: str, node_id: str) -> None:
+    def heartbeat(self, job_id: str, node_id: str, step: int | None = None, rate: float | None = None) -> None:
         job = self.jobs.get(job_id)
         if job is not None:
-            rounds.heartbeat(job, node_id, self.clock())
+            lines = rounds.heartbeat(job, node_id, self.clock(), step, rate)
+            if step is not None:
+                self.progress_jobs.add(job_id)
+            for line in lines:
+                log.warning("%s", printable(line))
+
+    def since_progress(self) -> dict[str, float]:
+        """Per job whose agents report progress: the most seconds any running
+        member's step has not advanced (for /metrics)."""
+        now, out = self.clock(), {}
+        for job_id in list(self.progress_jobs):
+            job = self.jobs.get(job_id)
+            if job is None or job.finished:
+                self.progress_jobs.discard(job_id)
+                continue
+            ages = [now - n.progress_at for n in job.nodes.values() if n.progress_at is not None]
+            out[job_id] = round(max(0.0, *ages), 3) if ages else 0.0
+        return out
 
     def fail(self, job_id: str, node_id: str, round_no: int, failures: list[ExitRecord]) -> None:
         job, now = self._job(job_id), self.clock()

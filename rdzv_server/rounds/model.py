@@ -67,6 +67,13 @@ class Node:
     joined_at: float = 0.0
     graced: bool = False  # given a stall grace and not heard from since (see grace)
     secret_hash: str | None = None  # sha256 of the secret it was issued; None: saved before secrets existed
+    # progress its agent sent with heartbeats (rdzv_client.worker.progress): the lowest
+    # last step of its ranks, that rank's steps/s, and when the step last advanced
+    step: int | None = None
+    step_rate: float | None = None
+    progress_at: float | None = None
+    slow_since: float | None = None  # since when its rate is below the straggler fraction of the median
+    straggler: bool = False  # slow for the straggler window (see machine.check_stragglers)
 
 
 @dataclass
@@ -105,6 +112,7 @@ class Job:
     counts: dict[NodeState, int] = field(default_factory=dict)  # nodes per state, kept by move()
     graced_at: float | None = None  # when a stall last extended the job's own deadlines
     secret_hash: str | None = None  # the job secret's hash (see job_secret_hash); None: no job secret
+    stragglers_at: float = 0.0  # when stragglers were last looked for (at most every STRAGGLER_CHECK_S)
 
     @property
     def forming(self) -> bool:

@@ -9,12 +9,21 @@ from ..protocol import JobSpec, JobState
 from .model import Job, Node, NodeState, RoundRecord
 
 
+# Progress that agents send with heartbeats is not saved: the next heartbeat
+# brings it back (and records stay what older code wrote and reads).
+_NOT_SAVED_NODE = frozenset({"step", "step_rate", "progress_at", "slow_since", "straggler"})
+_NOT_SAVED_JOB = frozenset({"spec", "nodes", "history", "state", "counts", "stragglers_at"})
+
+
 def to_record(job: Job) -> dict:
     """The job as plain JSON-able data (for the store's database)."""
-    d = {k: getattr(job, k) for k in Job.__dataclass_fields__ if k not in ("spec", "nodes", "history", "state", "counts")}
+    d = {k: getattr(job, k) for k in Job.__dataclass_fields__ if k not in _NOT_SAVED_JOB}
     d["spec"] = job.spec.model_dump()
+    if d["spec"].get("hang_timeout_s") is None:
+        d["spec"].pop("hang_timeout_s", None)  # off: the record older code wrote
     d["state"] = job.state.value
-    d["nodes"] = [{**vars(n), "state": n.state.value} for n in job.nodes.values()]
+    d["nodes"] = [{**{k: v for k, v in vars(n).items() if k not in _NOT_SAVED_NODE}, "state": n.state.value}
+                  for n in job.nodes.values()]
     d["history"] = [vars(r).copy() for r in job.history]
     return d
 

@@ -46,7 +46,10 @@ def _node_view(node: Node, now: float, job_state: JobState | None = None) -> Nod
         state = node.state.value if node.connected else "disconnected"
     return NodeView(node_id=node.node_id, host=node.host, addr=node.addr, state=state,
                     group_rank=node.group_rank, requested_rank=node.requested_rank,
-                    local_world_size=node.local_world_size, last_seen_s=round(max(0.0, now - node.last_seen), 3))
+                    local_world_size=node.local_world_size, last_seen_s=round(max(0.0, now - node.last_seen), 3),
+                    step=node.step, steps_per_s=node.step_rate, straggler=node.straggler,
+                    since_progress_s=(round(max(0.0, now - node.progress_at), 3)
+                                      if node.progress_at is not None else None))
 
 
 def view(job: Job, now: float) -> JobView:

@@ -38,6 +38,9 @@ def test_bench_smoke(tmp_path):
     assert live["nodes"] == 50 and live["assigned"] == 50
     assert live["server_cpu"] > 0 and live["server_rss_mb"] > 0
     assert "9. Server: 30 finished jobs present" in table
+    prog = data["progress_cost"]
+    assert "10. Worker: `rdzv_client.worker.progress()` per call" in table
+    assert prog["median_s"] > 0 and prog["agent_saw_step"] is not None, prog
     finished = data["finished_jobs"]
     assert finished["held"] == 30 and finished["failed"] == 0 and finished["first_page"]["errors"] == 0
 

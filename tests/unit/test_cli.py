@@ -105,8 +105,10 @@ def test_render_jobs_one_aligned_row_per_job() -> None:
 def test_render_job_running_with_nodes_spares_and_history() -> None:
     job = _job(
         round=1, world_size=16, restarts=1,
-        nodes=[_node("node1-100-aaaaaa", 0, seen=0.04), _node("node10-7-bbbbbb", 1, host="node10", addr="10.0.0.10",
-                                                             seen=12.345)],
+        nodes=[_node("node1-100-aaaaaa", 0, seen=0.04).model_copy(update={"step": 1200, "steps_per_s": 4.5,
+                                                                          "since_progress_s": 0.7,
+                                                                          "straggler": True}),
+               _node("node10-7-bbbbbb", 1, host="node10", addr="10.0.0.10", seen=12.345)],
         spares=[_node("node3-9-cccccc", None, state="spare", host="node3", addr="10.0.0.3", nproc=4, seen=1.0)],
         history=[
             _round(0, "job created", T0, 1234.4, 24),
@@ -120,13 +122,14 @@ def test_render_job_running_with_nodes_spares_and_history() -> None:
     assert "waiting for" not in text and "root cause" not in text
 
     nodes = _section(text, "RANK")
-    names = ["RANK", "NODE", "HOST", "ADDR", "STATE", "NPROC", "LAST SEEN"]
+    names = ["RANK", "NODE", "HOST", "ADDR", "STATE", "NPROC", "LAST SEEN", "PROGRESS"]
     starts = _columns(nodes[0], names)
     _assert_aligned(nodes, starts)
     assert [_cells(ln, starts) for ln in nodes[1:]] == [
-        ["0", "node1-100-aaaaaa", "node1", "10.0.0.1", "running", "8", "0.0s ago"],
-        ["1", "node10-7-bbbbbb", "node10", "10.0.0.10", "running", "8", "12.3s ago"],
-        ["-", "node3-9-cccccc", "node3", "10.0.0.3", "spare", "4", "1.0s ago"],  # spares last, no rank
+        ["0", "node1-100-aaaaaa", "node1", "10.0.0.1", "running", "8", "0.0s ago", "step 1200 4.5/s 1s ago STRAGGLER"],
+        # "-": its workers do not call rdzv_client.worker.progress()
+        ["1", "node10-7-bbbbbb", "node10", "10.0.0.10", "running", "8", "12.3s ago", "-"],
+        ["-", "node3-9-cccccc", "node3", "10.0.0.3", "spare", "4", "1.0s ago", "-"],  # spares last, no rank
     ]
 
     hist = _section(text, "ROUND")

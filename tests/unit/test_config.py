@@ -223,3 +223,12 @@ def test_the_agent_module_still_exports_the_config_names() -> None:
 
     assert agent.build_parser is build_parser and agent.config_from_args is config_from_args
     assert agent.UsageError is UsageError and agent.DEFAULT_SERVER_TIMEOUT_S == DEFAULT_SERVER_TIMEOUT_S
+
+
+def test_hang_timeout_is_off_by_default_and_part_of_the_spec() -> None:
+    assert cfg_of(*BASE).hang_timeout_s is None and cfg_of(*BASE).spec().hang_timeout_s is None
+    cfg = cfg_of(*BASE, "--hang-timeout", "90")
+    assert cfg.hang_timeout_s == 90.0 and cfg.spec().hang_timeout_s == 90.0
+    for bad in ("0", "-1", "inf", "nan"):
+        with pytest.raises(UsageError, match="hang_timeout_s"):
+            cfg_of(*BASE, "--hang-timeout", bad)

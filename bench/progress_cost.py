@@ -1,0 +1,77 @@
+"""Row 10: the cost of ``rdzv_client.worker.progress()`` per call, measured in
+a fresh worker-like process against a real agent-side socket
+(:class:`rdzv_client.channel.WorkerChannel`, served by an asyncio loop in
+another process, as the agent does). torchrun has no equivalent (n/a).
+
+``python -m bench.progress_cost [--calls N] [--reps K]`` prints the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_WORKER = r"""
+import json, sys, time
+from rdzv_client.worker import progress
+calls, reps = int(sys.argv[1]), int(sys.argv[2])
+per = []
+for _ in range(reps):
+    t0 = time.perf_counter()
+    for i in range(calls):
+        progress(i)
+    per.append((time.perf_counter() - t0) / calls)
+print(json.dumps(per))
+"""
+
+
+async def _measure(calls: int, reps: int) -> dict[str, Any]:
+    from rdzv_client.channel import WorkerChannel  # noqa: PLC0415
+
+    ch = WorkerChannel(nproc=1)
+    await ch.start()
+    ch.new_round(0)
+    try:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "RDZV_AGENT_SOCKET": ch.path,
+               "TORCHELASTIC_RESTART_COUNT": "0", "LOCAL_RANK": "0"}
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _WORKER, str(calls), str(reps), env=env,
+                                                    stdout=subprocess.PIPE)
+        out, _ = await asyncio.wait_for(proc.communicate(), 300)
+        per = json.loads(out)
+        await asyncio.sleep(0.2)
+        seen = ch.ranks[0].step if 0 in ch.ranks else None
+    finally:
+        ch.close()
+    return {"calls": calls, "reps": reps, "per_call_s": per, "median_s": statistics.median(per),
+            "min_s": min(per), "max_s": max(per), "agent_saw_step": seen}
+
+
+def run(calls: int = 1_000_000, reps: int = 5) -> dict[str, Any]:
+    return asyncio.run(_measure(calls, reps))
+
+
+def rows(res: dict[str, Any]) -> list[list[str]]:
+    def us(s: float) -> str:
+        return f"{s * 1e6:.2f} µs"
+
+    return [[f"10. Worker: `rdzv_client.worker.progress()` per call ({res['calls']:,} calls, median of {res['reps']})",
+             f"{us(res['median_s'])} ({us(res['min_s'])}-{us(res['max_s'])})", "n/a", "-"]]
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="python -m bench.progress_cost")
+    p.add_argument("--calls", type=int, default=1_000_000)
+    p.add_argument("--reps", type=int, default=5)
+    a = p.parse_args()
+    res = run(a.calls, a.reps)
+    print(json.dumps(res, indent=1))
+    print("| " + " | ".join(rows(res)[0]) + " |")

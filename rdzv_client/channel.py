@@ -1,0 +1,256 @@
+"""The agent side of the worker channel (design.md "The worker channel").
+
+* :class:`WorkerChannel` - a Unix datagram socket in a private (0700)
+  directory, given to workers as ``RDZV_AGENT_SOCKET``; it keeps each local
+  rank's last step and the time of its last :func:`rdzv_client.worker.progress`
+  call (:class:`RankProgress`), for the round the agent runs now.
+* :class:`FileTimerServer` - torch elastic's ``FileTimerClient`` wire format
+  (a named pipe of JSON lines ``{"version", "pid", "scope_id",
+  "expiration_time", "signal"}``; a negative expiration releases), read without
+  importing torch. Only the agent's own workers (or processes in their process
+  groups) can be killed through it.
+
+Everything here is bounded: datagrams of at most :data:`MAX_DATAGRAM` bytes,
+one entry per local rank, at most :data:`MAX_TIMERS` timers and
+:data:`MAX_LINE` bytes per pipe line; malformed input is dropped (counted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import shutil
+import socket
+import stat
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rdzv_server.protocol import printable
+
+log = logging.getLogger("rdzv_agent")
+
+MAX_DATAGRAM = 64
+MAX_STEP = 2**53
+MAX_TIMERS = 1024
+MAX_LINE = 4096  # PIPE_BUF: torch's client refuses larger requests
+MAX_SCOPE_ID = 256
+
+
+@dataclass
+class RankProgress:
+    """One local rank's progress: its last step and when it last called."""
+
+    step: int
+    at: float  # monotonic time of the last datagram
+    # the step and time at the previous rate sample: steps/s over the last interval
+    rate_step: int = 0
+    rate_at: float = 0.0
+    rate: float | None = None
+    finished: bool = False  # rdzv_client.worker.finished(): not watched for hangs
+
+
+class _Protocol(asyncio.DatagramProtocol):
+    def __init__(self, channel: WorkerChannel) -> None:
+        self.channel = channel
+
+    def datagram_received(self, data: bytes, addr: object) -> None:
+        self.channel.received(data, time.monotonic())
+
+    def error_received(self, exc: Exception) -> None:
+        pass  # a datagram socket has no peer to lose
+
+
+class WorkerChannel:
+    """The socket workers report progress on, and what they reported."""
+
+    def __init__(self, nproc: int) -> None:
+        self.nproc = nproc
+        self.dir = Path(tempfile.mkdtemp(prefix="rdzv-agent-"))  # 0700: mkdtemp's mode
+        os.chmod(self.dir, stat.S_IRWXU)
+        self.path = str(self.dir / "sock")
+        self.round: int | None = None
+        self.ranks: dict[int, RankProgress] = {}
+        self.dropped = 0  # malformed or stale datagrams
+        self._transport: asyncio.DatagramTransport | None = None
+
+    async def start(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.bind(self.path)
+        os.chmod(self.path, stat.S_IRUSR | stat.S_IWUSR)
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        self._transport, _ = await loop.create_datagram_endpoint(lambda: _Protocol(self), sock=sock)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def new_round(self, round_no: int | None) -> None:
+        """Workers of ``round_no`` start now (None: none run): forget the last ones."""
+        self.round = round_no
+        self.ranks.clear()
+
+    def received(self, data: bytes, now: float) -> None:
+        parts = data.split() if len(data) <= MAX_DATAGRAM else []
+        end = len(parts) == 3 and parts[2] == b"end"
+        try:
+            round_no, local_rank = (int(p) for p in parts[:2]) if len(parts) == 3 else (-1, -1)
+            step = 0 if end else int(parts[2])
+        except (ValueError, IndexError):
+            round_no = local_rank = step = -1
+        if round_no != self.round or not 0 <= local_rank < self.nproc or not 0 <= step <= MAX_STEP:
+            self.dropped += 1
+            return
+        rp = self.ranks.get(local_rank)
+        if end:
+            if rp is not None:
+                rp.finished = True
+        elif rp is None:
+            self.ranks[local_rank] = RankProgress(step=step, at=now, rate_step=step, rate_at=now)
+        else:
+            rp.step, rp.at, rp.finished = step, now, False
+
+    def hung(self, timeout_s: float, now: float) -> list[int]:
+        """Local ranks that called progress() once and then not for ``timeout_s``."""
+        return sorted(lr for lr, rp in self.ranks.items() if not rp.finished and now - rp.at > timeout_s)
+
+    def sample(self, now: float) -> tuple[int, float | None] | None:
+        """This node's progress for the server: the lowest last step of its
+        ranks and that rank's steps/s since the previous sample; None before
+        any rank reported."""
+        if not self.ranks:
+            return None
+        for rp in self.ranks.values():
+            if now - rp.rate_at > 0:
+                rp.rate = max(0.0, (rp.step - rp.rate_step) / (now - rp.rate_at))
+                rp.rate_step, rp.rate_at = rp.step, now
+        slowest = min(self.ranks.values(), key=lambda rp: rp.step)
+        rate = slowest.rate
+        return slowest.step, (round(rate, 3) if rate is not None and math.isfinite(rate) else None)
+
+
+# ------------------------------------------------------------- torch's FileTimer
+
+
+@dataclass
+class _Timer:
+    pid: int
+    scope_id: str
+    expiration_time: float  # wall clock, as torch's client sends it
+    signal: int
+
+
+@dataclass
+class FileTimerServer:
+    """torch.distributed.elastic.timer.FileTimerServer's job, for rdzv-agent.
+
+    ``allowed`` returns the pids a timer may kill: the agent's workers.
+    ``on_expired(pid, scope_id)`` is called after an expired timer's signal
+    was sent to ``pid``.
+    """
+
+    path: str
+    allowed: Callable[[], Iterable[int]]
+    on_expired: Callable[[int, str], None]
+    timers: dict[tuple[int, str], _Timer] = field(default_factory=dict)
+    dropped: int = 0
+    _rfd: int = -1
+    _wfd: int = -1
+    _buf: bytes = b""
+
+    def start(self) -> None:
+        if os.path.lexists(self.path):
+            os.remove(self.path)
+        os.mkfifo(self.path, 0o600)
+        # our own writer keeps the pipe from reading end-of-file between clients
+        self._rfd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+        self._wfd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)
+        asyncio.get_running_loop().add_reader(self._rfd, self._read)
+
+    def close(self) -> None:
+        if self._rfd >= 0:
+            asyncio.get_running_loop().remove_reader(self._rfd)
+            os.close(self._rfd)
+            os.close(self._wfd)
+            self._rfd = self._wfd = -1
+        try:
+            os.remove(self.path)
+        except FileNotFoundError:
+            pass
+
+    def _read(self) -> None:
+        try:
+            chunk = os.read(self._rfd, 65536)
+        except BlockingIOError:
+            return
+        data = self._buf + chunk
+        lines = data.split(b"\n")
+        self._buf = lines.pop()
+        if len(self._buf) > MAX_LINE:
+            self._buf = b""
+            self.dropped += 1
+        for line in lines:
+            if line.strip():
+                self._request(line)
+
+    def _request(self, line: bytes) -> None:
+        try:
+            if len(line) > MAX_LINE:
+                raise ValueError("too long")
+            req = json.loads(line)
+            pid, scope_id, expiration, sig = req["pid"], req["scope_id"], req["expiration_time"], req["signal"]
+            if not (isinstance(pid, int) and 0 < pid < 2**31 and isinstance(scope_id, str)
+                    and len(scope_id) <= MAX_SCOPE_ID and isinstance(expiration, (int, float))
+                    and math.isfinite(expiration) and isinstance(sig, int) and 0 <= sig < 65):
+                raise ValueError("bad fields")
+        except (ValueError, KeyError, TypeError):
+            self.dropped += 1
+            return
+        key = (pid, scope_id)
+        if expiration < 0:
+            self.timers.pop(key, None)
+        elif key in self.timers or len(self.timers) < MAX_TIMERS:
+            self.timers[key] = _Timer(pid, scope_id, float(expiration), sig)
+        else:
+            self.dropped += 1
+
+    def clear(self) -> None:
+        self.timers.clear()
+
+    def check(self, now: float | None = None) -> None:
+        """Send the signal of every expired timer (to our workers only), as
+        torch's watchdog does; a timer with signal 0 is only dropped."""
+        now = time.time() if now is None else now
+        expired = [t for t in self.timers.values() if t.expiration_time <= now]
+        if not expired:
+            return
+        allowed = set(self.allowed())
+        for t in expired:
+            self.timers.pop((t.pid, t.scope_id), None)
+        for t in sorted(expired, key=lambda t: t.expiration_time):
+            if t.signal <= 0:
+                continue
+            if t.pid not in allowed and _pgid(t.pid) not in allowed:
+                log.warning("timer %r expired for pid %d, which is not one of this agent's workers: ignored",
+                            printable(t.scope_id, limit=100), t.pid)
+                continue
+            try:
+                os.kill(t.pid, t.signal)
+            except (ProcessLookupError, PermissionError):
+                continue
+            self.on_expired(t.pid, t.scope_id)
+
+
+def _pgid(pid: int) -> int:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return -1

@@ -1,0 +1,49 @@
+"""A gloo all_reduce loop that reports progress: ``rdzv_client.worker.progress(step)``
+once per step, and prints ``step S rank R world W restart C pid P`` as loop.py
+does (the tests parse it and SIGSTOP a worker by its pid).
+
+* ``--stop-self-at S``: in the first attempt (restart 0), the worker of
+  ``--stop-rank`` stops itself (SIGSTOP) after step S, as a frozen process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from rdzv_client.worker import finished, progress
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--interval", type=float, default=0.1)
+    p.add_argument("--stop-self-at", type=int, default=0)
+    p.add_argument("--stop-rank", type=int, default=0)
+    args = p.parse_args()
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    for step in range(1, args.steps + 1):
+        t = torch.ones(1)
+        dist.all_reduce(t)  # ALL_REDUCE_LINE
+        print(f"step {step} rank {rank} world {world} restart {restart} pid {os.getpid()}", flush=True)
+        progress(step)
+        if step == args.stop_self_at and restart == "0" and rank == args.stop_rank:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(args.interval)
+    finished()  # teardown is not a hang
+    print(f"done rank {rank} world {world} restart {restart}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
