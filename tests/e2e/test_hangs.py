@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 import urllib.request
 
-from .conftest import SCRIPTS, Cluster
+from tests.helpers.cluster import E2E_SCRIPTS as SCRIPTS
+from tests.helpers.cluster import Cluster
 
 SCRIPT = SCRIPTS / "progress_loop.py"
 ALL_REDUCE_LINE = next(i for i, line in enumerate(SCRIPT.read_text().splitlines(), 1) if "ALL_REDUCE_LINE" in line)
