@@ -43,12 +43,12 @@ from rdzv_server.protocol import (
     ErrorMsg,
     EvictedMsg,
     ExitRecord,
-    heartbeat_interval,
     JoinedMsg,
     RdzvError,
     RestartMsg,
     SpareMsg,
     StatusMsg,
+    heartbeat_interval,
     printable,
 )
 
@@ -185,7 +185,7 @@ class Agent:
         server = None
         try:
             if self.cfg.standalone:
-                from rdzv_server.embedded import start_embedded  # noqa: PLC0415 - the server only here
+                from rdzv_server.embedded import start_embedded
 
                 server = await start_embedded()
                 self.cfg.endpoint = f"127.0.0.1:{server[1]}"
@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = config_from_args(args)
     except UsageError as e:
         print(f"rdzv-agent: error: {e}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE)
+        raise SystemExit(EXIT_USAGE) from None
     code = asyncio.run(Agent(cfg).run())
     raise SystemExit(code)
 

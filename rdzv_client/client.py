@@ -20,16 +20,16 @@ import logging
 import random
 import ssl
 import time
+from collections.abc import Coroutine
 from typing import Any
 from urllib.parse import quote, urlencode
 
 import aiohttp
-
 from pydantic import ValidationError
 
 from rdzv_server.protocol import (
-    HEARTBEAT_FRAME,
     AGENT_PATH,
+    HEARTBEAT_FRAME,
     SERVER_MESSAGE,
     CloseResult,
     DeleteResult,
@@ -123,7 +123,9 @@ class AgentLink:
         self._messages: asyncio.Queue = asyncio.Queue()
         self._ws: aiohttp.ClientWebSocketResponse | None = None
         self._session: aiohttp.ClientSession | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
+        # sends and closes in flight: the loop holds only weak references to tasks
+        self._background: set[asyncio.Task[Any]] = set()
         self._pending: list[str] = []  # reports to re-send after a reconnect, until acked
         self._secret: tuple[str, str] | None = None  # (node id, the node secret the server issued it)
 
@@ -172,7 +174,12 @@ class AgentLink:
     def send_nowait(self, text: str) -> None:
         ws = self._ws
         if ws is not None and not ws.closed and self.connected.is_set():
-            asyncio.ensure_future(self._send(ws, text))
+            self._spawn(self._send(ws, text))
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _send(self, ws, text: str) -> None:
         try:
@@ -194,7 +201,7 @@ class AgentLink:
         self.last_error = f"protocol error: {text}"
         ws = self._ws
         if ws is not None and not ws.closed:
-            asyncio.ensure_future(ws.close())
+            self._spawn(ws.close())
 
     def down_for(self) -> float:
         """Seconds the server has been unreachable now (0 while connected)."""
@@ -290,7 +297,7 @@ class RestClient:
 
     async def _call(self, method: str, path: str) -> Any:
         try:
-            async with aiohttp.ClientSession(timeout=self.timeout) as s:
+            async with aiohttp.ClientSession(timeout=self.timeout) as s:  # noqa: SIM117 - the inner uses s
                 async with s.request(method, self.base + path, headers=self.headers, ssl=self.ssl) as r:
                     body = await r.read()
                     if r.status >= 400:

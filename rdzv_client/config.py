@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default=_env("nproc_per_node", "1"),
       help="workers on this node: N, gpu (one per GPU), cpu (one per core), auto (gpu if any, else cpu)")
     a("--max-restarts", "--max_restarts", dest="max_restarts", type=int,
-      default=int(_env("max_restarts", DEFAULT_MAX_RESTARTS)), help="restarts after worker failures before the job fails")
+      default=int(_env("max_restarts", DEFAULT_MAX_RESTARTS)),
+      help="restarts after worker failures before the job fails")
     a("--node-rank", "--node_rank", dest="node_rank", type=int, default=_env("node_rank"),
       help="ask for this group rank (honoured when free and smaller than the number of nodes)")
     a("--local-addr", "--local_addr", dest="local_addr", default=_env("local_addr"),
@@ -179,7 +180,7 @@ def count_procs(value: str) -> int:
         return os.cpu_count() or 1
     if value in ("gpu", "auto"):
         try:
-            import torch  # noqa: PLC0415 - only here, on purpose
+            import torch
             gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         except ImportError:
             gpus = 0

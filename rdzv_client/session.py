@@ -90,7 +90,7 @@ class NodeSession:
         self.link: AgentLink | None = None
 
     def join_msg(self, resume: Assignment | None = None) -> JoinMsg:
-        from rdzv_server.protocol import JoinMsg  # noqa: PLC0415 - pydantic only once a join is built
+        from rdzv_server.protocol import JoinMsg
 
         return JoinMsg(job_id=self.job_id, node_id=self.node_id, host=host_label(self.host), addr=self.addr,
                        local_world_size=self.nproc,
@@ -124,18 +124,18 @@ class NodeSession:
         return None
 
     def report_failed(self, round_no: int, failures: list[ExitRecord]) -> None:
-        from rdzv_server.protocol import FailedMsg  # noqa: PLC0415
+        from rdzv_server.protocol import FailedMsg
 
         self.link.report(FailedMsg(round=round_no, failures=failures))
 
     def report_succeeded(self, round_no: int) -> None:
-        from rdzv_server.protocol import SucceededMsg  # noqa: PLC0415
+        from rdzv_server.protocol import SucceededMsg
 
         self.link.report(SucceededMsg(round=round_no))
 
     def leave(self, reason: str) -> None:
         """Leave the job for good: no join after a reconnect."""
-        from rdzv_server.protocol import LeaveMsg  # noqa: PLC0415
+        from rdzv_server.protocol import LeaveMsg
 
         self.link.set_intent(None, send=False)
         self.link.report(LeaveMsg(reason=reason))

@@ -68,17 +68,17 @@ from rdzv_server.protocol import (
     EvictedMsg,
     ExitRecord,
     JobSpec,
+    JoinedMsg,
     RdzvError,
     RestartMsg,
     StatusMsg,
-    JoinedMsg,
     heartbeat_interval,
     printable,
 )
 
 from .client import AgentLink, RestClient, parse_endpoint
-from .session import NodeSession, OutageWatch, route_addr
 from .launch import WITHHELD_FROM_WORKERS
+from .session import NodeSession, OutageWatch, route_addr
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +214,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
             elif isinstance(msg, DoneMsg) and msg.state != "succeeded":
                 self._closed_why = f"{msg.state}: {printable(msg.reason)}"
                 self._closed = True
-            elif isinstance(msg, JoinedMsg) and msg.waiting_for is not None:
+            elif isinstance(msg, JoinedMsg) and msg.waiting_for is not None:  # noqa: SIM114 - keeps the narrowing
                 self._waiting_text = printable(msg.waiting_for.text, limit=300)
             elif isinstance(msg, StatusMsg):
                 self._waiting_text = printable(msg.waiting_for.text, limit=300)

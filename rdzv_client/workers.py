@@ -185,12 +185,12 @@ class WorkerGroup:
             if path is not None and not shown:
                 # redirect only: the worker writes its file itself, so its logs
                 # survive the agent and cost the agent nothing
-                f = open(path, "wb")  # noqa: SIM115 - closed right after the fork
+                f = open(path, "wb")  # noqa: SIM115, ASYNC230 - closed right after the fork; a local open is quick
                 opened.append(f)
                 plans.append((f, None, None))
             elif shown or path is not None or std is Std.ERR:
                 # stderr is always read when it has no file: its tail explains failures
-                sink = open(path, "wb") if path is not None else None  # noqa: SIM115
+                sink = open(path, "wb") if path is not None else None  # noqa: SIM115, ASYNC230
                 plans.append((asyncio.subprocess.PIPE, sink, console if shown else None))
             else:
                 plans.append((asyncio.subprocess.DEVNULL, None, None))

@@ -182,7 +182,7 @@ def ssl_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
     try:
         ctx.load_cert_chain(cert, key)
     except (OSError, ssl.SSLError) as e:
-        raise SystemExit(f"rdzv-server: cannot load TLS certificate/key: {e}")
+        raise SystemExit(f"rdzv-server: cannot load TLS certificate/key: {e}") from None
     return ctx
 
 
@@ -208,7 +208,7 @@ async def serve(settings: Settings, host: str, port: int, ssl_ctx=None, ready=No
         await site.start()
     except OSError as e:
         await runner.cleanup()
-        raise SystemExit(f"rdzv-server: cannot listen on {host}:{port}: {e.strerror or e}")
+        raise SystemExit(f"rdzv-server: cannot listen on {host}:{port}: {e.strerror or e}") from None
     bound = site.sockets[0].getsockname()[1] if site.sockets else port
     scheme = "https" if ssl_ctx else "http"
     log.info("rdzv-server listening on %s://%s:%d (data: %s, %s)", scheme, host, bound,
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
         host = bind_host(getattr(args, "host", None), settings.token, args.insecure)
     except UsageError as e:
         print(f"rdzv-server: {e}", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(2) from None
     ctx = ssl_context(args.tls_cert, args.tls_key)
     if not 0 <= args.port <= 65535:
         raise SystemExit("rdzv-server: --port must be 0..65535")
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
                           max_connections=max_conns, fd_note=fd_note))
     except DataDirError as e:
         print(f"rdzv-server: refusing to start: {e}", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from pathlib import Path
 from aiohttp import web
 from pydantic.json_schema import models_json_schema
 
-from . import handlers
+from . import __version__, handlers
 from .audit import Audit
 from .keys import AUDIT, JOIN_DEADLINE, METRICS, OPENAPI, STORE, TOKEN
 from .metrics import Metrics
@@ -21,8 +21,8 @@ from .protocol import (
     DEFAULT_PAGE,
     ID_PATTERN,
     MAX_BODY_BYTES,
-    MAX_ID_LEN,
     MAX_ERROR_MESSAGE,
+    MAX_ID_LEN,
     MAX_PAGE,
     CloseResult,
     DeleteResult,
@@ -35,7 +35,6 @@ from .protocol import (
     RdzvError,
     printable,
 )
-from . import __version__
 from .store import (
     DEFAULT_DISCONNECT_GRACE_S,
     DEFAULT_MAX_WAITING_JOBS,

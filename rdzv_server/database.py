@@ -116,7 +116,8 @@ class Database:
             if ok != "ok":
                 raise DataDirError(f"database {self.path} is corrupt ({ok}); move it away to start empty")
             self.conn.execute(
-                "CREATE TABLE IF NOT EXISTS jobs (job_id TEXT PRIMARY KEY, record TEXT NOT NULL, updated_at REAL NOT NULL)"
+                "CREATE TABLE IF NOT EXISTS jobs"
+                " (job_id TEXT PRIMARY KEY, record TEXT NOT NULL, updated_at REAL NOT NULL)"
             )
         except (sqlite3.DatabaseError, DataDirError) as e:
             if self.conn is not None:

@@ -18,9 +18,9 @@ from .keys import AUDIT, JOIN_DEADLINE, METRICS, OPENAPI, STORE
 from .metrics import CONTENT_TYPE_LATEST
 from .protocol import (
     AGENT_MESSAGE,
-    MAX_BODY_BYTES,
     DEFAULT_PAGE,
     HEARTBEAT_FRAME,
+    MAX_BODY_BYTES,
     MAX_PAGE,
     AckMsg,
     CloseResult,
@@ -264,9 +264,10 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
             if frame.type in _DONE_TYPES:
                 break
             if frame.type != WSMsgType.TEXT:
-                if frame.type == WSMsgType.BINARY:
-                    if not chan.refuse(ErrorMsg(code=ErrorCode.BAD_REQUEST, message="send JSON text frames")):
-                        break
+                if frame.type == WSMsgType.BINARY and not chan.refuse(
+                    ErrorMsg(code=ErrorCode.BAD_REQUEST, message="send JSON text frames")
+                ):
+                    break
                 continue
             if frame.data == HEARTBEAT_FRAME and bound is not None:  # the hot path: no parsing
                 store.heartbeat(*bound)

@@ -33,9 +33,10 @@ import logging
 import secrets
 import sqlite3
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 from . import rounds
 from .database import Database, DataDirError, free_bytes  # noqa: F401  (DataDirError: re-exported)

@@ -130,7 +130,7 @@ class Effects:
     def send(self, node_id: str, msg: Any) -> None:
         self.sends.append((node_id, msg))
 
-    def merge(self, other: "Effects") -> "Effects":
+    def merge(self, other: Effects) -> Effects:
         self.sends.extend(other.sends)
         self.persist |= other.persist
         self.logs.extend(other.logs)

@@ -11,7 +11,8 @@ from .model import Job, Node, NodeState, RoundRecord
 
 def to_record(job: Job) -> dict:
     """The job as plain JSON-able data (for the store's database)."""
-    d = {k: getattr(job, k) for k in Job.__dataclass_fields__ if k not in ("spec", "nodes", "history", "state", "counts")}
+    skip = ("spec", "nodes", "history", "state", "counts")
+    d = {k: getattr(job, k) for k in Job.__dataclass_fields__ if k not in skip}
     d["spec"] = job.spec.model_dump()
     d["state"] = job.state.value
     d["nodes"] = [{**vars(n), "state": n.state.value} for n in job.nodes.values()]
