@@ -33,7 +33,7 @@ class Metrics:
         self.agent_messages = Counter("rdzv_agent_messages", "Agent channel messages received", ["op"], registry=r)
         self.per_job = (self.joins, self.rounds_opened, self.rounds_completed, self.evictions, self.restarts,
                         self.live_nodes, self.job_round)
-        self._rendering: asyncio.Future | None = None
+        self._rendering: asyncio.Future[bytes] | None = None
 
     def observe(self, job: Job, fx: Effects) -> None:
         j = job.job_id
@@ -67,7 +67,7 @@ class Metrics:
             self._rendering.add_done_callback(self._rendered)
         return await asyncio.shield(self._rendering)
 
-    def _rendered(self, fut: asyncio.Future) -> None:
+    def _rendered(self, fut: asyncio.Future[bytes]) -> None:
         self._rendering = None
         if not fut.cancelled():
             fut.exception()  # retrieved: waiters that were cancelled must not leave it unobserved
