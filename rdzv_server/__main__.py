@@ -11,6 +11,7 @@ import os
 import signal
 import ssl
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -25,7 +26,8 @@ from .conns import (
     connection_limit,
     raise_fd_limit,
 )
-from .store import DEFAULT_DISCONNECT_GRACE_S, DEFAULT_MAX_WAITING_JOBS, DataDirError, free_bytes
+from .database import DataDirError, free_bytes
+from .store import DEFAULT_DISCONNECT_GRACE_S, DEFAULT_MAX_WAITING_JOBS
 
 log = logging.getLogger("rdzv_server")
 
@@ -186,7 +188,8 @@ def ssl_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
     return ctx
 
 
-async def serve(settings: Settings, host: str, port: int, ssl_ctx=None, ready=None, *,
+async def serve(settings: Settings, host: str, port: int, ssl_ctx: ssl.SSLContext | None = None,
+                ready: Callable[[int], object] | None = None, *,
                 header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
                 max_connections: int = DEFAULT_MAX_CONNECTIONS, fd_note: str | None = None) -> None:
     """Run until SIGINT/SIGTERM. ``ready(port)`` is called once listening."""
