@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 from rdzv_server.protocol import (
     MAX_ERROR_MESSAGE,
@@ -63,6 +64,9 @@ from .config import (  # noqa: F401 - build_parser, config_from_args, UsageError
 from .session import NodeSession, OutageWatch, route_addr
 from .workers import ExitInfo, LaunchConfig, WorkerGroup, describe, error_file_path, worker_env
 
+if TYPE_CHECKING:
+    from rdzv_server.protocol import ServerMessage, WaitingInfo
+
 log = logging.getLogger("rdzv_agent")
 
 EXIT_FAILED = 1
@@ -91,7 +95,7 @@ class StatusLine:
     """One line that updates in place on a terminal; elsewhere, a line when
     the text changes, not more than every few seconds."""
 
-    def __init__(self, stream=sys.stderr) -> None:
+    def __init__(self, stream: TextIO = sys.stderr) -> None:
         self.stream = stream
         self.tty = stream.isatty()
         self.last = ""
@@ -132,7 +136,7 @@ class Agent:
         self.session = NodeSession(job_id=cfg.job_id, host=cfg.host, nproc=cfg.nproc, spec=cfg.spec(),
                                    addr=cfg.local_addr, job_secret=cfg.job_secret, requested_rank=cfg.node_rank)
         self.phase = Phase.JOINING
-        self.link: AgentLink | None = None
+        self._link: AgentLink | None = None  # set once run() connects
         self.group: WorkerGroup | None = None
         self._stopping: set[WorkerGroup] = set()  # groups being stopped: a second Ctrl-C kills them
         self.signals: asyncio.Queue[int] = asyncio.Queue()
@@ -140,6 +144,10 @@ class Agent:
         self.status = StatusLine()
         self._err_dir = Path(tempfile.mkdtemp(prefix="rdzv-err-")) if cfg.log_dir is None else None
         self.outage = OutageWatch(cfg.server_timeout_s)
+
+    @property
+    def link(self) -> AgentLink:
+        return self.session.link
 
     @property
     def node_id(self) -> str:
@@ -155,7 +163,7 @@ class Agent:
 
     # -- messages
 
-    def _say(self, text: str, *args) -> None:
+    def _say(self, text: str, *args: object) -> None:
         self.status.done()
         log.info("job %s node %s: " + text, self.cfg.job_id, self.node_id, *args)
 
@@ -199,9 +207,9 @@ class Agent:
                     return EXIT_USAGE
             if not self.session.addr:
                 self.session.addr = route_addr(host, port)
-            self.link = AgentLink(self.cfg.endpoint, self.cfg.token, heartbeat_s=heartbeat_interval(self.session.spec))
-            self.session.link = self.link
-            await self.link.start()
+            self._link = AgentLink(self.cfg.endpoint, self.cfg.token, heartbeat_s=heartbeat_interval(self.session.spec))
+            self.session.link = self._link
+            await self._link.start()
             self._say("joining %s at %s (nnodes %d:%d, %d worker(s) here, address %s)", self.cfg.endpoint,
                       time.strftime("%H:%M:%S"), self.cfg.min_nodes, self.cfg.max_nodes, self.cfg.nproc, self.addr)
             self._join()
@@ -209,8 +217,8 @@ class Agent:
         finally:
             if self.group is not None:
                 await self.group.stop(self.cfg.stop_timeout_s)
-            if self.link is not None:
-                await self.link.close()
+            if self._link is not None:
+                await self._link.close()
             if server is not None:
                 await server[0].cleanup()
             if self._err_dir is not None:
@@ -222,7 +230,7 @@ class Agent:
         link = self.link
         recv = asyncio.ensure_future(link.recv())
         sig = asyncio.ensure_future(self.signals.get())
-        workers: asyncio.Future | None = None
+        workers: asyncio.Future[list[ExitInfo]] | None = None
         workers_for: WorkerGroup | None = None
         try:
             while True:
@@ -288,7 +296,7 @@ class Agent:
         self.status.show(f"[rdzv-agent] {notice}")
         return None
 
-    async def _on_message(self, msg) -> int | None:
+    async def _on_message(self, msg: ServerMessage | RdzvError) -> int | None:
         cfg = self.cfg
         if isinstance(msg, JoinedMsg):
             if msg.waiting_for:
@@ -383,7 +391,7 @@ class Agent:
         return None
 
 
-    def _show_waiting(self, round_no: int, info) -> None:
+    def _show_waiting(self, round_no: int, info: WaitingInfo) -> None:
         self.status.show(f"[rdzv-agent] job {self.cfg.job_id} round {round_no}: {info.joined} joined "
                          f"(min {info.min_nodes}, max {info.max_nodes}, spares {info.spares}); "
                          f"{printable(info.text, limit=500)}")
@@ -400,6 +408,7 @@ class Agent:
             self._say("asked for node rank %d, got %d (%s)", cfg.node_rank, a.group_rank, why)
         base = dict(os.environ)
         err_root = cfg.log_dir or self._err_dir
+        assert err_root is not None  # _err_dir is made when there is no log_dir
         envs = []
         for lr in range(cfg.nproc):
             ef = error_file_path(err_root, a.round, lr)
@@ -461,7 +470,7 @@ class Agent:
         name = signal.Signals(signum).name
         self._say("%s: stopping workers and leaving the job", name)
         self.phase = Phase.STOPPING
-        if self.link is not None and self.link.connected.is_set():
+        if self._link is not None and self._link.connected.is_set():
             self.session.leave(f"agent got {name}")
         await self._stop_workers(sig=signum if signum in (signal.SIGTERM, signal.SIGINT) else signal.SIGTERM)
         await asyncio.sleep(0.05)  # let the leave frame go out before the socket closes

@@ -17,6 +17,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar, overload
 
 from rdzv_server import __version__
 from rdzv_server.protocol import (
@@ -76,7 +77,14 @@ class AgentConfig:
                        join_timeout_s=self.join_timeout_s, scale_up_window_s=self.scale_up_window_s)
 
 
-def _env(name: str, default=None):
+_T = TypeVar("_T")
+
+
+@overload
+def _env(name: str) -> str | None: ...
+@overload
+def _env(name: str, default: _T) -> str | _T: ...
+def _env(name: str, default: object = None) -> object:
     """torchrun's PET_* variables (as Kubernetes operators set them), then ours."""
     return os.environ.get("PET_" + name.upper().replace("-", "_"), default)
 
@@ -84,7 +92,7 @@ def _env(name: str, default=None):
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Show a default only where there is one and the help does not say it."""
 
-    def _get_help_string(self, action):
+    def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.default in (None, False, "") or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
