@@ -123,13 +123,14 @@ def main(argv: list[str] | None = None) -> None:
     print()
     for line in notes:
         print(line)
-    print(f"- {runs} run(s) per row and launcher ({slow_runs} for rows 3-5), interleaved; {os.cpu_count()} CPU(s); load average "
-          f"{load0} at start, {C.loadavg()} at end; {time.time() - started:.0f} s in all; "
+    print(f"- {runs} run(s) per row and launcher ({slow_runs} for rows 3-5), interleaved; {os.cpu_count()} CPU(s); "
+          f"load average {load0} at start, {C.loadavg()} at end; {time.time() - started:.0f} s in all; "
           f"{'private network namespace' if C.in_private_netns() else 'plain loopback'}")
     if a.out:
         Path(a.out).write_text(json.dumps({"rows": compare.to_json(rows, results), "server_scale": scale,
                                            "finished_jobs": finished, "progress_cost": progress,
-                                           "runs": runs, "slow_runs": slow_runs, "load_start": load0, "load_end": C.loadavg(),
+                                           "runs": runs, "slow_runs": slow_runs, "load_start": load0,
+                                           "load_end": C.loadavg(),
                                            "table": text}, indent=1))
 
 

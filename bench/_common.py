@@ -15,8 +15,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -244,7 +245,7 @@ def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     s = sorted(values)
-    k = max(0, min(len(s) - 1, int(round(q / 100.0 * len(s) + 0.5)) - 1))
+    k = max(0, min(len(s) - 1, round(q / 100.0 * len(s) + 0.5) - 1))
     return s[k]
 
 

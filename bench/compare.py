@@ -22,14 +22,14 @@ rdzv's heartbeat timeout 6 s vs torchrun's 5 s keep-alive (3 misses).
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from . import _common as C
 
@@ -530,13 +530,13 @@ def measure(rows: list[Row], runs: int, tmp: Path, log=print, launchers=LAUNCHER
             slow_runs: int | None = None) -> dict:
     """Every row ``runs`` times (slow rows ``slow_runs`` times), launchers
     interleaved. Returns raw results."""
-    results: dict[str, dict[str, list[Outcome]]] = {r.key: {l: [] for l in launchers} for r in rows}
+    results: dict[str, dict[str, list[Outcome]]] = {r.key: {name: [] for name in launchers} for r in rows}
     slow_runs = runs if slow_runs is None else slow_runs
     for run in range(max(runs, slow_runs)):
         for row in rows:
             if run >= (slow_runs if row.slow else runs):
                 continue
-            order = [l for l in launchers if l in row.launchers]
+            order = [name for name in launchers if name in row.launchers]
             if run % 2:
                 order.reverse()
             for launcher in order:
@@ -654,5 +654,5 @@ def info_lines(results: dict) -> list[str]:
 
 def to_json(rows: list[Row], results: dict) -> dict:
     return {row.key: {"title": row.title, "unit": row.unit,
-                      **{l: [{"value": o.value, "failure": o.failure, "info": o.info} for o in outs]
-                         for l, outs in results[row.key].items()}} for row in rows}
+                      **{name: [{"value": o.value, "failure": o.failure, "info": o.info} for o in outs]
+                         for name, outs in results[row.key].items()}} for row in rows}

@@ -191,7 +191,8 @@ def rows(res: dict) -> list[list[str]]:
         [f"GET /v1/jobs?state=succeeded&cursor= (a page from the middle, {dp['size']} jobs), {dp['n']} requests",
          f"p50 {dp['p50'] * 1000:.1f} ms, p99 {dp['p99'] * 1000:.1f} ms, max {dp['max'] * 1000:.1f} ms"
          + (f", {dp['errors']} errors" if dp["errors"] else ""), "", ""],
-    ] + ([[f"... and {w['waiting_now']:,} jobs waiting for nodes that left: idle server CPU over {w['idle_s']:.0f} s",
+    ] + ([[f"... and {w['waiting_now']:,} jobs waiting for nodes that left: "
+            f"idle server CPU over {w['idle_s']:.0f} s",
            f"{w['idle_cpu'] * 100:.2f}% of a core" + (f", {w['failed']} not made" if w["failed"] else ""),
            f"< {TARGET_CPU * 100:g}% of a core", "yes" if w["idle_cpu"] < TARGET_CPU else "NO"]]
          if (w := res.get("waiting")) else [])

@@ -35,7 +35,7 @@ print(json.dumps(per))
 
 
 async def _measure(calls: int, reps: int) -> dict[str, Any]:
-    from rdzv_client.channel import WorkerChannel  # noqa: PLC0415
+    from rdzv_client.channel import WorkerChannel
 
     ch = WorkerChannel(nproc=1)
     await ch.start()

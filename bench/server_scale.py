@@ -179,13 +179,14 @@ def live(server: Server, clients: Clients, totals: list[int], measure_s: float, 
         res = {"nodes": total, "jobs": len(jobs), "ramp_s": ramp_s, "measure_s": wall,
                "server_cpu": (s1 - s0) / C.CLK_TCK / wall, "server_rss_mb": rss / 1024, "server_hwm_mb": hwm / 1024,
                "evicted": sum(s["evicted"] for s in stats), "closed": sum(s["closed"] for s in stats),
-               "errors": sum(s["errors"] for s in stats), "why_closed": [s["why"] for s in stats], "assigned": sum(s["assigned"] for s in stats),
+               "errors": sum(s["errors"] for s in stats), "why_closed": [s["why"] for s in stats],
+               "assigned": sum(s["assigned"] for s in stats),
                "jobs_not_running_round0": bad_jobs,
                "server_evictions": metrics.get("rdzv_evictions_total", 0.0),
                "server_rounds_opened": metrics.get("rdzv_rounds_opened_total", 0.0),
                "server_stall_warnings": server.stalls(),
                "healthz_p50_s": C.percentile(probe, 50), "healthz_max_s": max(probe),
-               "client_cpu": sum(b["cpu_ticks"] - a for a, b in zip(c0, stats)) / C.CLK_TCK / wall,
+               "client_cpu": sum(b["cpu_ticks"] - a for a, b in zip(c0, stats, strict=True)) / C.CLK_TCK / wall,
                "load": C.loadavg()}
         results.append(res)
         print(f"[server_scale] live {total}: server {res['server_cpu'] * 100:.1f}% of a core, "
@@ -218,8 +219,8 @@ def run(formation_ns: list[int], reps: int, storm_n: int | None, live_totals: li
                     for n in formation_ns:
                         r = formation(server, clients, n, reps, tag)
                         out["formation"].append(r)
-                        log(f"[server_scale] formation N={n}: p50 {r['p50'] * 1000:.1f} ms, p99 {r['p99'] * 1000:.1f} ms "
-                            f"(load {C.loadavg()})")
+                        log(f"[server_scale] formation N={n}: p50 {r['p50'] * 1000:.1f} ms, "
+                            f"p99 {r['p99'] * 1000:.1f} ms (load {C.loadavg()})")
                 elif part == "storm":
                     out["storm"] = storm(server, clients, storm_n, tag)
                     log(f"[server_scale] storm {storm_n}: {out['storm']} (load {C.loadavg()})")
@@ -265,7 +266,8 @@ def table(res: dict) -> str:
         rows.append([f"{lv['nodes']} live nodes ({lv['jobs']} job(s)), heartbeats 2 s, {lv['measure_s']:.0f} s",
                      f"server CPU {lv['server_cpu'] * 100:.1f}% of a core, RSS {lv['server_rss_mb']:.0f} MB, "
                      f"evicted {lv['evicted'] + int(lv['server_evictions'])}, dropped {lv['closed']}, rounds "
-                     f"restarted {int(lv['server_rounds_opened'])}, server stalls >1.5 s {lv['server_stall_warnings']}, /healthz p50 "
+                     f"restarted {int(lv['server_rounds_opened'])}, "
+                     f"server stalls >1.5 s {lv['server_stall_warnings']}, /healthz p50 "
                      f"{lv['healthz_p50_s'] * 1000:.0f} ms max {lv['healthz_max_s'] * 1000:.0f} ms "
                      f"(clients {lv['client_cpu'] * 100:.0f}% CPU, load {lv['load']})",
                      "< 1 core, < 500 MB, 0 evicted" if big else "", ok])

@@ -273,7 +273,7 @@ class Clients:
 
     def all(self, cmds: list[dict]) -> list[dict]:
         """Send one command to each client at once; collect every answer."""
-        for p, cmd in zip(self.procs, cmds):
+        for p, cmd in zip(self.procs, cmds, strict=True):
             p.stdin.write(json.dumps(cmd) + "\n")
             p.stdin.flush()
         out = []

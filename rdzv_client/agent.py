@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 from rdzv_server.protocol import (
     MAX_ERROR_MESSAGE,
@@ -44,12 +45,12 @@ from rdzv_server.protocol import (
     EvictedMsg,
     ExitRecord,
     HeartbeatMsg,
-    heartbeat_interval,
     JoinedMsg,
     RdzvError,
     RestartMsg,
     SpareMsg,
     StatusMsg,
+    heartbeat_interval,
     printable,
 )
 
@@ -64,6 +65,9 @@ from .config import (  # noqa: F401 - build_parser, config_from_args, UsageError
 )
 from .session import NodeSession, OutageWatch, route_addr
 from .workers import ExitInfo, LaunchConfig, WorkerGroup, describe, error_file_path, worker_env
+
+if TYPE_CHECKING:
+    from rdzv_server.protocol import ServerMessage, WaitingInfo
 
 log = logging.getLogger("rdzv_agent")
 
@@ -96,7 +100,7 @@ class StatusLine:
     """One line that updates in place on a terminal; elsewhere, a line when
     the text changes, not more than every few seconds."""
 
-    def __init__(self, stream=sys.stderr) -> None:
+    def __init__(self, stream: TextIO = sys.stderr) -> None:
         self.stream = stream
         self.tty = stream.isatty()
         self.last = ""
@@ -137,7 +141,7 @@ class Agent:
         self.session = NodeSession(job_id=cfg.job_id, host=cfg.host, nproc=cfg.nproc, spec=cfg.spec(),
                                    addr=cfg.local_addr, job_secret=cfg.job_secret, requested_rank=cfg.node_rank)
         self.phase = Phase.JOINING
-        self.link: AgentLink | None = None
+        self._link: AgentLink | None = None  # set once run() connects
         self.group: WorkerGroup | None = None
         self._stopping: set[WorkerGroup] = set()  # groups being stopped: a second Ctrl-C kills them
         self.signals: asyncio.Queue[int] = asyncio.Queue()
@@ -150,6 +154,10 @@ class Agent:
         self.timer: FileTimerServer | None = None
         self._timer_killed: dict[int, str] = {}  # worker pid -> the expired timer's scope
         self._progress_sent_at = 0.0
+
+    @property
+    def link(self) -> AgentLink:
+        return self.session.link
 
     @property
     def node_id(self) -> str:
@@ -165,7 +173,7 @@ class Agent:
 
     # -- messages
 
-    def _say(self, text: str, *args) -> None:
+    def _say(self, text: str, *args: object) -> None:
         self.status.done()
         log.info("job %s node %s: " + text, self.cfg.job_id, self.node_id, *args)
 
@@ -195,7 +203,7 @@ class Agent:
         server = None
         try:
             if self.cfg.standalone:
-                from rdzv_server.embedded import start_embedded  # noqa: PLC0415 - the server only here
+                from rdzv_server.embedded import start_embedded
 
                 server = await start_embedded()
                 self.cfg.endpoint = f"127.0.0.1:{server[1]}"
@@ -209,9 +217,9 @@ class Agent:
                     return EXIT_USAGE
             if not self.session.addr:
                 self.session.addr = route_addr(host, port)
-            self.link = AgentLink(self.cfg.endpoint, self.cfg.token, heartbeat_s=heartbeat_interval(self.session.spec))
-            self.session.link = self.link
-            await self.link.start()
+            self._link = AgentLink(self.cfg.endpoint, self.cfg.token, heartbeat_s=heartbeat_interval(self.session.spec))
+            self.session.link = self._link
+            await self._link.start()
             await self.channel.start()
             if os.environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") == "1":
                 path = os.environ.get("TORCHELASTIC_TIMER_FILE") or str(self.channel.dir / "timer")
@@ -224,8 +232,8 @@ class Agent:
         finally:
             if self.group is not None:
                 await self.group.stop(self.cfg.stop_timeout_s)
-            if self.link is not None:
-                await self.link.close()
+            if self._link is not None:
+                await self._link.close()
             if self.timer is not None:
                 self.timer.close()
             self.channel.close()
@@ -240,7 +248,7 @@ class Agent:
         link = self.link
         recv = asyncio.ensure_future(link.recv())
         sig = asyncio.ensure_future(self.signals.get())
-        workers: asyncio.Future | None = None
+        workers: asyncio.Future[list[ExitInfo]] | None = None
         workers_for: WorkerGroup | None = None
         try:
             while True:
@@ -369,7 +377,7 @@ class Agent:
         self.status.show(f"[rdzv-agent] {notice}")
         return None
 
-    async def _on_message(self, msg) -> int | None:
+    async def _on_message(self, msg: ServerMessage | RdzvError) -> int | None:
         cfg = self.cfg
         if isinstance(msg, JoinedMsg):
             if msg.waiting_for:
@@ -464,7 +472,7 @@ class Agent:
         return None
 
 
-    def _show_waiting(self, round_no: int, info) -> None:
+    def _show_waiting(self, round_no: int, info: WaitingInfo) -> None:
         self.status.show(f"[rdzv-agent] job {self.cfg.job_id} round {round_no}: {info.joined} joined "
                          f"(min {info.min_nodes}, max {info.max_nodes}, spares {info.spares}); "
                          f"{printable(info.text, limit=500)}")
@@ -481,6 +489,7 @@ class Agent:
             self._say("asked for node rank %d, got %d (%s)", cfg.node_rank, a.group_rank, why)
         base = dict(os.environ)
         err_root = cfg.log_dir or self._err_dir
+        assert err_root is not None  # _err_dir is made when there is no log_dir
         envs = []
         for lr in range(cfg.nproc):
             ef = error_file_path(err_root, a.round, lr)
@@ -552,7 +561,7 @@ class Agent:
         name = signal.Signals(signum).name
         self._say("%s: stopping workers and leaving the job", name)
         self.phase = Phase.STOPPING
-        if self.link is not None and self.link.connected.is_set():
+        if self._link is not None and self._link.connected.is_set():
             self.session.leave(f"agent got {name}")
         await self._stop_workers(sig=signum if signum in (signal.SIGTERM, signal.SIGINT) else signal.SIGTERM)
         await asyncio.sleep(0.05)  # let the leave frame go out before the socket closes
@@ -581,7 +590,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = config_from_args(args)
     except UsageError as e:
         print(f"rdzv-agent: error: {e}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE)
+        raise SystemExit(EXIT_USAGE) from None
     code = asyncio.run(Agent(cfg).run())
     raise SystemExit(code)
 

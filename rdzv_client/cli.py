@@ -22,21 +22,30 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from rdzv_server import __version__
-from rdzv_server.protocol import (JobList, JobNotFoundError, JobState, JobView, NodeView, RdzvError, is_valid_id,
-                                  printable)
+from rdzv_server.protocol import (
+    JobList,
+    JobNotFoundError,
+    JobState,
+    JobView,
+    NodeView,
+    RdzvError,
+    is_valid_id,
+    printable,
+)
 
 from .client import RestClient
 
 
-def _table(headers: list[str], rows: list[list[object]]) -> str:
+def _table(headers: list[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [[printable(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
     return "\n".join(lines)
 
 
@@ -113,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _json(model, compact: bool) -> str:
+def _json(model: BaseModel, compact: bool) -> str:
     """ASCII JSON: no control or non-ASCII character reaches the terminal raw."""
     data = model.model_dump(mode="json")
     return json.dumps(data, separators=(",", ":")) if compact else json.dumps(data, indent=2)
@@ -137,7 +146,7 @@ async def _status_text(client: RestClient, job: str | None, as_json: bool, state
     return _json(jobs, compact) if as_json else render_jobs(jobs)
 
 
-async def _run(args) -> int:
+async def _run(args: argparse.Namespace) -> int:
     try:
         client = RestClient(args.endpoint, args.token)
     except ValueError as e:

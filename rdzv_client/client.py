@@ -20,16 +20,16 @@ import logging
 import random
 import ssl
 import time
+from collections.abc import Coroutine, Iterator
 from typing import Any
 from urllib.parse import quote, urlencode
 
 import aiohttp
-
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from rdzv_server.protocol import (
-    HEARTBEAT_FRAME,
     AGENT_PATH,
+    HEARTBEAT_FRAME,
     SERVER_MESSAGE,
     CloseResult,
     DeleteResult,
@@ -38,6 +38,7 @@ from rdzv_server.protocol import (
     JoinedMsg,
     JoinMsg,
     RdzvError,
+    ServerMessage,
     UnavailableError,
     error_from_body,
     printable,
@@ -89,7 +90,7 @@ def base_url(endpoint: str) -> str:
     return f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
-def backoff_delays(start: float = BACKOFF_START_S, cap: float = BACKOFF_MAX_S):
+def backoff_delays(start: float = BACKOFF_START_S, cap: float = BACKOFF_MAX_S) -> Iterator[float]:
     """Exponential backoff with full jitter: 0.05, 0.1, 0.2 ... capped."""
     delay = start
     while True:
@@ -120,10 +121,13 @@ class AgentLink:
         # monotonic time since when the server has been unreachable; None while connected
         self.down_since: float | None = time.monotonic()
         self._logged: collections.deque[str] = collections.deque(maxlen=32)  # protocol errors said once
-        self._messages: asyncio.Queue = asyncio.Queue()
-        self._ws: aiohttp.ClientWebSocketResponse | None = None
+        # server messages, and the RdzvError of a refused token
+        self._messages: asyncio.Queue[ServerMessage | RdzvError] = asyncio.Queue()
+        self._ws: aiohttp.ClientWebSocketResponse[bool] | None = None
         self._session: aiohttp.ClientSession | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
+        # sends and closes in flight: the loop holds only weak references to tasks
+        self._background: set[asyncio.Task[Any]] = set()
         self._pending: list[str] = []  # reports to re-send after a reconnect, until acked
         self._secret: tuple[str, str] | None = None  # (node id, the node secret the server issued it)
 
@@ -159,7 +163,7 @@ class AgentLink:
         self._secret = (node_id, secret)
         self.intent = self._with_secret(self.intent)
 
-    def report(self, msg) -> None:
+    def report(self, msg: BaseModel) -> None:
         """A report (failed, succeeded, leave): sent now and after each reconnect until acked."""
         text = msg.model_dump_json()
         self._pending.append(text)
@@ -172,15 +176,20 @@ class AgentLink:
     def send_nowait(self, text: str) -> None:
         ws = self._ws
         if ws is not None and not ws.closed and self.connected.is_set():
-            asyncio.ensure_future(self._send(ws, text))
+            self._spawn(self._send(ws, text))
 
-    async def _send(self, ws, text: str) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _send(self, ws: aiohttp.ClientWebSocketResponse[bool], text: str) -> None:
         try:
             await ws.send_str(text)
         except (ConnectionError, RuntimeError, aiohttp.ClientError):
             pass  # the reader notices and reconnects; the intent is re-sent then
 
-    async def recv(self):
+    async def recv(self) -> ServerMessage | RdzvError:
         """The next server message (a protocol model)."""
         return await self._messages.get()
 
@@ -194,7 +203,7 @@ class AgentLink:
         self.last_error = f"protocol error: {text}"
         ws = self._ws
         if ws is not None and not ws.closed:
-            asyncio.ensure_future(ws.close())
+            self._spawn(ws.close())
 
     def down_for(self) -> float:
         """Seconds the server has been unreachable now (0 while connected)."""
@@ -203,10 +212,12 @@ class AgentLink:
 
     async def _run(self) -> None:
         delays = backoff_delays()
+        session = self._session
+        assert session is not None  # start() made it
         while True:
             try:
-                ws = await self._session.ws_connect(self.url, headers=self.headers, ssl=self.ssl,
-                                                    heartbeat=WS_PING_S, max_msg_size=4 * 1024 * 1024)
+                ws = await session.ws_connect(self.url, headers=self.headers, ssl=self.ssl,
+                                              heartbeat=WS_PING_S, max_msg_size=4 * 1024 * 1024)
             except aiohttp.WSServerHandshakeError as e:
                 if e.status == 401:
                     self._messages.put_nowait(error_from_body("unauthorized", "the server refused the token"))
@@ -268,7 +279,7 @@ class AgentLink:
                 delays = backoff_delays()
             await asyncio.sleep(next(delays))
 
-    async def _heartbeat(self, ws) -> None:
+    async def _heartbeat(self, ws: aiohttp.ClientWebSocketResponse[bool]) -> None:
         try:
             while not ws.closed:
                 await asyncio.sleep(self.heartbeat_s)
@@ -290,7 +301,7 @@ class RestClient:
 
     async def _call(self, method: str, path: str) -> Any:
         try:
-            async with aiohttp.ClientSession(timeout=self.timeout) as s:
+            async with aiohttp.ClientSession(timeout=self.timeout) as s:  # noqa: SIM117 - the inner uses s
                 async with s.request(method, self.base + path, headers=self.headers, ssl=self.ssl) as r:
                     body = await r.read()
                     if r.status >= 400:

@@ -17,6 +17,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar, overload
 
 from rdzv_server import __version__
 from rdzv_server.protocol import (
@@ -78,7 +79,14 @@ class AgentConfig:
                        hang_timeout_s=self.hang_timeout_s)
 
 
-def _env(name: str, default=None):
+_T = TypeVar("_T")
+
+
+@overload
+def _env(name: str) -> str | None: ...
+@overload
+def _env(name: str, default: _T) -> str | _T: ...
+def _env(name: str, default: object = None) -> object:
     """torchrun's PET_* variables (as Kubernetes operators set them), then ours."""
     return os.environ.get("PET_" + name.upper().replace("-", "_"), default)
 
@@ -86,7 +94,7 @@ def _env(name: str, default=None):
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Show a default only where there is one and the help does not say it."""
 
-    def _get_help_string(self, action):
+    def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.default in (None, False, "") or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
@@ -110,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default=_env("nproc_per_node", "1"),
       help="workers on this node: N, gpu (one per GPU), cpu (one per core), auto (gpu if any, else cpu)")
     a("--max-restarts", "--max_restarts", dest="max_restarts", type=int,
-      default=int(_env("max_restarts", DEFAULT_MAX_RESTARTS)), help="restarts after worker failures before the job fails")
+      default=int(_env("max_restarts", DEFAULT_MAX_RESTARTS)),
+      help="restarts after worker failures before the job fails")
     a("--node-rank", "--node_rank", dest="node_rank", type=int, default=_env("node_rank"),
       help="ask for this group rank (honoured when free and smaller than the number of nodes)")
     a("--local-addr", "--local_addr", dest="local_addr", default=_env("local_addr"),
@@ -184,7 +193,7 @@ def count_procs(value: str) -> int:
         return os.cpu_count() or 1
     if value in ("gpu", "auto"):
         try:
-            import torch  # noqa: PLC0415 - only here, on purpose
+            import torch
             gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         except ImportError:
             gpus = 0

@@ -135,7 +135,7 @@ WITHHELD_FROM_WORKERS = ("RDZV_TOKEN", "RDZV_JOB_SECRET")
 
 def worker_env(
     base_env: Mapping[str, str],
-    a: "Assignment",
+    a: Assignment,
     local_rank: int,
     job_id: str,
     error_file: str,

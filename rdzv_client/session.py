@@ -59,7 +59,8 @@ def free_port(addr: str) -> int:
             s.bind((addr, 0))
         except OSError:
             s.bind(("", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def route_addr(host: str, port: int) -> str:
@@ -68,7 +69,8 @@ def route_addr(host: str, port: int) -> str:
         info = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
         with socket.socket(info[0], socket.SOCK_DGRAM) as s:
             s.connect(info[4])
-            return s.getsockname()[0]
+            local: str = s.getsockname()[0]
+            return local
     except OSError:
         return socket.gethostname()
 
@@ -87,14 +89,27 @@ class NodeSession:
         self.requested_rank = requested_rank
         self.node_id = new_node_id(host)
         self.assignment: Assignment | None = None  # the round this node runs (or ran and reported)
-        self.link: AgentLink | None = None
+        self._link: AgentLink | None = None
+
+    @property
+    def link(self) -> AgentLink:
+        if self._link is None:
+            raise RuntimeError("NodeSession.link is used before it is set")
+        return self._link
+
+    @link.setter
+    def link(self, link: AgentLink) -> None:
+        self._link = link
 
     def join_msg(self, resume: Assignment | None = None) -> JoinMsg:
-        from rdzv_server.protocol import JoinMsg  # noqa: PLC0415 - pydantic only once a join is built
+        from rdzv_server.protocol import JoinMsg
 
-        return JoinMsg(job_id=self.job_id, node_id=self.node_id, host=host_label(self.host), addr=self.addr,
+        addr = self.addr
+        if addr is None:
+            raise RuntimeError("NodeSession.addr is set before the node joins")
+        return JoinMsg(job_id=self.job_id, node_id=self.node_id, host=host_label(self.host), addr=addr,
                        local_world_size=self.nproc,
-                       master_port=resume.master_port if resume is not None else free_port(self.addr),
+                       master_port=resume.master_port if resume is not None else free_port(addr),
                        spec=self.spec, requested_rank=self.requested_rank,
                        resume_round=resume.round if resume is not None else None, job_secret=self.job_secret)
 
@@ -124,18 +139,18 @@ class NodeSession:
         return None
 
     def report_failed(self, round_no: int, failures: list[ExitRecord]) -> None:
-        from rdzv_server.protocol import FailedMsg  # noqa: PLC0415
+        from rdzv_server.protocol import FailedMsg
 
         self.link.report(FailedMsg(round=round_no, failures=failures))
 
     def report_succeeded(self, round_no: int) -> None:
-        from rdzv_server.protocol import SucceededMsg  # noqa: PLC0415
+        from rdzv_server.protocol import SucceededMsg
 
         self.link.report(SucceededMsg(round=round_no))
 
     def leave(self, reason: str) -> None:
         """Leave the job for good: no join after a reconnect."""
-        from rdzv_server.protocol import LeaveMsg  # noqa: PLC0415
+        from rdzv_server.protocol import LeaveMsg
 
         self.link.set_intent(None, send=False)
         self.link.report(LeaveMsg(reason=reason))

@@ -42,9 +42,12 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Coroutine
 from datetime import timedelta
+from typing import Any, TypeVar
 
-from torch.distributed import PrefixStore, TCPStore
+# torch exports these without marking them as re-exported (no __all__ entry): mypy's strict mode says so
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -68,17 +71,20 @@ from rdzv_server.protocol import (
     EvictedMsg,
     ExitRecord,
     JobSpec,
+    JoinedMsg,
     RdzvError,
     RestartMsg,
+    ServerMessage,
     StatusMsg,
-    JoinedMsg,
     heartbeat_interval,
     printable,
 )
 
 from .client import AgentLink, RestClient, parse_endpoint
-from .session import NodeSession, OutageWatch, route_addr
 from .launch import WITHHELD_FROM_WORKERS
+from .session import NodeSession, OutageWatch, route_addr
+
+_T = TypeVar("_T")
 
 log = logging.getLogger(__name__)
 
@@ -136,14 +142,14 @@ class RdzvRendezvousHandler(RendezvousHandler):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._link: AgentLink | None = None
-        self._inbox: asyncio.Queue | None = None
+        self._inbox: asyncio.Queue[ServerMessage | RdzvError] | None = None
 
     @property
     def node_id(self) -> str:
         return self.session.node_id
 
     @property
-    def addr(self) -> str:
+    def addr(self) -> str | None:
         return self.session.addr
 
     # ---------------------------------------------------------------- thread
@@ -185,13 +191,13 @@ class RdzvRendezvousHandler(RendezvousHandler):
         watch = OutageWatch(self.server_timeout_s)
         while True:
             await asyncio.sleep(0.5)
-            out = watch.check(self._link.down_for())
+            out = watch.check(self.session.link.down_for())
             if out is None or out.kind == "ongoing":
                 continue
             if out.kind == "back":
                 log.warning("rdzv server %s reachable again", self.endpoint)
                 continue
-            why = printable(self._link.last_error or "no answer", limit=300)
+            why = printable(self.session.link.last_error or "no answer", limit=300)
             if out.kind == "give_up":
                 self._gave_up = (f"gave up: rdzv server {self.endpoint} unreachable for {self.server_timeout_s:g}s "
                                  f"(rdzv-conf server_timeout; {why})")
@@ -205,8 +211,10 @@ class RdzvRendezvousHandler(RendezvousHandler):
 
     async def _dispatch(self) -> None:
         """Keep the handler's view current while torchrun's workers run."""
+        link, inbox = self.session.link, self._inbox
+        assert inbox is not None  # made with the link
         while True:
-            msg = await self._link.recv()
+            msg = await link.recv()
             if isinstance(msg, RestartMsg):
                 self._restart_round = max(self._restart_round, msg.round)
             elif isinstance(msg, EvictedMsg) or (isinstance(msg, ErrorMsg) and msg.code in _NEW_NODE_CODES):
@@ -214,15 +222,17 @@ class RdzvRendezvousHandler(RendezvousHandler):
             elif isinstance(msg, DoneMsg) and msg.state != "succeeded":
                 self._closed_why = f"{msg.state}: {printable(msg.reason)}"
                 self._closed = True
-            elif isinstance(msg, JoinedMsg) and msg.waiting_for is not None:
+            elif isinstance(msg, JoinedMsg) and msg.waiting_for is not None:  # noqa: SIM114 - keeps the narrowing
                 self._waiting_text = printable(msg.waiting_for.text, limit=300)
             elif isinstance(msg, StatusMsg):
                 self._waiting_text = printable(msg.waiting_for.text, limit=300)
-            self._inbox.put_nowait(msg)
+            inbox.put_nowait(msg)
             self._news.set()
 
-    def _call(self, coro, timeout: float | None = None):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+    def _call(self, coro: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
+        loop = self._loop
+        assert loop is not None  # _ensure_started() ran
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
     # ------------------------------------------------------------ rendezvous
 
@@ -276,7 +286,8 @@ class RdzvRendezvousHandler(RendezvousHandler):
         return RendezvousInfo(prefixed, a.group_rank, a.group_world_size, bootstrap)
 
     async def _next_round(self) -> Assignment:
-        link = self._link
+        link, inbox = self.session.link, self._inbox
+        assert inbox is not None  # made with the link
         prev = self._assignment
         if prev is not None and self._restart_round <= prev.round and prev.group_world_size > 1:
             # A local worker failed. When a peer node died, our workers' collectives
@@ -314,7 +325,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
                 log.warning("job %s: waiting %.0fs for a round (join_timeout in %.0fs)%s", self.run_id,
                             now - started, left, f": {self._waiting_text}" if self._waiting_text else "")
             try:
-                msg = await asyncio.wait_for(self._inbox.get(), min(left, 0.5))
+                msg = await asyncio.wait_for(inbox.get(), min(left, 0.5))
             except asyncio.TimeoutError:
                 continue
             if isinstance(msg, AssignedMsg):
@@ -353,21 +364,22 @@ class RdzvRendezvousHandler(RendezvousHandler):
             else:
                 self.session.leave("torchrun agent stopped" + (" after a failure" if failed else ""))
             try:
-                await asyncio.wait_for(self._link.connected.wait(), 5.0)
+                await asyncio.wait_for(self.session.link.connected.wait(), 5.0)
                 await asyncio.sleep(0.1)  # let the frame go out
             except asyncio.TimeoutError:
                 pass
             self._dispatcher.cancel()
             self._watchdog.cancel()
             await asyncio.gather(self._dispatcher, self._watchdog, return_exceptions=True)
-            await self._link.close()
+            await self.session.link.close()
 
         try:
             self._call(finish(), timeout=10)
         except Exception as e:  # shutdown must not mask torchrun's own outcome
             log.warning("rdzv handler shutdown: %s", e)
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
         self._loop = None
         return True
 
@@ -390,7 +402,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     return RdzvRendezvousHandler(params)
 
 
-def handler_creator():
+def handler_creator() -> Callable[[RendezvousParameters], RendezvousHandler]:
     """The ``torchrun.handlers`` entry point: torch calls it with no arguments
     and registers what it returns as the creator of handlers."""
     return create_handler

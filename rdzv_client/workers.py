@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
-from typing import TextIO
+from typing import BinaryIO, TextIO
 
 from .exits import (  # noqa: F401 - part of this module's interface
     _STDERR_TAIL_LINES,
@@ -175,8 +175,9 @@ class WorkerGroup:
         if _SETPRIV and shutil.which(argv[0], path=w.env.get("PATH")):
             argv = [_SETPRIV, "--pdeathsig", "KILL", "--", *argv]
         console = self.console
-        opened: list[object] = []
-        plans = []
+        opened: list[BinaryIO] = []
+        # per stream: what the child gets (a file, PIPE or DEVNULL), the file a pipe is copied to, the console
+        plans: list[tuple[BinaryIO | int, BinaryIO | None, TextIO | None]] = []
         for std, name in ((Std.OUT, "stdout"), (Std.ERR, "stderr")):
             path = rank_dir / f"{name}.log" if rank_dir is not None and to_file & std else None
             shown = bool(to_console & std) and console is not None
@@ -185,12 +186,12 @@ class WorkerGroup:
             if path is not None and not shown:
                 # redirect only: the worker writes its file itself, so its logs
                 # survive the agent and cost the agent nothing
-                f = open(path, "wb")  # noqa: SIM115 - closed right after the fork
+                f: BinaryIO = open(path, "wb")  # noqa: SIM115, ASYNC230 - closed right after the fork; a local open is quick
                 opened.append(f)
                 plans.append((f, None, None))
             elif shown or path is not None or std is Std.ERR:
                 # stderr is always read when it has no file: its tail explains failures
-                sink = open(path, "wb") if path is not None else None  # noqa: SIM115
+                sink: BinaryIO | None = open(path, "wb") if path is not None else None  # noqa: SIM115, ASYNC230
                 plans.append((asyncio.subprocess.PIPE, sink, console if shown else None))
             else:
                 plans.append((asyncio.subprocess.DEVNULL, None, None))
@@ -210,7 +211,7 @@ class WorkerGroup:
             raise
         finally:
             for f in opened:
-                f.close()  # type: ignore[attr-defined]
+                f.close()
         w.proc = proc
         self.pids.append(proc.pid)
         for stream, (_, sink, out), is_err in (
@@ -363,7 +364,7 @@ def _killpg(pgid: int, sig: int) -> None:
 
 async def _pump(
     stream: asyncio.StreamReader,
-    sink: object | None,
+    sink: BinaryIO | None,
     console: TextIO | None,
     prefix: str,
     tail: collections.deque[str] | None,
@@ -386,8 +387,8 @@ async def _pump(
             if not chunk:
                 break
             if sink is not None:
-                sink.write(chunk)  # type: ignore[attr-defined]
-                sink.flush()  # type: ignore[attr-defined]
+                sink.write(chunk)
+                sink.flush()
             if console is None and tail is None:
                 continue
             data = pending + chunk
@@ -407,4 +408,4 @@ async def _pump(
                 emit([pending])
         finally:
             if sink is not None:
-                sink.close()  # type: ignore[attr-defined]
+                sink.close()

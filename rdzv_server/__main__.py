@@ -11,6 +11,7 @@ import os
 import signal
 import ssl
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -25,7 +26,8 @@ from .conns import (
     connection_limit,
     raise_fd_limit,
 )
-from .store import DEFAULT_DISCONNECT_GRACE_S, DEFAULT_MAX_WAITING_JOBS, DataDirError, free_bytes
+from .database import DataDirError, free_bytes
+from .store import DEFAULT_DISCONNECT_GRACE_S, DEFAULT_MAX_WAITING_JOBS
 
 log = logging.getLogger("rdzv_server")
 
@@ -182,11 +184,12 @@ def ssl_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
     try:
         ctx.load_cert_chain(cert, key)
     except (OSError, ssl.SSLError) as e:
-        raise SystemExit(f"rdzv-server: cannot load TLS certificate/key: {e}")
+        raise SystemExit(f"rdzv-server: cannot load TLS certificate/key: {e}") from None
     return ctx
 
 
-async def serve(settings: Settings, host: str, port: int, ssl_ctx=None, ready=None, *,
+async def serve(settings: Settings, host: str, port: int, ssl_ctx: ssl.SSLContext | None = None,
+                ready: Callable[[int], object] | None = None, *,
                 header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
                 max_connections: int = DEFAULT_MAX_CONNECTIONS, fd_note: str | None = None) -> None:
     """Run until SIGINT/SIGTERM. ``ready(port)`` is called once listening."""
@@ -208,7 +211,7 @@ async def serve(settings: Settings, host: str, port: int, ssl_ctx=None, ready=No
         await site.start()
     except OSError as e:
         await runner.cleanup()
-        raise SystemExit(f"rdzv-server: cannot listen on {host}:{port}: {e.strerror or e}")
+        raise SystemExit(f"rdzv-server: cannot listen on {host}:{port}: {e.strerror or e}") from None
     bound = site.sockets[0].getsockname()[1] if site.sockets else port
     scheme = "https" if ssl_ctx else "http"
     log.info("rdzv-server listening on %s://%s:%d (data: %s, %s)", scheme, host, bound,
@@ -239,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         host = bind_host(getattr(args, "host", None), settings.token, args.insecure)
     except UsageError as e:
         print(f"rdzv-server: {e}", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(2) from None
     ctx = ssl_context(args.tls_cert, args.tls_key)
     if not 0 <= args.port <= 65535:
         raise SystemExit("rdzv-server: --port must be 0..65535")
@@ -258,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
                           max_connections=max_conns, fd_note=fd_note))
     except DataDirError as e:
         print(f"rdzv-server: refusing to start: {e}", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -6,13 +6,16 @@ import asyncio
 import hmac
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from pydantic.json_schema import models_json_schema
 
-from . import handlers
+from . import __version__, handlers
 from .audit import Audit
 from .keys import AUDIT, JOIN_DEADLINE, METRICS, OPENAPI, STORE, TOKEN
 from .metrics import Metrics
@@ -21,8 +24,8 @@ from .protocol import (
     DEFAULT_PAGE,
     ID_PATTERN,
     MAX_BODY_BYTES,
-    MAX_ID_LEN,
     MAX_ERROR_MESSAGE,
+    MAX_ID_LEN,
     MAX_PAGE,
     CloseResult,
     DeleteResult,
@@ -35,7 +38,6 @@ from .protocol import (
     RdzvError,
     printable,
 )
-from . import __version__
 from .store import (
     DEFAULT_DISCONNECT_GRACE_S,
     DEFAULT_MAX_WAITING_JOBS,
@@ -78,13 +80,13 @@ _HTTP_CODES = {
 }
 
 
-def _error(code: ErrorCode, message: str, status: int, headers=None) -> web.Response:
+def _error(code: ErrorCode, message: str, status: int, headers: dict[str, str] | None = None) -> web.Response:
     return web.json_response(text=ErrorBody(code=code, message=message[:MAX_ERROR_MESSAGE]).model_dump_json(),
                              status=status, headers=headers)
 
 
 @web.middleware
-async def error_middleware(request: web.Request, handler):
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Domain errors and aiohttp's own HTTP errors become {"code", "message"}."""
     try:
         return await handler(request)
@@ -106,7 +108,7 @@ async def error_middleware(request: web.Request, handler):
 
 
 @web.middleware
-async def auth_middleware(request: web.Request, handler):
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """An optional bearer token guards everything but /healthz."""
     token = request.app[TOKEN]
     if token and request.path != "/healthz":
@@ -123,7 +125,7 @@ async def auth_middleware(request: web.Request, handler):
 
 
 @web.middleware
-async def latency_middleware(request: web.Request, handler):
+async def latency_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     start = time.perf_counter()
     try:
         return await handler(request)
@@ -133,7 +135,7 @@ async def latency_middleware(request: web.Request, handler):
             request.app[METRICS].latency.labels(route).observe(time.perf_counter() - start)
 
 
-def openapi_document() -> dict:
+def openapi_document() -> dict[str, Any]:
     """The REST contract, generated from the pydantic models (OpenAPI 3.1: its
     schemas are JSON Schema 2020-12, which is what pydantic emits)."""
     _, defs = models_json_schema(
@@ -142,10 +144,10 @@ def openapi_document() -> dict:
     )
     schemas = defs.get("$defs", {})
 
-    def ref(name):
+    def ref(name: str) -> dict[str, str]:
         return {"$ref": f"#/components/schemas/{name}"}
 
-    def resp(name, desc="OK"):
+    def resp(name: str, desc: str = "OK") -> dict[str, Any]:
         return {"description": desc, "content": {"application/json": {"schema": ref(name)}}}
 
     errors = {str(s): resp("ErrorBody", "refused") for s in (400, 401, 404, 405, 409, 413, 422, 503)}
@@ -160,7 +162,7 @@ def openapi_document() -> dict:
          "description": "the next_cursor of the previous page, unchanged",
          "schema": {"type": "string", "maxLength": MAX_CURSOR_LEN}},
     ]
-    secured = [{"bearer": []}]
+    secured: list[dict[str, list[str]]] = [{"bearer": []}]
     job_errors = {"401": errors["401"], "404": errors["404"], "422": errors["422"]}
     return {
         "openapi": "3.1.0",
@@ -221,7 +223,7 @@ def create_app(settings: Settings | None = None) -> web.Application:
     return app
 
 
-async def _store_ctx(app: web.Application):
+async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
     store = app[STORE]
     store.open()
     await store.start()
@@ -229,11 +231,11 @@ async def _store_ctx(app: web.Application):
     await store.stop()
 
 
-async def _audit_ctx(app: web.Application):
+async def _audit_ctx(app: web.Application) -> AsyncIterator[None]:
     """Say what the audit log suppressed once its window is over, even if all went quiet."""
     audit = app[AUDIT]
 
-    async def flush_every_second():
+    async def flush_every_second() -> None:
         while True:
             await asyncio.sleep(1.0)
             audit.flush()

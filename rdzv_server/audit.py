@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from .protocol import printable
 
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class _Window:
-    __slots__ = ("start", "logged", "suppressed")
+    __slots__ = ("logged", "start", "suppressed")
 
     def __init__(self, start: float) -> None:
         self.start = start

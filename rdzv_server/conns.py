@@ -29,12 +29,16 @@ import asyncio
 import errno
 import logging
 import resource
+import socket
+import ssl
 import time
 from http import HTTPStatus
 from pathlib import Path
+from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
 from .protocol import ErrorBody, ErrorCode, printable
 
@@ -56,7 +60,7 @@ class LogLimiter:
         self.stamp = time.monotonic()
         self.dropped = 0
 
-    def __call__(self, fmt: str, *args) -> bool:
+    def __call__(self, fmt: str, *args: object) -> bool:
         now = time.monotonic()
         self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
         self.stamp = now
@@ -104,7 +108,7 @@ class Protocol(RequestHandler):
     """aiohttp's per-connection HTTP protocol: refuses a connection over the
     limit, and answers what its parser refuses in the server's own terms."""
 
-    def __init__(self, manager, *, max_connections: int, **kwargs) -> None:
+    def __init__(self, manager: web.Server, *, max_connections: int, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self.max_connections = max_connections
         self.refused = False
@@ -118,7 +122,7 @@ class Protocol(RequestHandler):
             self.refused = True
             _refused_log("refusing new connections: %d open, the limit is %d (--max-connections, fd limit)",
                          open_, self.max_connections)
-            transport.abort()
+            cast(asyncio.Transport, transport).abort()  # a socket's transport
             return
         super().connection_made(transport)
 
@@ -126,8 +130,8 @@ class Protocol(RequestHandler):
         if not self.refused:
             super().connection_lost(exc)
 
-    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None):
+    def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
         if status >= 500:  # a bug in a handler: keep aiohttp's traceback in the log
             return super().handle_error(request, status, exc, message)
         if request.writer.output_size > 0:  # as aiohttp: a response already started
@@ -146,12 +150,12 @@ class Protocol(RequestHandler):
 class Listener(web.BaseSite):
     """A TCP site like aiohttp's TCPSite, whose connections are :class:`Protocol`."""
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, ssl_context=None,
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, ssl_context: ssl.SSLContext | None = None,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS,
                  header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S, backlog: int = 4096) -> None:
         super().__init__(runner, ssl_context=ssl_context, backlog=backlog)
         self._host, self._port = host, port
-        self._handler_kwargs = {"keepalive_timeout": header_timeout_s, "access_log": None,
+        self._handler_kwargs: dict[str, Any] = {"keepalive_timeout": header_timeout_s, "access_log": None,
                                 "max_connections": max_connections}
 
     @property
@@ -160,8 +164,9 @@ class Listener(web.BaseSite):
         return f"{scheme}://{self._host}:{self._port}"
 
     @property
-    def sockets(self) -> list:
-        return list(self._server.sockets) if self._server is not None else []
+    def sockets(self) -> list[socket.socket]:
+        # start() made it with loop.create_server: an asyncio.Server
+        return list(cast(asyncio.Server, self._server).sockets) if self._server is not None else []
 
     async def start(self) -> None:
         await super().start()
@@ -183,7 +188,7 @@ class AcceptErrors:
     def __init__(self, interval: float = 10.0) -> None:
         self.limit = LogLimiter(log, logging.ERROR, burst=1, rate=1.0 / interval)
 
-    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         exc = context.get("exception")
         if isinstance(exc, OSError) and exc.errno in _ACCEPT_ERRNOS:
             self.limit("cannot accept connections: %s", exc.strerror or exc)

@@ -106,21 +106,22 @@ class Database:
             raise DataDirError(f"data dir {data_dir} is not writable by this user (uid {os.getuid()})")
         existed = self.path.exists()
         self.lock_fd = _lock_data_dir(data_dir)
-        self.conn = None
+        conn: sqlite3.Connection | None = None
         try:
             self._private_file()
-            self.conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-            self.conn.execute("PRAGMA journal_mode=WAL")
-            self.conn.execute("PRAGMA synchronous=FULL")
-            ok = self.conn.execute("PRAGMA quick_check").fetchone()[0]
+            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            ok = conn.execute("PRAGMA quick_check").fetchone()[0]
             if ok != "ok":
                 raise DataDirError(f"database {self.path} is corrupt ({ok}); move it away to start empty")
-            self.conn.execute(
-                "CREATE TABLE IF NOT EXISTS jobs (job_id TEXT PRIMARY KEY, record TEXT NOT NULL, updated_at REAL NOT NULL)"
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS jobs"
+                " (job_id TEXT PRIMARY KEY, record TEXT NOT NULL, updated_at REAL NOT NULL)"
             )
         except (sqlite3.DatabaseError, DataDirError) as e:
-            if self.conn is not None:
-                self.conn.close()
+            if conn is not None:
+                conn.close()
             self._unlock()
             if isinstance(e, DataDirError):
                 raise
@@ -137,6 +138,7 @@ class Database:
                 + ("it exists but is unreadable or corrupt: move it away to start empty, or restore a backup"
                    if existed else "check the data dir")
             ) from e
+        self.conn: sqlite3.Connection = conn
 
     def _private_file(self) -> None:
         """Create the database file 0600 (SQLite would use 0644 under the usual

@@ -11,18 +11,19 @@ import logging
 import time
 
 from aiohttp import WSCloseCode, WSMsgType, web
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from .conns import LogLimiter
 from .keys import AUDIT, JOIN_DEADLINE, METRICS, OPENAPI, STORE
 from .metrics import CONTENT_TYPE_LATEST
 from .protocol import (
     AGENT_MESSAGE,
-    MAX_BODY_BYTES,
     DEFAULT_PAGE,
     HEARTBEAT_FRAME,
+    MAX_BODY_BYTES,
     MAX_PAGE,
     AckMsg,
+    AgentMessage,
     CloseResult,
     DeleteResult,
     ErrorCode,
@@ -41,11 +42,12 @@ from .protocol import (
     is_valid_id,
     printable,
 )
+from .store import Store
 
 log = logging.getLogger(__name__)
 
 
-def _json(model, status: int = 200) -> web.Response:
+def _json(model: BaseModel, status: int = 200) -> web.Response:
     return web.json_response(text=model.model_dump_json(), status=status)
 
 
@@ -144,7 +146,8 @@ class WsChannel:
     so one slow agent never holds up the others. The queue is bounded (see
     MAX_QUEUED_MESSAGES): an agent that falls behind is disconnected."""
 
-    def __init__(self, ws: web.WebSocketResponse, transport=None, peer: str = "?") -> None:
+    def __init__(self, ws: web.WebSocketResponse, transport: asyncio.Transport | None = None,
+                 peer: str = "?") -> None:
         self.ws = ws
         self.transport = transport
         self.peer = peer
@@ -167,7 +170,7 @@ class WsChannel:
         self.queued_bytes += len(text)
         self.queue.put_nowait(text)
 
-    def tell(self, msg) -> None:
+    def tell(self, msg: BaseModel) -> None:
         """Reply on this connection only (acks and errors)."""
         self.deliver(msg.model_dump_json())
 
@@ -265,9 +268,10 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
             if frame.type in _DONE_TYPES:
                 break
             if frame.type != WSMsgType.TEXT:
-                if frame.type == WSMsgType.BINARY:
-                    if not chan.refuse(ErrorMsg(code=ErrorCode.BAD_REQUEST, message="send JSON text frames")):
-                        break
+                if frame.type == WSMsgType.BINARY and not chan.refuse(
+                    ErrorMsg(code=ErrorCode.BAD_REQUEST, message="send JSON text frames")
+                ):
+                    break
                 continue
             if frame.data == HEARTBEAT_FRAME and bound is not None:  # the hot path: no parsing
                 store.heartbeat(*bound)
@@ -302,7 +306,8 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
     return ws
 
 
-def _dispatch(store, msg, bound, chan):
+def _dispatch(store: Store, msg: AgentMessage, bound: tuple[str, str] | None,
+              chan: WsChannel) -> tuple[str, str] | None:
     if isinstance(msg, JoinMsg):
         if bound is not None and bound != (msg.job_id, msg.node_id):
             raise RequestError(f"this connection belongs to node {bound[1]!r} of job {bound[0]!r}",

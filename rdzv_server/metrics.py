@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import asyncio
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,  # noqa: F401  (re-exported for the app)
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from .rounds import Effects, Job
 
@@ -15,8 +21,10 @@ class Metrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.joins = Counter("rdzv_joins", "Join messages accepted", ["job_id"], registry=r)
         self.rounds_opened = Counter("rdzv_rounds_opened", "Rounds opened after the first", ["job_id"], registry=r)
-        self.rounds_completed = Counter("rdzv_rounds_completed", "Rounds whose membership froze", ["job_id"], registry=r)
-        self.evictions = Counter("rdzv_evictions", "Nodes evicted (lost connection or heartbeat)", ["job_id"], registry=r)
+        self.rounds_completed = Counter("rdzv_rounds_completed", "Rounds whose membership froze", ["job_id"],
+                                        registry=r)
+        self.evictions = Counter("rdzv_evictions", "Nodes evicted (lost connection or heartbeat)", ["job_id"],
+                                 registry=r)
         self.restarts = Counter("rdzv_restarts", "Restarts counted against the budget", ["job_id"], registry=r)
         self.live_nodes = Gauge("rdzv_live_nodes", "Nodes known to the job", ["job_id"], registry=r)
         self.job_round = Gauge("rdzv_job_round", "Current round number", ["job_id"], registry=r)
@@ -28,7 +36,7 @@ class Metrics:
                                     "rdzv_client.worker.progress)", ["job_id"], registry=r)
         self.per_job = (self.joins, self.rounds_opened, self.rounds_completed, self.evictions, self.restarts,
                         self.live_nodes, self.job_round, self.since_progress)
-        self._rendering: asyncio.Future | None = None
+        self._rendering: asyncio.Future[bytes] | None = None
 
     def observe(self, job: Job, fx: Effects) -> None:
         j = job.job_id
@@ -66,7 +74,7 @@ class Metrics:
             self._rendering.add_done_callback(self._rendered)
         return await asyncio.shield(self._rendering)
 
-    def _rendered(self, fut: asyncio.Future) -> None:
+    def _rendered(self, fut: asyncio.Future[bytes]) -> None:
         self._rendering = None
         if not fut.cancelled():
             fut.exception()  # retrieved: waiters that were cancelled must not leave it unobserved

@@ -27,14 +27,22 @@ from __future__ import annotations
 
 import re
 from enum import Enum
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, TypeAdapter, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    TypeAdapter,
+    model_serializer,
+    model_validator,
+)
 
 from .errors import (  # noqa: F401  (re-exported: the wire contract is one import)
-    MAX_ERROR_MESSAGE,
     ERROR_CLASSES,
     ERROR_STATUS,
+    MAX_ERROR_MESSAGE,
     ErrorCode,
     EvictedError,
     JobFinishedError,
@@ -140,7 +148,7 @@ class JobSpec(_Strict):
     hang_timeout_s: Seconds | None = None
 
     @model_validator(mode="after")
-    def _min_le_max(self) -> "JobSpec":
+    def _min_le_max(self) -> JobSpec:
         if self.min_nodes > self.max_nodes:
             raise ValueError(f"min_nodes ({self.min_nodes}) is greater than max_nodes ({self.max_nodes})")
         return self
@@ -247,7 +255,7 @@ class LeaveMsg(_Strict):
 
 
 AgentMessage = Annotated[
-    Union[JoinMsg, HeartbeatMsg, FailedMsg, SucceededMsg, LeaveMsg], Field(discriminator="op")
+    JoinMsg | HeartbeatMsg | FailedMsg | SucceededMsg | LeaveMsg, Field(discriminator="op")
 ]
 AGENT_MESSAGE = TypeAdapter(AgentMessage)
 
@@ -308,7 +316,7 @@ class Assignment(_Strict):
     restarts: int = Field(ge=0, le=MAX_RESTARTS + 1)
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Assignment":
+    def _consistent(self) -> Assignment:
         if self.group_rank >= self.group_world_size:
             raise ValueError(f"group_rank {self.group_rank} >= group_world_size {self.group_world_size}")
         if self.rank_offset + self.local_world_size > self.world_size:
@@ -369,7 +377,7 @@ class ErrorMsg(_Strict):
 
 
 ServerMessage = Annotated[
-    Union[JoinedMsg, StatusMsg, AssignedMsg, SpareMsg, RestartMsg, EvictedMsg, DoneMsg, AckMsg, ErrorMsg],
+    JoinedMsg | StatusMsg | AssignedMsg | SpareMsg | RestartMsg | EvictedMsg | DoneMsg | AckMsg | ErrorMsg,
     Field(discriminator="op"),
 ]
 SERVER_MESSAGE = TypeAdapter(ServerMessage)

@@ -33,9 +33,10 @@ import logging
 import secrets
 import sqlite3
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from . import rounds
 from .database import Database, DataDirError, free_bytes  # noqa: F401  (DataDirError: re-exported)
@@ -54,6 +55,10 @@ from .protocol import (
     printable,
 )
 from .rounds import Effects, Job
+
+if TYPE_CHECKING:
+    from .metrics import Metrics
+    from .protocol import JobSummary, JobView
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +97,8 @@ class StoreSettings:
 class Store:
     """Every job of one server. Methods are called from the event loop only."""
 
-    def __init__(self, settings: StoreSettings, clock: Callable[[], float] = time.time, metrics=None) -> None:
+    def __init__(self, settings: StoreSettings, clock: Callable[[], float] = time.time,
+                 metrics: Metrics | None = None) -> None:
         self.settings = settings
         self.clock = clock
         self.progress_jobs: set[str] = set()  # jobs whose agents sent progress (a subset of jobs)
@@ -102,7 +108,7 @@ class Store:
         self.waiting: set[str] = set()  # active jobs whose round forms: capped for new jobs
         self.channels: dict[tuple[str, str], Channel] = {}
         self.db: Database | None = None
-        self._tick_task: asyncio.Task | None = None
+        self._tick_task: asyncio.Task[None] | None = None
         self._last_tick = time.monotonic()
         # Active jobs by the next time a tick could change them (rounds.next_due):
         # (due, seq, job_id), stale when _due_at[job_id] says otherwise.
@@ -265,7 +271,7 @@ class Store:
         now = self.clock()
         job = self.jobs.get(msg.job_id)
         created = job is None
-        if created:
+        if job is None:
             if msg.resume_round is not None:
                 raise EvictedError(f"job {msg.job_id!r} is unknown to this server; rejoin as a new node")
             self._check_room(msg.job_id, chan)
@@ -300,8 +306,8 @@ class Store:
         if len(self.waiting) >= s.max_waiting_jobs:
             why = (f"{len(self.waiting)} jobs are waiting for nodes on this server (--max-waiting-jobs "
                    f"{s.max_waiting_jobs}); job {job_id!r} is not created: retry later")
-        elif self.db is not None and s.min_free_disk > 0:
-            free = free_bytes(self.settings.data_dir)
+        elif self.db is not None and s.data_dir is not None and s.min_free_disk > 0:
+            free = free_bytes(s.data_dir)
             if free is not None and free < s.min_free_disk:
                 why = (f"only {free} bytes free on {self.settings.data_dir} (--min-free-disk {s.min_free_disk}); "
                        f"new jobs are refused until there is space, running jobs carry on; "
@@ -378,16 +384,17 @@ class Store:
             raise JobNotFoundError(f"no job {job_id!r} on this server")
         return job
 
-    def view(self, job_id: str):
+    def view(self, job_id: str) -> JobView:
         return rounds.view(self._job(job_id), self.clock())
 
-    def summaries(self, state: JobState | None = None, limit: int = 100, cursor: str | None = None):
+    def summaries(self, state: JobState | None = None, limit: int = 100,
+                  cursor: str | None = None) -> tuple[list[JobSummary], str | None]:
         """One page of job summaries in creation order: (summaries, next_cursor).
         ``cursor`` is a ``next_cursor`` this server returned (opaque to clients)."""
         start = 0
         if cursor is not None:
             start = bisect.bisect_right(self._order, decode_cursor(cursor))
-        out = []
+        out: list[JobSummary] = []
         i = start
         while i < len(self._order) and len(out) < limit:
             job = self.jobs[self._order[i][1]]

@@ -110,7 +110,7 @@ def status() -> None:
 
 
 def stop_all() -> None:
-    for name, p in procs.items():
+    for p in procs.values():
         if p.poll() is None:
             try:
                 os.killpg(p.pid, signal.SIGTERM)

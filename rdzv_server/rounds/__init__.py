@@ -12,6 +12,7 @@ caller needs is here. Inside:
 * :mod:`.records`: jobs to JSON-able records for the store, and back.
 """
 
+from .joins import join
 from .machine import (
     MAX_HISTORY,
     STATUS_PUSH_INTERVAL_S,
@@ -28,7 +29,6 @@ from .machine import (
     succeed,
     tick,
 )
-from .joins import join
 from .model import (
     REJOINING,
     RUNNING,

@@ -55,7 +55,7 @@ def _check_job_secret(job: Job, msg: JoinMsg) -> None:
         raise JobSecretMismatchError(f"wrong job secret for job {job.job_id!r}")
 
 
-def _show(value) -> str:
+def _show(value: object) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 

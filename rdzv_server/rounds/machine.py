@@ -27,6 +27,8 @@ least ``min_nodes`` wait.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from ..protocol import (
     AssignedMsg,
     Assignment,
@@ -59,6 +61,13 @@ from .model import (
     natural_key,
 )
 from .views import waiting_info
+
+# The job state a done message names (only an ended job gets one).
+_DONE_STATE: dict[JobState, Literal["succeeded", "failed", "closed"]] = {
+    JobState.SUCCEEDED: "succeeded",
+    JobState.FAILED: "failed",
+    JobState.CLOSED: "closed",
+}
 
 STATUS_PUSH_INTERVAL_S = 1.0
 # A running member whose steps/s stays below STRAGGLER_FRACTION of the job's
@@ -146,7 +155,7 @@ def disconnect(job: Job, node_id: str, now: float, grace_s: float) -> Effects:
     return Effects()
 
 
-def _member(job: Job, node_id: str, round_no: int, what: str):
+def _member(job: Job, node_id: str, round_no: int, what: str) -> Node:
     if job.finished:
         raise JobFinishedError(f"job {job.job_id!r} already {job.state.value}")
     node = job.nodes.get(node_id)
@@ -285,7 +294,9 @@ def tick(job: Job, now: float) -> Effects:
     if job.forming and job.status_dirty and now >= job.next_status_at:
         job.status_dirty = False
         job.next_status_at = now + STATUS_PUSH_INTERVAL_S
-        status = StatusMsg(round=job.round, waiting_for=waiting_info(job, now))  # one message for all
+        info = waiting_info(job, now)
+        assert info is not None  # job.forming
+        status = StatusMsg(round=job.round, waiting_for=info)  # one message for all
         for node in job.nodes.values():
             if node.state in (WAITING, SPARE) and node.connected:
                 fx.send(node.node_id, status)
@@ -455,6 +466,8 @@ def _complete(job: Job, now: float) -> Effects:
 
 
 def _assignment(job: Job, node: Node) -> Assignment:
+    # set when the round's membership froze, which is when assignments are made
+    assert node.group_rank is not None and job.master_addr is not None and job.master_port is not None
     return Assignment(
         job_id=job.job_id,
         round=job.round,
@@ -476,7 +489,7 @@ def _end(job: Job, state: JobState, reason: str, now: float) -> Effects:
     job.ended_at = now
     job.last_call_deadline = job.join_deadline = job.scale_up_deadline = None
     fx = Effects(persist=True)
-    msg = DoneMsg(state=state.value, reason=reason, root_cause=job.root_cause)
+    msg = DoneMsg(state=_DONE_STATE[state], reason=reason, root_cause=job.root_cause)
     for node_id in job.nodes:
         fx.send(node_id, msg)
     fx.logs.append(f"job {job.job_id} round {job.round}: {state.value}: {reason}")

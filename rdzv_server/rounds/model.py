@@ -138,7 +138,7 @@ class Effects:
     def send(self, node_id: str, msg: Any) -> None:
         self.sends.append((node_id, msg))
 
-    def merge(self, other: "Effects") -> "Effects":
+    def merge(self, other: Effects) -> Effects:
         self.sends.extend(other.sends)
         self.persist |= other.persist
         self.logs.extend(other.logs)
@@ -152,7 +152,7 @@ class Effects:
 _DIGITS = re.compile(r"(\d+)")
 
 
-def natural_key(node: Node) -> tuple:
+def natural_key(node: Node) -> tuple[tuple[int | str, ...], str]:
     """``node2`` before ``node10``; then node id. re.split alternates str/int."""
     parts = _DIGITS.split(node.host)
     return tuple(int(p) if i % 2 else p.lower() for i, p in enumerate(parts)), node.node_id

@@ -5,9 +5,10 @@ always was: records saved before states were an enum load unchanged."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..protocol import JobSpec, JobState
 from .model import Job, Node, NodeState, RoundRecord
-
 
 # Progress that agents send with heartbeats is not saved: the next heartbeat
 # brings it back (and records stay what older code wrote and reads).
@@ -15,20 +16,25 @@ _NOT_SAVED_NODE = frozenset({"step", "step_rate", "progress_at", "slow_since", "
 _NOT_SAVED_JOB = frozenset({"spec", "nodes", "history", "state", "counts", "stragglers_at"})
 
 
-def to_record(job: Job) -> dict:
+def _known(state: NodeState | None) -> NodeState:
+    assert state is not None  # a node in job.nodes has a state
+    return state
+
+
+def to_record(job: Job) -> dict[str, Any]:
     """The job as plain JSON-able data (for the store's database)."""
     d = {k: getattr(job, k) for k in Job.__dataclass_fields__ if k not in _NOT_SAVED_JOB}
     d["spec"] = job.spec.model_dump()
     if d["spec"].get("hang_timeout_s") is None:
         d["spec"].pop("hang_timeout_s", None)  # off: the record older code wrote
     d["state"] = job.state.value
-    d["nodes"] = [{**{k: v for k, v in vars(n).items() if k not in _NOT_SAVED_NODE}, "state": n.state.value}
+    d["nodes"] = [{**{k: v for k, v in vars(n).items() if k not in _NOT_SAVED_NODE}, "state": _known(n.state).value}
                   for n in job.nodes.values()]
     d["history"] = [vars(r).copy() for r in job.history]
     return d
 
 
-def from_record(d: dict) -> Job:
+def from_record(d: dict[str, Any]) -> Job:
     d = dict(d)
     spec = JobSpec(**d.pop("spec"))
     nodes = {n["node_id"]: Node(**{**n, "state": NodeState(n["state"])}) for n in d.pop("nodes")}
@@ -37,5 +43,6 @@ def from_record(d: dict) -> Job:
     d.pop("counts", None)
     job = Job(spec=spec, nodes=nodes, history=history, state=state, **d)
     for node in nodes.values():
-        job.counts[node.state] = job.counts.get(node.state, 0) + 1
+        node_state = _known(node.state)
+        job.counts[node_state] = job.counts.get(node_state, 0) + 1
     return job

@@ -43,6 +43,7 @@ def _node_view(node: Node, now: float, job_state: JobState | None = None) -> Nod
     if job_state in TERMINAL_STATES:
         state = job_state.value  # the job ended: its nodes no longer read "running"
     else:
+        assert node.state is not None  # a node in job.nodes has a state
         state = node.state.value if node.connected else "disconnected"
     return NodeView(node_id=node.node_id, host=node.host, addr=node.addr, state=state,
                     group_rank=node.group_rank, requested_rank=node.requested_rank,
