@@ -299,10 +299,13 @@ class AssignedMsg(_Strict):
 
 
 class SpareMsg(_Strict):
-    """The job is at max_nodes; wait, you replace the first node that fails."""
+    """The job is at max_nodes; wait, you replace the first node that fails.
+    With ``reason``: this node's host may not be admitted now (cordoned or
+    cooled down); it waits until that ends."""
 
     op: Literal["spare"] = "spare"
     round: RoundNo
+    reason: str | None = None
 
 
 class RestartMsg(_Strict):

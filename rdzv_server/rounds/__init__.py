@@ -21,6 +21,7 @@ from .machine import (
     fail,
     grace,
     heartbeat,
+    hosts_changed,
     leave,
     new_job,
     next_due,
@@ -42,6 +43,8 @@ from .model import (
     Node,
     NodeState,
     RoundRecord,
+    HostGate,
+    blocked,
     count,
     job_secret_hash,
     move,
@@ -53,8 +56,9 @@ from .views import MAX_VIEW_HISTORY, MAX_VIEW_NODES, summary, view, waiting_info
 
 __all__ = [
     "MAX_HISTORY", "MAX_VIEW_HISTORY", "MAX_VIEW_NODES", "REJOINING", "RUNNING", "SPARE", "STATUS_PUSH_INTERVAL_S",
-    "SUCCEEDED", "TRANSITIONS", "WAITING", "Effects", "IllegalTransitionError", "Job", "Node", "NodeState",
-    "RoundRecord", "assign_ranks", "close", "count", "disconnect", "fail", "from_record", "grace", "heartbeat",
+    "SUCCEEDED", "TRANSITIONS", "WAITING", "Effects", "HostGate", "IllegalTransitionError", "Job", "Node", "NodeState",
+    "RoundRecord", "assign_ranks", "blocked", "close", "count", "disconnect", "fail", "from_record", "grace", "heartbeat",
+    "hosts_changed",
     "job_secret_hash", "join", "leave", "move", "natural_key", "new_job", "next_due", "node_secret_hash",
     "restored", "succeed", "summary", "tick", "to_record", "view", "waiting_info",
 ]

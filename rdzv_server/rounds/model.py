@@ -12,7 +12,7 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 from ..protocol import TERMINAL_STATES, JobSpec, JobState
 
@@ -38,7 +38,7 @@ WAITING, REJOINING, RUNNING, SUCCEEDED, SPARE = NodeState
 TRANSITIONS: dict[NodeState | None, frozenset[NodeState | None]] = {
     None: frozenset({WAITING, SPARE}),  # a new node joins: the forming round / a scale-up, or a spare
     WAITING: frozenset({WAITING, RUNNING, SPARE, None}),  # joins again / round completes / no slot / lost
-    REJOINING: frozenset({WAITING, None}),  # it rejoins the re-forming round / lost
+    REJOINING: frozenset({WAITING, SPARE, None}),  # it rejoins the re-forming round / its host is blocked / lost
     RUNNING: frozenset({REJOINING, SUCCEEDED, None}),  # a new round opens / success / lost
     SUCCEEDED: frozenset({None}),  # it exited; the next round (or the end) forgets it
     SPARE: frozenset({SPARE, WAITING, None}),  # joins again / a round opens or a slot frees / lost
@@ -67,6 +67,14 @@ class Node:
     joined_at: float = 0.0
     graced: bool = False  # given a stall grace and not heard from since (see grace)
     secret_hash: str | None = None  # sha256 of the secret it was issued; None: saved before secrets existed
+    note: str | None = None  # why it waits as a spare (its host is cordoned or cooled down)
+
+
+class HostGate(Protocol):
+    """Which hosts may not be admitted now (rdzv_server.hosts.Hosts)."""
+
+    def blocked(self, host: str, now: float) -> str | None:
+        """Why a node on ``host`` waits instead of joining; None: it may join."""
 
 
 @dataclass
@@ -105,6 +113,7 @@ class Job:
     counts: dict[NodeState, int] = field(default_factory=dict)  # nodes per state, kept by move()
     graced_at: float | None = None  # when a stall last extended the job's own deadlines
     secret_hash: str | None = None  # the job secret's hash (see job_secret_hash); None: no job secret
+    gate: HostGate | None = field(default=None, repr=False, compare=False)  # set by the store; not saved
 
     @property
     def forming(self) -> bool:
@@ -126,6 +135,7 @@ class Effects:
     rounds_opened: int = 0
     rounds_completed: int = 0
     restarts: int = 0
+    host_failures: list[tuple[str, str]] = field(default_factory=list)  # (host, reason): counted against it
 
     def send(self, node_id: str, msg: Any) -> None:
         self.sends.append((node_id, msg))
@@ -138,6 +148,7 @@ class Effects:
         self.rounds_opened += other.rounds_opened
         self.rounds_completed += other.rounds_completed
         self.restarts += other.restarts
+        self.host_failures.extend(other.host_failures)
         return self
 
 
@@ -159,6 +170,11 @@ def job_secret_hash(job_id: str, secret: str) -> str:
     """What the job keeps of its job secret: a hash salted with the job id, so
     equal secrets of two jobs do not show as equal."""
     return hashlib.sha256(f"rdzv job secret\0{job_id}\0{secret}".encode()).hexdigest()
+
+
+def blocked(job: Job, node: Node, now: float) -> str | None:
+    """Why ``node`` may not be admitted now (its host is cordoned or cooled down)."""
+    return job.gate.blocked(node.host, now) if job.gate is not None else None
 
 
 def count(job: Job, state: NodeState) -> int:

@@ -11,11 +11,19 @@ from .model import Job, Node, NodeState, RoundRecord
 
 def to_record(job: Job) -> dict:
     """The job as plain JSON-able data (for the store's database)."""
-    d = {k: getattr(job, k) for k in Job.__dataclass_fields__ if k not in ("spec", "nodes", "history", "state", "counts")}
+    skip = ("spec", "nodes", "history", "state", "counts", "gate")  # gate: the store's, set again on load
+    d = {k: getattr(job, k) for k in Job.__dataclass_fields__ if k not in skip}
     d["spec"] = job.spec.model_dump()
     d["state"] = job.state.value
-    d["nodes"] = [{**vars(n), "state": n.state.value} for n in job.nodes.values()]
+    d["nodes"] = [_node_record(n) for n in job.nodes.values()]
     d["history"] = [vars(r).copy() for r in job.history]
+    return d
+
+
+def _node_record(node: Node) -> dict:
+    d = {**vars(node), "state": node.state.value}
+    if d["note"] is None:  # only spares held off by their host have one: records stay as they were
+        del d["note"]
     return d
 
 
