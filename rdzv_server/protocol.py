@@ -376,6 +376,8 @@ class NodeView(BaseModel):
     requested_rank: int | None = Field(default=None, description="the --node-rank it asked for, if any")
     local_world_size: int
     last_seen_s: float = Field(description="seconds since the server last heard from this node")
+    host_blocked: str | None = Field(default=None, description="why this spare waits: its host is cordoned "
+                                                               "or cooled down")
 
 
 class RoundView(BaseModel):
@@ -439,6 +441,59 @@ class DeleteResult(BaseModel):
 class CloseResult(BaseModel):
     job_id: str
     state: JobState
+
+
+MAX_HOST_REASON = 300
+HOST_RE = re.compile(HOST_PATTERN)
+
+
+def is_valid_host(value: str) -> bool:
+    return 0 < len(value) <= 255 and bool(HOST_RE.match(value))
+
+
+class CordonRequest(_Strict):
+    """``POST /v1/hosts/{host}/cordon``: no new admissions from the host (for
+    ``ttl_s`` seconds, or until uncordoned); ``drain``: replace its running
+    nodes at once."""
+
+    reason: str = Field(min_length=1, max_length=MAX_HOST_REASON)
+    ttl_s: Seconds | None = None
+    drain: bool = False
+
+
+class HealthReport(_Strict):
+    """``POST /v1/hosts/{host}/health``: an agent's health check failed on the
+    host (``reason``: the check's last line); counted against the host."""
+
+    job_id: Id | None = None
+    reason: str = Field(min_length=1, max_length=MAX_HOST_REASON)
+
+
+class HostFailureView(BaseModel):
+    at: float = Field(description="unix time")
+    job_id: str
+    reason: str
+
+
+class HostView(BaseModel):
+    host: str
+    state: Literal["ok", "cooled_down", "cordoned"]
+    reason: str | None = Field(description="why a join from this host waits now; null when it may join")
+    cordoned: bool
+    cordon_reason: str | None
+    cordon_until: float | None = Field(description="unix time the cordon ends; null: until uncordoned")
+    drain: bool
+    cooled_until: float | None = Field(description="unix time the current or last cool-down ends")
+    cooldowns: int = Field(description="how many times the host was cooled down")
+    failures_total: int
+    failures: list[HostFailureView] = Field(description="the latest failures, oldest first (at most 20)")
+    updated_at: float
+
+
+class HostList(BaseModel):
+    hosts: list[HostView]
+    next_cursor: str | None = Field(default=None, description="pass as ?cursor= for the next page; "
+                                                              "null on the last page")
 
 
 class Health(BaseModel):

@@ -46,7 +46,8 @@ def _node_view(node: Node, now: float, job_state: JobState | None = None) -> Nod
         state = node.state.value if node.connected else "disconnected"
     return NodeView(node_id=node.node_id, host=node.host, addr=node.addr, state=state,
                     group_rank=node.group_rank, requested_rank=node.requested_rank,
-                    local_world_size=node.local_world_size, last_seen_s=round(max(0.0, now - node.last_seen), 3))
+                    local_world_size=node.local_world_size, last_seen_s=round(max(0.0, now - node.last_seen), 3),
+                    host_blocked=node.note if node.state == SPARE else None)
 
 
 def view(job: Job, now: float) -> JobView:
