@@ -140,6 +140,7 @@ class Agent:
         self.status = StatusLine()
         self._err_dir = Path(tempfile.mkdtemp(prefix="rdzv-err-")) if cfg.log_dir is None else None
         self.outage = OutageWatch(cfg.server_timeout_s)
+        self._held_for: str | None = None  # why the server holds this node as a spare (its host's block)
 
     @property
     def node_id(self) -> str:
@@ -298,8 +299,16 @@ class Agent:
         elif isinstance(msg, SpareMsg):
             if self.phase is Phase.JOINING:
                 self.phase = Phase.SPARE
-            self.status.show(f"[rdzv-agent] job {cfg.job_id}: spare (the job is at max {cfg.max_nodes} nodes); "
-                             "waiting to replace a node")
+            if msg.reason is not None:  # this host may not be admitted now (cordoned, cooled down)
+                if msg.reason != self._held_for:
+                    self._say("waiting as a spare: %s", printable(msg.reason, limit=500))
+                self._held_for = msg.reason
+            else:
+                if self._held_for is not None:
+                    self._say("this host may be admitted again; waiting as a spare")
+                self._held_for = None
+                self.status.show(f"[rdzv-agent] job {cfg.job_id}: spare (the job is at max {cfg.max_nodes} "
+                                 "nodes); waiting to replace a node")
         elif isinstance(msg, AssignedMsg):
             a = msg.assignment
             problem = self.session.check_assignment(a)
