@@ -212,3 +212,11 @@ async def test_host_table_is_capped_against_invented_host_names(make_client):
 async def test_openapi_lists_the_host_endpoints(client):
     doc = await get_json(client, "/openapi.json")
     assert {"/v1/hosts", "/v1/hosts/{host}", "/v1/hosts/{host}/cordon", "/v1/hosts/{host}/uncordon"} <= set(doc["paths"])
+
+
+async def test_health_clock_check_reads_the_servers_date_header(client):
+    from rdzv_client.health import check_clock
+    endpoint = f"127.0.0.1:{client.port}"
+    assert await asyncio.to_thread(check_clock, endpoint, 5.0) is None
+    failed = await asyncio.to_thread(check_clock, endpoint, -1.0)  # any skew is too much
+    assert failed is not None and failed.startswith("clock: ") and "off the server's" in failed
