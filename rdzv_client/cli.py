@@ -30,7 +30,17 @@ import time
 from pydantic import ValidationError
 
 from rdzv_server import __version__
-from rdzv_server.protocol import JobList, JobNotFoundError, JobState, JobView, RdzvError, is_valid_id, printable
+from rdzv_server.protocol import (
+    HostList,
+    HostView,
+    JobList,
+    JobNotFoundError,
+    JobState,
+    JobView,
+    RdzvError,
+    is_valid_id,
+    printable,
+)
 
 from .client import RestClient
 
@@ -136,7 +146,7 @@ def _duration(text: str) -> float:
     return parse_duration(text)
 
 
-def render_hosts(hosts) -> str:
+def render_hosts(hosts: HostList) -> str:
     if not hosts.hosts:
         return "no host records (no host failed or was cordoned)"
     return _table(["HOST", "STATE", "FAILURES", "COOL-DOWNS", "UNTIL", "WHY"],
@@ -145,7 +155,7 @@ def render_hosts(hosts) -> str:
                     h.reason or (h.failures[-1].reason if h.failures else "-")] for h in hosts.hosts])
 
 
-def render_host(h) -> str:
+def render_host(h: HostView) -> str:
     out = [f"host {printable(h.host)}: {h.state}" + (f": {printable(h.reason)}" if h.reason else ""),
            f"failures {h.failures_total}, cool-downs {h.cooldowns}"]
     if h.failures:
@@ -154,7 +164,7 @@ def render_host(h) -> str:
     return "\n".join(out)
 
 
-async def _hosts_command(client: RestClient, args) -> int:
+async def _hosts_command(client: RestClient, args: argparse.Namespace) -> int:
     from rdzv_server.protocol import is_valid_host  # noqa: PLC0415
 
     host = getattr(args, "host", None)

@@ -16,6 +16,7 @@ import socket
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 from rdzv_server import __version__
@@ -295,9 +296,9 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     )
 
 
-def _host_options(args: argparse.Namespace) -> dict:
+def _host_options(args: argparse.Namespace) -> dict[str, Any]:
     """--host-name, --health-check, --health-check-timeout, checked."""
-    out: dict = {}
+    out: dict[str, Any] = {}
     name = getattr(args, "host_name", None)
     if name is not None:
         if not re.fullmatch(HOST_PATTERN, name) or len(name) > 255:

@@ -9,9 +9,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TypeVar
 
 from aiohttp import WSCloseCode, WSMsgType, web
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from .conns import LogLimiter
 from .keys import AUDIT, JOIN_DEADLINE, METRICS, OPENAPI, STORE
@@ -110,6 +111,9 @@ async def delete_job(request: web.Request) -> web.Response:
     return _json(DeleteResult(job_id=job.job_id, state=job.state))
 
 
+_M = TypeVar("_M", bound=BaseModel)
+
+
 def _limit(request: web.Request) -> tuple[int, str | None]:
     q = request.rel_url.query
     limit = DEFAULT_PAGE
@@ -122,7 +126,7 @@ def _limit(request: web.Request) -> tuple[int, str | None]:
     return limit, q.get("cursor") or None
 
 
-async def _body(request: web.Request, model):
+async def _body(request: web.Request, model: type[_M]) -> _M:
     """The JSON body as ``model``, or one validation error line (changes nothing)."""
     raw = await request.read()
     try:
