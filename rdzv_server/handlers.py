@@ -170,9 +170,7 @@ async def uncordon_host(request: web.Request) -> web.Response:
 async def report_health(request: web.Request) -> web.Response:
     host = request.match_info["host"]
     req = await _body(request, HealthReport)
-    store = request.app[STORE]
-    store.host_failure(store.check_host(host), req.job_id or "-", f"health check failed: {req.reason}")
-    return _json(store.host_view(host))
+    return _json(request.app[STORE].report_health(host, req.job_id, req.reason))
 
 
 async def healthz(request: web.Request) -> web.Response:

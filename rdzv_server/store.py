@@ -425,7 +425,7 @@ class Store:
                       self.db.path, e)
             return False
 
-    def host_failure(self, host: str, job_id: str, reason: str, now: float | None = None) -> None:
+    def host_failure(self, host: str, job_id: str, reason: str, now: float | None = None) -> HostRecord | None:
         """A failure counted against ``host``; a host that reaches the limit is
         cooled down and every job hears of it (its waiting nodes become spares)."""
         now = self.clock() if now is None else now
@@ -433,12 +433,13 @@ class Store:
         if rec is None:
             log.warning("host table full of blocked hosts (%d): failure on %s not recorded: %s",
                         len(self.hosts.records), printable(host, limit=255), printable(reason))
-            return
+            return None
         self._save_hosts([rec], evicted)
         if cooled:
             log.warning("host %s cooled down: %s", printable(host), printable(rec.cooled_reason))
             self._unblock_at = self.hosts.next_unblock(now)
             self._hosts_changed(now)
+        return rec
 
     def _hosts_changed(self, now: float, drain: set[str] | None = None) -> None:
         for job_id in list(self.active):
@@ -462,6 +463,14 @@ class Store:
         rec = self.hosts.get(self.check_host(host))
         if rec is None:
             raise RequestError(f"no record of host {host!r}: it had no failures and no cordon", ErrorCode.NOT_FOUND)
+        return self._host_view(rec, self.clock())
+
+    def report_health(self, host: str, job_id: str | None, reason: str) -> HostView:
+        """A failed health check on ``host`` (POST /v1/hosts/{host}/health)."""
+        rec = self.host_failure(self.check_host(host), job_id or "-", f"health check failed: {reason}")
+        if rec is None:
+            raise UnavailableError(f"the host table is full ({len(self.hosts.records)} records, all blocking a "
+                                   "host); the report is not recorded", ErrorCode.UNAVAILABLE)
         return self._host_view(rec, self.clock())
 
     @staticmethod

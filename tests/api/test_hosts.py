@@ -209,6 +209,24 @@ async def test_host_table_is_capped_against_invented_host_names(make_client):
     assert [h["host"] for h in listing["hosts"]] == ["invented7", "invented8", "invented9"]
 
 
+async def test_a_table_full_of_blocked_hosts_refuses_new_records_and_changes_nothing(make_client):
+    client = await make_client(Settings(host_rules=HostRules(max_hosts=2)))
+    for host in ("c1", "c2"):
+        await post_json(client, f"/v1/hosts/{host}/cordon", {"reason": "r"})
+    for path, body in (("/v1/hosts/c3/cordon", {"reason": "r"}), ("/v1/hosts/c3/health", {"reason": "x"})):
+        err = await post_json(client, path, body, status=503)
+        assert err["code"] == "unavailable" and "full" in err["message"]
+    listing = await get_json(client, "/v1/hosts")
+    assert [h["host"] for h in listing["hosts"]] == ["c1", "c2"]
+
+
+def test_cli_refuses_a_host_name_that_is_not_one(capsys):
+    from rdzv_client.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["--endpoint", "127.0.0.1:1", "cordon", "a/b", "--reason", "r"])
+    assert e.value.code == 2 and "is not a host name" in capsys.readouterr().err
+
+
 async def test_openapi_lists_the_host_endpoints(client):
     doc = await get_json(client, "/openapi.json")
     assert {"/v1/hosts", "/v1/hosts/{host}", "/v1/hosts/{host}/cordon", "/v1/hosts/{host}/uncordon"} <= set(doc["paths"])
