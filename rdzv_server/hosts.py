@@ -123,6 +123,10 @@ class Hosts:
         rec = self.records.get(host)
         return rec.blocked(now) if rec is not None else None
 
+    def cordoned(self, host: str, now: float) -> bool:
+        rec = self.records.get(host)
+        return rec is not None and rec.cordon_active(now)
+
     def draining(self, host: str, now: float) -> bool:
         rec = self.records.get(host)
         return rec is not None and rec.drain and rec.cordon_active(now)

@@ -76,6 +76,9 @@ class HostGate(Protocol):
     def blocked(self, host: str, now: float) -> str | None:
         """Why a node on ``host`` waits instead of joining; None: it may join."""
 
+    def cordoned(self, host: str, now: float) -> bool:
+        """Whether an operator's cordon (not only a cool-down) blocks ``host``."""
+
 
 @dataclass
 class RoundRecord:
@@ -173,8 +176,23 @@ def job_secret_hash(job_id: str, secret: str) -> str:
 
 
 def blocked(job: Job, node: Node, now: float) -> str | None:
-    """Why ``node`` may not be admitted now (its host is cordoned or cooled down)."""
-    return job.gate.blocked(node.host, now) if job.gate is not None else None
+    """Why ``node`` may not be admitted now: its host is cordoned, or cooled
+    down while the job has ``min_nodes`` nodes of other, unblocked hosts (a
+    cool-down never stalls a job that cannot form without the host: one host
+    running every node of a job, a single-node job)."""
+    gate = job.gate
+    if gate is None:
+        return None
+    why = gate.blocked(node.host, now)
+    if why is None or gate.cordoned(node.host, now):
+        return why
+    others = 0
+    for other in job.nodes.values():  # only for a node of a cooled-down host: rare
+        if other.host != node.host and gate.blocked(other.host, now) is None:
+            others += 1
+            if others >= job.spec.min_nodes:
+                return why
+    return None
 
 
 def count(job: Job, state: NodeState) -> int:

@@ -90,3 +90,23 @@ def test_silence_counts_against_the_host() -> None:
     rounds.heartbeat(job, "a", 5.0)
     fx = rounds.tick(job, 6.5)
     assert [h for h, _ in fx.host_failures] == ["b"] and "no heartbeat" in fx.host_failures[0][1]
+
+
+def test_a_cool_down_never_stalls_a_job_that_cannot_form_without_the_host() -> None:
+    """Every node of the job on one host (or a single-node job): after K
+    failures the host is cooled down, but its nodes are still admitted; a
+    cordon holds them all the same (an operator's decision)."""
+    hosts = Hosts(HostRules(failures=1))
+    spec = SPEC.model_copy(update={"min_nodes": 1, "max_nodes": 1})
+    job = job_with(hosts, spec)
+    rounds.join(job, join("a", spec), 0.0)
+    fx = rounds.fail(job, "a", 0, EXIT, 1.0)
+    for host, reason in fx.host_failures:
+        hosts.record_failure(host, "j", reason, 1.0)
+    assert hosts.blocked("a", 1.1) is not None
+    fx = rounds.join(job, join("a", spec), 1.1)
+    assert sent(fx, "a", AssignedMsg) and not sent(fx, "a", SpareMsg)
+    hosts.cordon("a", "maintenance", None, False, 2.0)
+    fx = rounds.fail(job, "a", 1, EXIT, 2.0)
+    fx = rounds.join(job, join("a", spec), 2.1)
+    assert sent(fx, "a", SpareMsg)[0].reason is not None and job.forming
