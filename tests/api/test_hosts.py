@@ -94,7 +94,7 @@ async def test_a_host_that_fails_three_times_is_cooled_down_and_a_spare_takes_ov
 async def test_cordon_keeps_a_host_out_drain_replaces_its_node_uncordon_lets_it_back(client, connect, caplog):
     agents, spec = await spare_in_2_of_2(connect, "drain")
     a, b, c = agents["a"], agents["b"], agents["c"]
-    caplog.set_level(logging.INFO, logger="rdzv.audit")
+    caplog.set_level(logging.INFO, logger="rdzv_server.audit")
     view = await post_json(client, "/v1/hosts/b/cordon", {"reason": "bad DIMM", "ttl_s": 7200, "drain": True})
     assert view["state"] == "cordoned" and view["drain"] and "bad DIMM" in view["reason"]
     for agent in (a, b):  # a new round opens at once, saying why
