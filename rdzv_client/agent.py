@@ -63,7 +63,8 @@ from .config import (  # noqa: F401 - build_parser, config_from_args, UsageError
     build_parser,
     config_from_args,
 )
-from .session import NodeSession, OutageWatch, route_addr
+from .health import run_check
+from .session import NodeSession, OutageWatch, host_label, route_addr
 from .workers import ExitInfo, LaunchConfig, WorkerGroup, describe, error_file_path, worker_env
 
 if TYPE_CHECKING:
@@ -82,6 +83,10 @@ FATAL_CODES = {ErrorCode.SPEC_MISMATCH, ErrorCode.JOB_FINISHED, ErrorCode.VALIDA
 
 
 # ------------------------------------------------------------------ helpers
+
+
+HEALTH_BACKOFF_S = 1.0  # a failed --health-check runs again after this, doubling up to the max
+HEALTH_BACKOFF_MAX_S = 30.0
 
 
 class Phase(enum.Enum):
@@ -158,6 +163,7 @@ class Agent:
     @property
     def link(self) -> AgentLink:
         return self.session.link
+        self._held_for: str | None = None  # why the server holds this node as a spare (its host's block)
 
     @property
     def node_id(self) -> str:
@@ -180,6 +186,52 @@ class Agent:
     def _join(self) -> None:
         self.phase = Phase.JOINING
         self.session.join()
+
+    async def _join_when_healthy(self, rejoining: bool) -> bool:
+        """Run --health-check, then join. While the check fails this node stays
+        out (a member of the last round leaves the job, so the round re-forms
+        without it), says why, sends the check's last line to the server's
+        record of this host, and tries again with backoff; once it passes a node
+        that left joins as a new node. False: a signal came first (not joined)."""
+        cfg = self.cfg
+        left = False
+        delay = HEALTH_BACKOFF_S
+        while cfg.health_check:
+            env = {**os.environ, "RDZV_ENDPOINT": cfg.endpoint}
+            if cfg.log_dir is not None:
+                env["RDZV_LOG_DIR"] = str(cfg.log_dir)
+            ok, line = await run_check(cfg.health_check, cfg.health_check_timeout_s, env=env)
+            if ok:
+                break
+            line = printable(line, limit=300)
+            self._say("health check failed: %s; not joining, checking again in %gs", line, delay)
+            if rejoining and not left and self.link is not None:
+                self.session.leave(f"health check failed: {line}")
+                left = True
+            await self._report_health(line)
+            until = time.monotonic() + delay
+            while time.monotonic() < until:
+                if not self.signals.empty():
+                    return False
+                await asyncio.sleep(0.05)
+            delay = min(delay * 2, HEALTH_BACKOFF_MAX_S)
+        if left:
+            self._say("health check passed; joining as a new node")
+            self.phase = Phase.JOINING
+            self.session.evicted()  # a new node id: the old one left the job
+        else:
+            self._join()
+        return True
+
+    async def _report_health(self, line: str) -> None:
+        """The failed check's last line into the server's host record (best effort)."""
+        from .client import RestClient
+
+        try:
+            await RestClient(self.cfg.endpoint, self.cfg.token, timeout=5.0).report_health(
+                host_label(self.cfg.host), line or "failed", self.cfg.job_id)
+        except (RdzvError, ValueError) as e:
+            log.warning("cannot send the health check's result to the server: %s", printable(getattr(e, "message", e)))
 
     # -- signals
 
@@ -227,7 +279,8 @@ class Agent:
                 self.timer.start()
             self._say("joining %s at %s (nnodes %d:%d, %d worker(s) here, address %s)", self.cfg.endpoint,
                       time.strftime("%H:%M:%S"), self.cfg.min_nodes, self.cfg.max_nodes, self.cfg.nproc, self.addr)
-            self._join()
+            if not await self._join_when_healthy(rejoining=False):
+                return await self._on_signal(self.signals.get_nowait())
             return await self._loop()
         finally:
             if self.group is not None:
@@ -387,8 +440,16 @@ class Agent:
         elif isinstance(msg, SpareMsg):
             if self.phase is Phase.JOINING:
                 self.phase = Phase.SPARE
-            self.status.show(f"[rdzv-agent] job {cfg.job_id}: spare (the job is at max {cfg.max_nodes} nodes); "
-                             "waiting to replace a node")
+            if msg.reason is not None:  # this host may not be admitted now (cordoned, cooled down)
+                if msg.reason != self._held_for:
+                    self._say("waiting as a spare: %s", printable(msg.reason, limit=500))
+                self._held_for = msg.reason
+            else:
+                if self._held_for is not None:
+                    self._say("this host may be admitted again; waiting as a spare")
+                self._held_for = None
+                self.status.show(f"[rdzv-agent] job {cfg.job_id}: spare (the job is at max {cfg.max_nodes} "
+                                 "nodes); waiting to replace a node")
         elif isinstance(msg, AssignedMsg):
             a = msg.assignment
             problem = self.session.check_assignment(a)
@@ -406,7 +467,7 @@ class Agent:
                 return None
             self._say("round %d: %s; stopping workers and rejoining", msg.round, printable(_first_line(msg.reason)))
             await self._stop_workers()
-            self._join()
+            await self._join_when_healthy(rejoining=True)  # after a signal: the loop handles it next
         elif isinstance(msg, EvictedMsg):
             # Fencing: workers die before anything else, then this is a new node.
             if self.group is not None:

@@ -5,6 +5,10 @@
     rdzv status JOB --watch  the same, refreshed in place (waits for a job that does not exist yet)
     rdzv close JOB           stop a job: its agents stop their workers and exit
     rdzv delete JOB          forget a finished job (close it first if it still runs)
+    rdzv hosts [HOST]        host records: failures, cool-downs, cordons
+    rdzv cordon HOST --reason TEXT [--ttl 2h] [--drain]
+                             no new admissions from HOST (--drain: replace its running nodes now)
+    rdzv uncordon HOST       admit HOST again (lifts a cool-down too)
 
 Endpoint and token come from --endpoint/--token (before or after the
 subcommand) or RDZV_ENDPOINT/RDZV_TOKEN. Errors are one line on stderr and
@@ -28,6 +32,8 @@ from pydantic import BaseModel, ValidationError
 
 from rdzv_server import __version__
 from rdzv_server.protocol import (
+    HostList,
+    HostView,
     JobList,
     JobNotFoundError,
     JobState,
@@ -80,6 +86,9 @@ def render_job(job: JobView) -> str:
              n.local_world_size, f"{n.last_seen_s:.1f}s ago", _progress_cell(n)] for n in job.nodes + job.spares]
     out.append(_table(["RANK", "NODE", "HOST", "ADDR", "STATE", "NPROC", "LAST SEEN", "PROGRESS"], rows)
                if rows else "no nodes")
+    for n in job.spares:
+        if n.host_blocked:
+            out.append(f"spare {printable(n.node_id)} waits: {printable(n.host_blocked)}")
     if job.nodes_omitted:
         out.append(f"(+{job.nodes_omitted} more nodes not listed)")
     out.append("")
@@ -119,7 +128,68 @@ def build_parser() -> argparse.ArgumentParser:
     de = sub.add_parser("delete", help="forget a finished job (its view, its saved state, its metrics)",
                         parents=[common])
     de.add_argument("job", help="job id")
+    ho = sub.add_parser("hosts", help="host records: failures, cool-downs, cordons", parents=[common])
+    ho.add_argument("host", nargs="?", help="one host, with its failures")
+    ho.add_argument("--json", action="store_true", help="print the raw JSON")
+    co = sub.add_parser("cordon", help="no new admissions from a host (--drain: replace its running nodes now)",
+                        parents=[common])
+    co.add_argument("host")
+    co.add_argument("--reason", required=True, help="why (shown to the host's agents and in rdzv status)")
+    co.add_argument("--ttl", type=_duration, default=None, metavar="DURATION",
+                    help="lift the cordon after this long (e.g. 30m, 2h); default: until uncordoned")
+    co.add_argument("--drain", action="store_true", help="replace the host's running nodes at once")
+    un = sub.add_parser("uncordon", help="admit a host again (lifts a cool-down too)", parents=[common])
+    un.add_argument("host")
     return p
+
+
+def _duration(text: str) -> float:
+    from rdzv_server.__main__ import parse_duration
+
+    return parse_duration(text)
+
+
+def render_hosts(hosts: HostList) -> str:
+    if not hosts.hosts:
+        return "no host records (no host failed or was cordoned)"
+    return _table(["HOST", "STATE", "FAILURES", "COOL-DOWNS", "UNTIL", "WHY"],
+                  [[h.host, h.state + (" (drain)" if h.drain and h.cordoned else ""), h.failures_total, h.cooldowns,
+                    _when(h.cordon_until if h.cordoned else h.cooled_until if h.state == "cooled_down" else None),
+                    h.reason or (h.failures[-1].reason if h.failures else "-")] for h in hosts.hosts])
+
+
+def render_host(h: HostView) -> str:
+    out = [f"host {printable(h.host)}: {h.state}" + (f": {printable(h.reason)}" if h.reason else ""),
+           f"failures {h.failures_total}, cool-downs {h.cooldowns}"]
+    if h.failures:
+        out.append("")
+        out.append(_table(["WHEN", "JOB", "FAILURE"], [[_when(f.at), f.job_id, f.reason] for f in h.failures]))
+    return "\n".join(out)
+
+
+async def _hosts_command(client: RestClient, args: argparse.Namespace) -> int:
+    from rdzv_server.protocol import is_valid_host
+
+    host = getattr(args, "host", None)
+    if host is not None and not is_valid_host(host):
+        print(f"rdzv: {host!r} is not a host name (letters, digits and ._:[]%-, at most 255)", file=sys.stderr)
+        return 2
+    if args.command == "cordon":
+        view = await client.cordon(args.host, args.reason, args.ttl, args.drain)
+        print(f"host {view.host}: cordoned" + (" and drained" if view.drain else "")
+              + (f" until {_when(view.cordon_until)}" if view.cordon_until is not None else ""))
+        return 0
+    if args.command == "uncordon":
+        view = await client.uncordon(args.host)
+        print(f"host {view.host}: {view.state}")
+        return 0
+    if host is not None:
+        one = await client.host(host)
+        print(_json(one, False) if args.json else render_host(one))
+        return 0
+    hosts = await client.all_hosts()
+    print(_json(hosts, False) if args.json else render_hosts(hosts))
+    return 0
 
 
 def _json(model: BaseModel, compact: bool) -> str:
@@ -152,6 +222,8 @@ async def _run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"rdzv: {e}", file=sys.stderr)
         return 2
+    if args.command in ("hosts", "cordon", "uncordon"):
+        return await _hosts_command(client, args)
     if args.job is not None and not is_valid_id(args.job):
         # the id goes into the URL path: "a?b" or "x/close" would name another resource
         print(f"rdzv: {args.job!r} is not a job id (letters, digits and ._:@+-, at most 128)", file=sys.stderr)

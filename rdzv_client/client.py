@@ -299,10 +299,11 @@ class RestClient:
         self.timeout = aiohttp.ClientTimeout(total=timeout)
         self.ssl = ssl_ctx if ssl_ctx is not None else True
 
-    async def _call(self, method: str, path: str) -> Any:
+    async def _call(self, method: str, path: str, json_body: dict[str, Any] | None = None) -> Any:
         try:
             async with aiohttp.ClientSession(timeout=self.timeout) as s:  # noqa: SIM117 - the inner uses s
-                async with s.request(method, self.base + path, headers=self.headers, ssl=self.ssl) as r:
+                async with s.request(method, self.base + path, json=json_body, headers=self.headers,
+                                     ssl=self.ssl) as r:
                     body = await r.read()
                     if r.status >= 400:
                         try:
@@ -340,3 +341,57 @@ class RestClient:
     async def delete_job(self, job_id: str) -> DeleteResult:
         return DeleteResult.model_validate_json(await self._call("DELETE", f"/v1/jobs/{quote(job_id, safe='')}"))
 
+
+    # -- hosts (bad hosts, cordon/drain): models imported here, to keep this class's imports apart
+
+    async def _send_json(self, path: str, body: dict[str, Any] | None) -> bytes:
+        """POST a JSON body (or none); errors as in :meth:`_call`."""
+        result: bytes = await self._call("POST", path, body)
+        return result
+
+    async def hosts(self, limit: int | None = None, cursor: str | None = None) -> Any:
+        """One page of host records (HostList)."""
+        from rdzv_server.protocol import HostList
+
+        params = {k: v for k, v in (("limit", limit), ("cursor", cursor)) if v is not None}
+        query = "?" + urlencode(params) if params else ""
+        return HostList.model_validate_json(await self._call("GET", "/v1/hosts" + query))
+
+    async def all_hosts(self, page: int = 1000, max_pages: int = 100) -> Any:
+        from rdzv_server.protocol import HostList
+
+        hosts, cursor = [], None
+        for _ in range(max_pages):
+            page_ = await self.hosts(page, cursor)
+            hosts.extend(page_.hosts)
+            cursor = page_.next_cursor
+            if not cursor:
+                break
+        return HostList(hosts=hosts, next_cursor=cursor)
+
+    async def host(self, host: str) -> Any:
+        from rdzv_server.protocol import HostView
+
+        return HostView.model_validate_json(await self._call("GET", f"/v1/hosts/{quote(host, safe='')}"))
+
+    async def cordon(self, host: str, reason: str, ttl_s: float | None = None, drain: bool = False) -> Any:
+        from rdzv_server.protocol import HostView
+
+        body: dict[str, Any] = {"reason": reason, "drain": drain}
+        if ttl_s is not None:
+            body["ttl_s"] = ttl_s
+        return HostView.model_validate_json(await self._send_json(f"/v1/hosts/{quote(host, safe='')}/cordon", body))
+
+    async def uncordon(self, host: str) -> Any:
+        from rdzv_server.protocol import HostView
+
+        return HostView.model_validate_json(await self._send_json(f"/v1/hosts/{quote(host, safe='')}/uncordon", None))
+
+    async def report_health(self, host: str, reason: str, job_id: str | None = None) -> Any:
+        """A failed health check on ``host`` (``reason``: its last line), for the host record."""
+        from rdzv_server.protocol import HostView
+
+        body: dict[str, Any] = {"reason": reason}
+        if job_id is not None:
+            body["job_id"] = job_id
+        return HostView.model_validate_json(await self._send_json(f"/v1/hosts/{quote(host, safe='')}/health", body))

@@ -17,7 +17,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar, overload
+from typing import Any, TypeVar, overload
 
 from rdzv_server import __version__
 from rdzv_server.protocol import (
@@ -26,6 +26,7 @@ from rdzv_server.protocol import (
     DEFAULT_LAST_CALL_S,
     DEFAULT_MAX_RESTARTS,
     DEFAULT_SCALE_UP_WINDOW_S,
+    HOST_PATTERN,
     MAX_SECRET_LEN,
     SECRET_PATTERN,
     JobSpec,
@@ -71,6 +72,8 @@ class AgentConfig:
     standalone: bool = False
     host: str = field(default_factory=socket.gethostname)
     hang_timeout_s: float | None = None
+    health_check: str | None = None  # shell command run before every join; non-zero: this round is skipped
+    health_check_timeout_s: float = 60.0
 
     def spec(self) -> JobSpec:
         return JobSpec(min_nodes=self.min_nodes, max_nodes=self.max_nodes, max_restarts=self.max_restarts,
@@ -157,6 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
       default=os.environ.get("RDZV_SERVER_TIMEOUT", DEFAULT_SERVER_TIMEOUT_S),
       help="give up (stop workers, exit 3) when the server has been unreachable this many seconds "
            "($RDZV_SERVER_TIMEOUT, default 300)")
+    a("--host-name", dest="host_name", default=os.environ.get("RDZV_HOST_NAME") or None,
+      help="the name the server keeps this host's record under (failures, cool-downs, cordons); "
+           "default: $RDZV_HOST_NAME or the host name")
+    a("--health-check", dest="health_check", default=os.environ.get("RDZV_HEALTH_CHECK") or None, metavar="CMD",
+      help="shell command run before every join (e.g. 'python -m rdzv_client.health'); a non-zero exit or a "
+           "timeout keeps this node out of the round, its last line goes to the server's host record, and the "
+           "check is retried with backoff ($RDZV_HEALTH_CHECK)")
+    a("--health-check-timeout", dest="health_check_timeout", type=float, default=60.0,
+      help="seconds the health check may run")
     # torchrun flags that mean nothing here: accepted so command lines carry over.
     a("--rdzv-backend", "--rdzv_backend", default=None, help=argparse.SUPPRESS)
     a("--rdzv-conf", "--rdzv_conf", default="", help="torchrun's key=value,... (join_timeout, last_call_timeout)")
@@ -295,4 +307,22 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         join_timeout_s=spec_check.join_timeout_s, scale_up_window_s=spec_check.scale_up_window_s,
         stop_timeout_s=args.stop_timeout, server_timeout_s=server_timeout, standalone=standalone,
         hang_timeout_s=spec_check.hang_timeout_s,
+        **_host_options(args),
     )
+
+
+def _host_options(args: argparse.Namespace) -> dict[str, Any]:
+    """--host-name, --health-check, --health-check-timeout, checked."""
+    out: dict[str, Any] = {}
+    name = getattr(args, "host_name", None)
+    if name is not None:
+        if not re.fullmatch(HOST_PATTERN, name) or len(name) > 255:
+            raise UsageError(f"--host-name {name!r}: use 1-255 characters of letters, digits and ._:[]%-")
+        out["host"] = name
+    if getattr(args, "health_check", None):
+        out["health_check"] = args.health_check
+    timeout = float(getattr(args, "health_check_timeout", 60.0))
+    if not 0 < timeout <= 3600:
+        raise UsageError(f"--health-check-timeout {timeout!r}: must be in (0, 3600] seconds")
+    out["health_check_timeout_s"] = timeout
+    return out

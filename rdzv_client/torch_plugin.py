@@ -75,6 +75,7 @@ from rdzv_server.protocol import (
     RdzvError,
     RestartMsg,
     ServerMessage,
+    SpareMsg,
     StatusMsg,
     heartbeat_interval,
     printable,
@@ -226,6 +227,11 @@ class RdzvRendezvousHandler(RendezvousHandler):
                 self._waiting_text = printable(msg.waiting_for.text, limit=300)
             elif isinstance(msg, StatusMsg):
                 self._waiting_text = printable(msg.waiting_for.text, limit=300)
+            elif isinstance(msg, SpareMsg) and msg.reason is not None:  # this host is cordoned or cooled down
+                text = printable(msg.reason, limit=300)
+                if text != self._waiting_text:
+                    log.warning("job %s: waiting as a spare: %s", self.run_id, text)
+                self._waiting_text = text
             inbox.put_nowait(msg)
             self._news.set()
 

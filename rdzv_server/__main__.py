@@ -27,6 +27,7 @@ from .conns import (
     raise_fd_limit,
 )
 from .database import DataDirError, free_bytes
+from .hosts import DEFAULT_HOST_FAILURES, HostRules
 from .store import DEFAULT_DISCONNECT_GRACE_S, DEFAULT_MAX_WAITING_JOBS
 
 log = logging.getLogger("rdzv_server")
@@ -79,6 +80,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 1000:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 0 to 1000")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rdzv-server",
@@ -119,6 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-free-disk", type=parse_size, default="64MiB", metavar="SIZE",
                    help="refuse new jobs while the data dir's file system has less free space than this "
                         "(running jobs carry on); 0 disables the check")
+    p.add_argument("--host-failures", type=_count, default=DEFAULT_HOST_FAILURES, metavar="K",
+                   help="a host with K failures (worker failures of the root-cause node on it, evictions for "
+                        "silence, failed health checks) within --host-failure-window is cooled down: its joins "
+                        "wait as spares, told why (0: never)")
+    p.add_argument("--host-failure-window", type=parse_duration, default="10m", metavar="DURATION")
+    p.add_argument("--host-cooldown", type=parse_duration, default="1m", metavar="DURATION",
+                   help="the first cool-down; each next one of the same host doubles, up to --host-cooldown-max")
+    p.add_argument("--host-cooldown-max", type=parse_duration, default="30m", metavar="DURATION")
     p.add_argument("--log-level", default=os.environ.get("RDZV_LOG_LEVEL", "INFO"),
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
@@ -139,7 +158,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(data_dir=data_dir, token=token, disconnect_grace_s=args.disconnect_grace,
                     join_deadline_s=args.join_deadline,
                     retain_finished_s=args.retain_finished, max_waiting_jobs=args.max_waiting_jobs,
-                    min_free_disk=args.min_free_disk)
+                    min_free_disk=args.min_free_disk,
+                    host_rules=HostRules(failures=args.host_failures, window_s=args.host_failure_window,
+                                         cooldown_s=args.host_cooldown,
+                                         cooldown_max_s=max(args.host_cooldown, args.host_cooldown_max)))
 
 
 class UsageError(Exception):

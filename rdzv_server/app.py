@@ -17,21 +17,27 @@ from pydantic.json_schema import models_json_schema
 
 from . import __version__, handlers
 from .audit import Audit
+from .hosts import HostRules
 from .keys import AUDIT, JOIN_DEADLINE, METRICS, OPENAPI, STORE, TOKEN
 from .metrics import Metrics
 from .protocol import (
     AGENT_PATH,
     DEFAULT_PAGE,
+    HOST_PATTERN,
     ID_PATTERN,
     MAX_BODY_BYTES,
     MAX_ERROR_MESSAGE,
     MAX_ID_LEN,
     MAX_PAGE,
     CloseResult,
+    CordonRequest,
     DeleteResult,
     ErrorBody,
     ErrorCode,
     Health,
+    HealthReport,
+    HostList,
+    HostView,
     JobList,
     JobState,
     JobView,
@@ -62,13 +68,14 @@ class Settings:
     retain_finished_s: float = DEFAULT_RETAIN_FINISHED_S
     max_waiting_jobs: int = DEFAULT_MAX_WAITING_JOBS
     min_free_disk: int = DEFAULT_MIN_FREE_DISK
+    host_rules: HostRules = field(default_factory=HostRules)
     store_settings: StoreSettings = field(init=False)
 
     def __post_init__(self) -> None:
         self.store_settings = StoreSettings(data_dir=self.data_dir, disconnect_grace_s=self.disconnect_grace_s,
                                             retain_finished_s=self.retain_finished_s,
                                             max_waiting_jobs=self.max_waiting_jobs,
-                                            min_free_disk=self.min_free_disk)
+                                            min_free_disk=self.min_free_disk, host_rules=self.host_rules)
 
 
 _HTTP_CODES = {
@@ -139,7 +146,9 @@ def openapi_document() -> dict[str, Any]:
     """The REST contract, generated from the pydantic models (OpenAPI 3.1: its
     schemas are JSON Schema 2020-12, which is what pydantic emits)."""
     _, defs = models_json_schema(
-        [(m, "serialization") for m in (JobList, JobView, CloseResult, DeleteResult, Health, ErrorBody)],
+        [(m, "serialization") for m in (JobList, JobView, CloseResult, DeleteResult, Health, ErrorBody,
+                                         HostList, HostView)]
+        + [(m, "validation") for m in (CordonRequest, HealthReport)],
         ref_template="#/components/schemas/{model}",
     )
     schemas = defs.get("$defs", {})
@@ -162,6 +171,13 @@ def openapi_document() -> dict[str, Any]:
          "description": "the next_cursor of the previous page, unchanged",
          "schema": {"type": "string", "maxLength": MAX_CURSOR_LEN}},
     ]
+    host_param = {"name": "host", "in": "path", "required": True,
+                  "schema": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": HOST_PATTERN}}
+    host_page = [page_params[1], page_params[2]]
+
+    def body(name: str) -> dict[str, Any]:
+        return {"required": True, "content": {"application/json": {"schema": ref(name)}}}
+
     secured: list[dict[str, list[str]]] = [{"bearer": []}]
     job_errors = {"401": errors["401"], "404": errors["404"], "422": errors["422"]}
     return {
@@ -188,6 +204,28 @@ def openapi_document() -> dict[str, Any]:
                                                  "parameters": [job_param],
                                                  "responses": {"200": resp("CloseResult"), **job_errors,
                                                                "503": errors["503"]}}},
+            "/v1/hosts": {"get": {"operationId": "listHosts", "security": secured, "parameters": host_page,
+                                  "description": "Host records (failures, cool-downs, cordons) by host name, "
+                                                 "one page at a time.",
+                                  "responses": {"200": resp("HostList"), "401": errors["401"],
+                                                "422": errors["422"]}}},
+            "/v1/hosts/{host}": {"get": {"operationId": "getHost", "security": secured, "parameters": [host_param],
+                                         "responses": {"200": resp("HostView"), **job_errors}}},
+            "/v1/hosts/{host}/cordon": {"post": {
+                "operationId": "cordonHost", "security": secured, "parameters": [host_param],
+                "requestBody": body("CordonRequest"),
+                "description": "No new admissions from the host (joins wait as spares, told why); drain: its "
+                               "running nodes are replaced at once.",
+                "responses": {"200": resp("HostView"), **job_errors, "503": errors["503"]}}},
+            "/v1/hosts/{host}/uncordon": {"post": {
+                "operationId": "uncordonHost", "security": secured, "parameters": [host_param],
+                "description": "Lift the host's cordon and any cool-down.",
+                "responses": {"200": resp("HostView"), **job_errors, "503": errors["503"]}}},
+            "/v1/hosts/{host}/health": {"post": {
+                "operationId": "reportHealth", "security": secured, "parameters": [host_param],
+                "requestBody": body("HealthReport"),
+                "description": "An agent's health check failed on the host: recorded as a failure of the host.",
+                "responses": {"200": resp("HostView"), **job_errors, "503": errors["503"]}}},
             "/healthz": {"get": {"operationId": "health", "responses": {"200": resp("Health")}}},
             "/metrics": {"get": {"operationId": "metrics", "security": secured,
                                  "responses": {"200": {"description": "Prometheus text format",
@@ -216,6 +254,11 @@ def create_app(settings: Settings | None = None) -> web.Application:
     app.router.add_get("/v1/jobs/{job_id}", handlers.get_job)
     app.router.add_delete("/v1/jobs/{job_id}", handlers.delete_job)
     app.router.add_post("/v1/jobs/{job_id}/close", handlers.close_job)
+    app.router.add_get("/v1/hosts", handlers.list_hosts)
+    app.router.add_get("/v1/hosts/{host}", handlers.get_host)
+    app.router.add_post("/v1/hosts/{host}/cordon", handlers.cordon_host)
+    app.router.add_post("/v1/hosts/{host}/uncordon", handlers.uncordon_host)
+    app.router.add_post("/v1/hosts/{host}/health", handlers.report_health)
     app.router.add_get("/healthz", handlers.healthz)
     app.router.add_get("/metrics", handlers.metrics)
     app.router.add_get("/openapi.json", handlers.openapi)

@@ -14,6 +14,7 @@ import sqlite3
 from pathlib import Path
 
 from . import rounds
+from .hosts import HostRecord
 from .protocol import RdzvError
 from .rounds import Job
 
@@ -119,6 +120,10 @@ class Database:
                 "CREATE TABLE IF NOT EXISTS jobs"
                 " (job_id TEXT PRIMARY KEY, record TEXT NOT NULL, updated_at REAL NOT NULL)"
             )
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS hosts "
+                "(host TEXT PRIMARY KEY, record TEXT NOT NULL, updated_at REAL NOT NULL)"
+            )
         except (sqlite3.DatabaseError, DataDirError) as e:
             if conn is not None:
                 conn.close()
@@ -184,6 +189,33 @@ class Database:
         self.conn.execute("BEGIN")
         try:
             self.conn.executemany("DELETE FROM jobs WHERE job_id=?", [(j,) for j in job_ids])
+            self.conn.execute("COMMIT")
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+
+    def load_hosts(self) -> list[HostRecord]:
+        try:
+            rows = self.conn.execute("SELECT host, record FROM hosts").fetchall()
+        except sqlite3.DatabaseError as e:
+            raise DataDirError(f"cannot read database {self.path}: {e}") from e
+        out = []
+        for host, record in rows:
+            try:
+                out.append(HostRecord.from_record(json.loads(record)))
+            except Exception as e:  # any shape error means the file is not ours or damaged
+                raise DataDirError(f"database {self.path}: host {host!r} cannot be loaded ({e!r})") from e
+        return out
+
+    def save_hosts(self, records: list[HostRecord], removed: list[str]) -> None:
+        """Write changed host records and delete evicted ones, in one transaction."""
+        self.conn.execute("BEGIN")
+        try:
+            self.conn.executemany("DELETE FROM hosts WHERE host=?", [(h,) for h in removed])
+            self.conn.executemany(
+                "INSERT INTO hosts (host, record, updated_at) VALUES (?, ?, ?) "
+                "ON CONFLICT(host) DO UPDATE SET record=excluded.record, updated_at=excluded.updated_at",
+                [(r.host, json.dumps(r.to_record(), separators=(",", ":")), r.updated_at) for r in records])
             self.conn.execute("COMMIT")
         except BaseException:
             self.conn.execute("ROLLBACK")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TypeVar
 
 from aiohttp import WSCloseCode, WSMsgType, web
 from pydantic import BaseModel, ValidationError
@@ -25,12 +26,15 @@ from .protocol import (
     AckMsg,
     AgentMessage,
     CloseResult,
+    CordonRequest,
     DeleteResult,
     ErrorCode,
     ErrorMsg,
     FailedMsg,
     Health,
+    HealthReport,
     HeartbeatMsg,
+    HostList,
     JobList,
     JobState,
     JoinMsg,
@@ -107,6 +111,68 @@ async def delete_job(request: web.Request) -> web.Response:
     request.app[AUDIT].event("delete", f"job {job.job_id} ({job.state.value}) deleted on request from "
                                        f"{printable(request.remote)}")
     return _json(DeleteResult(job_id=job.job_id, state=job.state))
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def _limit(request: web.Request) -> tuple[int, str | None]:
+    q = request.rel_url.query
+    limit = DEFAULT_PAGE
+    if "limit" in q:
+        text = q["limit"]
+        if not (text.isascii() and text.isdigit() and len(text) <= 6 and 1 <= int(text) <= MAX_PAGE):
+            raise RequestError(f"limit {text[:64]!r} is not a whole number from 1 to {MAX_PAGE}",
+                               ErrorCode.VALIDATION_ERROR)
+        limit = int(text)
+    return limit, q.get("cursor") or None
+
+
+async def _body(request: web.Request, model: type[_M]) -> _M:
+    """The JSON body as ``model``, or one validation error line (changes nothing)."""
+    raw = await request.read()
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as e:
+        raise RequestError(_short(e), ErrorCode.VALIDATION_ERROR) from None
+
+
+async def list_hosts(request: web.Request) -> web.Response:
+    limit, cursor = _limit(request)
+    hosts, next_cursor = request.app[STORE].host_views(limit, cursor)
+    return _json(HostList(hosts=hosts, next_cursor=next_cursor))
+
+
+async def get_host(request: web.Request) -> web.Response:
+    return _json(request.app[STORE].host_view(request.match_info["host"]))
+
+
+async def cordon_host(request: web.Request) -> web.Response:
+    host = request.match_info["host"]
+    req = await _body(request, CordonRequest)
+    view = request.app[STORE].cordon(host, req.reason, req.ttl_s, req.drain)
+    ttl = f" for {req.ttl_s:g}s" if req.ttl_s is not None else ""
+    request.app[AUDIT].event("cordon", f"host {printable(host)} cordoned{ttl}{' with drain' if req.drain else ''} "
+                                       f"on request from {printable(request.remote)}: {printable(req.reason)}")
+    return _json(view)
+
+
+async def uncordon_host(request: web.Request) -> web.Response:
+    host = request.match_info["host"]
+    if request.can_read_body:
+        body = await request.read()
+        if body.strip() not in (b"", b"{}"):
+            raise RequestError("uncordon takes no body (or an empty JSON object)", ErrorCode.VALIDATION_ERROR)
+    view = request.app[STORE].uncordon(host)
+    request.app[AUDIT].event("uncordon", f"host {printable(host)} uncordoned on request from "
+                                         f"{printable(request.remote)}")
+    return _json(view)
+
+
+async def report_health(request: web.Request) -> web.Response:
+    host = request.match_info["host"]
+    req = await _body(request, HealthReport)
+    return _json(request.app[STORE].report_health(host, req.job_id, req.reason))
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -8,6 +8,8 @@ Two channels:
 * REST (JSON over HTTP) for people and scripts: ``GET /v1/jobs``
   (``?state=&limit=&cursor=``, one page at a time), ``GET /v1/jobs/{job_id}``,
   ``DELETE /v1/jobs/{job_id}`` (finished jobs only), ``POST /v1/jobs/{job_id}/close``,
+  ``GET /v1/hosts`` (paged), ``GET /v1/hosts/{host}``, ``POST /v1/hosts/{host}/cordon``,
+  ``.../uncordon``, ``.../health`` (host records: docs/design.md, "Bad hosts"),
   ``/healthz``, ``/metrics``, ``/openapi.json``.
 * The agent channel: one WebSocket per agent at ``GET /v1/agent``. The agent
   sends :data:`AgentMessage` frames (JSON text), the server pushes
@@ -333,10 +335,13 @@ class AssignedMsg(_Strict):
 
 
 class SpareMsg(_Strict):
-    """The job is at max_nodes; wait, you replace the first node that fails."""
+    """The job is at max_nodes; wait, you replace the first node that fails.
+    With ``reason``: this node's host may not be admitted now (cordoned or
+    cooled down); it waits until that ends."""
 
     op: Literal["spare"] = "spare"
     round: RoundNo
+    reason: str | None = None
 
 
 class RestartMsg(_Strict):
@@ -412,6 +417,8 @@ class NodeView(BaseModel):
     steps_per_s: float | None = Field(default=None, description="that rank's recent steps per second")
     since_progress_s: float | None = Field(default=None, description="seconds since its step last advanced")
     straggler: bool = Field(default=False, description="its steps/s stayed below half the job's median for 30 s")
+    host_blocked: str | None = Field(default=None, description="why this spare waits: its host is cordoned "
+                                                               "or cooled down")
 
 
 class RoundView(BaseModel):
@@ -475,6 +482,59 @@ class DeleteResult(BaseModel):
 class CloseResult(BaseModel):
     job_id: str
     state: JobState
+
+
+MAX_HOST_REASON = 300
+HOST_RE = re.compile(HOST_PATTERN)
+
+
+def is_valid_host(value: str) -> bool:
+    return 0 < len(value) <= 255 and bool(HOST_RE.match(value))
+
+
+class CordonRequest(_Strict):
+    """``POST /v1/hosts/{host}/cordon``: no new admissions from the host (for
+    ``ttl_s`` seconds, or until uncordoned); ``drain``: replace its running
+    nodes at once."""
+
+    reason: str = Field(min_length=1, max_length=MAX_HOST_REASON)
+    ttl_s: Seconds | None = None
+    drain: bool = False
+
+
+class HealthReport(_Strict):
+    """``POST /v1/hosts/{host}/health``: an agent's health check failed on the
+    host (``reason``: the check's last line); counted against the host."""
+
+    job_id: Id | None = None
+    reason: str = Field(min_length=1, max_length=MAX_HOST_REASON)
+
+
+class HostFailureView(BaseModel):
+    at: float = Field(description="unix time")
+    job_id: str
+    reason: str
+
+
+class HostView(BaseModel):
+    host: str
+    state: Literal["ok", "cooled_down", "cordoned"]
+    reason: str | None = Field(description="why a join from this host waits now; null when it may join")
+    cordoned: bool
+    cordon_reason: str | None
+    cordon_until: float | None = Field(description="unix time the cordon ends; null: until uncordoned")
+    drain: bool
+    cooled_until: float | None = Field(description="unix time the current or last cool-down ends")
+    cooldowns: int = Field(description="how many times the host was cooled down")
+    failures_total: int
+    failures: list[HostFailureView] = Field(description="the latest failures, oldest first (at most 20)")
+    updated_at: float
+
+
+class HostList(BaseModel):
+    hosts: list[HostView]
+    next_cursor: str | None = Field(default=None, description="pass as ?cursor= for the next page; "
+                                                              "null on the last page")
 
 
 class Health(BaseModel):

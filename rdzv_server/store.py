@@ -34,23 +34,27 @@ import secrets
 import sqlite3
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from . import rounds
 from .database import Database, DataDirError, free_bytes  # noqa: F401  (DataDirError: re-exported)
+from .hosts import HostRecord, HostRules, Hosts
 from .protocol import (
     ErrorCode,
     ErrorMsg,
     EvictedError,
     ExitRecord,
+    HostFailureView,
+    HostView,
     JobNotFinishedError,
     JobNotFoundError,
     JobState,
     JoinMsg,
     RequestError,
     UnavailableError,
+    is_valid_host,
     is_valid_id,
     printable,
 )
@@ -92,6 +96,7 @@ class StoreSettings:
     retain_finished_s: float = DEFAULT_RETAIN_FINISHED_S  # finished jobs older than this are removed
     max_waiting_jobs: int = DEFAULT_MAX_WAITING_JOBS  # beyond it a new job is refused
     min_free_disk: int = DEFAULT_MIN_FREE_DISK  # bytes; below it a new job is refused (0: no check)
+    host_rules: HostRules = field(default_factory=HostRules)  # cool-downs of failing hosts, the host table's cap
 
 
 class Store:
@@ -119,6 +124,8 @@ class Store:
         self._order: list[tuple[float, str]] = []  # every job by (created_at, job_id): listing pages
         self._refusal_log_at = 0.0
         self._refusals_unlogged = 0
+        self.hosts = Hosts(settings.host_rules)  # host records across jobs (rdzv_server.hosts)
+        self._unblock_at: float | None = None  # when the next host block ends (hosts.next_unblock)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -128,8 +135,11 @@ class Store:
             return
         self.db = Database(self.settings.data_dir)
         self.jobs = self.db.load()
+        self.hosts.load(self.db.load_hosts())
         now = self.clock()
+        self._unblock_at = self.hosts.next_unblock(now)
         for job in self.jobs.values():
+            job.gate = self.hosts
             self._order.append((job.created_at, job.job_id))
             if not job.finished:
                 rounds.restored(job, now)
@@ -185,6 +195,9 @@ class Store:
                 rounds.grace(self.jobs[job_id], now, stall=True)
             log.warning("the server did not run for a while (stopped or starved); "
                         "every node heard from since gets a full heartbeat timeout")
+        if self._unblock_at is not None and now >= self._unblock_at:
+            self._unblock_at = self.hosts.next_unblock(now)
+            self._hosts_changed(now)  # a cool-down or a cordon's ttl ended: its spares may be admitted
         due: list[str] = []
         while self._due and self._due[0][0] <= now:
             at, _, job_id = heapq.heappop(self._due)
@@ -276,6 +289,7 @@ class Store:
                 raise EvictedError(f"job {msg.job_id!r} is unknown to this server; rejoin as a new node")
             self._check_room(msg.job_id, chan)
             job = rounds.new_job(msg.job_id, msg.spec, now, job_secret=msg.job_secret)
+            job.gate = self.hosts
         # a node this join creates gets a fresh secret; only its own connection hears it
         issued = None if msg.node_id in job.nodes else secrets.token_urlsafe(24)
         fx = rounds.join(job, msg, now, node_secret=issued)  # raises before changing anything
@@ -423,6 +437,107 @@ class Store:
         self._apply(job, rounds.close(job, now), now)
         return job
 
+    # ----------------------------------------------------------------- hosts
+
+    def _save_hosts(self, records: list[HostRecord], removed: list[str]) -> bool:
+        if self.db is None:
+            return True
+        try:
+            self.db.save_hosts(records, removed)
+            return True
+        except sqlite3.Error as e:
+            log.error("cannot save host record(s) %s to %s: %s", ", ".join(printable(r.host) for r in records),
+                      self.db.path, e)
+            return False
+
+    def host_failure(self, host: str, job_id: str, reason: str, now: float | None = None) -> HostRecord | None:
+        """A failure counted against ``host``; a host that reaches the limit is
+        cooled down and every job hears of it (its waiting nodes become spares)."""
+        now = self.clock() if now is None else now
+        rec, cooled, evicted = self.hosts.record_failure(host, job_id, reason, now)
+        if rec is None:
+            log.warning("host table full of blocked hosts (%d): failure on %s not recorded: %s",
+                        len(self.hosts.records), printable(host, limit=255), printable(reason))
+            return None
+        self._save_hosts([rec], evicted)
+        if cooled:
+            log.warning("host %s cooled down: %s", printable(host), printable(rec.cooled_reason))
+            self._unblock_at = self.hosts.next_unblock(now)
+            self._hosts_changed(now)
+        return rec
+
+    def _hosts_changed(self, now: float, drain: set[str] | None = None) -> None:
+        for job_id in list(self.active):
+            job = self.jobs.get(job_id)
+            if job is None:
+                continue
+            fx = rounds.hosts_changed(job, now, drain or set())
+            if fx.sends or fx.persist or fx.logs:
+                try:
+                    self._apply(job, fx, now)
+                except UnavailableError:
+                    pass  # the job was put back as saved; its agents reconnect and meet the block on join
+
+    def check_host(self, host: str) -> str:
+        if not is_valid_host(host):
+            raise RequestError(f"host {host[:64]!r} is not valid: 1-255 characters of [A-Za-z0-9._:[]%-]",
+                               ErrorCode.VALIDATION_ERROR)
+        return host
+
+    def host_view(self, host: str) -> HostView:
+        rec = self.hosts.get(self.check_host(host))
+        if rec is None:
+            raise RequestError(f"no record of host {host!r}: it had no failures and no cordon", ErrorCode.NOT_FOUND)
+        return self._host_view(rec, self.clock())
+
+    def report_health(self, host: str, job_id: str | None, reason: str) -> HostView:
+        """A failed health check on ``host`` (POST /v1/hosts/{host}/health)."""
+        rec = self.host_failure(self.check_host(host), job_id or "-", f"health check failed: {reason}")
+        if rec is None:
+            raise UnavailableError(f"the host table is full ({len(self.hosts.records)} records, all blocking a "
+                                   "host); the report is not recorded", ErrorCode.UNAVAILABLE)
+        return self._host_view(rec, self.clock())
+
+    @staticmethod
+    def _host_view(rec: HostRecord, now: float) -> HostView:
+        why = rec.blocked(now)
+        state = "cordoned" if rec.cordon_active(now) else "cooled_down" if rec.cooling(now) else "ok"
+        return HostView(host=rec.host, state=state, reason=why, cordoned=rec.cordon_active(now),
+                        cordon_reason=rec.cordon_reason, cordon_until=rec.cordon_until, drain=rec.drain,
+                        cooled_until=rec.cooled_until, cooldowns=rec.cooldowns, failures_total=rec.failures_total,
+                        failures=[HostFailureView(at=f.at, job_id=f.job_id, reason=f.reason) for f in rec.failures],
+                        updated_at=rec.updated_at)
+
+    def host_views(self, limit: int = 100, cursor: str | None = None) -> tuple[list[HostView], str | None]:
+        """One page of host records by host name: (views, next_cursor)."""
+        after = decode_host_cursor(cursor) if cursor is not None else None
+        names = sorted(h for h in self.hosts.records if after is None or h > after)
+        now = self.clock()
+        page = [self._host_view(self.hosts.records[h], now) for h in names[:limit]]
+        more = len(names) > limit
+        return page, (encode_host_cursor(names[limit - 1]) if more else None)
+
+    def cordon(self, host: str, reason: str, ttl_s: float | None, drain: bool) -> HostView:
+        now = self.clock()
+        rec, evicted = self.hosts.cordon(self.check_host(host), reason, ttl_s, drain, now)
+        if rec is None:
+            raise UnavailableError(f"the host table is full ({len(self.hosts.records)} records, all blocking a host); "
+                                   f"uncordon a host first", ErrorCode.UNAVAILABLE)
+        self._save_hosts([rec], evicted)
+        self._unblock_at = self.hosts.next_unblock(now)
+        self._hosts_changed(now, drain={host} if drain else None)
+        return self._host_view(rec, now)
+
+    def uncordon(self, host: str) -> HostView:
+        now = self.clock()
+        rec = self.hosts.uncordon(self.check_host(host), now)
+        if rec is None:
+            raise RequestError(f"no record of host {host!r}: it is not cordoned", ErrorCode.NOT_FOUND)
+        self._save_hosts([rec], [])
+        self._unblock_at = self.hosts.next_unblock(now)
+        self._hosts_changed(now)
+        return self._host_view(rec, now)
+
     def live_nodes(self) -> int:
         return sum(len(self.jobs[j].nodes) for j in self.active)
 
@@ -465,6 +580,8 @@ class Store:
             self._schedule(job)
         if self.metrics:
             self.metrics.observe(job, fx)
+        for host, reason in fx.host_failures:
+            self.host_failure(host, job.job_id, reason, now)
 
     def _rollback(self, job: Job, created: bool, err: Exception, requester: Channel | None = None) -> None:
         """A write failed: nobody was told anything. Put the job back as it was
@@ -494,6 +611,7 @@ class Store:
                 del self._order[i]
         else:
             rounds.restored(saved, self.clock())
+            saved.gate = self.hosts
             self.jobs[job.job_id] = saved
             if saved.forming:
                 self.waiting.add(saved.job_id)
@@ -534,3 +652,20 @@ def decode_cursor(cursor: str) -> tuple[float, str]:
         raise RequestError("cursor is not one this server gave out: pass next_cursor back unchanged",
                            ErrorCode.VALIDATION_ERROR) from None
     return created_at, job_id
+
+
+def encode_host_cursor(host: str) -> str:
+    return base64.urlsafe_b64encode(host.encode()).decode().rstrip("=")
+
+
+def decode_host_cursor(cursor: str) -> str:
+    try:
+        if len(cursor) > MAX_CURSOR_LEN:
+            raise ValueError("too long")
+        host = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        if not is_valid_host(host):
+            raise ValueError("not a host")
+    except (ValueError, TypeError, UnicodeDecodeError):
+        raise RequestError("cursor is not one this server gave out: pass next_cursor back unchanged",
+                           ErrorCode.VALIDATION_ERROR) from None
+    return host

@@ -33,6 +33,7 @@ from .model import (
     Effects,
     Job,
     Node,
+    blocked,
     count,
     job_secret_hash,
     move,
@@ -189,6 +190,10 @@ def _enter(job: Job, node: Node, now: float, issued: str | None) -> Effects:
     node secret to send in ``joined`` (only to the join that created the node)."""
     spec = job.spec
     fx = Effects()
+    why = blocked(job, node, now)
+    if why is not None:
+        return _hold(job, node, now, why, issued)
+    node.note = None
     if job.forming:
         move(job, node, WAITING)
         job.status_dirty = True
@@ -209,4 +214,23 @@ def _enter(job: Job, node: Node, now: float, issued: str | None) -> Effects:
         move(job, node, SPARE)
         fx.send(node.node_id, SpareMsg(round=job.round))
         fx.logs.append(f"job {job.job_id} round {job.round}: node {node.node_id} ({node.host}) is a spare")
+    return fx
+
+
+def _hold(job: Job, node: Node, now: float, why: str, issued: str | None) -> Effects:
+    """The node's host is cordoned or cooled down: it waits as a spare, told
+    why, and is admitted when that ends (see machine.hosts_changed)."""
+    was = node.state
+    round_no = job.round if job.forming else job.round + 1
+    fx = Effects()
+    fx.send(node.node_id, JoinedMsg(round=round_no, node_id=node.node_id, heartbeat_s=heartbeat_interval(job.spec),
+                                    node_secret=issued))
+    move(job, node, SPARE)
+    fx.send(node.node_id, SpareMsg(round=job.round, reason=why))
+    if node.note != why:
+        fx.logs.append(f"job {job.job_id} round {job.round}: node {node.node_id} waits as a spare: {why}")
+    node.note = why
+    job.status_dirty = True
+    if job.forming and was in (REJOINING, WAITING):
+        fx.merge(_check_complete(job, now))
     return fx

@@ -55,6 +55,7 @@ from .model import (
     Job,
     Node,
     RoundRecord,
+    blocked,
     count,
     job_secret_hash,
     move,
@@ -189,6 +190,7 @@ def fail(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], now:
             if node_id in job.nodes:
                 fx.merge(_lose(job, node_id, "connection lost", now, evict=True))
         return fx
+    fx.host_failures.append((node.host, f"worker failure: {first.describe()}"))
     if job.restarts >= job.spec.max_restarts:
         job.root_cause = cause
         return fx.merge(_end(job, JobState.FAILED,
@@ -273,6 +275,7 @@ def tick(job: Job, now: float) -> Effects:
         if node.lost_deadline is not None and now >= node.lost_deadline:
             fx.merge(_lose(job, node.node_id, "connection lost", now, evict=True))
         elif now - node.last_seen >= timeout:
+            fx.host_failures.append((node.host, f"evicted: no heartbeat for {timeout:g}s"))
             fx.merge(_lose(job, node.node_id, f"no heartbeat for {timeout:g}s", now, evict=True))
         if job.finished:
             return fx
@@ -332,6 +335,49 @@ def next_due(job: Job, nodes: bool = True) -> float | None:
     return due
 
 
+def hosts_changed(job: Job, now: float, drain: set[str]) -> Effects:
+    """Host blocks changed (a cordon, a cool-down, their end): waiting nodes
+    on a blocked host become spares, told why; spares whose host is free
+    again are admitted (the forming round, or a scale-up below max_nodes); and
+    running members on a host in ``drain`` are replaced at once: a new round
+    opens without them (they rejoin and wait as spares)."""
+    fx = Effects()
+    if job.finished:
+        return fx
+    drained: list[Node] = []
+    for node in list(job.nodes.values()):
+        why = blocked(job, node, now)
+        if node.state == RUNNING and not job.forming and node.host in drain and why is not None:
+            drained.append(node)
+        elif node.state == WAITING and why is not None:
+            move(job, node, SPARE)
+            node.note = why
+            fx.send(node.node_id, SpareMsg(round=job.round, reason=why))
+            fx.logs.append(f"job {job.job_id} round {job.round}: node {node.node_id} waits as a spare: {why}")
+            fx.persist = True
+        elif node.state == SPARE and why is None and node.note is not None:
+            node.note = None
+            fx.persist = True
+            fx.logs.append(f"job {job.job_id} round {job.round}: host {node.host} of spare {node.node_id} "
+                           "may be admitted again")
+            if job.forming:
+                move(job, node, WAITING)
+            elif len(job.order) + count(job, WAITING) < job.spec.max_nodes:
+                move(job, node, WAITING)
+                if job.scale_up_deadline is None:
+                    job.scale_up_deadline = now + job.spec.scale_up_window_s
+            else:
+                fx.send(node.node_id, SpareMsg(round=job.round))
+    job.status_dirty = job.status_dirty or fx.persist
+    if drained:
+        names = ", ".join(f"{n.node_id} ({n.host})" for n in drained[:8])
+        why = blocked(job, drained[0], now) or "drained"
+        return fx.merge(_open_round(job, f"drain: node(s) {names} replaced: {why}", now))
+    if job.forming:
+        fx.merge(_check_complete(job, now))
+    return fx
+
+
 # ------------------------------------------------------------------ internal
 
 
@@ -374,7 +420,8 @@ def _open_round(job: Job, reason: str, now: float) -> Effects:
             fx.send(node.node_id, restart)
         elif node.state == SUCCEEDED:
             move(job, node, None)  # it exited; it will not come back
-        elif node.state == SPARE:
+        elif node.state == SPARE and blocked(job, node, now) is None:
+            node.note = None
             move(job, node, WAITING)
     fx.logs.append(f"job {job.job_id} round {job.round} opened: {reason}; "
                    f"waiting for {len(job.prev_order)} node(s) {', '.join(job.prev_order[:16]) or 'nobody'}"
@@ -434,8 +481,21 @@ def assign_ranks(prev_order: list[str], candidates: list[Node], world: int) -> t
 
 
 def _complete(job: Job, now: float) -> Effects:
-    """Freeze the membership: ranks, master, everyone told."""
+    """Freeze the membership: ranks, master, everyone told. A waiting node
+    whose host was blocked meanwhile becomes a spare, told why."""
     candidates = [n for n in job.nodes.values() if n.state == WAITING]
+    held = Effects()
+    if job.gate is not None:
+        for node in candidates:
+            why = blocked(job, node, now)
+            if why is not None:
+                move(job, node, SPARE)
+                node.note = why
+                held.send(node.node_id, SpareMsg(round=job.round, reason=why))
+        candidates = [n for n in candidates if n.state == WAITING]
+        if len(candidates) < job.spec.min_nodes:  # not enough admissible nodes: keep forming
+            job.last_call_deadline = None
+            return held
     members, spares = assign_ranks(job.prev_order, candidates, min(len(candidates), job.spec.max_nodes))
     job.order = [n.node_id for n in members]
     job.state = JobState.RUNNING
@@ -444,7 +504,7 @@ def _complete(job: Job, now: float) -> Effects:
     job.last_call_deadline = job.join_deadline = job.scale_up_deadline = None
     rec = job.history[-1]
     rec.completed_at, rec.world_size, rec.nodes = now, job.world_size, len(members)
-    fx = Effects(persist=True, rounds_completed=1)
+    fx = Effects(persist=True, rounds_completed=1).merge(held)
     offset = 0
     for rank, node in enumerate(members):
         move(job, node, RUNNING)

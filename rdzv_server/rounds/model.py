@@ -12,7 +12,7 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 from ..protocol import TERMINAL_STATES, JobSpec, JobState
 
@@ -38,7 +38,7 @@ WAITING, REJOINING, RUNNING, SUCCEEDED, SPARE = NodeState
 TRANSITIONS: dict[NodeState | None, frozenset[NodeState | None]] = {
     None: frozenset({WAITING, SPARE}),  # a new node joins: the forming round / a scale-up, or a spare
     WAITING: frozenset({WAITING, RUNNING, SPARE, None}),  # joins again / round completes / no slot / lost
-    REJOINING: frozenset({WAITING, None}),  # it rejoins the re-forming round / lost
+    REJOINING: frozenset({WAITING, SPARE, None}),  # it rejoins the re-forming round / its host is blocked / lost
     RUNNING: frozenset({REJOINING, SUCCEEDED, None}),  # a new round opens / success / lost
     SUCCEEDED: frozenset({None}),  # it exited; the next round (or the end) forgets it
     SPARE: frozenset({SPARE, WAITING, None}),  # joins again / a round opens or a slot frees / lost
@@ -74,6 +74,17 @@ class Node:
     progress_at: float | None = None
     slow_since: float | None = None  # since when its rate is below the straggler fraction of the median
     straggler: bool = False  # slow for the straggler window (see machine.check_stragglers)
+    note: str | None = None  # why it waits as a spare (its host is cordoned or cooled down)
+
+
+class HostGate(Protocol):
+    """Which hosts may not be admitted now (rdzv_server.hosts.Hosts)."""
+
+    def blocked(self, host: str, now: float) -> str | None:
+        """Why a node on ``host`` waits instead of joining; None: it may join."""
+
+    def cordoned(self, host: str, now: float) -> bool:
+        """Whether an operator's cordon (not only a cool-down) blocks ``host``."""
 
 
 @dataclass
@@ -113,6 +124,7 @@ class Job:
     graced_at: float | None = None  # when a stall last extended the job's own deadlines
     secret_hash: str | None = None  # the job secret's hash (see job_secret_hash); None: no job secret
     stragglers_at: float = 0.0  # when stragglers were last looked for (at most every STRAGGLER_CHECK_S)
+    gate: HostGate | None = field(default=None, repr=False, compare=False)  # set by the store; not saved
 
     @property
     def forming(self) -> bool:
@@ -134,6 +146,7 @@ class Effects:
     rounds_opened: int = 0
     rounds_completed: int = 0
     restarts: int = 0
+    host_failures: list[tuple[str, str]] = field(default_factory=list)  # (host, reason): counted against it
 
     def send(self, node_id: str, msg: Any) -> None:
         self.sends.append((node_id, msg))
@@ -146,6 +159,7 @@ class Effects:
         self.rounds_opened += other.rounds_opened
         self.rounds_completed += other.rounds_completed
         self.restarts += other.restarts
+        self.host_failures.extend(other.host_failures)
         return self
 
 
@@ -167,6 +181,26 @@ def job_secret_hash(job_id: str, secret: str) -> str:
     """What the job keeps of its job secret: a hash salted with the job id, so
     equal secrets of two jobs do not show as equal."""
     return hashlib.sha256(f"rdzv job secret\0{job_id}\0{secret}".encode()).hexdigest()
+
+
+def blocked(job: Job, node: Node, now: float) -> str | None:
+    """Why ``node`` may not be admitted now: its host is cordoned, or cooled
+    down while the job has ``min_nodes`` nodes of other, unblocked hosts (a
+    cool-down never stalls a job that cannot form without the host: one host
+    running every node of a job, a single-node job)."""
+    gate = job.gate
+    if gate is None:
+        return None
+    why = gate.blocked(node.host, now)
+    if why is None or gate.cordoned(node.host, now):
+        return why
+    others = 0
+    for other in job.nodes.values():  # only for a node of a cooled-down host: rare
+        if other.host != node.host and gate.blocked(other.host, now) is None:
+            others += 1
+            if others >= job.spec.min_nodes:
+                return why
+    return None
 
 
 def count(job: Job, state: NodeState) -> int:

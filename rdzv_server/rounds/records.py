@@ -13,7 +13,7 @@ from .model import Job, Node, NodeState, RoundRecord
 # Progress that agents send with heartbeats is not saved: the next heartbeat
 # brings it back (and records stay what older code wrote and reads).
 _NOT_SAVED_NODE = frozenset({"step", "step_rate", "progress_at", "slow_since", "straggler"})
-_NOT_SAVED_JOB = frozenset({"spec", "nodes", "history", "state", "counts", "stragglers_at"})
+_NOT_SAVED_JOB = frozenset({"spec", "nodes", "history", "state", "counts", "stragglers_at", "gate"})
 
 
 def _known(state: NodeState | None) -> NodeState:
@@ -28,9 +28,15 @@ def to_record(job: Job) -> dict[str, Any]:
     if d["spec"].get("hang_timeout_s") is None:
         d["spec"].pop("hang_timeout_s", None)  # off: the record older code wrote
     d["state"] = job.state.value
-    d["nodes"] = [{**{k: v for k, v in vars(n).items() if k not in _NOT_SAVED_NODE}, "state": _known(n.state).value}
-                  for n in job.nodes.values()]
+    d["nodes"] = [_node_record(n) for n in job.nodes.values()]
     d["history"] = [vars(r).copy() for r in job.history]
+    return d
+
+
+def _node_record(node: Node) -> dict[str, Any]:
+    d = {**{k: v for k, v in vars(node).items() if k not in _NOT_SAVED_NODE}, "state": _known(node.state).value}
+    if d["note"] is None:  # only spares held off by their host have one: records stay as they were
+        del d["note"]
     return d
 
 

@@ -50,7 +50,8 @@ def _node_view(node: Node, now: float, job_state: JobState | None = None) -> Nod
                     local_world_size=node.local_world_size, last_seen_s=round(max(0.0, now - node.last_seen), 3),
                     step=node.step, steps_per_s=node.step_rate, straggler=node.straggler,
                     since_progress_s=(round(max(0.0, now - node.progress_at), 3)
-                                      if node.progress_at is not None else None))
+                                      if node.progress_at is not None else None),
+                    host_blocked=node.note if node.state == SPARE else None)
 
 
 def view(job: Job, now: float) -> JobView:

@@ -111,7 +111,9 @@ def test_rest_api_conforms_to_its_openapi(api_schema, http, method, path):
 def test_openapi_document_is_served(server):
     """/openapi.json names every REST path of the contract."""
     doc = requests.get(f"{server}/openapi.json", timeout=5).json()
-    assert set(doc["paths"]) == {"/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/close", "/healthz", "/metrics"}
+    assert set(doc["paths"]) == {"/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/close", "/healthz", "/metrics",
+                                 "/v1/hosts", "/v1/hosts/{host}", "/v1/hosts/{host}/cordon",
+                                 "/v1/hosts/{host}/uncordon", "/v1/hosts/{host}/health"}
     assert {"get", "delete"} <= set(doc["paths"]["/v1/jobs/{job_id}"])
     jobs = requests.get(f"{server}/v1/jobs", timeout=5).json()["jobs"]
     # the fuzzed DELETEs may have removed the finished job; the live ones are refused (409)

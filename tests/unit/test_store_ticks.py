@@ -157,3 +157,24 @@ def test_refused_new_jobs_are_logged_once_per_interval(caplog):
     assert set(store.jobs) == {"first"}
     lines = [r.getMessage() for r in caplog.records if "refused a new job" in r.getMessage()]
     assert len(lines) == 1 and "--max-waiting-jobs 1" in lines[0], lines
+
+
+def test_a_cordon_ttl_that_runs_out_admits_the_held_node_on_the_next_tick():
+    """Host blocks end by time too: the tick notices a cordon's ttl (or a
+    cool-down) ending and admits the spare it held (a forming round here)."""
+    clock = [1000.0]
+    store = make_store(clock)
+    spec = JobSpec(min_nodes=2, max_nodes=2, heartbeat_timeout_s=60.0)
+    store.cordon("b", "reboot", 30.0, False)
+    a, b = Recorder(), Recorder()
+    store.join(join("j", "a", spec), a)
+    store.join(join("j", "b", spec), b)
+    assert b.ops == ["joined", "spare"] and store.jobs["j"].forming
+    clock[0] += 29.0
+    plain_tick(store)
+    assert store.jobs["j"].forming
+    clock[0] += 1.5
+    plain_tick(store)
+    job = store.jobs["j"]
+    assert job.state == JobState.RUNNING and sorted(job.order) == ["a", "b"]
+    assert "assigned" in a.ops and "assigned" in b.ops
