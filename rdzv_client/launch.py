@@ -143,7 +143,7 @@ def worker_env(
     """Return ``base_env`` plus exactly the variables torchrun gives a worker,
     less the agent's credentials (``RDZV_TOKEN``, ``RDZV_JOB_SECRET``).
 
-    See DESIGN.md "The worker's environment". ``TORCHELASTIC_RESTART_COUNT``
+    See docs/design.md "The worker environment". ``TORCHELASTIC_RESTART_COUNT``
     is the round number, the same on every node.
     """
     if not 0 <= local_rank < a.local_world_size:

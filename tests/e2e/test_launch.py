@@ -30,7 +30,7 @@ def _dumps(out: Path, world: int, timeout: float = 60.0) -> dict[int, dict]:
 
 @pytest.mark.timeout(90)
 def test_two_nodes_two_workers_get_torchruns_environment(cluster: Cluster, tmp_path: Path) -> None:
-    """2 nodes x 2 workers: every worker's environment is DESIGN.md's table,
+    """2 nodes x 2 workers: every worker's environment is docs/design.md's table,
     and a real all_reduce over the 4 ranks sums right."""
     server = cluster.start_server()
     out = tmp_path / "dumps"

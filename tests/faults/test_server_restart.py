@@ -1,7 +1,7 @@
 """The server dies (kill -9) and comes back with the same flags; or it cannot
 use its data dir at all.
 
-The contract (DESIGN.md, "While a round runs"): state lives in SQLite under
+The contract (docs/design.md, "While a round runs"): state lives in SQLite under
 --data-dir and is written before anyone hears of a change; agents reconnect
 with backoff and resume their round; workers keep running meanwhile; after a
 restart every node gets a full heartbeat timeout to come back. A data dir the

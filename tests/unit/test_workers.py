@@ -123,7 +123,7 @@ async def wait_gone(pid: int, timeout: float = WAIT_S) -> None:
 
 
 def test_worker_env_is_exactly_torchruns_table() -> None:
-    """worker_env adds exactly the DESIGN.md table to the agent's environment."""
+    """worker_env adds exactly the table of docs/design.md ("The worker environment") to the agent's environment."""
     base = {"PATH": "/bin", "HOME": "/root"}
     env = worker_env(base, assignment(local_world_size=2), 1, "job1", "/logs/err.json")
     assert env == {
