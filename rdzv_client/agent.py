@@ -33,24 +33,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from rdzv_server.protocol import (
-    MAX_ERROR_MESSAGE,
-    AckMsg,
-    AssignedMsg,
-    Assignment,
-    DoneMsg,
-    ErrorCode,
-    ErrorMsg,
-    EvictedMsg,
-    ExitRecord,
-    heartbeat_interval,
-    JoinedMsg,
-    RdzvError,
-    RestartMsg,
-    SpareMsg,
-    StatusMsg,
-    printable,
-)
+from typing import TYPE_CHECKING
+
+# Not rdzv_server.protocol (pydantic) here: the agent sends its first join
+# without it; the link imports the models right after, and the branches below
+# that need them import them then (a dictionary look-up by that time).
+from rdzv_server.errors import MAX_ERROR_MESSAGE, ErrorCode, RdzvError
+from rdzv_server.wire import heartbeat_every, printable
 
 from .client import AgentLink, parse_endpoint
 from .config import (  # noqa: F401 - build_parser, config_from_args, UsageError: the agent's public names
@@ -62,6 +51,9 @@ from .config import (  # noqa: F401 - build_parser, config_from_args, UsageError
 )
 from .session import NodeSession, OutageWatch, route_addr
 from .workers import ExitInfo, LaunchConfig, WorkerGroup, describe, error_file_path, worker_env
+
+if TYPE_CHECKING:
+    from rdzv_server.protocol import Assignment, ErrorMsg
 
 log = logging.getLogger("rdzv_agent")
 
@@ -129,7 +121,7 @@ class Agent:
 
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
-        self.session = NodeSession(job_id=cfg.job_id, host=cfg.host, nproc=cfg.nproc, spec=cfg.spec(),
+        self.session = NodeSession(job_id=cfg.job_id, host=cfg.host, nproc=cfg.nproc, spec=cfg.spec_fields(),
                                    addr=cfg.local_addr, job_secret=cfg.job_secret, requested_rank=cfg.node_rank)
         self.phase = Phase.JOINING
         self.link: AgentLink | None = None
@@ -199,7 +191,7 @@ class Agent:
                     return EXIT_USAGE
             if not self.session.addr:
                 self.session.addr = route_addr(host, port)
-            self.link = AgentLink(self.cfg.endpoint, self.cfg.token, heartbeat_s=heartbeat_interval(self.session.spec))
+            self.link = AgentLink(self.cfg.endpoint, self.cfg.token, heartbeat_s=heartbeat_every(self.session.spec["heartbeat_timeout_s"]))
             self.session.link = self.link
             await self.link.start()
             self._say("joining %s at %s (nnodes %d:%d, %d worker(s) here, address %s)", self.cfg.endpoint,
@@ -289,6 +281,18 @@ class Agent:
         return None
 
     async def _on_message(self, msg) -> int | None:
+        from rdzv_server.protocol import (  # noqa: PLC0415 - loaded by the link before any message
+            AckMsg,
+            AssignedMsg,
+            DoneMsg,
+            ErrorMsg,
+            EvictedMsg,
+            JoinedMsg,
+            RestartMsg,
+            SpareMsg,
+            StatusMsg,
+        )
+
         cfg = self.cfg
         if isinstance(msg, JoinedMsg):
             if msg.waiting_for:
@@ -354,6 +358,8 @@ class Agent:
         return None
 
     async def _on_error(self, msg: ErrorMsg) -> int | None:
+        from rdzv_server.protocol import EvictedMsg  # noqa: PLC0415
+
         if msg.code == ErrorCode.UNAVAILABLE:
             # the server could not save state: it drops us, we reconnect and re-send
             log.warning("server unavailable: %s", printable(msg.message))
@@ -413,6 +419,8 @@ class Agent:
         try:
             await self.group.start()
         except OSError as e:
+            from rdzv_server.protocol import ExitRecord  # noqa: PLC0415
+
             self.group = None
             self._say("cannot start workers: %s", e)
             rec = ExitRecord(local_rank=0, rank=a.rank_offset, pid=0, exit_code=127,
@@ -446,6 +454,8 @@ class Agent:
             self._say("round %d: all %d worker(s) exited 0; reporting success", a.round, len(infos))
             self.session.report_succeeded(a.round)
             return None
+        from rdzv_server.protocol import ExitRecord  # noqa: PLC0415
+
         failed = [i for i in infos if not i.ok]
         for i in failed:
             self._say("round %d: %s", a.round, describe(i, a.rank_offset + i.local_rank))
