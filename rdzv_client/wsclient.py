@@ -92,6 +92,7 @@ class WebSocket:
         self._close_sent = False
         self._last_rx = time.monotonic()
         self._reading = False
+        self._closing = False
         self._done = asyncio.Event()
         self._pinger = asyncio.ensure_future(self._ping_loop()) if ping_s else None
 
@@ -226,6 +227,13 @@ class WebSocket:
         """Say goodbye (a close frame), wait up to ``timeout`` for the server's, hang up."""
         if self.closed:
             return
+        if self._closing:  # another close() is at it: wait for its end
+            try:
+                await asyncio.wait_for(self._done.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+            return
+        self._closing = True
         await self._send_close(code)
         try:
             # the reader (ours, or the one waiting in recv()) sees the server's close

@@ -333,3 +333,18 @@ async def test_a_server_that_never_answers_the_upgrade_times_out() -> None:
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_two_closes_at_once_are_one_close() -> None:
+    """The link closes on a protocol error and again on its way out: both return, no error."""
+    closes: list = []
+
+    async def peer(reader, writer):
+        closes.append(await read_client_frame(reader))
+        writer.write(frame(wsclient.OP_CLOSE, struct.pack("!H", 1000)))
+        await reader.read()
+
+    async with RawPeer(peer) as port:
+        ws = await _connect(port, "/")
+        await asyncio.wait_for(asyncio.gather(ws.close(), ws.close()), T)
+        assert ws.closed and [op for op, _ in closes] == [wsclient.OP_CLOSE]
