@@ -267,8 +267,11 @@ class AgentLink:
                         if msg.node_secret is not None:
                             self._learn_secret(msg.node_id, msg.node_secret)
                     self._messages.put_nowait(msg)
-                if ws.close_reason and not ws.close_reason.startswith("closed by") and self.last_error is None:
-                    self.last_error = f"connection lost: {printable(ws.close_reason, 300)}"
+                why = ws.close_reason or ""
+                if why and not why.startswith("closed by") and self.last_error is None:
+                    # a reset, no pong, or a protocol error of the framing
+                    why = why.removeprefix("connection lost: ")
+                    self.last_error = f"connection lost: {printable(why, 300)}"
             except (ConnectionError, RuntimeError, OSError, asyncio.TimeoutError) as e:
                 self.last_error = f"connection lost: {e or type(e).__name__}"
             finally:

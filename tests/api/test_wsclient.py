@@ -348,3 +348,30 @@ async def test_two_closes_at_once_are_one_close() -> None:
         ws = await _connect(port, "/")
         await asyncio.wait_for(asyncio.gather(ws.close(), ws.close()), T)
         assert ws.closed and [op for op, _ in closes] == [wsclient.OP_CLOSE]
+
+
+async def test_the_link_leaves_a_frozen_server_and_rejoins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No pong in WS_PING_S / 2: the link drops the connection, says why, and
+    reconnects with its join (the workers are never touched meanwhile)."""
+    import rdzv_client.client as client_mod
+
+    monkeypatch.setattr(client_mod, "WS_PING_S", 0.3)
+    joins: list = []
+
+    async def frozen(reader, writer):
+        while True:
+            op, data = await read_client_frame(reader)
+            if op == wsclient.OP_TEXT:
+                joins.append(json.loads(data)["op"])
+
+    async with RawPeer(frozen) as port:
+        link = AgentLink(f"127.0.0.1:{port}", heartbeat_s=60.0)
+        await link.start()
+        try:
+            link.set_intent(join_msg("frz", "n1", (1, 1)).model_dump(mode="json"))
+            await asyncio.wait_for(_until(lambda: len(joins) >= 2), T)
+            assert joins[:2] == ["join", "join"]
+            assert link.last_error is None or "no pong from the server" in link.last_error
+            await asyncio.wait_for(_until(lambda: link.last_error and "no pong" in link.last_error), T)
+        finally:
+            await link.close()
