@@ -32,7 +32,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 # Not rdzv_server.protocol (pydantic) here: the agent sends its first join
@@ -191,7 +190,8 @@ class Agent:
                     return EXIT_USAGE
             if not self.session.addr:
                 self.session.addr = route_addr(host, port)
-            self.link = AgentLink(self.cfg.endpoint, self.cfg.token, heartbeat_s=heartbeat_every(self.session.spec["heartbeat_timeout_s"]))
+            self.link = AgentLink(self.cfg.endpoint, self.cfg.token,
+                                  heartbeat_s=heartbeat_every(self.session.spec["heartbeat_timeout_s"]))
             self.session.link = self.link
             await self.link.start()
             self._say("joining %s at %s (nnodes %d:%d, %d worker(s) here, address %s)", self.cfg.endpoint,

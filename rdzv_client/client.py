@@ -42,8 +42,9 @@ BACKOFF_START_S = 0.05
 BACKOFF_MAX_S = 3.0
 CONNECT_TIMEOUT_S = 5.0
 # Detects a frozen or cut-off server (wsclient pings after this long without a
-# frame and gives up after half of it without an answer); the workers keep running meanwhile. Long, so that a busy server is not
-# mistaken for a dead one: a partition heals through the next heartbeat anyway.
+# frame and gives up after half of it without an answer); the workers keep
+# running meanwhile. Long, so that a busy server is not mistaken for a dead
+# one: a partition heals through the next heartbeat anyway.
 WS_PING_S = 15.0
 # A connection that lasted this long was healthy: the next reconnect starts the
 # backoff over. One the server closes sooner (it refused us) keeps backing off.
