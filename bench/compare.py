@@ -636,8 +636,9 @@ def info_lines(results: dict) -> list[str]:
                      f"{C.median([f['python_floor_s'] for f in floors]) * 1000:.0f} ms, `import aiohttp` "
                      f"{C.median([f['aiohttp_import_s'] for f in floors]) * 1000:.0f} ms, `import "
                      f"rdzv_server.protocol` (pydantic and the wire models) "
-                     f"{C.median([f['protocol_import_s'] for f in floors]) * 1000:.0f} ms: the agent needs both "
-                     "before its join frame")
+                     f"{C.median([f['protocol_import_s'] for f in floors]) * 1000:.0f} ms: the agent needs neither "
+                     "before its join frame (its WebSocket client is rdzv_client/wsclient.py; pydantic "
+                     "comes right after the join)")
     for launcher in LAUNCHERS:
         cpu = [o.info["agent_cpu_s"] for o in results.get("join_sent", {}).get(launcher, [])
                if o.info.get("agent_cpu_s") is not None]

@@ -34,25 +34,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from rdzv_server.protocol import (
-    MAX_ERROR_MESSAGE,
-    AckMsg,
-    AssignedMsg,
-    Assignment,
-    DoneMsg,
-    ErrorCode,
-    ErrorMsg,
-    EvictedMsg,
-    ExitRecord,
-    HeartbeatMsg,
-    JoinedMsg,
-    RdzvError,
-    RestartMsg,
-    SpareMsg,
-    StatusMsg,
-    heartbeat_interval,
-    printable,
-)
+# Not rdzv_server.protocol (pydantic) here: the agent sends its first join
+# without it; the link imports the models right after, and the branches below
+# that need them import them then (a dictionary look-up by that time).
+from rdzv_server.errors import MAX_ERROR_MESSAGE, ErrorCode, RdzvError
+from rdzv_server.wire import heartbeat_every, printable
 
 from .channel import FileTimerServer, WorkerChannel
 from .client import AgentLink, parse_endpoint
@@ -68,7 +54,7 @@ from .session import NodeSession, OutageWatch, host_label, route_addr
 from .workers import ExitInfo, LaunchConfig, WorkerGroup, describe, error_file_path, worker_env
 
 if TYPE_CHECKING:
-    from rdzv_server.protocol import ServerMessage, WaitingInfo
+    from rdzv_server.protocol import Assignment, ErrorMsg, ExitRecord, ServerMessage, WaitingInfo
 
 log = logging.getLogger("rdzv_agent")
 
@@ -143,7 +129,7 @@ class Agent:
 
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
-        self.session = NodeSession(job_id=cfg.job_id, host=cfg.host, nproc=cfg.nproc, spec=cfg.spec(),
+        self.session = NodeSession(job_id=cfg.job_id, host=cfg.host, nproc=cfg.nproc, spec=cfg.spec_fields(),
                                    addr=cfg.local_addr, job_secret=cfg.job_secret, requested_rank=cfg.node_rank)
         self.phase = Phase.JOINING
         self._link: AgentLink | None = None  # set once run() connects
@@ -160,10 +146,11 @@ class Agent:
         self._timer_killed: dict[int, str] = {}  # worker pid -> the expired timer's scope
         self._progress_sent_at = 0.0
 
+        self._held_for: str | None = None  # why the server holds this node as a spare (its host's block)
+
     @property
     def link(self) -> AgentLink:
         return self.session.link
-        self._held_for: str | None = None  # why the server holds this node as a spare (its host's block)
 
     @property
     def node_id(self) -> str:
@@ -269,7 +256,8 @@ class Agent:
                     return EXIT_USAGE
             if not self.session.addr:
                 self.session.addr = route_addr(host, port)
-            self._link = AgentLink(self.cfg.endpoint, self.cfg.token, heartbeat_s=heartbeat_interval(self.session.spec))
+            self._link = AgentLink(self.cfg.endpoint, self.cfg.token,
+                                    heartbeat_s=heartbeat_every(self.session.spec["heartbeat_timeout_s"]))
             self.session.link = self._link
             await self._link.start()
             await self.channel.start()
@@ -370,10 +358,14 @@ class Agent:
             sample = self.channel.sample(now)
             if sample is not None:
                 self._progress_sent_at = now
+                from rdzv_server.protocol import HeartbeatMsg
+
                 link.send_nowait(HeartbeatMsg(step=sample[0], rate=sample[1]).model_dump_json())
 
     async def _on_hang(self, hung: list[int], now: float) -> None:
         """Dump every local worker's stack into the log, stop them, report ``hang``."""
+        from rdzv_server.protocol import ExitRecord
+
         a, group, cfg = self.assignment, self.group, self.cfg
         if a is None or group is None:
             return
@@ -431,6 +423,18 @@ class Agent:
         return None
 
     async def _on_message(self, msg: ServerMessage | RdzvError) -> int | None:
+        from rdzv_server.protocol import (
+            AckMsg,
+            AssignedMsg,
+            DoneMsg,
+            ErrorMsg,
+            EvictedMsg,
+            JoinedMsg,
+            RestartMsg,
+            SpareMsg,
+            StatusMsg,
+        )
+
         cfg = self.cfg
         if isinstance(msg, JoinedMsg):
             if msg.waiting_for:
@@ -504,6 +508,8 @@ class Agent:
         return None
 
     async def _on_error(self, msg: ErrorMsg) -> int | None:
+        from rdzv_server.protocol import EvictedMsg
+
         if msg.code == ErrorCode.UNAVAILABLE:
             # the server could not save state: it drops us, we reconnect and re-send
             log.warning("server unavailable: %s", printable(msg.message))
@@ -573,6 +579,8 @@ class Agent:
         try:
             await self.group.start()
         except OSError as e:
+            from rdzv_server.protocol import ExitRecord
+
             self.group = None
             self._say("cannot start workers: %s", e)
             rec = ExitRecord(local_rank=0, rank=a.rank_offset, pid=0, exit_code=127,
@@ -606,6 +614,8 @@ class Agent:
             self._say("round %d: all %d worker(s) exited 0; reporting success", a.round, len(infos))
             self.session.report_succeeded(a.round)
             return None
+        from rdzv_server.protocol import ExitRecord
+
         failed = [i for i in infos if not i.ok]
         for i in failed:
             self._say("round %d: %s", a.round, describe(i, a.rank_offset + i.local_rank))

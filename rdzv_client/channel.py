@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rdzv_server.protocol import printable
+from rdzv_server.wire import printable
 
 log = logging.getLogger("rdzv_agent")
 

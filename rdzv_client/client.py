@@ -3,12 +3,17 @@
 :class:`AgentLink` is one agent's WebSocket to the server. It reconnects on its
 own with exponential backoff and jitter, re-sends the node's current *intent*
 (a join, or a resume of the round it runs) after each reconnect, and sends
-heartbeats. It keeps the node secret the server's ``joined`` issued and puts
+heartbeats. It speaks WebSocket through :mod:`rdzv_client.wsclient` (standard
+library only) and sends its intent before it imports pydantic: an agent's
+first join leaves within a few tens of milliseconds of its start, and every
+server message is still validated with the protocol models before the agent
+acts on it. It keeps the node secret the server's ``joined`` issued and puts
 it on every later join of that node id (held in memory only). A server
 hiccup therefore never reaches the agent's loop as an error: the loop just
 hears nothing until the server is back.
 
-:class:`RestClient` wraps the REST paths for the ``rdzv`` command and tests.
+:class:`RestClient` wraps the REST paths for the ``rdzv`` command and tests
+(on aiohttp, imported when one is made).
 """
 
 from __future__ import annotations
@@ -21,41 +26,53 @@ import random
 import ssl
 import time
 from collections.abc import Coroutine, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
-import aiohttp
-from pydantic import BaseModel, ValidationError
+from rdzv_server.errors import RdzvError, UnavailableError, error_from_body
+from rdzv_server.wire import AGENT_PATH, HEARTBEAT_FRAME, printable
 
-from rdzv_server.protocol import (
-    AGENT_PATH,
-    HEARTBEAT_FRAME,
-    SERVER_MESSAGE,
-    CloseResult,
-    DeleteResult,
-    JobList,
-    JobView,
-    JoinedMsg,
-    JoinMsg,
-    RdzvError,
-    ServerMessage,
-    UnavailableError,
-    error_from_body,
-    printable,
-)
+from . import wsclient
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from rdzv_server.protocol import CloseResult, DeleteResult, JobList, JobView
 
 log = logging.getLogger(__name__)
 
 BACKOFF_START_S = 0.05
 BACKOFF_MAX_S = 3.0
 CONNECT_TIMEOUT_S = 5.0
-# Detects a frozen or cut-off server (aiohttp gives up after half of it without a
-# pong); the workers keep running meanwhile. Long, so that a busy server is not
-# mistaken for a dead one: a partition heals through the next heartbeat anyway.
+# Detects a frozen or cut-off server (wsclient pings after this long without a
+# frame and gives up after half of it without an answer); the workers keep
+# running meanwhile. Long, so that a busy server is not mistaken for a dead
+# one: a partition heals through the next heartbeat anyway.
 WS_PING_S = 15.0
 # A connection that lasted this long was healthy: the next reconnect starts the
 # backoff over. One the server closes sooner (it refused us) keeps backing off.
 STABLE_S = 2.0
+MAX_MSG_BYTES = 4 * 1024 * 1024
+
+
+def _dump(msg: dict[str, Any]) -> str:
+    """A plain JSON object as the wire has it (compact, as pydantic writes it)."""
+    return json.dumps(msg, separators=(",", ":"), ensure_ascii=False)
+
+
+def _link_ssl(scheme: str, ssl_ctx: ssl.SSLContext | bool | None) -> ssl.SSLContext | None:
+    """TLS for https (verified with the system's CAs unless given a context,
+    or ``False`` for no verification); none for http."""
+    if scheme != "https":
+        return None
+    if isinstance(ssl_ctx, ssl.SSLContext):
+        return ssl_ctx
+    if ssl_ctx is False:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        return ctx
+    return ssl.create_default_context()
 
 
 def parse_endpoint(endpoint: str, default_port: int = 29400) -> tuple[str, str, int]:
@@ -102,16 +119,18 @@ class AgentLink:
     """One agent's channel to the server.
 
     ``intent`` is what the server must know after every (re)connect: the join
-    for the forming round, or a join with ``resume_round`` while workers run.
-    Server messages arrive on :meth:`recv` in order.
+    for the forming round, or a join with ``resume_round`` while workers run,
+    as its plain JSON object (:func:`rdzv_server.wire.join_fields`). Server
+    messages arrive on :meth:`recv` in order, as protocol models.
     """
 
     def __init__(self, endpoint: str, token: str | None = None, ssl_ctx: ssl.SSLContext | bool | None = None,
                  heartbeat_s: float = 2.0) -> None:
         self.url = base_url(endpoint) + AGENT_PATH
+        scheme, self._host, self._port = parse_endpoint(endpoint)
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.ssl = ssl_ctx if ssl_ctx is not None else True
-        self.intent: JoinMsg | None = None
+        self.ssl = _link_ssl(scheme, ssl_ctx)
+        self.intent: dict[str, Any] | None = None
         # until the server's ``joined`` says otherwise: the first heartbeat must not
         # come later than the job's timeout allows
         self.heartbeat_s = heartbeat_s
@@ -121,10 +140,8 @@ class AgentLink:
         # monotonic time since when the server has been unreachable; None while connected
         self.down_since: float | None = time.monotonic()
         self._logged: collections.deque[str] = collections.deque(maxlen=32)  # protocol errors said once
-        # server messages, and the RdzvError of a refused token
-        self._messages: asyncio.Queue[ServerMessage | RdzvError] = asyncio.Queue()
-        self._ws: aiohttp.ClientWebSocketResponse[bool] | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._messages: asyncio.Queue[Any] = asyncio.Queue()
+        self._ws: wsclient.WebSocket | None = None
         self._task: asyncio.Task[None] | None = None
         # sends and closes in flight: the loop holds only weak references to tasks
         self._background: set[asyncio.Task[Any]] = set()
@@ -132,7 +149,6 @@ class AgentLink:
         self._secret: tuple[str, str] | None = None  # (node id, the node secret the server issued it)
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S))
         self._task = asyncio.create_task(self._run(), name="rdzv-link")
 
     async def close(self) -> None:
@@ -141,21 +157,19 @@ class AgentLink:
             await asyncio.gather(self._task, return_exceptions=True)
         if self._ws is not None and not self._ws.closed:
             await asyncio.wait([asyncio.ensure_future(self._ws.close())], timeout=1.0)
-        if self._session:
-            await self._session.close()
 
-    def set_intent(self, msg: JoinMsg | None, send: bool = True) -> None:
+    def set_intent(self, msg: dict[str, Any] | None, send: bool = True) -> None:
         """Remember what to say after a reconnect, and say it now. A join of the
         node id the server issued a secret to carries that secret."""
         msg = self._with_secret(msg)
         self.intent = msg
         if msg is not None and send:
-            self.send_nowait(msg.model_dump_json())
+            self.send_nowait(_dump(msg))
 
-    def _with_secret(self, msg: JoinMsg | None) -> JoinMsg | None:
-        if (msg is not None and msg.node_secret is None and self._secret is not None
-                and msg.node_id == self._secret[0]):
-            return msg.model_copy(update={"node_secret": self._secret[1]})
+    def _with_secret(self, msg: dict[str, Any] | None) -> dict[str, Any] | None:
+        if (msg is not None and msg.get("node_secret") is None and self._secret is not None
+                and msg.get("node_id") == self._secret[0]):
+            return {**msg, "node_secret": self._secret[1]}
         return msg
 
     def _learn_secret(self, node_id: str, secret: str) -> None:
@@ -178,18 +192,20 @@ class AgentLink:
         if ws is not None and not ws.closed and self.connected.is_set():
             self._spawn(self._send(ws, text))
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` in the background, holding a reference until it ends
+        (the loop keeps only weak references to tasks)."""
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _send(self, ws: aiohttp.ClientWebSocketResponse[bool], text: str) -> None:
+    async def _send(self, ws: wsclient.WebSocket, text: str) -> None:
         try:
             await ws.send_str(text)
-        except (ConnectionError, RuntimeError, aiohttp.ClientError):
+        except (ConnectionError, RuntimeError, OSError):
             pass  # the reader notices and reconnects; the intent is re-sent then
 
-    async def recv(self) -> ServerMessage | RdzvError:
+    async def recv(self) -> Any:
         """The next server message (a protocol model)."""
         return await self._messages.get()
 
@@ -212,19 +228,17 @@ class AgentLink:
 
     async def _run(self) -> None:
         delays = backoff_delays()
-        session = self._session
-        assert session is not None  # start() made it
         while True:
             try:
-                ws = await session.ws_connect(self.url, headers=self.headers, ssl=self.ssl,
-                                              heartbeat=WS_PING_S, max_msg_size=4 * 1024 * 1024)
-            except aiohttp.WSServerHandshakeError as e:
+                ws = await wsclient.connect(self._host, self._port, AGENT_PATH, headers=self.headers, ssl=self.ssl,
+                                            timeout=CONNECT_TIMEOUT_S, max_msg_size=MAX_MSG_BYTES, ping_s=WS_PING_S)
+            except wsclient.HandshakeError as e:
                 if e.status == 401:
                     self._messages.put_nowait(error_from_body("unauthorized", "the server refused the token"))
-                self.last_error = f"handshake refused: {e.status} {e.message}"
+                self.last_error = f"handshake refused: {e.status} {printable(e.message, 200)}"
                 await asyncio.sleep(next(delays))
                 continue
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+            except (wsclient.WSError, OSError, asyncio.TimeoutError) as e:
                 self.last_error = f"cannot reach {self.url}: {e or type(e).__name__}"
                 await asyncio.sleep(next(delays))
                 continue
@@ -239,33 +253,40 @@ class AgentLink:
             hb = asyncio.create_task(self._heartbeat(ws))
             try:
                 if self.intent is not None:
-                    await ws.send_str(self.intent.model_dump_json())
+                    await ws.send_str(_dump(self.intent))
                 for text in list(self._pending):
                     await ws.send_str(text)
-                async for frame in ws:
-                    if frame.type == aiohttp.WSMsgType.TEXT:
-                        try:
-                            msg = SERVER_MESSAGE.validate_json(frame.data)
-                        except ValidationError as e:
-                            errors = e.errors(include_url=False, include_input=False)
-                            what = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in errors[:3])
-                            if errors and errors[0]["type"] == "union_tag_invalid":
-                                # a newer server's new message: tell, do not act
-                                text = printable(f"ignoring a message this agent does not understand: {what}", 500)
-                                if text not in self._logged:
-                                    self._logged.append(text)
-                                    log.warning("%s", text)
-                                continue
-                            self.protocol_error(f"invalid message: {what}")
-                            break
-                        if isinstance(msg, JoinedMsg):
-                            self.heartbeat_s = msg.heartbeat_s
-                            if msg.node_secret is not None:
-                                self._learn_secret(msg.node_id, msg.node_secret)
-                        self._messages.put_nowait(msg)
-                    elif frame.type in (aiohttp.WSMsgType.ERROR, aiohttp.WSMsgType.CLOSED):
+                # the join is on the wire: now the models that check what the server says
+                from pydantic import ValidationError
+
+                from rdzv_server.protocol import SERVER_MESSAGE, JoinedMsg
+
+                async for data in ws:
+                    try:
+                        msg = SERVER_MESSAGE.validate_json(data)
+                    except ValidationError as e:
+                        errors = e.errors(include_url=False, include_input=False)
+                        what = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in errors[:3])
+                        if errors and errors[0]["type"] == "union_tag_invalid":
+                            # a newer server's new message: tell, do not act
+                            text = printable(f"ignoring a message this agent does not understand: {what}", 500)
+                            if text not in self._logged:
+                                self._logged.append(text)
+                                log.warning("%s", text)
+                            continue
+                        self.protocol_error(f"invalid message: {what}")
                         break
-            except (ConnectionError, RuntimeError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    if isinstance(msg, JoinedMsg):
+                        self.heartbeat_s = msg.heartbeat_s
+                        if msg.node_secret is not None:
+                            self._learn_secret(msg.node_id, msg.node_secret)
+                    self._messages.put_nowait(msg)
+                why = ws.close_reason or ""
+                if why and not why.startswith("closed by") and self.last_error is None:
+                    # a reset, no pong, or a protocol error of the framing
+                    why = why.removeprefix("connection lost: ")
+                    self.last_error = f"connection lost: {printable(why, 300)}"
+            except (ConnectionError, RuntimeError, OSError, asyncio.TimeoutError) as e:
                 self.last_error = f"connection lost: {e or type(e).__name__}"
             finally:
                 self.connected.clear()
@@ -279,12 +300,12 @@ class AgentLink:
                 delays = backoff_delays()
             await asyncio.sleep(next(delays))
 
-    async def _heartbeat(self, ws: aiohttp.ClientWebSocketResponse[bool]) -> None:
+    async def _heartbeat(self, ws: wsclient.WebSocket) -> None:
         try:
             while not ws.closed:
                 await asyncio.sleep(self.heartbeat_s)
                 await ws.send_str(HEARTBEAT_FRAME)
-        except (ConnectionError, RuntimeError, aiohttp.ClientError):
+        except (ConnectionError, RuntimeError, OSError):
             pass
 
 
@@ -295,11 +316,15 @@ class RestClient:
     def __init__(self, endpoint: str, token: str | None = None, timeout: float = 10.0,
                  ssl_ctx: ssl.SSLContext | bool | None = None) -> None:
         self.base = base_url(endpoint)
+        import aiohttp
+
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.timeout = aiohttp.ClientTimeout(total=timeout)
         self.ssl = ssl_ctx if ssl_ctx is not None else True
 
     async def _call(self, method: str, path: str, json_body: dict[str, Any] | None = None) -> Any:
+        import aiohttp
+
         try:
             async with aiohttp.ClientSession(timeout=self.timeout) as s:  # noqa: SIM117 - the inner uses s
                 async with s.request(method, self.base + path, json=json_body, headers=self.headers,
@@ -319,10 +344,14 @@ class RestClient:
         """One page of jobs (the server's default page size unless ``limit``)."""
         params = {k: v for k, v in (("state", state), ("limit", limit), ("cursor", cursor)) if v is not None}
         query = "?" + urlencode(params) if params else ""
+        from rdzv_server.protocol import JobList
+
         return JobList.model_validate_json(await self._call("GET", "/v1/jobs" + query))
 
     async def all_jobs(self, state: str | None = None, page: int = 1000, max_pages: int = 10_000) -> JobList:
         """Every job, ``page`` at a time; ``max_pages`` bounds the walk."""
+        from rdzv_server.protocol import JobList
+
         jobs, cursor = [], None
         for _ in range(max_pages):
             page_ = await self.jobs(state, page, cursor)
@@ -333,16 +362,19 @@ class RestClient:
         return JobList(jobs=jobs, next_cursor=cursor)
 
     async def job(self, job_id: str) -> JobView:
+        from rdzv_server.protocol import JobView
+
         return JobView.model_validate_json(await self._call("GET", f"/v1/jobs/{quote(job_id, safe='')}"))
 
     async def close_job(self, job_id: str) -> CloseResult:
+        from rdzv_server.protocol import CloseResult
+
         return CloseResult.model_validate_json(await self._call("POST", f"/v1/jobs/{quote(job_id, safe='')}/close"))
 
     async def delete_job(self, job_id: str) -> DeleteResult:
+        from rdzv_server.protocol import DeleteResult
+
         return DeleteResult.model_validate_json(await self._call("DELETE", f"/v1/jobs/{quote(job_id, safe='')}"))
-
-
-    # -- hosts (bad hosts, cordon/drain): models imported here, to keep this class's imports apart
 
     async def _send_json(self, path: str, body: dict[str, Any] | None) -> bytes:
         """POST a JSON body (or none); errors as in :meth:`_call`."""

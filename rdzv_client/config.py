@@ -17,10 +17,10 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from rdzv_server import __version__
-from rdzv_server.protocol import (
+from rdzv_server.wire import (  # not protocol: no pydantic before the first join is sent
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     DEFAULT_JOIN_TIMEOUT_S,
     DEFAULT_LAST_CALL_S,
@@ -29,12 +29,15 @@ from rdzv_server.protocol import (
     HOST_PATTERN,
     MAX_SECRET_LEN,
     SECRET_PATTERN,
-    JobSpec,
+    check_spec,
     is_valid_id,
 )
 
 from .client import parse_endpoint
 from .launch import Std, parse_std
+
+if TYPE_CHECKING:
+    from rdzv_server.protocol import JobSpec
 
 DEFAULT_SERVER_TIMEOUT_S = 300.0
 DEFAULT_STOP_TIMEOUT_S = 10.0
@@ -75,11 +78,17 @@ class AgentConfig:
     health_check: str | None = None  # shell command run before every join; non-zero: this round is skipped
     health_check_timeout_s: float = 60.0
 
+    def spec_fields(self) -> dict[str, Any]:
+        """The job spec as the plain JSON object of a join (no pydantic: the agent's start-up path)."""
+        return check_spec(min_nodes=self.min_nodes, max_nodes=self.max_nodes, max_restarts=self.max_restarts,
+                          last_call_s=self.last_call_s, heartbeat_timeout_s=self.heartbeat_timeout_s,
+                          join_timeout_s=self.join_timeout_s, scale_up_window_s=self.scale_up_window_s,
+                          hang_timeout_s=self.hang_timeout_s)
+
     def spec(self) -> JobSpec:
-        return JobSpec(min_nodes=self.min_nodes, max_nodes=self.max_nodes, max_restarts=self.max_restarts,
-                       last_call_s=self.last_call_s, heartbeat_timeout_s=self.heartbeat_timeout_s,
-                       join_timeout_s=self.join_timeout_s, scale_up_window_s=self.scale_up_window_s,
-                       hang_timeout_s=self.hang_timeout_s)
+        from rdzv_server.protocol import JobSpec
+
+        return JobSpec(**self.spec_fields())
 
 
 _T = TypeVar("_T")
@@ -286,10 +295,10 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         raise UsageError(f"the job secret (--job-secret or RDZV_JOB_SECRET) must be 1-{MAX_SECRET_LEN} "
                          "printable ASCII characters")
     try:
-        spec_check = JobSpec(min_nodes=min_nodes, max_nodes=max_nodes, max_restarts=args.max_restarts,
-                             last_call_s=last_call, heartbeat_timeout_s=args.heartbeat_timeout,
-                             join_timeout_s=join_timeout, scale_up_window_s=args.scale_up_window,
-                             hang_timeout_s=args.hang_timeout)
+        spec_check = check_spec(min_nodes=min_nodes, max_nodes=max_nodes, max_restarts=args.max_restarts,
+                                last_call_s=last_call, heartbeat_timeout_s=args.heartbeat_timeout,
+                                join_timeout_s=join_timeout, scale_up_window_s=args.scale_up_window,
+                                hang_timeout_s=args.hang_timeout)
     except ValueError as e:
         raise UsageError(f"bad job settings: {e}") from None
     try:
@@ -303,10 +312,10 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         max_restarts=args.max_restarts, node_rank=node_rank, local_addr=args.local_addr,
         token=args.token or os.environ.get("RDZV_TOKEN") or None, job_secret=job_secret, log_dir=log_dir,
         redirects=redirects, tee=tee, local_ranks_filter=ranks_filter,
-        last_call_s=spec_check.last_call_s, heartbeat_timeout_s=spec_check.heartbeat_timeout_s,
-        join_timeout_s=spec_check.join_timeout_s, scale_up_window_s=spec_check.scale_up_window_s,
+        last_call_s=spec_check["last_call_s"], heartbeat_timeout_s=spec_check["heartbeat_timeout_s"],
+        join_timeout_s=spec_check["join_timeout_s"], scale_up_window_s=spec_check["scale_up_window_s"],
         stop_timeout_s=args.stop_timeout, server_timeout_s=server_timeout, standalone=standalone,
-        hang_timeout_s=spec_check.hang_timeout_s,
+        hang_timeout_s=spec_check["hang_timeout_s"],
         **_host_options(args),
     )
 

@@ -27,10 +27,12 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from rdzv_server.wire import join_fields
 
 if TYPE_CHECKING:
-    from rdzv_server.protocol import Assignment, ExitRecord, JobSpec, JoinMsg
+    from rdzv_server.protocol import Assignment, ExitRecord, JobSpec
 
     from .client import AgentLink
 
@@ -76,14 +78,18 @@ def route_addr(host: str, port: int) -> str:
 
 
 class NodeSession:
-    """This node, as the server knows it. ``link`` is set once it exists."""
+    """This node, as the server knows it. ``link`` is set once it exists.
 
-    def __init__(self, *, job_id: str, host: str, nproc: int, spec: JobSpec, addr: str | None = None,
+    ``spec``: the job's ``JobSpec``, or its plain fields (``check_spec``): the
+    agent builds and sends its first join without pydantic. Joins are plain
+    JSON objects (``join_fields``), validated as ``JoinMsg`` by the server."""
+
+    def __init__(self, *, job_id: str, host: str, nproc: int, spec: JobSpec | dict[str, Any], addr: str | None = None,
                  job_secret: str | None = None, requested_rank: int | None = None) -> None:
         self.job_id = job_id
         self.host = host
         self.nproc = nproc
-        self.spec = spec
+        self.spec: dict[str, Any] = spec if isinstance(spec, dict) else spec.model_dump()
         self.addr = addr
         self.job_secret = job_secret
         self.requested_rank = requested_rank
@@ -101,17 +107,16 @@ class NodeSession:
     def link(self, link: AgentLink) -> None:
         self._link = link
 
-    def join_msg(self, resume: Assignment | None = None) -> JoinMsg:
-        from rdzv_server.protocol import JoinMsg
-
+    def join_msg(self, resume: Assignment | None = None) -> dict[str, Any]:
+        """The join (or resume) as its plain JSON object."""
         addr = self.addr
         if addr is None:
             raise RuntimeError("NodeSession.addr is set before the node joins")
-        return JoinMsg(job_id=self.job_id, node_id=self.node_id, host=host_label(self.host), addr=addr,
-                       local_world_size=self.nproc,
-                       master_port=resume.master_port if resume is not None else free_port(addr),
-                       spec=self.spec, requested_rank=self.requested_rank,
-                       resume_round=resume.round if resume is not None else None, job_secret=self.job_secret)
+        return join_fields(job_id=self.job_id, node_id=self.node_id, host=host_label(self.host), addr=addr,
+                           local_world_size=self.nproc,
+                           master_port=resume.master_port if resume is not None else free_port(addr),
+                           spec=self.spec, requested_rank=self.requested_rank,
+                           resume_round=resume.round if resume is not None else None, job_secret=self.job_secret)
 
     def join(self) -> None:
         """Ask for a place in the next round (re-sent after every reconnect)."""

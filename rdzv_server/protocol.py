@@ -61,24 +61,29 @@ from .errors import (  # noqa: F401  (re-exported: the wire contract is one impo
     UnavailableError,
     error_from_body,
 )
-
-AGENT_PATH = "/v1/agent"
-# The heartbeat frame, exactly: agents send this text and the server compares
-# frames to it before parsing anything (the hot path). HeartbeatMsg serializes to it.
-HEARTBEAT_FRAME = '{"op":"hb"}'
-
-# Limits that keep hostile or broken clients from costing memory or time.
-MAX_ID_LEN = 128
-MAX_NODES = 100_000
-MAX_NPROC = 1024
-MAX_RESTARTS = 1_000_000
-MAX_TIMEOUT_S = 7 * 24 * 3600.0
-MAX_BODY_BYTES = 64 * 1024
-MAX_FAILURES_PER_REPORT = MAX_NPROC
-
-ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*$"
-_ID_RE = re.compile(ID_PATTERN)
-HOST_PATTERN = r"^[A-Za-z0-9._:\[\]%-]+$"
+from .wire import (  # noqa: F401  (re-exported: the wire contract is one import)
+    AGENT_PATH,
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    DEFAULT_JOIN_TIMEOUT_S,
+    DEFAULT_LAST_CALL_S,
+    DEFAULT_MAX_RESTARTS,
+    DEFAULT_SCALE_UP_WINDOW_S,
+    HEARTBEAT_FRAME,
+    HOST_PATTERN,
+    ID_PATTERN,
+    MAX_BODY_BYTES,
+    MAX_FAILURES_PER_REPORT,
+    MAX_ID_LEN,
+    MAX_NODES,
+    MAX_NPROC,
+    MAX_RESTARTS,
+    MAX_SECRET_LEN,
+    MAX_TIMEOUT_S,
+    SECRET_PATTERN,
+    heartbeat_every,
+    is_valid_id,
+    printable,
+)
 
 
 class _Strict(BaseModel):
@@ -96,40 +101,10 @@ Port = Annotated[int, Field(ge=1, le=65535)]
 RoundNo = Annotated[int, Field(ge=0, le=2**53)]
 Seconds = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)]
 # Node and job secrets: printable ASCII, never shown in a repr (logs, tracebacks).
-SECRET_PATTERN = r"^[\x20-\x7e]+$"
-MAX_SECRET_LEN = 256
 Secret = Annotated[str, Field(min_length=1, max_length=MAX_SECRET_LEN, pattern=SECRET_PATTERN)]
 
 
-def is_valid_id(value: str) -> bool:
-    return 0 < len(value) <= MAX_ID_LEN and bool(_ID_RE.match(value))
-
-
-# C0 and C1 control characters and DEL: what a terminal or a log reader would act on.
-_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-
-def printable(text: object, limit: int | None = None) -> str:
-    """``text`` safe to print or log: control characters (newlines and escape
-    sequences included) become visible escapes (``\\n``, ``\\x1b``), so one
-    event stays one line and nothing a client sent can move a cursor, clear a
-    screen or forge a log line. ``limit`` truncates the result with ``...``."""
-    s = str(text)
-    if _CONTROL_RE.search(s):
-        s = _CONTROL_RE.sub(lambda m: repr(m.group())[1:-1], s)
-    if limit is not None and len(s) > limit:
-        s = s[: max(0, limit - 3)] + "..."
-    return s
-
-
 # ------------------------------------------------------------------ job spec
-
-DEFAULT_LAST_CALL_S = 1.0
-DEFAULT_HEARTBEAT_TIMEOUT_S = 6.0
-DEFAULT_JOIN_TIMEOUT_S = 600.0
-DEFAULT_SCALE_UP_WINDOW_S = 0.5
-DEFAULT_MAX_RESTARTS = 3
-
 
 class JobSpec(_Strict):
     """What the first join of a job fixes for its life.
@@ -159,7 +134,7 @@ class JobSpec(_Strict):
 def heartbeat_interval(spec: JobSpec) -> float:
     """How often agents send heartbeats: a few per timeout, at most every 2 s.
     The server says it in ``joined``; an agent uses it for its own spec until then."""
-    return min(2.0, spec.heartbeat_timeout_s / 3.0)
+    return heartbeat_every(spec.heartbeat_timeout_s)
 
 
 # ------------------------------------------------------- agent -> server

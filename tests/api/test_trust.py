@@ -306,20 +306,20 @@ async def test_the_agent_link_keeps_its_node_secret_across_reconnects(client):
     link = AgentLink(f"127.0.0.1:{client.server.port}", heartbeat_s=1.0)
     await link.start()
     try:
-        link.set_intent(join_msg("linked", "node1", (1, 1)))
+        link.set_intent(join_msg("linked", "node1", (1, 1)).model_dump(mode="json"))
         joined = await asyncio.wait_for(link.recv(), 3)
         assert joined.op == "joined" and joined.node_secret
         assigned = await asyncio.wait_for(link.recv(), 3)
         assert assigned.op == "assigned"
         # what the agent does once its workers run: a resume, built without the secret
-        link.set_intent(join_msg("linked", "node1", (1, 1), resume_round=0), send=False)
-        assert link.intent.node_secret == joined.node_secret
+        link.set_intent(join_msg("linked", "node1", (1, 1), resume_round=0).model_dump(mode="json"), send=False)
+        assert link.intent["node_secret"] == joined.node_secret
         client.app[STORE].channels[("linked", "node1")].drop()  # the server drops it; the link reconnects
         again = await asyncio.wait_for(link.recv(), 5)
         assert again.op == "assigned" and again.assignment == assigned.assignment, again
         view = await (await client.get("/v1/jobs/linked")).json()
         assert [(n["node_id"], n["state"]) for n in view["nodes"]] == [("node1", "running")]
-        link.set_intent(join_msg("linked", "node2", (1, 1)), send=False)  # another node id: no secret
-        assert link.intent.node_secret is None
+        link.set_intent(join_msg("linked", "node2", (1, 1)).model_dump(mode="json"), send=False)  # no secret
+        assert link.intent["node_secret"] is None
     finally:
         await link.close()

@@ -5,10 +5,12 @@ unit); the agent and plugin e2e tests hold the claims about real processes."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from rdzv_client.session import OUTAGE_LOG_EVERY_S, NodeSession, OutageWatch, host_label, new_node_id
-from rdzv_server.protocol import Assignment, ExitRecord, FailedMsg, JobSpec, LeaveMsg, SucceededMsg
+from rdzv_server.protocol import Assignment, ExitRecord, FailedMsg, JobSpec, JoinMsg, LeaveMsg, SucceededMsg
 
 A = Assignment(job_id="j", round=3, group_rank=0, group_world_size=1, local_world_size=2, rank_offset=0,
                world_size=2, master_addr="127.0.0.1", master_port=29555, max_restarts=3, restarts=0)
@@ -21,7 +23,8 @@ class RecordingLink:
         self.cleared = 0
 
     def set_intent(self, msg, send: bool = True) -> None:
-        self.intents.append((msg, send))
+        # a join is a plain JSON object: read it as the server does
+        self.intents.append((None if msg is None else JoinMsg.model_validate_json(json.dumps(msg)), send))
 
     def report(self, msg) -> None:
         self.reports.append(msg)

@@ -1,0 +1,119 @@
+"""The wire contract's plain parts: paths, limits, patterns, defaults, and the
+checks that need no pydantic.
+
+Here, not in :mod:`rdzv_server.protocol`, so that the agent can build and send
+its first join without importing pydantic (start-up is part of recovery: an
+agent that restarts should be back in the job fast). ``protocol`` re-exports
+every name here, builds its models from them, and stays the one contract;
+tests/unit/test_protocol.py checks that :func:`check_spec` and
+:func:`join_fields` agree with ``JobSpec`` and ``JoinMsg``.
+
+This module imports nothing of ours but :mod:`rdzv_server.errors`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from .errors import MAX_ERROR_MESSAGE  # noqa: F401 - one import for the wire's limits
+
+AGENT_PATH = "/v1/agent"
+# The heartbeat frame, exactly: agents send this text and the server compares
+# frames to it before parsing anything (the hot path). HeartbeatMsg serializes to it.
+HEARTBEAT_FRAME = '{"op":"hb"}'
+
+# Limits that keep hostile or broken clients from costing memory or time.
+MAX_ID_LEN = 128
+MAX_NODES = 100_000
+MAX_NPROC = 1024
+MAX_RESTARTS = 1_000_000
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+MAX_BODY_BYTES = 64 * 1024
+MAX_FAILURES_PER_REPORT = MAX_NPROC
+
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*$"
+_ID_RE = re.compile(ID_PATTERN)
+HOST_PATTERN = r"^[A-Za-z0-9._:\[\]%-]+$"
+# Node and job secrets: printable ASCII, never shown in a repr (logs, tracebacks).
+SECRET_PATTERN = r"^[\x20-\x7e]+$"
+MAX_SECRET_LEN = 256
+
+DEFAULT_LAST_CALL_S = 1.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = 6.0
+DEFAULT_JOIN_TIMEOUT_S = 600.0
+DEFAULT_SCALE_UP_WINDOW_S = 0.5
+DEFAULT_MAX_RESTARTS = 3
+
+SPEC_SECONDS = ("last_call_s", "heartbeat_timeout_s", "join_timeout_s", "scale_up_window_s")
+
+
+def is_valid_id(value: str) -> bool:
+    return 0 < len(value) <= MAX_ID_LEN and bool(_ID_RE.match(value))
+
+
+# C0 and C1 control characters and DEL: what a terminal or a log reader would act on.
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text: object, limit: int | None = None) -> str:
+    """``text`` safe to print or log: control characters (newlines and escape
+    sequences included) become visible escapes (``\\n``, ``\\x1b``), so one
+    event stays one line and nothing a client sent can move a cursor, clear a
+    screen or forge a log line. ``limit`` truncates the result with ``...``."""
+    s = str(text)
+    if _CONTROL_RE.search(s):
+        s = _CONTROL_RE.sub(lambda m: repr(m.group())[1:-1], s)
+    if limit is not None and len(s) > limit:
+        s = s[: max(0, limit - 3)] + "..."
+    return s
+
+
+def heartbeat_every(heartbeat_timeout_s: float) -> float:
+    """How often agents send heartbeats: a few per timeout, at most every 2 s.
+    The server says it in ``joined``; an agent uses it for its own spec until then."""
+    return min(2.0, heartbeat_timeout_s / 3.0)
+
+
+def check_spec(*, min_nodes: int, max_nodes: int, max_restarts: int = DEFAULT_MAX_RESTARTS,
+               last_call_s: float = DEFAULT_LAST_CALL_S, heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+               join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
+               scale_up_window_s: float = DEFAULT_SCALE_UP_WINDOW_S,
+               hang_timeout_s: float | None = None) -> dict[str, Any]:
+    """A job spec as the plain JSON object ``JobSpec`` serializes to, or
+    ValueError naming the field: the same rules as ``JobSpec``, without pydantic."""
+    out: dict[str, Any] = {}
+    for name, value, lo, hi in (("min_nodes", min_nodes, 1, MAX_NODES), ("max_nodes", max_nodes, 1, MAX_NODES),
+                                ("max_restarts", max_restarts, 0, MAX_RESTARTS)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name}: must be an integer, got {value!r}")
+        if not lo <= value <= hi:
+            raise ValueError(f"{name}: must be between {lo} and {hi}, got {value}")
+        out[name] = value
+    seconds: tuple[float | None, ...] = (last_call_s, heartbeat_timeout_s, join_timeout_s, scale_up_window_s,
+                                         hang_timeout_s)
+    for name, secs in zip((*SPEC_SECONDS, "hang_timeout_s"), seconds, strict=True):
+        if name == "hang_timeout_s" and secs is None:  # optional: off
+            out[name] = None
+            continue
+        if isinstance(secs, bool) or not isinstance(secs, (int, float)):
+            raise ValueError(f"{name}: must be a number of seconds, got {secs!r}")
+        if not math.isfinite(secs) or not 0 < secs <= MAX_TIMEOUT_S:
+            raise ValueError(f"{name}: must be more than 0 and at most {MAX_TIMEOUT_S:g} seconds, got {secs!r}")
+        out[name] = float(secs)
+    if min_nodes > max_nodes:
+        raise ValueError(f"min_nodes ({min_nodes}) is greater than max_nodes ({max_nodes})")
+    return out
+
+
+def join_fields(*, job_id: str, node_id: str, host: str, addr: str, local_world_size: int, master_port: int,
+                spec: dict[str, Any], requested_rank: int | None = None, resume_round: int | None = None,
+                node_secret: str | None = None, job_secret: str | None = None) -> dict[str, Any]:
+    """A join as the plain JSON object ``JoinMsg`` serializes to (field for
+    field, in its order). The values are the agent's own, checked where they
+    were made (flags, ``check_spec``); the server validates it as ``JoinMsg``."""
+    return {"op": "join", "job_id": job_id, "node_id": node_id, "host": host, "addr": addr,
+            "local_world_size": local_world_size, "master_port": master_port, "spec": dict(spec),
+            "requested_rank": requested_rank, "resume_round": resume_round, "node_secret": node_secret,
+            "job_secret": job_secret}
