@@ -15,7 +15,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from .conftest import ROOT, Cluster, wait_until
+from tests.helpers.cluster import Cluster
+from tests.helpers.procs import ROOT, wait_until
 
 HOOK = textwrap.dedent('''
     import json, os, sys, time, urllib.request

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from .conftest import Cluster, Proc, wait_until
+from tests.helpers.cluster import Cluster
+from tests.helpers.procs import Proc, wait_until
 
 
 def cli(server, *argv: str) -> subprocess.CompletedProcess:
