@@ -267,12 +267,16 @@ class Store(HostsMixin):
             self.db.delete([j.job_id for j in jobs])
         for job in jobs:
             self.jobs.pop(job.job_id, None)
-            key = (job.created_at, job.job_id)
-            i = bisect.bisect_left(self._order, key)
-            if i < len(self._order) and self._order[i] == key:
-                del self._order[i]
+            self._unlist(job)
             if self.metrics:
                 self.metrics.forget(job.job_id)
+
+    def _unlist(self, job: Job) -> None:
+        """Take the job out of the listing order (O(log n) to find it)."""
+        key = (job.created_at, job.job_id)
+        i = bisect.bisect_left(self._order, key)
+        if i < len(self._order) and self._order[i] == key:
+            del self._order[i]
 
     # ------------------------------------------------------------ agent side
 
@@ -500,10 +504,7 @@ class Store(HostsMixin):
             self.active.discard(job.job_id)
             self.waiting.discard(job.job_id)
             self._due_at.pop(job.job_id, None)
-            key = (job.created_at, job.job_id)
-            i = bisect.bisect_left(self._order, key)
-            if i < len(self._order) and self._order[i] == key:
-                del self._order[i]
+            self._unlist(job)
         else:
             rounds.restored(saved, self.clock())
             saved.gate = self.hosts
