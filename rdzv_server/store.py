@@ -46,7 +46,6 @@ from .protocol import (
     ErrorMsg,
     EvictedError,
     ExitRecord,
-    JobNotFinishedError,
     JobNotFoundError,
     JobState,
     JoinMsg,
@@ -55,6 +54,7 @@ from .protocol import (
 )
 from .rounds import Effects, Job
 from .store_hosts import HostsMixin
+from .store_retention import RetentionMixin
 
 if TYPE_CHECKING:
     from .metrics import Metrics
@@ -80,7 +80,6 @@ DEFAULT_DISCONNECT_GRACE_S = 0.5  # a dropped connection has this long to come b
 DEFAULT_RETAIN_FINISHED_S = 7 * 24 * 3600.0
 DEFAULT_MAX_WAITING_JOBS = 1000
 DEFAULT_MIN_FREE_DISK = 64 * 1024 * 1024
-MAX_REMOVALS_PER_TICK = 500  # finished jobs past retention, removed in one transaction per tick
 REFUSAL_LOG_INTERVAL_S = 10.0
 
 
@@ -94,9 +93,10 @@ class StoreSettings:
     host_rules: HostRules = field(default_factory=HostRules)  # cool-downs of failing hosts, the host table's cap
 
 
-class Store(HostsMixin):
+class Store(HostsMixin, RetentionMixin):
     """Every job of one server. Methods are called from the event loop only.
-    The host records' side (cordon, health, cool-downs) is :class:`~rdzv_server.store_hosts.HostsMixin`."""
+    The host records' side (cordon, health, cool-downs) is :class:`~rdzv_server.store_hosts.HostsMixin`,
+    removal of finished jobs :class:`~rdzv_server.store_retention.RetentionMixin`."""
 
     def __init__(self, settings: StoreSettings, clock: Callable[[], float] = time.time,
                  metrics: Metrics | None = None) -> None:
@@ -237,47 +237,6 @@ class Store(HostsMixin):
         self._due_at[job.job_id] = at
         heapq.heappush(self._due, (at, self._seq, job.job_id))
 
-    def _expire(self, now: float) -> None:
-        """Remove finished jobs that ended more than --retain-finished ago."""
-        limit = now - self.settings.retain_finished_s
-        expired: list[Job] = []
-        while self._ended and self._ended[0][0] <= limit and len(expired) < MAX_REMOVALS_PER_TICK:
-            _, job_id = heapq.heappop(self._ended)
-            job = self.jobs.get(job_id)
-            if job is not None and job.finished and (job.ended_at or job.created_at) <= limit:
-                expired.append(job)
-        if not expired:
-            return
-        try:
-            self._remove(expired)
-        except sqlite3.Error as e:
-            log.error("cannot remove %d finished job(s) from %s: %s; trying again in a minute", len(expired),
-                      self.db.path if self.db else "?", e)
-            for job in expired:  # due again in 60 s
-                heapq.heappush(self._ended, (limit + 60.0, job.job_id))
-            return
-        shown = ", ".join(j.job_id for j in expired[:8]) + (" ..." if len(expired) > 8 else "")
-        log.info("removed %d finished job(s) older than --retain-finished %gs: %s", len(expired),
-                 self.settings.retain_finished_s, shown)
-
-    def _remove(self, jobs: list[Job]) -> None:
-        """Forget finished jobs: database first (raises sqlite3.Error), then
-        memory and metric series."""
-        if self.db is not None:
-            self.db.delete([j.job_id for j in jobs])
-        for job in jobs:
-            self.jobs.pop(job.job_id, None)
-            self._unlist(job)
-            if self.metrics:
-                self.metrics.forget(job.job_id)
-
-    def _unlist(self, job: Job) -> None:
-        """Take the job out of the listing order (O(log n) to find it)."""
-        key = (job.created_at, job.job_id)
-        i = bisect.bisect_left(self._order, key)
-        if i < len(self._order) and self._order[i] == key:
-            del self._order[i]
-
     # ------------------------------------------------------------ agent side
 
     def join(self, msg: JoinMsg, chan: Channel) -> None:
@@ -417,20 +376,6 @@ class Store(HostsMixin):
             i += 1
         more = i < len(self._order) and len(out) == limit
         return out, (encode_cursor(self._order[i - 1]) if more else None)
-
-    def delete_job(self, job_id: str) -> Job:
-        """Forget a finished job (its view, its row, its metric series)."""
-        job = self._job(job_id)
-        if not job.finished:
-            raise JobNotFinishedError(f"job {job_id!r} is {job.state.value}; close it first (rdzv close {job_id}, "
-                                      f"or POST /v1/jobs/{job_id}/close), then delete it")
-        try:
-            self._remove([job])
-        except sqlite3.Error as e:
-            raise UnavailableError(f"the server cannot delete job {job_id!r} from its database ({e}); retry later",
-                                   ErrorCode.UNAVAILABLE) from e
-        log.info("job %s deleted by request (it had %s)", job_id, job.state.value)
-        return job
 
     def close_job(self, job_id: str) -> Job:
         job, now = self._job(job_id), self.clock()
