@@ -17,6 +17,7 @@ from pydantic.json_schema import models_json_schema
 
 from . import __version__, handlers
 from .audit import Audit
+from .cursors import MAX_CURSOR_LEN
 from .hosts import HostRules
 from .keys import AUDIT, JOIN_DEADLINE, METRICS, OPENAPI, STORE, TOKEN
 from .metrics import Metrics
@@ -49,7 +50,6 @@ from .store import (
     DEFAULT_MAX_WAITING_JOBS,
     DEFAULT_MIN_FREE_DISK,
     DEFAULT_RETAIN_FINISHED_S,
-    MAX_CURSOR_LEN,
     Store,
     StoreSettings,
 )

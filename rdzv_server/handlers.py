@@ -72,14 +72,8 @@ def _page_params(request: web.Request) -> tuple[JobState | None, int, str | None
         except ValueError:
             raise RequestError(f"state {q['state'][:64]!r} is not one of "
                                f"{', '.join(s.value for s in JobState)}", ErrorCode.VALIDATION_ERROR) from None
-    limit = DEFAULT_PAGE
-    if "limit" in q:
-        text = q["limit"]
-        if not (text.isascii() and text.isdigit() and len(text) <= 6 and 1 <= int(text) <= MAX_PAGE):
-            raise RequestError(f"limit {text[:64]!r} is not a whole number from 1 to {MAX_PAGE}",
-                               ErrorCode.VALIDATION_ERROR)
-        limit = int(text)
-    return state, limit, q.get("cursor") or None  # an empty cursor: the first page
+    limit, cursor = _limit(request)
+    return state, limit, cursor
 
 
 async def list_jobs(request: web.Request) -> web.Response:
@@ -117,6 +111,7 @@ _M = TypeVar("_M", bound=BaseModel)
 
 
 def _limit(request: web.Request) -> tuple[int, str | None]:
+    """``?limit=&cursor=`` of a listing (jobs, hosts): (limit, cursor or None)."""
     q = request.rel_url.query
     limit = DEFAULT_PAGE
     if "limit" in q:
@@ -125,7 +120,7 @@ def _limit(request: web.Request) -> tuple[int, str | None]:
             raise RequestError(f"limit {text[:64]!r} is not a whole number from 1 to {MAX_PAGE}",
                                ErrorCode.VALIDATION_ERROR)
         limit = int(text)
-    return limit, q.get("cursor") or None
+    return limit, q.get("cursor") or None  # an empty cursor: the first page
 
 
 async def _body(request: web.Request, model: type[_M]) -> _M:

@@ -1,7 +1,8 @@
 """The wire contract between rdzv's server, its agents and its REST users.
 
 Everything that crosses the network is one of the pydantic models below. The
-client imports this module; this module imports only rdzv_server.errors.
+client imports this module; this module imports only rdzv_server.errors and
+rdzv_server.rest_models (the REST response models, re-exported here).
 
 Two channels:
 
@@ -28,7 +29,6 @@ error tree.
 from __future__ import annotations
 
 import re
-from enum import Enum
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -60,6 +60,22 @@ from .errors import (  # noqa: F401  (re-exported: the wire contract is one impo
     UnauthorizedError,
     UnavailableError,
     error_from_body,
+)
+from .rest_models import (  # noqa: F401  (re-exported: the wire contract is one import)
+    DEFAULT_PAGE,
+    MAX_PAGE,
+    TERMINAL_STATES,
+    CloseResult,
+    DeleteResult,
+    Health,
+    HostFailureView,
+    HostList,
+    HostView,
+    JobList,
+    JobState,
+    JobSummary,
+    NodeView,
+    RoundView,
 )
 from .wire import (  # noqa: F401  (re-exported: the wire contract is one import)
     AGENT_PATH,
@@ -364,58 +380,8 @@ SERVER_MESSAGE = TypeAdapter(ServerMessage)
 
 
 # ------------------------------------------------------------------- REST
-
-
-class JobState(str, Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CLOSED = "closed"
-
-
-TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CLOSED})
-
-
-class NodeView(BaseModel):
-    node_id: str
-    host: str
-    addr: str
-    state: Literal["waiting", "running", "succeeded", "spare", "disconnected", "rejoining", "failed", "closed"] = Field(
-        description="the node's state; once the job ended, the job's (succeeded, failed, closed)")
-    group_rank: int | None
-    requested_rank: int | None = Field(default=None, description="the --node-rank it asked for, if any")
-    local_world_size: int
-    last_seen_s: float = Field(description="seconds since the server last heard from this node")
-    step: int | None = Field(default=None, description="the lowest last progress() step of its local ranks "
-                                                       "(null: its workers do not call rdzv_client.worker.progress)")
-    steps_per_s: float | None = Field(default=None, description="that rank's recent steps per second")
-    since_progress_s: float | None = Field(default=None, description="seconds since its step last advanced")
-    straggler: bool = Field(default=False, description="its steps/s stayed below half the job's median for 30 s")
-    host_blocked: str | None = Field(default=None, description="why this spare waits: its host is cordoned "
-                                                               "or cooled down")
-
-
-class RoundView(BaseModel):
-    round: int
-    reason: str
-    started_at: float = Field(description="unix time the round was opened")
-    completed_at: float | None = Field(description="unix time its membership froze")
-    world_size: int | None
-    nodes: int | None
-
-
-class JobSummary(BaseModel):
-    job_id: str
-    state: JobState
-    round: int
-    min_nodes: int
-    max_nodes: int
-    nodes: int = Field(description="members of the running round, or nodes joined while a round forms")
-    spares: int = 0
-    world_size: int
-    restarts: int
-    max_restarts: int
+# The response models (views, lists, results) are in rdzv_server.rest_models; a job's
+# view is here because it shows the agent channel's WaitingInfo.
 
 
 class JobView(BaseModel):
@@ -436,27 +402,6 @@ class JobView(BaseModel):
     history: list[RoundView]
     nodes_omitted: int = Field(default=0, description="nodes and spares not listed (a view lists at most 10,000)")
     history_omitted: int = Field(default=0, description="older rounds not listed (a view lists the latest 100)")
-
-
-MAX_PAGE = 1000
-DEFAULT_PAGE = 100
-
-
-class JobList(BaseModel):
-    jobs: list[JobSummary]
-    next_cursor: str | None = Field(default=None, description="pass as ?cursor= for the next page; "
-                                                              "null on the last page")
-
-
-class DeleteResult(BaseModel):
-    job_id: str
-    state: JobState = Field(description="the state the job had when it was deleted")
-    deleted: Literal[True] = True
-
-
-class CloseResult(BaseModel):
-    job_id: str
-    state: JobState
 
 
 MAX_HOST_REASON = 300
@@ -483,36 +428,3 @@ class HealthReport(_Strict):
 
     job_id: Id | None = None
     reason: str = Field(min_length=1, max_length=MAX_HOST_REASON)
-
-
-class HostFailureView(BaseModel):
-    at: float = Field(description="unix time")
-    job_id: str
-    reason: str
-
-
-class HostView(BaseModel):
-    host: str
-    state: Literal["ok", "cooled_down", "cordoned"]
-    reason: str | None = Field(description="why a join from this host waits now; null when it may join")
-    cordoned: bool
-    cordon_reason: str | None
-    cordon_until: float | None = Field(description="unix time the cordon ends; null: until uncordoned")
-    drain: bool
-    cooled_until: float | None = Field(description="unix time the current or last cool-down ends")
-    cooldowns: int = Field(description="how many times the host was cooled down")
-    failures_total: int
-    failures: list[HostFailureView] = Field(description="the latest failures, oldest first (at most 20)")
-    updated_at: float
-
-
-class HostList(BaseModel):
-    hosts: list[HostView]
-    next_cursor: str | None = Field(default=None, description="pass as ?cursor= for the next page; "
-                                                              "null on the last page")
-
-
-class Health(BaseModel):
-    status: Literal["ok"] = "ok"
-    jobs: int
-    nodes: int

@@ -25,7 +25,6 @@ new job is refused (``unavailable``; its agent retries) while
 from __future__ import annotations
 
 import asyncio
-import base64
 import bisect
 import heapq
 import json
@@ -39,26 +38,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from . import rounds
+from .cursors import decode_cursor, encode_cursor
 from .database import Database, DataDirError, free_bytes  # noqa: F401  (DataDirError: re-exported)
-from .hosts import HostRecord, HostRules, Hosts
+from .hosts import HostRules, Hosts
 from .protocol import (
     ErrorCode,
     ErrorMsg,
     EvictedError,
     ExitRecord,
-    HostFailureView,
-    HostView,
-    JobNotFinishedError,
     JobNotFoundError,
     JobState,
     JoinMsg,
-    RequestError,
     UnavailableError,
-    is_valid_host,
-    is_valid_id,
     printable,
 )
 from .rounds import Effects, Job
+from .store_hosts import HostsMixin
+from .store_retention import RetentionMixin
 
 if TYPE_CHECKING:
     from .metrics import Metrics
@@ -84,8 +80,6 @@ DEFAULT_DISCONNECT_GRACE_S = 0.5  # a dropped connection has this long to come b
 DEFAULT_RETAIN_FINISHED_S = 7 * 24 * 3600.0
 DEFAULT_MAX_WAITING_JOBS = 1000
 DEFAULT_MIN_FREE_DISK = 64 * 1024 * 1024
-MAX_REMOVALS_PER_TICK = 500  # finished jobs past retention, removed in one transaction per tick
-MAX_CURSOR_LEN = 512
 REFUSAL_LOG_INTERVAL_S = 10.0
 
 
@@ -99,8 +93,10 @@ class StoreSettings:
     host_rules: HostRules = field(default_factory=HostRules)  # cool-downs of failing hosts, the host table's cap
 
 
-class Store:
-    """Every job of one server. Methods are called from the event loop only."""
+class Store(HostsMixin, RetentionMixin):
+    """Every job of one server. Methods are called from the event loop only.
+    The host records' side (cordon, health, cool-downs) is :class:`~rdzv_server.store_hosts.HostsMixin`,
+    removal of finished jobs :class:`~rdzv_server.store_retention.RetentionMixin`."""
 
     def __init__(self, settings: StoreSettings, clock: Callable[[], float] = time.time,
                  metrics: Metrics | None = None) -> None:
@@ -240,43 +236,6 @@ class Store:
         self._seq += 1
         self._due_at[job.job_id] = at
         heapq.heappush(self._due, (at, self._seq, job.job_id))
-
-    def _expire(self, now: float) -> None:
-        """Remove finished jobs that ended more than --retain-finished ago."""
-        limit = now - self.settings.retain_finished_s
-        expired: list[Job] = []
-        while self._ended and self._ended[0][0] <= limit and len(expired) < MAX_REMOVALS_PER_TICK:
-            _, job_id = heapq.heappop(self._ended)
-            job = self.jobs.get(job_id)
-            if job is not None and job.finished and (job.ended_at or job.created_at) <= limit:
-                expired.append(job)
-        if not expired:
-            return
-        try:
-            self._remove(expired)
-        except sqlite3.Error as e:
-            log.error("cannot remove %d finished job(s) from %s: %s; trying again in a minute", len(expired),
-                      self.db.path if self.db else "?", e)
-            for job in expired:  # due again in 60 s
-                heapq.heappush(self._ended, (limit + 60.0, job.job_id))
-            return
-        shown = ", ".join(j.job_id for j in expired[:8]) + (" ..." if len(expired) > 8 else "")
-        log.info("removed %d finished job(s) older than --retain-finished %gs: %s", len(expired),
-                 self.settings.retain_finished_s, shown)
-
-    def _remove(self, jobs: list[Job]) -> None:
-        """Forget finished jobs: database first (raises sqlite3.Error), then
-        memory and metric series."""
-        if self.db is not None:
-            self.db.delete([j.job_id for j in jobs])
-        for job in jobs:
-            self.jobs.pop(job.job_id, None)
-            key = (job.created_at, job.job_id)
-            i = bisect.bisect_left(self._order, key)
-            if i < len(self._order) and self._order[i] == key:
-                del self._order[i]
-            if self.metrics:
-                self.metrics.forget(job.job_id)
 
     # ------------------------------------------------------------ agent side
 
@@ -418,125 +377,10 @@ class Store:
         more = i < len(self._order) and len(out) == limit
         return out, (encode_cursor(self._order[i - 1]) if more else None)
 
-    def delete_job(self, job_id: str) -> Job:
-        """Forget a finished job (its view, its row, its metric series)."""
-        job = self._job(job_id)
-        if not job.finished:
-            raise JobNotFinishedError(f"job {job_id!r} is {job.state.value}; close it first (rdzv close {job_id}, "
-                                      f"or POST /v1/jobs/{job_id}/close), then delete it")
-        try:
-            self._remove([job])
-        except sqlite3.Error as e:
-            raise UnavailableError(f"the server cannot delete job {job_id!r} from its database ({e}); retry later",
-                                   ErrorCode.UNAVAILABLE) from e
-        log.info("job %s deleted by request (it had %s)", job_id, job.state.value)
-        return job
-
     def close_job(self, job_id: str) -> Job:
         job, now = self._job(job_id), self.clock()
         self._apply(job, rounds.close(job, now), now)
         return job
-
-    # ----------------------------------------------------------------- hosts
-
-    def _save_hosts(self, records: list[HostRecord], removed: list[str]) -> bool:
-        if self.db is None:
-            return True
-        try:
-            self.db.save_hosts(records, removed)
-            return True
-        except sqlite3.Error as e:
-            log.error("cannot save host record(s) %s to %s: %s", ", ".join(printable(r.host) for r in records),
-                      self.db.path, e)
-            return False
-
-    def host_failure(self, host: str, job_id: str, reason: str, now: float | None = None) -> HostRecord | None:
-        """A failure counted against ``host``; a host that reaches the limit is
-        cooled down and every job hears of it (its waiting nodes become spares)."""
-        now = self.clock() if now is None else now
-        rec, cooled, evicted = self.hosts.record_failure(host, job_id, reason, now)
-        if rec is None:
-            log.warning("host table full of blocked hosts (%d): failure on %s not recorded: %s",
-                        len(self.hosts.records), printable(host, limit=255), printable(reason))
-            return None
-        self._save_hosts([rec], evicted)
-        if cooled:
-            log.warning("host %s cooled down: %s", printable(host), printable(rec.cooled_reason))
-            self._unblock_at = self.hosts.next_unblock(now)
-            self._hosts_changed(now)
-        return rec
-
-    def _hosts_changed(self, now: float, drain: set[str] | None = None) -> None:
-        for job_id in list(self.active):
-            job = self.jobs.get(job_id)
-            if job is None:
-                continue
-            fx = rounds.hosts_changed(job, now, drain or set())
-            if fx.sends or fx.persist or fx.logs:
-                try:
-                    self._apply(job, fx, now)
-                except UnavailableError:
-                    pass  # the job was put back as saved; its agents reconnect and meet the block on join
-
-    def check_host(self, host: str) -> str:
-        if not is_valid_host(host):
-            raise RequestError(f"host {host[:64]!r} is not valid: 1-255 characters of [A-Za-z0-9._:[]%-]",
-                               ErrorCode.VALIDATION_ERROR)
-        return host
-
-    def host_view(self, host: str) -> HostView:
-        rec = self.hosts.get(self.check_host(host))
-        if rec is None:
-            raise RequestError(f"no record of host {host!r}: it had no failures and no cordon", ErrorCode.NOT_FOUND)
-        return self._host_view(rec, self.clock())
-
-    def report_health(self, host: str, job_id: str | None, reason: str) -> HostView:
-        """A failed health check on ``host`` (POST /v1/hosts/{host}/health)."""
-        rec = self.host_failure(self.check_host(host), job_id or "-", f"health check failed: {reason}")
-        if rec is None:
-            raise UnavailableError(f"the host table is full ({len(self.hosts.records)} records, all blocking a "
-                                   "host); the report is not recorded", ErrorCode.UNAVAILABLE)
-        return self._host_view(rec, self.clock())
-
-    @staticmethod
-    def _host_view(rec: HostRecord, now: float) -> HostView:
-        why = rec.blocked(now)
-        state = "cordoned" if rec.cordon_active(now) else "cooled_down" if rec.cooling(now) else "ok"
-        return HostView(host=rec.host, state=state, reason=why, cordoned=rec.cordon_active(now),
-                        cordon_reason=rec.cordon_reason, cordon_until=rec.cordon_until, drain=rec.drain,
-                        cooled_until=rec.cooled_until, cooldowns=rec.cooldowns, failures_total=rec.failures_total,
-                        failures=[HostFailureView(at=f.at, job_id=f.job_id, reason=f.reason) for f in rec.failures],
-                        updated_at=rec.updated_at)
-
-    def host_views(self, limit: int = 100, cursor: str | None = None) -> tuple[list[HostView], str | None]:
-        """One page of host records by host name: (views, next_cursor)."""
-        after = decode_host_cursor(cursor) if cursor is not None else None
-        names = sorted(h for h in self.hosts.records if after is None or h > after)
-        now = self.clock()
-        page = [self._host_view(self.hosts.records[h], now) for h in names[:limit]]
-        more = len(names) > limit
-        return page, (encode_host_cursor(names[limit - 1]) if more else None)
-
-    def cordon(self, host: str, reason: str, ttl_s: float | None, drain: bool) -> HostView:
-        now = self.clock()
-        rec, evicted = self.hosts.cordon(self.check_host(host), reason, ttl_s, drain, now)
-        if rec is None:
-            raise UnavailableError(f"the host table is full ({len(self.hosts.records)} records, all blocking a host); "
-                                   f"uncordon a host first", ErrorCode.UNAVAILABLE)
-        self._save_hosts([rec], evicted)
-        self._unblock_at = self.hosts.next_unblock(now)
-        self._hosts_changed(now, drain={host} if drain else None)
-        return self._host_view(rec, now)
-
-    def uncordon(self, host: str) -> HostView:
-        now = self.clock()
-        rec = self.hosts.uncordon(self.check_host(host), now)
-        if rec is None:
-            raise RequestError(f"no record of host {host!r}: it is not cordoned", ErrorCode.NOT_FOUND)
-        self._save_hosts([rec], [])
-        self._unblock_at = self.hosts.next_unblock(now)
-        self._hosts_changed(now)
-        return self._host_view(rec, now)
 
     def live_nodes(self) -> int:
         return sum(len(self.jobs[j].nodes) for j in self.active)
@@ -605,10 +449,7 @@ class Store:
             self.active.discard(job.job_id)
             self.waiting.discard(job.job_id)
             self._due_at.pop(job.job_id, None)
-            key = (job.created_at, job.job_id)
-            i = bisect.bisect_left(self._order, key)
-            if i < len(self._order) and self._order[i] == key:
-                del self._order[i]
+            self._unlist(job)
         else:
             rounds.restored(saved, self.clock())
             saved.gate = self.hosts
@@ -628,44 +469,3 @@ class Store:
         if requester is not None and all(chan is not requester for chan in dropped):
             requester.drop()
         raise error
-
-
-def encode_cursor(key: tuple[float, str]) -> str:
-    raw = json.dumps([key[0], key[1]], separators=(",", ":")).encode()
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
-
-
-def decode_cursor(cursor: str) -> tuple[float, str]:
-    """A cursor this server made, or a validation error (changes nothing)."""
-    try:
-        if len(cursor) > MAX_CURSOR_LEN:
-            raise ValueError("too long")
-        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-        created_at, job_id = json.loads(raw)
-        if (not isinstance(created_at, (int, float)) or isinstance(created_at, bool)
-                or not isinstance(job_id, str) or not is_valid_id(job_id)):
-            raise ValueError("not a cursor")
-        created_at = float(created_at)  # OverflowError for a huge integer
-        if created_at != created_at:
-            raise ValueError("NaN")
-    except (ValueError, TypeError, OverflowError, RecursionError):
-        raise RequestError("cursor is not one this server gave out: pass next_cursor back unchanged",
-                           ErrorCode.VALIDATION_ERROR) from None
-    return created_at, job_id
-
-
-def encode_host_cursor(host: str) -> str:
-    return base64.urlsafe_b64encode(host.encode()).decode().rstrip("=")
-
-
-def decode_host_cursor(cursor: str) -> str:
-    try:
-        if len(cursor) > MAX_CURSOR_LEN:
-            raise ValueError("too long")
-        host = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
-        if not is_valid_host(host):
-            raise ValueError("not a host")
-    except (ValueError, TypeError, UnicodeDecodeError):
-        raise RequestError("cursor is not one this server gave out: pass next_cursor back unchanged",
-                           ErrorCode.VALIDATION_ERROR) from None
-    return host

@@ -8,10 +8,13 @@ caller needs is here. Inside:
   ``Node``/``Job`` data and the ``Effects`` a step returns;
 * :mod:`.machine`: the steps (reports, disconnects, time), and :mod:`.joins`:
   a join and its named cases (reconnect, resume, new node, rejoin);
+* :mod:`.progress`: heartbeats with progress, and the straggler flag;
+* :mod:`.gates`: host blocks (cordon, cool-down, drain) applied to a job's nodes;
 * :mod:`.views`: what REST and a forming round's status show (read-only);
 * :mod:`.records`: jobs to JSON-able records for the store, and back.
 """
 
+from .gates import hosts_changed
 from .joins import join
 from .machine import (
     MAX_HISTORY,
@@ -21,8 +24,6 @@ from .machine import (
     disconnect,
     fail,
     grace,
-    heartbeat,
-    hosts_changed,
     leave,
     new_job,
     next_due,
@@ -51,6 +52,7 @@ from .model import (
     natural_key,
     node_secret_hash,
 )
+from .progress import heartbeat
 from .records import from_record, to_record
 from .views import MAX_VIEW_HISTORY, MAX_VIEW_NODES, summary, view, waiting_info
 

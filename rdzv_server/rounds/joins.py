@@ -219,7 +219,7 @@ def _enter(job: Job, node: Node, now: float, issued: str | None) -> Effects:
 
 def _hold(job: Job, node: Node, now: float, why: str, issued: str | None) -> Effects:
     """The node's host is cordoned or cooled down: it waits as a spare, told
-    why, and is admitted when that ends (see machine.hosts_changed)."""
+    why, and is admitted when that ends (see gates.hosts_changed)."""
     was = node.state
     round_no = job.round if job.forming else job.round + 1
     fx = Effects()

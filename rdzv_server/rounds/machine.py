@@ -71,12 +71,6 @@ _DONE_STATE: dict[JobState, Literal["succeeded", "failed", "closed"]] = {
 }
 
 STATUS_PUSH_INTERVAL_S = 1.0
-# A running member whose steps/s stays below STRAGGLER_FRACTION of the job's
-# median (over members that report a rate) for STRAGGLER_WINDOW_S is a
-# straggler; looked for at most every STRAGGLER_CHECK_S per job, on progress heartbeats.
-STRAGGLER_FRACTION = 0.5
-STRAGGLER_WINDOW_S = 30.0
-STRAGGLER_CHECK_S = 1.0
 MAX_HISTORY = 1000
 
 
@@ -90,56 +84,6 @@ def new_job(job_id: str, spec: JobSpec, now: float, job_secret: str | None = Non
     job.history.append(RoundRecord(round=0, reason="job created", started_at=now))
     job.join_deadline = now + spec.join_timeout_s
     return job
-
-
-def heartbeat(job: Job, node_id: str, now: float, step: int | None = None, rate: float | None = None) -> list[str]:
-    """The fast path: a node is alive. Unknown nodes are ignored (their
-    connection is told on their next real message). ``step``/``rate``: the
-    progress its workers reported (the heartbeat's second form). Returns log
-    lines (a node became, or stopped being, a straggler)."""
-    node = job.nodes.get(node_id)
-    if node is None:
-        return []
-    node.last_seen = now
-    node.graced = False
-    if step is None:
-        return []
-    if node.step is None or step != node.step or node.progress_at is None:
-        node.progress_at = now
-    node.step = step
-    node.step_rate = rate
-    if now - job.stragglers_at < STRAGGLER_CHECK_S:
-        return []
-    job.stragglers_at = now
-    return check_stragglers(job, now)
-
-
-def check_stragglers(job: Job, now: float) -> list[str]:
-    """Flag running members whose rate stayed below STRAGGLER_FRACTION of the
-    median for STRAGGLER_WINDOW_S; unflag those back above it. O(n log n)."""
-    members = [job.nodes[n] for n in job.order if n in job.nodes and job.nodes[n].state == RUNNING]
-    rated = [n for n in members if n.step_rate is not None]
-    if len(rated) < 2:
-        return []
-    rates = sorted(n.step_rate for n in rated if n.step_rate is not None)
-    mid = len(rates) // 2
-    median = rates[mid] if len(rates) % 2 else (rates[mid - 1] + rates[mid]) / 2
-    lines = []
-    for n in rated:
-        assert n.step_rate is not None
-        if median > 0 and n.step_rate < STRAGGLER_FRACTION * median:
-            n.slow_since = now if n.slow_since is None else n.slow_since
-            if not n.straggler and now - n.slow_since >= STRAGGLER_WINDOW_S:
-                n.straggler = True
-                lines.append(f"job {job.job_id}: node {n.node_id} ({n.host}) is a straggler: {n.step_rate:g} "
-                             f"steps/s for {now - n.slow_since:.0f}s, job median {median:g}")
-        else:
-            n.slow_since = None
-            if n.straggler:
-                n.straggler = False
-                lines.append(f"job {job.job_id}: node {n.node_id} ({n.host}) is no longer a straggler: "
-                             f"{n.step_rate:g} steps/s, job median {median:g}")
-    return lines
 
 
 def disconnect(job: Job, node_id: str, now: float, grace_s: float) -> Effects:
@@ -333,49 +277,6 @@ def next_due(job: Job, nodes: bool = True) -> float | None:
     elif job.scale_up_deadline is not None and job.scale_up_deadline < due:
         due = job.scale_up_deadline
     return due
-
-
-def hosts_changed(job: Job, now: float, drain: set[str]) -> Effects:
-    """Host blocks changed (a cordon, a cool-down, their end): waiting nodes
-    on a blocked host become spares, told why; spares whose host is free
-    again are admitted (the forming round, or a scale-up below max_nodes); and
-    running members on a host in ``drain`` are replaced at once: a new round
-    opens without them (they rejoin and wait as spares)."""
-    fx = Effects()
-    if job.finished:
-        return fx
-    drained: list[Node] = []
-    for node in list(job.nodes.values()):
-        why = blocked(job, node, now)
-        if node.state == RUNNING and not job.forming and node.host in drain and why is not None:
-            drained.append(node)
-        elif node.state == WAITING and why is not None:
-            move(job, node, SPARE)
-            node.note = why
-            fx.send(node.node_id, SpareMsg(round=job.round, reason=why))
-            fx.logs.append(f"job {job.job_id} round {job.round}: node {node.node_id} waits as a spare: {why}")
-            fx.persist = True
-        elif node.state == SPARE and why is None and node.note is not None:
-            node.note = None
-            fx.persist = True
-            fx.logs.append(f"job {job.job_id} round {job.round}: host {node.host} of spare {node.node_id} "
-                           "may be admitted again")
-            if job.forming:
-                move(job, node, WAITING)
-            elif len(job.order) + count(job, WAITING) < job.spec.max_nodes:
-                move(job, node, WAITING)
-                if job.scale_up_deadline is None:
-                    job.scale_up_deadline = now + job.spec.scale_up_window_s
-            else:
-                fx.send(node.node_id, SpareMsg(round=job.round))
-    job.status_dirty = job.status_dirty or fx.persist
-    if drained:
-        names = ", ".join(f"{n.node_id} ({n.host})" for n in drained[:8])
-        why = blocked(job, drained[0], now) or "drained"
-        return fx.merge(_open_round(job, f"drain: node(s) {names} replaced: {why}", now))
-    if job.forming:
-        fx.merge(_check_complete(job, now))
-    return fx
 
 
 # ------------------------------------------------------------------ internal

@@ -73,7 +73,7 @@ class Node:
     step_rate: float | None = None
     progress_at: float | None = None
     slow_since: float | None = None  # since when its rate is below the straggler fraction of the median
-    straggler: bool = False  # slow for the straggler window (see machine.check_stragglers)
+    straggler: bool = False  # slow for the straggler window (see progress.check_stragglers)
     note: str | None = None  # why it waits as a spare (its host is cordoned or cooled down)
 
 

@@ -54,10 +54,10 @@ async def test_invalid_progress_heartbeat_is_refused_and_changes_nothing(client,
 
 
 async def test_a_slow_node_is_flagged_straggler_in_the_view_and_the_log(client, connect, monkeypatch, caplog) -> None:
-    from rdzv_server.rounds import machine  # noqa: PLC0415
+    from rdzv_server.rounds import progress  # noqa: PLC0415
 
-    monkeypatch.setattr(machine, "STRAGGLER_WINDOW_S", 0.0)  # flag on the first slow check
-    monkeypatch.setattr(machine, "STRAGGLER_CHECK_S", 0.0)
+    monkeypatch.setattr(progress, "STRAGGLER_WINDOW_S", 0.0)  # flag on the first slow check
+    monkeypatch.setattr(progress, "STRAGGLER_CHECK_S", 0.0)
     agents, _ = await form(connect, "s", ["n0", "n1", "n2"])
     for agent, rate in zip(agents, (10.0, 10.0, 1.0)):
         await agent.send(HeartbeatMsg(step=100, rate=rate))

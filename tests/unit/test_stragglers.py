@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rdzv_server import rounds
-from rdzv_server.rounds.machine import STRAGGLER_WINDOW_S
+from rdzv_server.rounds.progress import STRAGGLER_WINDOW_S
 from rdzv_server.rounds.views import view
 
 from test_rounds import form

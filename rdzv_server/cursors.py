@@ -1,0 +1,55 @@
+"""Opaque paging cursors of the REST listings (GET /v1/jobs, GET /v1/hosts).
+
+A cursor is a ``next_cursor`` this server gave out, passed back unchanged; anything
+else is a validation error that changes nothing.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+
+from .protocol import ErrorCode, RequestError, is_valid_host, is_valid_id
+
+MAX_CURSOR_LEN = 512
+
+
+def encode_cursor(key: tuple[float, str]) -> str:
+    raw = json.dumps([key[0], key[1]], separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[float, str]:
+    """A cursor this server made, or a validation error (changes nothing)."""
+    try:
+        if len(cursor) > MAX_CURSOR_LEN:
+            raise ValueError("too long")
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        created_at, job_id = json.loads(raw)
+        if (not isinstance(created_at, (int, float)) or isinstance(created_at, bool)
+                or not isinstance(job_id, str) or not is_valid_id(job_id)):
+            raise ValueError("not a cursor")
+        created_at = float(created_at)  # OverflowError for a huge integer
+        if created_at != created_at:
+            raise ValueError("NaN")
+    except (ValueError, TypeError, OverflowError, RecursionError):
+        raise RequestError("cursor is not one this server gave out: pass next_cursor back unchanged",
+                           ErrorCode.VALIDATION_ERROR) from None
+    return created_at, job_id
+
+
+def encode_host_cursor(host: str) -> str:
+    return base64.urlsafe_b64encode(host.encode()).decode().rstrip("=")
+
+
+def decode_host_cursor(cursor: str) -> str:
+    try:
+        if len(cursor) > MAX_CURSOR_LEN:
+            raise ValueError("too long")
+        host = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        if not is_valid_host(host):
+            raise ValueError("not a host")
+    except (ValueError, TypeError, UnicodeDecodeError):
+        raise RequestError("cursor is not one this server gave out: pass next_cursor back unchanged",
+                           ErrorCode.VALIDATION_ERROR) from None
+    return host

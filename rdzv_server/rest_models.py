@@ -1,0 +1,121 @@
+"""What the REST API answers: job and host views, pages, results.
+
+Read-only models the server builds (:mod:`rdzv_server.rounds.views`,
+:mod:`rdzv_server.store_hosts`) and ``rdzv`` reads back. Part of the wire
+contract: :mod:`rdzv_server.protocol` re-exports every name here, and
+:class:`~rdzv_server.protocol.JobView` (it embeds the agent channel's
+``WaitingInfo``) and the request bodies stay there.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class JobState(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
+TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CLOSED})
+
+
+class NodeView(BaseModel):
+    node_id: str
+    host: str
+    addr: str
+    state: Literal["waiting", "running", "succeeded", "spare", "disconnected", "rejoining", "failed", "closed"] = Field(
+        description="the node's state; once the job ended, the job's (succeeded, failed, closed)")
+    group_rank: int | None
+    requested_rank: int | None = Field(default=None, description="the --node-rank it asked for, if any")
+    local_world_size: int
+    last_seen_s: float = Field(description="seconds since the server last heard from this node")
+    step: int | None = Field(default=None, description="the lowest last progress() step of its local ranks "
+                                                       "(null: its workers do not call rdzv_client.worker.progress)")
+    steps_per_s: float | None = Field(default=None, description="that rank's recent steps per second")
+    since_progress_s: float | None = Field(default=None, description="seconds since its step last advanced")
+    straggler: bool = Field(default=False, description="its steps/s stayed below half the job's median for 30 s")
+    host_blocked: str | None = Field(default=None, description="why this spare waits: its host is cordoned "
+                                                               "or cooled down")
+
+
+class RoundView(BaseModel):
+    round: int
+    reason: str
+    started_at: float = Field(description="unix time the round was opened")
+    completed_at: float | None = Field(description="unix time its membership froze")
+    world_size: int | None
+    nodes: int | None
+
+
+class JobSummary(BaseModel):
+    job_id: str
+    state: JobState
+    round: int
+    min_nodes: int
+    max_nodes: int
+    nodes: int = Field(description="members of the running round, or nodes joined while a round forms")
+    spares: int = 0
+    world_size: int
+    restarts: int
+    max_restarts: int
+
+
+MAX_PAGE = 1000
+DEFAULT_PAGE = 100
+
+
+class JobList(BaseModel):
+    jobs: list[JobSummary]
+    next_cursor: str | None = Field(default=None, description="pass as ?cursor= for the next page; "
+                                                              "null on the last page")
+
+
+class DeleteResult(BaseModel):
+    job_id: str
+    state: JobState = Field(description="the state the job had when it was deleted")
+    deleted: Literal[True] = True
+
+
+class CloseResult(BaseModel):
+    job_id: str
+    state: JobState
+
+
+class HostFailureView(BaseModel):
+    at: float = Field(description="unix time")
+    job_id: str
+    reason: str
+
+
+class HostView(BaseModel):
+    host: str
+    state: Literal["ok", "cooled_down", "cordoned"]
+    reason: str | None = Field(description="why a join from this host waits now; null when it may join")
+    cordoned: bool
+    cordon_reason: str | None
+    cordon_until: float | None = Field(description="unix time the cordon ends; null: until uncordoned")
+    drain: bool
+    cooled_until: float | None = Field(description="unix time the current or last cool-down ends")
+    cooldowns: int = Field(description="how many times the host was cooled down")
+    failures_total: int
+    failures: list[HostFailureView] = Field(description="the latest failures, oldest first (at most 20)")
+    updated_at: float
+
+
+class HostList(BaseModel):
+    hosts: list[HostView]
+    next_cursor: str | None = Field(default=None, description="pass as ?cursor= for the next page; "
+                                                              "null on the last page")
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    jobs: int
+    nodes: int

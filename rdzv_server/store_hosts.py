@@ -1,0 +1,147 @@
+"""The host side of the store: failures counted against hosts, cool-downs,
+cordons and health reports (REST ``/v1/hosts``), kept durable and told to
+every active job (:func:`rdzv_server.rounds.hosts_changed`).
+
+:class:`HostsMixin` is a part of :class:`rdzv_server.store.Store`, split out
+to keep one module readable; it uses the store's jobs, database and effects.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from . import rounds
+from .cursors import decode_host_cursor, encode_host_cursor
+from .hosts import HostRecord, Hosts
+from .protocol import (
+    ErrorCode,
+    HostFailureView,
+    HostView,
+    RequestError,
+    UnavailableError,
+    is_valid_host,
+    printable,
+)
+
+if TYPE_CHECKING:
+    from .database import Database
+    from .rounds import Effects, Job
+
+log = logging.getLogger("rdzv_server.store")  # the store's log, as before the split
+
+
+class HostsMixin:
+    """Host records of a :class:`~rdzv_server.store.Store` (its methods run on the event loop)."""
+
+    # provided by Store
+    clock: Callable[[], float]
+    db: Database | None
+    hosts: Hosts
+    jobs: dict[str, Job]
+    active: set[str]
+    _unblock_at: float | None
+
+    if TYPE_CHECKING:
+        def _apply(self, job: Job, fx: Effects, now: float) -> None: ...
+
+    def _save_hosts(self, records: list[HostRecord], removed: list[str]) -> bool:
+        if self.db is None:
+            return True
+        try:
+            self.db.save_hosts(records, removed)
+            return True
+        except sqlite3.Error as e:
+            log.error("cannot save host record(s) %s to %s: %s", ", ".join(printable(r.host) for r in records),
+                      self.db.path, e)
+            return False
+
+    def host_failure(self, host: str, job_id: str, reason: str, now: float | None = None) -> HostRecord | None:
+        """A failure counted against ``host``; a host that reaches the limit is
+        cooled down and every job hears of it (its waiting nodes become spares)."""
+        now = self.clock() if now is None else now
+        rec, cooled, evicted = self.hosts.record_failure(host, job_id, reason, now)
+        if rec is None:
+            log.warning("host table full of blocked hosts (%d): failure on %s not recorded: %s",
+                        len(self.hosts.records), printable(host, limit=255), printable(reason))
+            return None
+        self._save_hosts([rec], evicted)
+        if cooled:
+            log.warning("host %s cooled down: %s", printable(host), printable(rec.cooled_reason))
+            self._unblock_at = self.hosts.next_unblock(now)
+            self._hosts_changed(now)
+        return rec
+
+    def _hosts_changed(self, now: float, drain: set[str] | None = None) -> None:
+        for job_id in list(self.active):
+            job = self.jobs.get(job_id)
+            if job is None:
+                continue
+            fx = rounds.hosts_changed(job, now, drain or set())
+            if fx.sends or fx.persist or fx.logs:
+                try:
+                    self._apply(job, fx, now)
+                except UnavailableError:
+                    pass  # the job was put back as saved; its agents reconnect and meet the block on join
+
+    def check_host(self, host: str) -> str:
+        if not is_valid_host(host):
+            raise RequestError(f"host {host[:64]!r} is not valid: 1-255 characters of [A-Za-z0-9._:[]%-]",
+                               ErrorCode.VALIDATION_ERROR)
+        return host
+
+    def host_view(self, host: str) -> HostView:
+        rec = self.hosts.get(self.check_host(host))
+        if rec is None:
+            raise RequestError(f"no record of host {host!r}: it had no failures and no cordon", ErrorCode.NOT_FOUND)
+        return self._host_view(rec, self.clock())
+
+    def report_health(self, host: str, job_id: str | None, reason: str) -> HostView:
+        """A failed health check on ``host`` (POST /v1/hosts/{host}/health)."""
+        rec = self.host_failure(self.check_host(host), job_id or "-", f"health check failed: {reason}")
+        if rec is None:
+            raise UnavailableError(f"the host table is full ({len(self.hosts.records)} records, all blocking a "
+                                   "host); the report is not recorded", ErrorCode.UNAVAILABLE)
+        return self._host_view(rec, self.clock())
+
+    @staticmethod
+    def _host_view(rec: HostRecord, now: float) -> HostView:
+        why = rec.blocked(now)
+        state = "cordoned" if rec.cordon_active(now) else "cooled_down" if rec.cooling(now) else "ok"
+        return HostView(host=rec.host, state=state, reason=why, cordoned=rec.cordon_active(now),
+                        cordon_reason=rec.cordon_reason, cordon_until=rec.cordon_until, drain=rec.drain,
+                        cooled_until=rec.cooled_until, cooldowns=rec.cooldowns, failures_total=rec.failures_total,
+                        failures=[HostFailureView(at=f.at, job_id=f.job_id, reason=f.reason) for f in rec.failures],
+                        updated_at=rec.updated_at)
+
+    def host_views(self, limit: int = 100, cursor: str | None = None) -> tuple[list[HostView], str | None]:
+        """One page of host records by host name: (views, next_cursor)."""
+        after = decode_host_cursor(cursor) if cursor is not None else None
+        names = sorted(h for h in self.hosts.records if after is None or h > after)
+        now = self.clock()
+        page = [self._host_view(self.hosts.records[h], now) for h in names[:limit]]
+        more = len(names) > limit
+        return page, (encode_host_cursor(names[limit - 1]) if more else None)
+
+    def cordon(self, host: str, reason: str, ttl_s: float | None, drain: bool) -> HostView:
+        now = self.clock()
+        rec, evicted = self.hosts.cordon(self.check_host(host), reason, ttl_s, drain, now)
+        if rec is None:
+            raise UnavailableError(f"the host table is full ({len(self.hosts.records)} records, all blocking a host); "
+                                   f"uncordon a host first", ErrorCode.UNAVAILABLE)
+        self._save_hosts([rec], evicted)
+        self._unblock_at = self.hosts.next_unblock(now)
+        self._hosts_changed(now, drain={host} if drain else None)
+        return self._host_view(rec, now)
+
+    def uncordon(self, host: str) -> HostView:
+        now = self.clock()
+        rec = self.hosts.uncordon(self.check_host(host), now)
+        if rec is None:
+            raise RequestError(f"no record of host {host!r}: it is not cordoned", ErrorCode.NOT_FOUND)
+        self._save_hosts([rec], [])
+        self._unblock_at = self.hosts.next_unblock(now)
+        self._hosts_changed(now)
+        return self._host_view(rec, now)

@@ -1,0 +1,98 @@
+"""The store's retention side: finished jobs are removed after
+``--retain-finished`` (a few hundred per tick, one transaction each) or on
+request (``DELETE /v1/jobs/{job_id}``), from the database first, then memory,
+the listing order and the metric series.
+
+:class:`RetentionMixin` is a part of :class:`rdzv_server.store.Store`, split
+out to keep one module readable; it uses the store's jobs, database and metrics.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import logging
+import sqlite3
+from typing import TYPE_CHECKING
+
+from .protocol import ErrorCode, JobNotFinishedError, UnavailableError
+
+if TYPE_CHECKING:
+    from .database import Database
+    from .metrics import Metrics
+    from .rounds import Job
+    from .store import StoreSettings
+
+log = logging.getLogger("rdzv_server.store")  # the store's log, as before the split
+
+MAX_REMOVALS_PER_TICK = 500  # finished jobs past retention, removed in one transaction per tick
+
+
+class RetentionMixin:
+    """Removal of finished jobs from a :class:`~rdzv_server.store.Store` (event loop only)."""
+
+    # provided by Store
+    settings: StoreSettings
+    db: Database | None
+    metrics: Metrics | None
+    jobs: dict[str, Job]
+    _ended: list[tuple[float, str]]
+    _order: list[tuple[float, str]]
+
+    if TYPE_CHECKING:
+        def _job(self, job_id: str) -> Job: ...
+
+    def _expire(self, now: float) -> None:
+        """Remove finished jobs that ended more than --retain-finished ago."""
+        limit = now - self.settings.retain_finished_s
+        expired: list[Job] = []
+        while self._ended and self._ended[0][0] <= limit and len(expired) < MAX_REMOVALS_PER_TICK:
+            _, job_id = heapq.heappop(self._ended)
+            job = self.jobs.get(job_id)
+            if job is not None and job.finished and (job.ended_at or job.created_at) <= limit:
+                expired.append(job)
+        if not expired:
+            return
+        try:
+            self._remove(expired)
+        except sqlite3.Error as e:
+            log.error("cannot remove %d finished job(s) from %s: %s; trying again in a minute", len(expired),
+                      self.db.path if self.db else "?", e)
+            for job in expired:  # due again in 60 s
+                heapq.heappush(self._ended, (limit + 60.0, job.job_id))
+            return
+        shown = ", ".join(j.job_id for j in expired[:8]) + (" ..." if len(expired) > 8 else "")
+        log.info("removed %d finished job(s) older than --retain-finished %gs: %s", len(expired),
+                 self.settings.retain_finished_s, shown)
+
+    def _remove(self, jobs: list[Job]) -> None:
+        """Forget finished jobs: database first (raises sqlite3.Error), then
+        memory and metric series."""
+        if self.db is not None:
+            self.db.delete([j.job_id for j in jobs])
+        for job in jobs:
+            self.jobs.pop(job.job_id, None)
+            self._unlist(job)
+            if self.metrics:
+                self.metrics.forget(job.job_id)
+
+    def _unlist(self, job: Job) -> None:
+        """Take the job out of the listing order (O(log n) to find it)."""
+        key = (job.created_at, job.job_id)
+        i = bisect.bisect_left(self._order, key)
+        if i < len(self._order) and self._order[i] == key:
+            del self._order[i]
+
+    def delete_job(self, job_id: str) -> Job:
+        """Forget a finished job (its view, its row, its metric series)."""
+        job = self._job(job_id)
+        if not job.finished:
+            raise JobNotFinishedError(f"job {job_id!r} is {job.state.value}; close it first (rdzv close {job_id}, "
+                                      f"or POST /v1/jobs/{job_id}/close), then delete it")
+        try:
+            self._remove([job])
+        except sqlite3.Error as e:
+            raise UnavailableError(f"the server cannot delete job {job_id!r} from its database ({e}); retry later",
+                                   ErrorCode.UNAVAILABLE) from e
+        log.info("job %s deleted by request (it had %s)", job_id, job.state.value)
+        return job
