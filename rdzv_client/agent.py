@@ -117,11 +117,11 @@ class Agent:
         self._err_dir = Path(tempfile.mkdtemp(prefix="rdzv-err-")) if cfg.log_dir is None else None
         self.outage = OutageWatch(cfg.server_timeout_s)
         self.watch = WorkerWatch(cfg, self._say)  # hangs, progress heartbeats, torch FileTimers
+        self._held_for: str | None = None  # why the server holds this node as a spare (its host's block)
 
     @property
     def link(self) -> AgentLink:
         return self.session.link
-        self._held_for: str | None = None  # why the server holds this node as a spare (its host's block)
 
     @property
     def node_id(self) -> str:

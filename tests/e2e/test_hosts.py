@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
-from .conftest import Cluster, Proc, wait_until
+from tests.helpers.procs import Proc, wait_until
+
+from .conftest import Cluster
 
 
 def cli(server, *argv: str) -> subprocess.CompletedProcess:
