@@ -60,8 +60,8 @@ from .config import (  # noqa: F401 - build_parser, config_from_args, UsageError
     build_parser,
     config_from_args,
 )
-from .health import run_check
-from .session import NodeSession, OutageWatch, host_label, route_addr
+from .health import wait_healthy
+from .session import NodeSession, OutageWatch, route_addr
 from .status import StatusLine, first_line
 from .watch import WorkerWatch
 from .workers import ExitInfo, LaunchConfig, WorkerGroup, describe, error_file_path, worker_env
@@ -79,10 +79,6 @@ FATAL_CODES = {ErrorCode.SPEC_MISMATCH, ErrorCode.JOB_FINISHED, ErrorCode.VALIDA
 
 
 # ------------------------------------------------------------------ helpers
-
-
-HEALTH_BACKOFF_S = 1.0  # a failed --health-check runs again after this, doubling up to the max
-HEALTH_BACKOFF_MAX_S = 30.0
 
 
 class Phase(enum.Enum):
@@ -151,28 +147,16 @@ class Agent:
         without it), says why, sends the check's last line to the server's
         record of this host, and tries again with backoff; once it passes a node
         that left joins as a new node. False: a signal came first (not joined)."""
-        cfg = self.cfg
         left = False
-        delay = HEALTH_BACKOFF_S
-        while cfg.health_check:
-            env = {**os.environ, "RDZV_ENDPOINT": cfg.endpoint}
-            if cfg.log_dir is not None:
-                env["RDZV_LOG_DIR"] = str(cfg.log_dir)
-            ok, line = await run_check(cfg.health_check, cfg.health_check_timeout_s, env=env)
-            if ok:
-                break
-            line = printable(line, limit=300)
-            self._say("health check failed: %s; not joining, checking again in %gs", line, delay)
+
+        def failed(line: str) -> None:
+            nonlocal left
             if rejoining and not left and self.link is not None:
                 self.session.leave(f"health check failed: {line}")
                 left = True
-            await self._report_health(line)
-            until = time.monotonic() + delay
-            while time.monotonic() < until:
-                if not self.signals.empty():
-                    return False
-                await asyncio.sleep(0.05)
-            delay = min(delay * 2, HEALTH_BACKOFF_MAX_S)
+
+        if not await wait_healthy(self.cfg, self._say, lambda: not self.signals.empty(), failed):
+            return False
         if left:
             self._say("health check passed; joining as a new node")
             self.phase = Phase.JOINING
@@ -180,16 +164,6 @@ class Agent:
         else:
             self._join()
         return True
-
-    async def _report_health(self, line: str) -> None:
-        """The failed check's last line into the server's host record (best effort)."""
-        from .client import RestClient
-
-        try:
-            await RestClient(self.cfg.endpoint, self.cfg.token, timeout=5.0).report_health(
-                host_label(self.cfg.host), line or "failed", self.cfg.job_id)
-        except (RdzvError, ValueError) as e:
-            log.warning("cannot send the health check's result to the server: %s", printable(getattr(e, "message", e)))
 
     # -- signals
 
