@@ -32,15 +32,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING
 
 # Not rdzv_server.protocol (pydantic) here: the agent sends its first join
 # without it; the link imports the models right after, and the branches below
 # that need them import them then (a dictionary look-up by that time).
-from rdzv_server.errors import MAX_ERROR_MESSAGE, ErrorCode, RdzvError
+from rdzv_server.errors import ErrorCode, RdzvError
 from rdzv_server.wire import heartbeat_every, printable
 
-from .channel import FileTimerServer, WorkerChannel
 from .client import AgentLink, parse_endpoint
 from .config import (  # noqa: F401 - build_parser, config_from_args, UsageError: the agent's public names
     DEFAULT_SERVER_TIMEOUT_S,
@@ -49,30 +48,25 @@ from .config import (  # noqa: F401 - build_parser, config_from_args, UsageError
     build_parser,
     config_from_args,
 )
-from .health import run_check
-from .session import NodeSession, OutageWatch, host_label, route_addr
+from .health import wait_healthy
+from .session import NodeSession, OutageWatch, route_addr
+from .status import StatusLine, first_line
+from .watch import WorkerWatch
 from .workers import ExitInfo, LaunchConfig, WorkerGroup, describe, error_file_path, worker_env
 
 if TYPE_CHECKING:
-    from rdzv_server.protocol import Assignment, ErrorMsg, ExitRecord, ServerMessage, WaitingInfo
+    from rdzv_server.protocol import Assignment, ErrorMsg, ServerMessage, WaitingInfo
 
 log = logging.getLogger("rdzv_agent")
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_GAVE_UP = 3
-# After SIGUSR1 (and SIGCONT, for a stopped worker), how long workers get to
-# write their stacks before a hung round's workers are stopped.
-STACK_DUMP_WAIT_S = 1.0
 FATAL_CODES = {ErrorCode.SPEC_MISMATCH, ErrorCode.JOB_FINISHED, ErrorCode.VALIDATION_ERROR,
                ErrorCode.UNAUTHORIZED, ErrorCode.BAD_REQUEST, ErrorCode.JOB_SECRET_MISMATCH}
 
 
 # ------------------------------------------------------------------ helpers
-
-
-HEALTH_BACKOFF_S = 1.0  # a failed --health-check runs again after this, doubling up to the max
-HEALTH_BACKOFF_MAX_S = 30.0
 
 
 class Phase(enum.Enum):
@@ -85,40 +79,6 @@ class Phase(enum.Enum):
     REPORTED = "reported"  # workers failed and that is reported: waiting for the next round
     SUCCEEDED = "succeeded"  # workers all exited 0 and that is reported: waiting for the ack
     DONE = "done"  # the loop returns an exit status
-
-
-class StatusLine:
-    """One line that updates in place on a terminal; elsewhere, a line when
-    the text changes, not more than every few seconds."""
-
-    def __init__(self, stream: TextIO = sys.stderr) -> None:
-        self.stream = stream
-        self.tty = stream.isatty()
-        self.last = ""
-        self.last_at = 0.0
-        self.open = False
-
-    def show(self, text: str) -> None:
-        now = time.monotonic()
-        if text == self.last:
-            return
-        if self.tty:
-            self.stream.write("\r\x1b[2K" + text)
-            self.open = True
-        elif now - self.last_at >= 2.0 or not self.last:
-            self.stream.write(text + "\n")
-            self.last_at = now
-        else:
-            return
-        self.stream.flush()
-        self.last = text
-
-    def done(self) -> None:
-        if self.open:
-            self.stream.write("\n")
-            self.stream.flush()
-            self.open = False
-        self.last = ""
 
 
 # -------------------------------------------------------------------- agent
@@ -140,12 +100,7 @@ class Agent:
         self.status = StatusLine()
         self._err_dir = Path(tempfile.mkdtemp(prefix="rdzv-err-")) if cfg.log_dir is None else None
         self.outage = OutageWatch(cfg.server_timeout_s)
-        # the worker channel: progress() datagrams, and torch's FileTimer pipe when enabled
-        self.channel = WorkerChannel(cfg.nproc)
-        self.timer: FileTimerServer | None = None
-        self._timer_killed: dict[int, str] = {}  # worker pid -> the expired timer's scope
-        self._progress_sent_at = 0.0
-
+        self.watch = WorkerWatch(cfg, self._say)  # hangs, progress heartbeats, torch FileTimers
         self._held_for: str | None = None  # why the server holds this node as a spare (its host's block)
 
     @property
@@ -180,28 +135,16 @@ class Agent:
         without it), says why, sends the check's last line to the server's
         record of this host, and tries again with backoff; once it passes a node
         that left joins as a new node. False: a signal came first (not joined)."""
-        cfg = self.cfg
         left = False
-        delay = HEALTH_BACKOFF_S
-        while cfg.health_check:
-            env = {**os.environ, "RDZV_ENDPOINT": cfg.endpoint}
-            if cfg.log_dir is not None:
-                env["RDZV_LOG_DIR"] = str(cfg.log_dir)
-            ok, line = await run_check(cfg.health_check, cfg.health_check_timeout_s, env=env)
-            if ok:
-                break
-            line = printable(line, limit=300)
-            self._say("health check failed: %s; not joining, checking again in %gs", line, delay)
+
+        def failed(line: str) -> None:
+            nonlocal left
             if rejoining and not left and self.link is not None:
                 self.session.leave(f"health check failed: {line}")
                 left = True
-            await self._report_health(line)
-            until = time.monotonic() + delay
-            while time.monotonic() < until:
-                if not self.signals.empty():
-                    return False
-                await asyncio.sleep(0.05)
-            delay = min(delay * 2, HEALTH_BACKOFF_MAX_S)
+
+        if not await wait_healthy(self.cfg, self._say, lambda: not self.signals.empty(), failed):
+            return False
         if left:
             self._say("health check passed; joining as a new node")
             self.phase = Phase.JOINING
@@ -209,16 +152,6 @@ class Agent:
         else:
             self._join()
         return True
-
-    async def _report_health(self, line: str) -> None:
-        """The failed check's last line into the server's host record (best effort)."""
-        from .client import RestClient
-
-        try:
-            await RestClient(self.cfg.endpoint, self.cfg.token, timeout=5.0).report_health(
-                host_label(self.cfg.host), line or "failed", self.cfg.job_id)
-        except (RdzvError, ValueError) as e:
-            log.warning("cannot send the health check's result to the server: %s", printable(getattr(e, "message", e)))
 
     # -- signals
 
@@ -260,11 +193,7 @@ class Agent:
                                     heartbeat_s=heartbeat_every(self.session.spec["heartbeat_timeout_s"]))
             self.session.link = self._link
             await self._link.start()
-            await self.channel.start()
-            if os.environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") == "1":
-                path = os.environ.get("TORCHELASTIC_TIMER_FILE") or str(self.channel.dir / "timer")
-                self.timer = FileTimerServer(path, allowed=self._worker_pids, on_expired=self._on_timer_expired)
-                self.timer.start()
+            await self.watch.start(self._worker_pids)
             self._say("joining %s at %s (nnodes %d:%d, %d worker(s) here, address %s)", self.cfg.endpoint,
                       time.strftime("%H:%M:%S"), self.cfg.min_nodes, self.cfg.max_nodes, self.cfg.nproc, self.addr)
             if not await self._join_when_healthy(rejoining=False):
@@ -275,9 +204,7 @@ class Agent:
                 await self.group.stop(self.cfg.stop_timeout_s)
             if self._link is not None:
                 await self._link.close()
-            if self.timer is not None:
-                self.timer.close()
-            self.channel.close()
+            self.watch.close()
             if server is not None:
                 await server[0].cleanup()
             if self._err_dir is not None:
@@ -294,7 +221,7 @@ class Agent:
         try:
             while True:
                 waits = [recv, sig] + ([workers] if workers else [])
-                done, _ = await asyncio.wait(waits, timeout=self._tick_s(), return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(waits, timeout=self.watch.tick_s(), return_when=asyncio.FIRST_COMPLETED)
                 if sig not in done:
                     code = await self._check_server()
                     if code is not None:
@@ -329,68 +256,24 @@ class Agent:
                     f.cancel()
 
 
-    def _tick_s(self) -> float:
-        """How often the loop looks at the server link and the workers' progress."""
-        hang = self.cfg.hang_timeout_s
-        return 1.0 if hang is None else max(0.05, min(1.0, hang / 4))
-
     def _worker_pids(self) -> list[int]:
         return list(self.group.pids) if self.group is not None else []
 
-    def _on_timer_expired(self, pid: int, scope_id: str) -> None:
-        self._timer_killed[pid] = scope_id
-        self._say("torch elastic timer %r of worker pid %d expired: killed it", printable(scope_id, limit=100), pid)
-
     async def _watch_workers(self) -> None:
         """While workers run: torch's timers, hangs, and progress for the server."""
-        if self.timer is not None:
-            self.timer.check()
         now = time.monotonic()
-        hang = self.cfg.hang_timeout_s
-        if hang is not None:
-            # a worker that exited without finished() (os._exit) is not hung: its end is reported
-            hung = [lr for lr in self.channel.hung(hang, now) if self.group is not None and self.group.running(lr)]
-            if hung:
-                await self._on_hang(hung, now)
-                return
-        link = self.link
-        if link is not None and now - self._progress_sent_at >= link.heartbeat_s:
-            sample = self.channel.sample(now)
-            if sample is not None:
-                self._progress_sent_at = now
-                from rdzv_server.protocol import HeartbeatMsg
-
-                link.send_nowait(HeartbeatMsg(step=sample[0], rate=sample[1]).model_dump_json())
+        hung = self.watch.check(self.group, self.link, now)
+        if hung:
+            await self._on_hang(hung, now)
 
     async def _on_hang(self, hung: list[int], now: float) -> None:
         """Dump every local worker's stack into the log, stop them, report ``hang``."""
-        from rdzv_server.protocol import ExitRecord
-
-        a, group, cfg = self.assignment, self.group, self.cfg
+        a, group = self.assignment, self.group
         if a is None or group is None:
             return
-        records: list[ExitRecord] = []
-        for lr in hung:
-            rp = self.channel.ranks[lr]
-            idle = now - rp.at
-            pid = group.pids[lr] if lr < len(group.pids) else 0
-            why = (f"no progress() for {idle:.1f}s (hang timeout {cfg.hang_timeout_s:g}s) on host "
-                   f"{cfg.host}, last step {rp.step}")
-            self._say("round %d: local rank %d (rank %d) pid %d hung: %s; dumping every worker's stack",
-                      a.round, lr, a.rank_offset + lr, pid, why)
-            records.append(ExitRecord(local_rank=lr, rank=a.rank_offset + lr, pid=pid, message=why[:MAX_ERROR_MESSAGE],
-                                      timestamp=time.time(), reason="hang", last_step=rp.step))
-        # faulthandler (registered by rdzv_client.worker) writes the stack to the
-        # worker's stderr; a stopped worker writes it once it continues
-        for sig in (signal.SIGUSR1, signal.SIGCONT):
-            for pid in group.pids:
-                try:
-                    os.kill(pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        await asyncio.sleep(STACK_DUMP_WAIT_S)
+        records = await self.watch.dump_hung(a, group, hung, now)
         await self._stop_workers()
-        self.channel.new_round(None)
+        self.watch.channel.new_round(None)
         self.phase = Phase.REPORTED
         self.session.report_failed(a.round, records)
 
@@ -469,7 +352,7 @@ class Agent:
             self.link.clear_reports()
             if self.assignment is not None and msg.round <= self.assignment.round:
                 return None
-            self._say("round %d: %s; stopping workers and rejoining", msg.round, printable(_first_line(msg.reason)))
+            self._say("round %d: %s; stopping workers and rejoining", msg.round, printable(first_line(msg.reason)))
             await self._stop_workers()
             await self._join_when_healthy(rejoining=True)  # after a signal: the loop handles it next
         elif isinstance(msg, EvictedMsg):
@@ -564,15 +447,9 @@ class Agent:
             if ef.exists():
                 ef.unlink()
             env = worker_env(base, a, lr, cfg.job_id, str(ef))
-            env["RDZV_AGENT_SOCKET"] = self.channel.path
-            if self.timer is not None:
-                env["TORCHELASTIC_TIMER_FILE"] = self.timer.path
+            self.watch.add_env(env)
             envs.append(env)
-        self.channel.new_round(a.round)
-        self._progress_sent_at = time.monotonic()
-        if self.timer is not None:
-            self.timer.clear()
-        self._timer_killed.clear()
+        self.watch.new_round(a.round)
         launch = LaunchConfig(cmd=cfg.cmd, local_world_size=cfg.nproc, log_dir=cfg.log_dir, redirects=cfg.redirects,
                               tee=cfg.tee, local_ranks_filter=cfg.local_ranks_filter)
         self.group = WorkerGroup(launch, envs, attempt=a.round)
@@ -621,8 +498,8 @@ class Agent:
             self._say("round %d: %s", a.round, describe(i, a.rank_offset + i.local_rank))
         await self._stop_workers()
         records = [ExitRecord(local_rank=i.local_rank, rank=a.rank_offset + i.local_rank, pid=i.pid,
-                              exit_code=i.exit_code, signal=i.signal, message=self._exit_message(i),
-                              timestamp=i.timestamp, reason="timer" if i.pid in self._timer_killed else None)
+                              exit_code=i.exit_code, signal=i.signal, message=self.watch.exit_message(i),
+                              timestamp=i.timestamp, reason="timer" if self.watch.timer_killed(i.pid) else None)
                    for i in failed]
         self.phase = Phase.REPORTED
         self.session.report_failed(a.round, records)
@@ -638,19 +515,6 @@ class Agent:
         await asyncio.sleep(0.05)  # let the leave frame go out before the socket closes
         return 128 + signum
 
-
-    def _exit_message(self, i: ExitInfo) -> str:
-        scope = self._timer_killed.get(i.pid)
-        if scope is None:
-            return i.message[:MAX_ERROR_MESSAGE]
-        head = f"torch elastic timer {printable(scope, limit=200)!r} expired; the agent killed the worker"
-        return (head + ("\n" + i.message if i.message else ""))[:MAX_ERROR_MESSAGE]
-
-
-def _first_line(text: str) -> str:
-    """A reason's first line: failure reasons carry the worker's traceback."""
-    lines = text.strip().splitlines() or [""]
-    return lines[0] + (" [...]" if len(lines) > 1 else "")
 
 
 def main(argv: list[str] | None = None) -> None:

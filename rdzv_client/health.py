@@ -1,6 +1,6 @@
 """Node health checks: ``python -m rdzv_client.health`` (the check shipped for
-``rdzv-agent --health-check``), and :func:`run_check`, how the agent runs any
-check command.
+``rdzv-agent --health-check``), :func:`run_check`, how the agent runs any
+check command, and :func:`wait_healthy`, the agent's loop around it.
 
 The shipped check, one line out, exit 0 when all pass, else 1 with one line
 naming what failed:
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import email.utils
+import logging
 import os
 import shutil
 import signal
@@ -32,6 +33,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .config import AgentConfig
+
+log = logging.getLogger("rdzv_agent")
 
 MAX_OUTPUT = 64 * 1024  # of a check's output, only the last this many bytes are kept
 MAX_LINE = 300  # what goes into the host record and the agent's output
@@ -66,6 +73,53 @@ async def run_check(cmd: str, timeout: float, env: dict[str, str] | None = None)
     if proc.returncode == 0:
         return True, _last_line(bytes(tail), "ok")
     return False, _last_line(bytes(tail), f"exit status {proc.returncode}")
+
+
+HEALTH_BACKOFF_S = 1.0  # a failed --health-check runs again after this, doubling up to the max
+HEALTH_BACKOFF_MAX_S = 30.0
+
+
+async def wait_healthy(cfg: AgentConfig, say: Callable[..., None], interrupted: Callable[[], bool],
+                       on_failure: Callable[[str], None]) -> bool:
+    """The agent's ``--health-check`` loop: run the check until it passes
+    (True) or ``interrupted()`` (a signal came: False). Each failure is said,
+    handed to ``on_failure`` (the agent leaves the job), sent to the server's
+    record of this host, and the check runs again with backoff."""
+    from rdzv_server.protocol import printable  # not at import: this module is stdlib only
+
+    delay = HEALTH_BACKOFF_S
+    while cfg.health_check:
+        env = {**os.environ, "RDZV_ENDPOINT": cfg.endpoint}
+        if cfg.log_dir is not None:
+            env["RDZV_LOG_DIR"] = str(cfg.log_dir)
+        ok, line = await run_check(cfg.health_check, cfg.health_check_timeout_s, env=env)
+        if ok:
+            break
+        line = printable(line, limit=300)
+        say("health check failed: %s; not joining, checking again in %gs", line, delay)
+        on_failure(line)
+        await report_health(cfg, line)
+        until = time.monotonic() + delay
+        while time.monotonic() < until:
+            if interrupted():
+                return False
+            await asyncio.sleep(0.05)
+        delay = min(delay * 2, HEALTH_BACKOFF_MAX_S)
+    return True
+
+
+async def report_health(cfg: AgentConfig, line: str) -> None:
+    """The failed check's last line into the server's host record (best effort)."""
+    from rdzv_server.protocol import RdzvError, printable
+
+    from .client import RestClient
+    from .session import host_label
+
+    try:
+        await RestClient(cfg.endpoint, cfg.token, timeout=5.0).report_health(
+            host_label(cfg.host), line or "failed", cfg.job_id)
+    except (RdzvError, ValueError) as e:
+        log.warning("cannot send the health check's result to the server: %s", printable(getattr(e, "message", e)))
 
 
 def _last_line(out: bytes, fallback: str) -> str:

@@ -1,0 +1,139 @@
+"""The agent's watch over its running workers (issue 15): the worker channel
+(``progress()`` datagrams, from which hangs and the progress heartbeats sent to
+the server come) and torch's FileTimer pipe when ``TORCHELASTIC_ENABLE_FILE_TIMER=1``.
+
+:class:`WorkerWatch` is owned by the :class:`~rdzv_client.agent.Agent`, which
+calls it; the agent keeps the decisions (stopping workers, what is reported).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+# Not rdzv_server.protocol (pydantic) at import: the agent imports this before its first join.
+from rdzv_server.errors import MAX_ERROR_MESSAGE
+from rdzv_server.wire import printable
+
+from .channel import FileTimerServer, WorkerChannel
+
+if TYPE_CHECKING:
+    from rdzv_server.protocol import Assignment, ExitRecord
+
+    from .client import AgentLink
+    from .config import AgentConfig
+    from .workers import ExitInfo, WorkerGroup
+
+# After SIGUSR1 (and SIGCONT, for a stopped worker), how long workers get to
+# write their stacks before a hung round's workers are stopped.
+STACK_DUMP_WAIT_S = 1.0
+
+
+class WorkerWatch:
+    """Hang checks, progress heartbeats and torch FileTimers for one agent."""
+
+    def __init__(self, cfg: AgentConfig, say: Callable[..., None]) -> None:
+        self.cfg = cfg
+        self._say = say
+        # the worker channel: progress() datagrams, and torch's FileTimer pipe when enabled
+        self.channel = WorkerChannel(cfg.nproc)
+        self.timer: FileTimerServer | None = None
+        self._timer_killed: dict[int, str] = {}  # worker pid -> the expired timer's scope
+        self._progress_sent_at = 0.0
+
+    async def start(self, worker_pids: Callable[[], list[int]]) -> None:
+        await self.channel.start()
+        if os.environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") == "1":
+            path = os.environ.get("TORCHELASTIC_TIMER_FILE") or str(self.channel.dir / "timer")
+            self.timer = FileTimerServer(path, allowed=worker_pids, on_expired=self._on_timer_expired)
+            self.timer.start()
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.close()
+        self.channel.close()
+
+    def tick_s(self) -> float:
+        """How often the loop looks at the server link and the workers' progress."""
+        hang = self.cfg.hang_timeout_s
+        return 1.0 if hang is None else max(0.05, min(1.0, hang / 4))
+
+    def add_env(self, env: dict[str, str]) -> None:
+        """What a worker needs to reach the channel (and the timer pipe)."""
+        env["RDZV_AGENT_SOCKET"] = self.channel.path
+        if self.timer is not None:
+            env["TORCHELASTIC_TIMER_FILE"] = self.timer.path
+
+    def new_round(self, round_no: int) -> None:
+        """Workers of round ``round_no`` are about to start."""
+        self.channel.new_round(round_no)
+        self._progress_sent_at = time.monotonic()
+        if self.timer is not None:
+            self.timer.clear()
+        self._timer_killed.clear()
+
+    def _on_timer_expired(self, pid: int, scope_id: str) -> None:
+        self._timer_killed[pid] = scope_id
+        self._say("torch elastic timer %r of worker pid %d expired: killed it", printable(scope_id, limit=100), pid)
+
+    def check(self, group: WorkerGroup | None, link: AgentLink | None, now: float) -> list[int]:
+        """While workers run: torch's timers, hangs, and progress for the server.
+        Returns the local ranks that hung (nothing is sent then)."""
+        if self.timer is not None:
+            self.timer.check()
+        hang = self.cfg.hang_timeout_s
+        if hang is not None:
+            # a worker that exited without finished() (os._exit) is not hung: its end is reported
+            hung = [lr for lr in self.channel.hung(hang, now) if group is not None and group.running(lr)]
+            if hung:
+                return hung
+        if link is not None and now - self._progress_sent_at >= link.heartbeat_s:
+            sample = self.channel.sample(now)
+            if sample is not None:
+                self._progress_sent_at = now
+                from rdzv_server.protocol import HeartbeatMsg
+
+                link.send_nowait(HeartbeatMsg(step=sample[0], rate=sample[1]).model_dump_json())
+        return []
+
+    async def dump_hung(self, a: Assignment, group: WorkerGroup, hung: list[int], now: float) -> list[ExitRecord]:
+        """Say which workers hung and dump every local worker's stack into the
+        log; the ``hang`` records to report once the workers are stopped."""
+        from rdzv_server.protocol import ExitRecord  # loaded once the join is out
+
+        cfg = self.cfg
+        records: list[ExitRecord] = []
+        for lr in hung:
+            rp = self.channel.ranks[lr]
+            idle = now - rp.at
+            pid = group.pids[lr] if lr < len(group.pids) else 0
+            why = (f"no progress() for {idle:.1f}s (hang timeout {cfg.hang_timeout_s:g}s) on host "
+                   f"{cfg.host}, last step {rp.step}")
+            self._say("round %d: local rank %d (rank %d) pid %d hung: %s; dumping every worker's stack",
+                      a.round, lr, a.rank_offset + lr, pid, why)
+            records.append(ExitRecord(local_rank=lr, rank=a.rank_offset + lr, pid=pid, message=why[:MAX_ERROR_MESSAGE],
+                                      timestamp=time.time(), reason="hang", last_step=rp.step))
+        # faulthandler (registered by rdzv_client.worker) writes the stack to the
+        # worker's stderr; a stopped worker writes it once it continues
+        for sig in (signal.SIGUSR1, signal.SIGCONT):
+            for pid in group.pids:
+                try:
+                    os.kill(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        await asyncio.sleep(STACK_DUMP_WAIT_S)
+        return records
+
+    def timer_killed(self, pid: int) -> bool:
+        return pid in self._timer_killed
+
+    def exit_message(self, i: ExitInfo) -> str:
+        scope = self._timer_killed.get(i.pid)
+        if scope is None:
+            return i.message[:MAX_ERROR_MESSAGE]
+        head = f"torch elastic timer {printable(scope, limit=200)!r} expired; the agent killed the worker"
+        return (head + ("\n" + i.message if i.message else ""))[:MAX_ERROR_MESSAGE]
