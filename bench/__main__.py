@@ -24,46 +24,88 @@ from . import compare, finished_jobs, progress_cost, server_scale
 def server_rows(res: dict) -> list[list[str]]:
     rows = []
     for f in res.get("formation", []):
-        rows.append([f"8. Server: formation N={f['n']} simulated nodes, last join sent -> `assigned` "
-                     f"(p50 / p99 over nodes, median of {len(f['reps'])})",
-                     f"p50 {f['p50'] * 1000:.1f} ms / p99 {f['p99'] * 1000:.1f} ms "
-                     f"(p99 {f['p99_min'] * 1000:.1f}-{f['p99_max'] * 1000:.1f})", "n/a", "-"])
+        rows.append(
+            [
+                f"8. Server: formation N={f['n']} simulated nodes, last join sent -> `assigned` "
+                f"(p50 / p99 over nodes, median of {len(f['reps'])})",
+                f"p50 {f['p50'] * 1000:.1f} ms / p99 {f['p99'] * 1000:.1f} ms "
+                f"(p99 {f['p99_min'] * 1000:.1f}-{f['p99_max'] * 1000:.1f})",
+                "n/a",
+                "-",
+            ]
+        )
     s = res.get("storm")
     if s:
-        v = (f"{s['from_first_join_s']:.2f} s" if s["from_first_join_s"] is not None
-             else f"{s['missing']} of {s['n']} not assigned")
+        v = (
+            f"{s['from_first_join_s']:.2f} s"
+            if s["from_first_join_s"] is not None
+            else f"{s['missing']} of {s['n']} not assigned"
+        )
         rows.append([f"8. Server: join storm {s['n']} nodes, first join -> all assigned", v, "n/a", "-"])
     for lv in res.get("live", []):
         ev = lv["evicted"] + int(lv["server_evictions"])
-        rows.append([f"8. Server: {lv['nodes']:,} live nodes heartbeating every 2 s, {lv['measure_s']:.0f} s",
-                     f"{lv['server_cpu'] * 100:.1f}% of a core, RSS {lv['server_rss_mb']:.0f} MB, {ev} evicted, "
-                     f"{int(lv['server_rounds_opened'])} restarts", "n/a", "-"])
+        rows.append(
+            [
+                f"8. Server: {lv['nodes']:,} live nodes heartbeating every 2 s, {lv['measure_s']:.0f} s",
+                f"{lv['server_cpu'] * 100:.1f}% of a core, RSS {lv['server_rss_mb']:.0f} MB, {ev} evicted, "
+                f"{int(lv['server_rounds_opened'])} restarts",
+                "n/a",
+                "-",
+            ]
+        )
     return rows
 
 
 def finished_rows(res: dict) -> list[list[str]]:
     fp = res["first_page"]
     failed = f", {res['failed']} not made" if res["failed"] else ""
-    return [[f"9. Server: {res['jobs']:,} finished jobs present, idle CPU over {res['idle_s']:.0f} s",
-             f"{res['idle_cpu'] * 100:.2f}% of a core, RSS {res['rss_mb']:.0f} MB{failed}", "n/a", "-"],
-            [f"9. Server: {res['jobs']:,} finished jobs present, GET /v1/jobs one page ({fp['size']} jobs), "
-             f"p50 / p99 over {fp['n']} requests",
-             f"p50 {fp['p50'] * 1000:.1f} ms / p99 {fp['p99'] * 1000:.1f} ms", "n/a", "-"]] + (
-        [[f"9. Server: ... and {w['waiting_now']:,} jobs waiting for nodes that left, "
-          f"idle CPU over {w['idle_s']:.0f} s",
-          f"{w['idle_cpu'] * 100:.2f}% of a core", "n/a", "-"]] if (w := res.get("waiting")) else [])
+    return [
+        [
+            f"9. Server: {res['jobs']:,} finished jobs present, idle CPU over {res['idle_s']:.0f} s",
+            f"{res['idle_cpu'] * 100:.2f}% of a core, RSS {res['rss_mb']:.0f} MB{failed}",
+            "n/a",
+            "-",
+        ],
+        [
+            f"9. Server: {res['jobs']:,} finished jobs present, GET /v1/jobs one page ({fp['size']} jobs), "
+            f"p50 / p99 over {fp['n']} requests",
+            f"p50 {fp['p50'] * 1000:.1f} ms / p99 {fp['p99'] * 1000:.1f} ms",
+            "n/a",
+            "-",
+        ],
+    ] + (
+        [
+            [
+                f"9. Server: ... and {w['waiting_now']:,} jobs waiting for nodes that left, "
+                f"idle CPU over {w['idle_s']:.0f} s",
+                f"{w['idle_cpu'] * 100:.2f}% of a core",
+                "n/a",
+                "-",
+            ]
+        ]
+        if (w := res.get("waiting"))
+        else []
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="1 run, small N, tight bounds (2-3 minutes)")
-    p.add_argument("--runs", type=int, default=None,
-                   help="runs per row and launcher (default 3, and 2 for the rows where torchrun waits out "
-                        "long timeouts: 3, 4a, 4b, 5; --quick 1)")
+    p.add_argument(
+        "--runs",
+        type=int,
+        default=None,
+        help="runs per row and launcher (default 3, and 2 for the rows where torchrun waits out "
+        "long timeouts: 3, 4a, 4b, 5; --quick 1)",
+    )
     p.add_argument("--out", default=None, help="write all results as JSON here")
-    p.add_argument("--only", default=None, help="comma-separated row keys (join_sent, rdzv_n2, wall_n2, elastic_2_4, "
-                                                 "node_loss, host_loss, scale_up, worker_crash, footprint)")
+    p.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated row keys (join_sent, rdzv_n2, wall_n2, elastic_2_4, "
+        "node_loss, host_loss, scale_up, worker_crash, footprint)",
+    )
     p.add_argument("--no-server-scale", action="store_true", help="skip rows 8 and 9")
     p.add_argument("--smoke", action="store_true", help="rdzv only, one tiny row and a tiny server scale run")
     a = p.parse_args(argv)
@@ -73,8 +115,10 @@ def main(argv: list[str] | None = None) -> None:
     slow_runs = a.runs or (1 if (a.quick or a.smoke) else 2)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     started, load0 = time.time(), C.loadavg()
-    log(f"[bench] {'private network namespace' if C.in_private_netns() else 'plain loopback'}; "
-        f"{os.cpu_count()} CPU(s); load {load0}")
+    log(
+        f"[bench] {'private network namespace' if C.in_private_netns() else 'plain loopback'}; "
+        f"{os.cpu_count()} CPU(s); load {load0}"
+    )
 
     rows = compare.plan(quick=a.quick, smoke=a.smoke)
     if a.only:
@@ -82,10 +126,12 @@ def main(argv: list[str] | None = None) -> None:
         rows = [r for r in rows if r.key in keep]
     import shutil
     import tempfile
+
     tmp = Path(tempfile.mkdtemp(prefix="rdzv-bench-"))
     try:
-        results = compare.measure(rows, runs, tmp, log=log,
-                                  launchers=("rdzv",) if a.smoke else compare.LAUNCHERS, slow_runs=slow_runs)
+        results = compare.measure(
+            rows, runs, tmp, log=log, launchers=("rdzv",) if a.smoke else compare.LAUNCHERS, slow_runs=slow_runs
+        )
     finally:
         if os.environ.get("BENCH_KEEP_TMP"):
             log(f"[bench] kept {tmp}")
@@ -123,15 +169,28 @@ def main(argv: list[str] | None = None) -> None:
     print()
     for line in notes:
         print(line)
-    print(f"- {runs} run(s) per row and launcher ({slow_runs} for rows 3-5), interleaved; {os.cpu_count()} CPU(s); "
-          f"load average {load0} at start, {C.loadavg()} at end; {time.time() - started:.0f} s in all; "
-          f"{'private network namespace' if C.in_private_netns() else 'plain loopback'}")
+    print(
+        f"- {runs} run(s) per row and launcher ({slow_runs} for rows 3-5), interleaved; {os.cpu_count()} CPU(s); "
+        f"load average {load0} at start, {C.loadavg()} at end; {time.time() - started:.0f} s in all; "
+        f"{'private network namespace' if C.in_private_netns() else 'plain loopback'}"
+    )
     if a.out:
-        Path(a.out).write_text(json.dumps({"rows": compare.to_json(rows, results), "server_scale": scale,
-                                           "finished_jobs": finished, "progress_cost": progress,
-                                           "runs": runs, "slow_runs": slow_runs, "load_start": load0,
-                                           "load_end": C.loadavg(),
-                                           "table": text}, indent=1))
+        Path(a.out).write_text(
+            json.dumps(
+                {
+                    "rows": compare.to_json(rows, results),
+                    "server_scale": scale,
+                    "finished_jobs": finished,
+                    "progress_cost": progress,
+                    "runs": runs,
+                    "slow_runs": slow_runs,
+                    "load_start": load0,
+                    "load_end": C.loadavg(),
+                    "table": text,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

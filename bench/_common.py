@@ -49,7 +49,7 @@ def cpu_ticks(pid: int) -> int | None:
             text = f.read()
     except OSError:
         return None
-    fields = text[text.rindex(")") + 2:].split()
+    fields = text[text.rindex(")") + 2 :].split()
     return int(fields[11]) + int(fields[12])  # fields 14 and 15 of stat(5)
 
 
@@ -75,7 +75,7 @@ def children_map() -> dict[int, list[int]]:
                 text = f.read()
         except OSError:
             continue
-        ppid = int(text[text.rindex(")") + 2:].split()[1])
+        ppid = int(text[text.rindex(")") + 2 :].split()[1])
         kids.setdefault(ppid, []).append(int(entry))
     return kids
 
@@ -123,8 +123,15 @@ class Proc:
         self.name, self.argv, self.log = name, argv, log
         self.log_f = open(log, "wb")  # noqa: SIM115
         self.launched_at = time.time()
-        self.popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self.log_f, stderr=subprocess.STDOUT,
-                                      env=env, cwd=cwd, start_new_session=True)
+        self.popen = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=self.log_f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+        )
         self.pid = self.popen.pid
         self.exited_at: float | None = None
 
@@ -230,8 +237,7 @@ def reexec_in_netns(module: str, argv: list[str]) -> None:
         print("[bench] no private network namespace (unshare -n failed); using plain loopback", file=sys.stderr)
         return
     env = dict(os.environ, **{NETNS_VAR: "1"})
-    cmd = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh",
-           sys.executable, "-m", module, *argv]
+    cmd = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", sys.executable, "-m", module, *argv]
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvpe("unshare", cmd, env)

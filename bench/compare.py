@@ -37,11 +37,25 @@ STAMP = C.SCRIPTS / "stamp.py"
 TAG_VAR = "RDZV_BENCH_TAG"
 LAUNCHERS = ("rdzv", "torchrun")
 STEP_BOUND_S = 30.0  # after the restart: until the first all_reduce of the new world
-STEP_KEYS = {"node_loss": "kill_to_first_step", "host_loss": "kill_to_first_step",
-             "scale_up": "launch_to_first_step", "worker_crash": "crash_to_first_step"}
+STEP_KEYS = {
+    "node_loss": "kill_to_first_step",
+    "host_loss": "kill_to_first_step",
+    "scale_up": "launch_to_first_step",
+    "worker_crash": "crash_to_first_step",
+}
 _SCRUB_PREFIXES = ("SLURM_", "PET_", "RDZV_", "TORCHELASTIC_", "MASTER_", "TORCH_NCCL_")
-_SCRUB = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-          "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "OMP_NUM_THREADS"}
+_SCRUB = {
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "OMP_NUM_THREADS",
+}
 
 
 @dataclass
@@ -97,17 +111,31 @@ class Cluster:
         self.server: C.Proc | None = None
         self.port = C.free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
-        self.env = {k: v for k, v in os.environ.items()
-                    if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB}
-        self.env.update({TAG_VAR: self.tag, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(C.ROOT),
-                         "RDZV_LOG_LEVEL": "INFO"})
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB}
+        self.env.update(
+            {TAG_VAR: self.tag, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(C.ROOT), "RDZV_LOG_LEVEL": "INFO"}
+        )
         if launcher == "rdzv" and server:
             self._start_server()
 
     def _start_server(self) -> None:
-        self.server = C.Proc("server", [sys.executable, "-m", "rdzv_server", "--host", "127.0.0.1", "--port",
-                                        str(self.port), "--data-dir", str(self.dir / "data")],
-                             self.dir / "server.log", env=self.env, cwd=C.ROOT)
+        self.server = C.Proc(
+            "server",
+            [
+                sys.executable,
+                "-m",
+                "rdzv_server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--data-dir",
+                str(self.dir / "data"),
+            ],
+            self.dir / "server.log",
+            env=self.env,
+            cwd=C.ROOT,
+        )
         url = f"http://{self.endpoint}/healthz"
         if not C.wait_until(lambda: C.http_get(url, 1.0) or self.server.poll() is not None, 20):
             raise RuntimeError("rdzv-server did not start:\n" + self.server.text()[-2000:])
@@ -118,12 +146,29 @@ class Cluster:
         i = len(self.agents)
         is_host = i == 0 if is_host is None else is_host
         if self.launcher == "rdzv":
-            argv = [sys.executable, "-m", "rdzv_client.agent", "--endpoint", self.endpoint, "--job-id", self.job,
-                    "--local-addr", "127.0.0.1"]
+            argv = [
+                sys.executable,
+                "-m",
+                "rdzv_client.agent",
+                "--endpoint",
+                self.endpoint,
+                "--job-id",
+                self.job,
+                "--local-addr",
+                "127.0.0.1",
+            ]
         else:
-            argv = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=c10d",
-                    f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.job}",
-                    f"--rdzv-conf=is_host={int(is_host)}", "--local-addr", "127.0.0.1"]
+            argv = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={self.endpoint}",
+                f"--rdzv-id={self.job}",
+                f"--rdzv-conf=is_host={int(is_host)}",
+                "--local-addr",
+                "127.0.0.1",
+            ]
         argv += ["--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", "3"]
         if no_python:
             argv.append("--no-python")
@@ -182,8 +227,9 @@ def _all_started(cl: Cluster, world: int, after: float = 0.0, what: str = "start
     return max(first.values()) if len(first) == world else None
 
 
-def _wait_started(cl: Cluster, world: int, bound: float, after: float = 0.0, what: str = "start",
-                  agents: list[C.Proc] | None = None) -> tuple[float | None, str | None]:
+def _wait_started(
+    cl: Cluster, world: int, bound: float, after: float = 0.0, what: str = "start", agents: list[C.Proc] | None = None
+) -> tuple[float | None, str | None]:
     """Wait for every rank to start; (time, None) or (None, why not)."""
     watch = agents if agents is not None else cl.agents
     deadline = time.time() + bound
@@ -375,8 +421,11 @@ def row_join_sent(cl: Cluster, bound: float) -> Outcome:
             return Outcome(None, f"agent exited {agent.popen.returncode} before it spoke")
         info = {"agent_cpu_s": listener.cpu_s}
         if cl.launcher == "rdzv":
-            info.update(python_floor_s=_floor_s("pass"), aiohttp_import_s=_floor_s("import aiohttp"),
-                        protocol_import_s=_floor_s("import rdzv_server.protocol"))
+            info.update(
+                python_floor_s=_floor_s("pass"),
+                aiohttp_import_s=_floor_s("import aiohttp"),
+                protocol_import_s=_floor_s("import rdzv_server.protocol"),
+            )
         return Outcome(listener.at - agent.launched_at, info=info)
     finally:
         listener.close()
@@ -412,8 +461,9 @@ def row_node_loss(cl: Cluster, victim_kind: str, bound: float, setup_bound: floa
     if t is None:
         return Outcome(None, why or f"no recovery in {bound:g} s")
     t_step, _ = _wait_started(cl, 2, STEP_BOUND_S, after=t_kill, what="step1", agents=survivors)
-    return Outcome(t - t_kill, info={"kill_to_first_step": (t_step - t_kill) if t_step else None,
-                                     "victim": victim.name})
+    return Outcome(
+        t - t_kill, info={"kill_to_first_step": (t_step - t_kill) if t_step else None, "victim": victim.name}
+    )
 
 
 def row_scale_up(cl: Cluster, bound: float, setup_bound: float) -> Outcome:
@@ -427,8 +477,9 @@ def row_scale_up(cl: Cluster, bound: float, setup_bound: float) -> Outcome:
     if t is None:
         return Outcome(None, why or f"no world 3 in {bound:g} s")
     t_step, _ = _wait_started(cl, 3, STEP_BOUND_S, after=third.launched_at, what="step1")
-    return Outcome(t - third.launched_at,
-                   info={"launch_to_first_step": (t_step - third.launched_at) if t_step else None})
+    return Outcome(
+        t - third.launched_at, info={"launch_to_first_step": (t_step - third.launched_at) if t_step else None}
+    )
 
 
 def row_worker_crash(cl: Cluster, bound: float, setup_bound: float) -> Outcome:
@@ -462,8 +513,13 @@ def row_footprint(cl: Cluster, window: float) -> Outcome:
     hwm = C.status_kb(agent.pid, "VmHWM")
     if None in (c0, c1, hwm):
         return Outcome(None, "agent exited early")
-    return Outcome(hwm / 1024, info={"cpu_pct": (c1 - c0) / C.CLK_TCK / (t1 - t0) * 100,
-                                     "rss_mib": (C.status_kb(agent.pid, "VmRSS") or 0) / 1024})
+    return Outcome(
+        hwm / 1024,
+        info={
+            "cpu_pct": (c1 - c0) / C.CLK_TCK / (t1 - t0) * 100,
+            "rss_mib": (C.status_kb(agent.pid, "VmRSS") or 0) / 1024,
+        },
+    )
 
 
 def _comm(pid: int) -> str:
@@ -489,45 +545,105 @@ class Row:
 
 def plan(quick: bool = False, smoke: bool = False) -> list[Row]:
     if smoke:
-        return [Row("join_sent", "0. Start-up: agent launched -> join sent", lambda cl: row_join_sent(cl, 30),
-                    launchers=("rdzv",), server=False),
-                Row("rdzv_n2", "1. Rendezvous N=2: last agent launched -> all workers started",
-                    lambda cl: row_rendezvous(cl, 2, 30), launchers=("rdzv",))]
-    rows = [Row("join_sent", "0. Start-up: agent launched -> join sent (torchrun: first bytes to its store)",
-                lambda cl: row_join_sent(cl, 30), server=False)]
-    for n in ((2, 4) if quick else (2, 4, 8)):
-        rows.append(Row(f"rdzv_n{n}", f"1. Rendezvous N={n}: last agent launched -> all workers started",
-                        lambda cl, n=n: row_rendezvous(cl, n, 90)))
-    for n in ((2,) if quick else (2, 4)):
-        rows.append(Row(f"wall_n{n}", f"2. Whole job N={n} (`--no-python true`): first launch -> all agents exited",
-                        lambda cl, n=n: row_wall(cl, n, 120)))
+        return [
+            Row(
+                "join_sent",
+                "0. Start-up: agent launched -> join sent",
+                lambda cl: row_join_sent(cl, 30),
+                launchers=("rdzv",),
+                server=False,
+            ),
+            Row(
+                "rdzv_n2",
+                "1. Rendezvous N=2: last agent launched -> all workers started",
+                lambda cl: row_rendezvous(cl, 2, 30),
+                launchers=("rdzv",),
+            ),
+        ]
+    rows = [
+        Row(
+            "join_sent",
+            "0. Start-up: agent launched -> join sent (torchrun: first bytes to its store)",
+            lambda cl: row_join_sent(cl, 30),
+            server=False,
+        )
+    ]
+    for n in (2, 4) if quick else (2, 4, 8):
+        rows.append(
+            Row(
+                f"rdzv_n{n}",
+                f"1. Rendezvous N={n}: last agent launched -> all workers started",
+                lambda cl, n=n: row_rendezvous(cl, n, 90),
+            )
+        )
+    for n in (2,) if quick else (2, 4):
+        rows.append(
+            Row(
+                f"wall_n{n}",
+                f"2. Whole job N={n} (`--no-python true`): first launch -> all agents exited",
+                lambda cl, n=n: row_wall(cl, n, 120),
+            )
+        )
     b3 = 10 if quick else 45
-    rows.append(Row("elastic_2_4", f"3. `--nnodes 2:4`, 2 nodes: last launch -> workers started (bound {b3} s)",
-                    lambda cl: row_elastic(cl, b3), slow=True))
+    rows.append(
+        Row(
+            "elastic_2_4",
+            f"3. `--nnodes 2:4`, 2 nodes: last launch -> workers started (bound {b3} s)",
+            lambda cl: row_elastic(cl, b3),
+            slow=True,
+        )
+    )
     b4 = 20 if quick else 90
-    rows.append(Row("node_loss", f"4a. Node loss (SIGKILL a non-rank-0, non-store node of 3, 2:3) -> "
-                                 f"survivors started with world 2 (bound {b4} s)",
-                    lambda cl: row_node_loss(cl, "plain", b4, 90), slow=True))
+    rows.append(
+        Row(
+            "node_loss",
+            f"4a. Node loss (SIGKILL a non-rank-0, non-store node of 3, 2:3) -> "
+            f"survivors started with world 2 (bound {b4} s)",
+            lambda cl: row_node_loss(cl, "plain", b4, 90),
+            slow=True,
+        )
+    )
     if not quick:
-        rows.append(Row("host_loss", f"4b. Node loss: torchrun's c10d store host / rdzv's group rank 0 -> "
-                                     f"survivors started with world 2 (bound {b4} s)",
-                        lambda cl: row_node_loss(cl, "host", b4, 90), slow=True))
-        rows.append(Row("scale_up", "5. Scale-up 2 -> 3 (2:3): third agent launched -> 3 workers started with "
-                                    "world 3 (bound 90 s)",
-                        lambda cl: row_scale_up(cl, 90, 90), slow=True))
+        rows.append(
+            Row(
+                "host_loss",
+                f"4b. Node loss: torchrun's c10d store host / rdzv's group rank 0 -> "
+                f"survivors started with world 2 (bound {b4} s)",
+                lambda cl: row_node_loss(cl, "host", b4, 90),
+                slow=True,
+            )
+        )
+        rows.append(
+            Row(
+                "scale_up",
+                "5. Scale-up 2 -> 3 (2:3): third agent launched -> 3 workers started with world 3 (bound 90 s)",
+                lambda cl: row_scale_up(cl, 90, 90),
+                slow=True,
+            )
+        )
     b6 = 20 if quick else 90
-    rows.append(Row("worker_crash", f"6. Worker crash (rank 1 exits 1 once, 2 nodes): crash -> both workers "
-                                    f"started again (bound {b6} s)",
-                    lambda cl: row_worker_crash(cl, b6, 90)))
+    rows.append(
+        Row(
+            "worker_crash",
+            f"6. Worker crash (rank 1 exits 1 once, 2 nodes): crash -> both workers started again (bound {b6} s)",
+            lambda cl: row_worker_crash(cl, b6, 90),
+        )
+    )
     w7 = 3 if quick else 10
-    rows.append(Row("footprint", f"7. Agent peak RSS (VmHWM, agent process only), supervising `sleep`; "
-                                 f"CPU over {w7} s in brackets",
-                    lambda cl: row_footprint(cl, w7), unit="MiB"))
+    rows.append(
+        Row(
+            "footprint",
+            f"7. Agent peak RSS (VmHWM, agent process only), supervising `sleep`; CPU over {w7} s in brackets",
+            lambda cl: row_footprint(cl, w7),
+            unit="MiB",
+        )
+    )
     return rows
 
 
-def measure(rows: list[Row], runs: int, tmp: Path, log=print, launchers=LAUNCHERS,
-            slow_runs: int | None = None) -> dict:
+def measure(
+    rows: list[Row], runs: int, tmp: Path, log=print, launchers=LAUNCHERS, slow_runs: int | None = None
+) -> dict:
     """Every row ``runs`` times (slow rows ``slow_runs`` times), launchers
     interleaved. Returns raw results."""
     results: dict[str, dict[str, list[Outcome]]] = {r.key: {name: [] for name in launchers} for r in rows}
@@ -552,8 +668,10 @@ def measure(rows: list[Row], runs: int, tmp: Path, log=print, launchers=LAUNCHER
                 out.info["took_s"] = round(time.time() - t0, 1)
                 results[row.key][launcher].append(out)
                 shown = f"{out.value:.3f}" if out.value is not None else out.failure
-                log(f"[bench] run {run + 1} {row.key} {launcher}: {shown} "
-                    f"(took {out.info['took_s']} s, load {out.info['load']})")
+                log(
+                    f"[bench] run {run + 1} {row.key} {launcher}: {shown} "
+                    f"(took {out.info['took_s']} s, load {out.info['load']})"
+                )
     return results
 
 
@@ -577,15 +695,17 @@ def _cell(outs: list[Outcome], unit: str, row: Row) -> tuple[str, float | None]:
             steps = [o.info.get(step_key) for o in outs if o.value is not None]
             got = [v for v in steps if v is not None]
             text += f" [1st all_reduce {C.median(got):.1f} s" if got else " [1st all_reduce: none"
-            text += (f", none in {STEP_BOUND_S:g} s in {len(steps) - len(got)} run(s)]"
-                     if got and len(got) < len(steps) else
-                     (f" in {STEP_BOUND_S:g} s]" if not got else "]"))
+            text += (
+                f", none in {STEP_BOUND_S:g} s in {len(steps) - len(got)} run(s)]"
+                if got and len(got) < len(steps)
+                else (f" in {STEP_BOUND_S:g} s]" if not got else "]")
+            )
         parts.append(text)
     if fails:
         counts: dict[str, list[int]] = {}
         for f in fails:
             m = re.search(r" (\d+) s in$", f)
-            key = f[:m.start()] if m else f
+            key = f[: m.start()] if m else f
             counts.setdefault(key, []).append(int(m.group(1)) if m else -1)
         texts = []
         for f, secs in counts.items():
@@ -606,12 +726,16 @@ def table(rows: list[Row], results: dict) -> str:
         tc, tm = _cell(r.get("torchrun", []), row.unit, row)
         if "torchrun" not in row.launchers:
             tc = "n/a"
-        ratio = f"{rm / tm:.2f}" if rm is not None and tm and not any(
-            o.value is None for o in r.get("torchrun", []) + r.get("rdzv", [])) else "-"
+        ratio = (
+            f"{rm / tm:.2f}"
+            if rm is not None and tm and not any(o.value is None for o in r.get("torchrun", []) + r.get("rdzv", []))
+            else "-"
+        )
         if ratio == "-" and rm is not None and r.get("torchrun") and all(o.value is None for o in r["torchrun"]):
             bounds = [re.fullmatch(r"> (\d+(?:\.\d+)?) s", o.failure or "") for o in r["torchrun"]]
-            ratio = (f"< {rm / min(float(m.group(1)) for m in bounds):.2f}" if all(bounds)
-                     else "torchrun did not recover")
+            ratio = (
+                f"< {rm / min(float(m.group(1)) for m in bounds):.2f}" if all(bounds) else "torchrun did not recover"
+            )
         body.append([row.title, rc, tc, ratio])
     return C.md_table(["row", "rdzv median (min-max)", "torchrun median (min-max)", "rdzv/torchrun"], body)
 
@@ -627,33 +751,52 @@ def info_lines(results: dict) -> list[str]:
     keys = sorted({k for k, _ in out}, key=lambda k: int(k.split("n")[-1]) if k.split("n")[-1].isdigit() else 0)
     for k in keys:
         vals = [v for kk, v in out if kk == k]
-        lines.append(f"- rdzv server history, {k}: first join -> round complete (completed_at - started_at), "
-                     f"median {C.median(vals) * 1000:.0f} ms over {len(vals)} run(s); the rest of row 1 is agent "
-                     f"start-up (Python imports, connect) and worker spawn")
+        lines.append(
+            f"- rdzv server history, {k}: first join -> round complete (completed_at - started_at), "
+            f"median {C.median(vals) * 1000:.0f} ms over {len(vals)} run(s); the rest of row 1 is agent "
+            f"start-up (Python imports, connect) and worker spawn"
+        )
     floors = [o.info for o in results.get("join_sent", {}).get("rdzv", []) if "aiohttp_import_s" in o.info]
     if floors:
-        lines.append("- row 0, what a bare `python -c` costs here (best of 3, wall, per run's median): nothing "
-                     f"{C.median([f['python_floor_s'] for f in floors]) * 1000:.0f} ms, `import aiohttp` "
-                     f"{C.median([f['aiohttp_import_s'] for f in floors]) * 1000:.0f} ms, `import "
-                     f"rdzv_server.protocol` (pydantic and the wire models) "
-                     f"{C.median([f['protocol_import_s'] for f in floors]) * 1000:.0f} ms: the agent needs neither "
-                     "before its join frame (its WebSocket client is rdzv_client/wsclient.py; pydantic "
-                     "comes right after the join)")
+        lines.append(
+            "- row 0, what a bare `python -c` costs here (best of 3, wall, per run's median): nothing "
+            f"{C.median([f['python_floor_s'] for f in floors]) * 1000:.0f} ms, `import aiohttp` "
+            f"{C.median([f['aiohttp_import_s'] for f in floors]) * 1000:.0f} ms, `import "
+            f"rdzv_server.protocol` (pydantic and the wire models) "
+            f"{C.median([f['protocol_import_s'] for f in floors]) * 1000:.0f} ms: the agent needs neither "
+            "before its join frame (its WebSocket client is rdzv_client/wsclient.py; pydantic "
+            "comes right after the join)"
+        )
     for launcher in LAUNCHERS:
-        cpu = [o.info["agent_cpu_s"] for o in results.get("join_sent", {}).get(launcher, [])
-               if o.info.get("agent_cpu_s") is not None]
+        cpu = [
+            o.info["agent_cpu_s"]
+            for o in results.get("join_sent", {}).get(launcher, [])
+            if o.info.get("agent_cpu_s") is not None
+        ]
         if cpu:
-            lines.append(f"- row 0, {launcher}: the agent's own CPU time (user+sys) when its first word arrived, "
-                         f"median {C.median(cpu) * 1000:.0f} ms over {len(cpu)} run(s) (less load-dependent "
-                         "than the wall time)")
+            lines.append(
+                f"- row 0, {launcher}: the agent's own CPU time (user+sys) when its first word arrived, "
+                f"median {C.median(cpu) * 1000:.0f} ms over {len(cpu)} run(s) (less load-dependent "
+                "than the wall time)"
+            )
     if any(k in results for k in STEP_KEYS):
-        lines.append("- rows 4-6, [1st all_reduce]: from the same start of the clock until every worker of the "
-                     "new world finished its first gloo all_reduce (import torch and init_process_group "
-                     f"included; waited for up to {STEP_BOUND_S:g} s after the workers started)")
+        lines.append(
+            "- rows 4-6, [1st all_reduce]: from the same start of the clock until every worker of the "
+            "new world finished its first gloo all_reduce (import torch and init_process_group "
+            f"included; waited for up to {STEP_BOUND_S:g} s after the workers started)"
+        )
     return lines
 
 
 def to_json(rows: list[Row], results: dict) -> dict:
-    return {row.key: {"title": row.title, "unit": row.unit,
-                      **{name: [{"value": o.value, "failure": o.failure, "info": o.info} for o in outs]
-                         for name, outs in results[row.key].items()}} for row in rows}
+    return {
+        row.key: {
+            "title": row.title,
+            "unit": row.unit,
+            **{
+                name: [{"value": o.value, "failure": o.failure, "info": o.info} for o in outs]
+                for name, outs in results[row.key].items()
+            },
+        }
+        for row in rows
+    }

@@ -49,8 +49,22 @@ class Server:
     def __init__(self, tmp: Path, python: str = sys.executable):
         self.log = tmp / "server.log"
         self.port = C.free_port()
-        self.proc = C.Proc("server", [python, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(self.port),
-                                      "--data-dir", str(tmp / "data")], self.log, cwd=C.ROOT)
+        self.proc = C.Proc(
+            "server",
+            [
+                python,
+                "-m",
+                "rdzv_server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--data-dir",
+                str(tmp / "data"),
+            ],
+            self.log,
+            cwd=C.ROOT,
+        )
         self.url = f"http://127.0.0.1:{self.port}"
         if not C.wait_until(lambda: C.http_get(self.url + "/healthz", 1.0) or self.proc.poll() is not None, 20):
             raise RuntimeError("server did not start:\n" + self.proc.text()[-2000:])
@@ -75,8 +89,15 @@ async def _make_jobs(url: str, n: int, concurrency: int, tag: str, waiting: bool
 
     async def one(session, i: int) -> None:
         job_id = f"{tag}-{i:06d}"
-        join = JoinMsg(job_id=job_id, node_id="node1", host="sim1", addr="127.0.0.1", local_world_size=1,
-                       master_port=29500, spec=spec).model_dump_json()
+        join = JoinMsg(
+            job_id=job_id,
+            node_id="node1",
+            host="sim1",
+            addr="127.0.0.1",
+            local_world_size=1,
+            master_port=29500,
+            spec=spec,
+        ).model_dump_json()
         async with session.ws_connect(url + "/v1/agent") as ws:
             await ws.send_str(join)
             seen = set()
@@ -135,8 +156,10 @@ def run(jobs: int, idle_s: float, requests: int, concurrency: int = 32, waiting:
         server = Server(tmp)
         made = asyncio.run(_make_jobs(server.url, jobs, concurrency, f"f{os.getpid()}"))
         health = json.loads(C.http_get(server.url + "/healthz", 10) or b"{}")
-        log(f"[finished_jobs] {jobs} jobs made in {made['made_s']:.1f} s ({made['failed']} failed); "
-            f"server holds {health.get('jobs')} (load {C.loadavg()})")
+        log(
+            f"[finished_jobs] {jobs} jobs made in {made['made_s']:.1f} s ({made['failed']} failed); "
+            f"server holds {health.get('jobs')} (load {C.loadavg()})"
+        )
         time.sleep(2.0)  # settle: the last connections close
         idle_cpu, wall = _idle(server.proc.pid, idle_s)
         rss_mb = (C.status_kb(server.proc.pid, "VmRSS") or 0) / 1024
@@ -147,23 +170,50 @@ def run(jobs: int, idle_s: float, requests: int, concurrency: int = 32, waiting:
         cursor = page.get("next_cursor")
         deep_url = server.url + "/v1/jobs?state=succeeded" + (f"&cursor={cursor}" if cursor else "")
         deep, deep_err, deep_size = _latencies(deep_url, requests)
-        res = {"jobs": jobs, "held": health.get("jobs"), **made, "idle_s": wall, "idle_cpu": idle_cpu,
-               "rss_mb": rss_mb, "first_page": {"n": len(first), "errors": first_err, "size": first_size,
-                                                "p50": C.percentile(first, 50), "p99": C.percentile(first, 99),
-                                                "max": max(first)},
-               "deep_page": {"n": len(deep), "errors": deep_err, "size": deep_size,
-                             "p50": C.percentile(deep, 50), "p99": C.percentile(deep, 99), "max": max(deep)},
-               "stall_warnings": server.proc.text().count("did not run for a while"), "load": C.loadavg()}
-        log(f"[finished_jobs] idle {idle_cpu * 100:.2f}% of a core, RSS {rss_mb:.0f} MB; /v1/jobs p99 "
-            f"{res['first_page']['p99'] * 1000:.1f} ms (load {res['load']})")
+        res = {
+            "jobs": jobs,
+            "held": health.get("jobs"),
+            **made,
+            "idle_s": wall,
+            "idle_cpu": idle_cpu,
+            "rss_mb": rss_mb,
+            "first_page": {
+                "n": len(first),
+                "errors": first_err,
+                "size": first_size,
+                "p50": C.percentile(first, 50),
+                "p99": C.percentile(first, 99),
+                "max": max(first),
+            },
+            "deep_page": {
+                "n": len(deep),
+                "errors": deep_err,
+                "size": deep_size,
+                "p50": C.percentile(deep, 50),
+                "p99": C.percentile(deep, 99),
+                "max": max(deep),
+            },
+            "stall_warnings": server.proc.text().count("did not run for a while"),
+            "load": C.loadavg(),
+        }
+        log(
+            f"[finished_jobs] idle {idle_cpu * 100:.2f}% of a core, RSS {rss_mb:.0f} MB; /v1/jobs p99 "
+            f"{res['first_page']['p99'] * 1000:.1f} ms (load {res['load']})"
+        )
         if waiting:
             made_w = asyncio.run(_make_jobs(server.url, waiting, concurrency, f"w{os.getpid()}", waiting=True))
             time.sleep(2.0)  # their nodes are lost after the 0.5 s disconnect grace
-            waiting_now = len(json.loads(C.http_get(server.url + "/v1/jobs?state=waiting&limit=1000", 30)
-                                         or b'{"jobs": []}')["jobs"])
+            waiting_now = len(
+                json.loads(C.http_get(server.url + "/v1/jobs?state=waiting&limit=1000", 30) or b'{"jobs": []}')["jobs"]
+            )
             cpu_w, wall_w = _idle(server.proc.pid, idle_s)
-            res["waiting"] = {"jobs": waiting, "failed": made_w["failed"], "waiting_now": waiting_now,
-                              "idle_cpu": cpu_w, "idle_s": wall_w}
+            res["waiting"] = {
+                "jobs": waiting,
+                "failed": made_w["failed"],
+                "waiting_now": waiting_now,
+                "idle_cpu": cpu_w,
+                "idle_s": wall_w,
+            }
             log(f"[finished_jobs] with {waiting_now} jobs waiting for nodes: idle {cpu_w * 100:.2f}% of a core")
         return res
     finally:
@@ -181,21 +231,39 @@ def rows(res: dict) -> list[list[str]]:
     made = f"{res['held']:,} held, made in {res['made_s']:.0f} s"
     made += f", {res['failed']} failed" if res["failed"] else ""
     return [
-        [f"{res['jobs']:,} finished jobs present ({made}): idle server CPU over {res['idle_s']:.0f} s",
-         f"{res['idle_cpu'] * 100:.2f}% of a core, RSS {res['rss_mb']:.0f} MB", f"< {TARGET_CPU * 100:g}% of a core",
-         "yes" if res["idle_cpu"] < TARGET_CPU and not res["failed"] else "NO"],
-        [f"GET /v1/jobs, first page ({fp['size']} jobs), {fp['n']} requests one after another",
-         f"p50 {fp['p50'] * 1000:.1f} ms, p99 {fp['p99'] * 1000:.1f} ms, max {fp['max'] * 1000:.1f} ms"
-         + (f", {fp['errors']} errors" if fp["errors"] else ""), f"p99 < {TARGET_P99_S * 1000:g} ms",
-         "yes" if fp["p99"] < TARGET_P99_S and not fp["errors"] else "NO"],
-        [f"GET /v1/jobs?state=succeeded&cursor= (a page from the middle, {dp['size']} jobs), {dp['n']} requests",
-         f"p50 {dp['p50'] * 1000:.1f} ms, p99 {dp['p99'] * 1000:.1f} ms, max {dp['max'] * 1000:.1f} ms"
-         + (f", {dp['errors']} errors" if dp["errors"] else ""), "", ""],
-    ] + ([[f"... and {w['waiting_now']:,} jobs waiting for nodes that left: "
-            f"idle server CPU over {w['idle_s']:.0f} s",
-           f"{w['idle_cpu'] * 100:.2f}% of a core" + (f", {w['failed']} not made" if w["failed"] else ""),
-           f"< {TARGET_CPU * 100:g}% of a core", "yes" if w["idle_cpu"] < TARGET_CPU else "NO"]]
-         if (w := res.get("waiting")) else [])
+        [
+            f"{res['jobs']:,} finished jobs present ({made}): idle server CPU over {res['idle_s']:.0f} s",
+            f"{res['idle_cpu'] * 100:.2f}% of a core, RSS {res['rss_mb']:.0f} MB",
+            f"< {TARGET_CPU * 100:g}% of a core",
+            "yes" if res["idle_cpu"] < TARGET_CPU and not res["failed"] else "NO",
+        ],
+        [
+            f"GET /v1/jobs, first page ({fp['size']} jobs), {fp['n']} requests one after another",
+            f"p50 {fp['p50'] * 1000:.1f} ms, p99 {fp['p99'] * 1000:.1f} ms, max {fp['max'] * 1000:.1f} ms"
+            + (f", {fp['errors']} errors" if fp["errors"] else ""),
+            f"p99 < {TARGET_P99_S * 1000:g} ms",
+            "yes" if fp["p99"] < TARGET_P99_S and not fp["errors"] else "NO",
+        ],
+        [
+            f"GET /v1/jobs?state=succeeded&cursor= (a page from the middle, {dp['size']} jobs), {dp['n']} requests",
+            f"p50 {dp['p50'] * 1000:.1f} ms, p99 {dp['p99'] * 1000:.1f} ms, max {dp['max'] * 1000:.1f} ms"
+            + (f", {dp['errors']} errors" if dp["errors"] else ""),
+            "",
+            "",
+        ],
+    ] + (
+        [
+            [
+                f"... and {w['waiting_now']:,} jobs waiting for nodes that left: "
+                f"idle server CPU over {w['idle_s']:.0f} s",
+                f"{w['idle_cpu'] * 100:.2f}% of a core" + (f", {w['failed']} not made" if w["failed"] else ""),
+                f"< {TARGET_CPU * 100:g}% of a core",
+                "yes" if w["idle_cpu"] < TARGET_CPU else "NO",
+            ]
+        ]
+        if (w := res.get("waiting"))
+        else []
+    )
 
 
 def table(res: dict) -> str:
@@ -207,18 +275,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--jobs", type=int, default=10_000, help="finished jobs to make (default 10000)")
     p.add_argument("--idle-s", type=float, default=20.0, help="seconds of idle CPU measured (default 20)")
     p.add_argument("--requests", type=int, default=500, help="GET /v1/jobs requests per kind (default 500)")
-    p.add_argument("--waiting", type=int, default=1000,
-                   help="then this many jobs waiting for nodes, idle CPU again (default 1000; 0 skips)")
+    p.add_argument(
+        "--waiting",
+        type=int,
+        default=1000,
+        help="then this many jobs waiting for nodes, idle CPU again (default 1000; 0 skips)",
+    )
     p.add_argument("--concurrency", type=int, default=32, help="jobs made at a time (default 32)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args(argv)
     if a.jobs < 1 or a.requests < 1 or a.idle_s <= 0 or a.concurrency < 1 or a.waiting < 0:
         p.error("--jobs, --requests, --concurrency must be >= 1, --waiting >= 0 and --idle-s > 0")
-    res = run(a.jobs, a.idle_s, a.requests, a.concurrency, a.waiting,
-              log=lambda s: print(s, file=sys.stderr, flush=True))
+    res = run(
+        a.jobs, a.idle_s, a.requests, a.concurrency, a.waiting, log=lambda s: print(s, file=sys.stderr, flush=True)
+    )
     print(table(res))
-    print(f"\nload average at the end: {res['load']}; {os.cpu_count()} CPU(s); "
-          f"server stall warnings: {res['stall_warnings']}")
+    print(
+        f"\nload average at the end: {res['load']}; {os.cpu_count()} CPU(s); "
+        f"server stall warnings: {res['stall_warnings']}"
+    )
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
 

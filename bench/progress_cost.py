@@ -41,18 +41,31 @@ async def _measure(calls: int, reps: int) -> dict[str, Any]:
     await ch.start()
     ch.new_round(0)
     try:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "RDZV_AGENT_SOCKET": ch.path,
-               "TORCHELASTIC_RESTART_COUNT": "0", "LOCAL_RANK": "0"}
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _WORKER, str(calls), str(reps), env=env,
-                                                    stdout=subprocess.PIPE)
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "RDZV_AGENT_SOCKET": ch.path,
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "LOCAL_RANK": "0",
+        }
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _WORKER, str(calls), str(reps), env=env, stdout=subprocess.PIPE
+        )
         out, _ = await asyncio.wait_for(proc.communicate(), 300)
         per = json.loads(out)
         await asyncio.sleep(0.2)
         seen = ch.ranks[0].step if 0 in ch.ranks else None
     finally:
         ch.close()
-    return {"calls": calls, "reps": reps, "per_call_s": per, "median_s": statistics.median(per),
-            "min_s": min(per), "max_s": max(per), "agent_saw_step": seen}
+    return {
+        "calls": calls,
+        "reps": reps,
+        "per_call_s": per,
+        "median_s": statistics.median(per),
+        "min_s": min(per),
+        "max_s": max(per),
+        "agent_saw_step": seen,
+    }
 
 
 def run(calls: int = 1_000_000, reps: int = 5) -> dict[str, Any]:
@@ -63,8 +76,14 @@ def rows(res: dict[str, Any]) -> list[list[str]]:
     def us(s: float) -> str:
         return f"{s * 1e6:.2f} µs"
 
-    return [[f"10. Worker: `rdzv_client.worker.progress()` per call ({res['calls']:,} calls, median of {res['reps']})",
-             f"{us(res['median_s'])} ({us(res['min_s'])}-{us(res['max_s'])})", "n/a", "-"]]
+    return [
+        [
+            f"10. Worker: `rdzv_client.worker.progress()` per call ({res['calls']:,} calls, median of {res['reps']})",
+            f"{us(res['median_s'])} ({us(res['min_s'])}-{us(res['max_s'])})",
+            "n/a",
+            "-",
+        ]
+    ]
 
 
 if __name__ == "__main__":

@@ -53,8 +53,22 @@ class Server:
         self.data = tmp / "data"
         self.log = tmp / "server.log"
         self.port = C.free_port()
-        self.proc = C.Proc("server", [python, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(self.port),
-                                      "--data-dir", str(self.data)], self.log, cwd=C.ROOT)
+        self.proc = C.Proc(
+            "server",
+            [
+                python,
+                "-m",
+                "rdzv_server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--data-dir",
+                str(self.data),
+            ],
+            self.log,
+            cwd=C.ROOT,
+        )
         self.url = f"http://127.0.0.1:{self.port}"
         if not C.wait_until(lambda: C.http_get(self.url + "/healthz", 1.0) or self.proc.poll() is not None, 20):
             raise RuntimeError("server did not start:\n" + self.proc.text()[-2000:])
@@ -110,15 +124,28 @@ def formation(server: Server, clients: Clients, n: int, reps: int, tag: str) -> 
         view = server.job(job_id) or {}
         hist = (view.get("history") or [{}])[0]
         form = (hist["completed_at"] - hist["started_at"]) if hist.get("completed_at") else None
-        runs.append({"p50": C.percentile(lat, 50), "p99": C.percentile(lat, 99), "max": max(lat) if lat else None,
-                     "missing": missing, "join_send_spread": last - min(sent), "server_first_to_complete": form})
+        runs.append(
+            {
+                "p50": C.percentile(lat, 50),
+                "p99": C.percentile(lat, 99),
+                "max": max(lat) if lat else None,
+                "missing": missing,
+                "join_send_spread": last - min(sent),
+                "server_first_to_complete": form,
+            }
+        )
         server.close_job(job_id)
         clients.same({"cmd": "close"})
         time.sleep(0.3)
-    return {"n": n, "reps": runs,
-            "p50": C.median(r["p50"] for r in runs), "p99": C.median(r["p99"] for r in runs),
-            "p99_min": min(r["p99"] for r in runs), "p99_max": max(r["p99"] for r in runs),
-            "missing": sum(r["missing"] for r in runs)}
+    return {
+        "n": n,
+        "reps": runs,
+        "p50": C.median(r["p50"] for r in runs),
+        "p99": C.median(r["p99"] for r in runs),
+        "p99_min": min(r["p99"] for r in runs),
+        "p99_max": max(r["p99"] for r in runs),
+        "missing": sum(r["missing"] for r in runs),
+    }
 
 
 def storm(server: Server, clients: Clients, n: int, tag: str) -> dict:
@@ -127,10 +154,14 @@ def storm(server: Server, clients: Clients, n: int, tag: str) -> dict:
     sent, recv, conn = _merge(ans, "sent"), _merge(ans, "recv"), _merge(ans, "connect")
     got = [r for r in recv if r is not None]
     first_sent = min(s for s in sent if s is not None)
-    res = {"n": n, "assigned": len(got), "missing": n - len(got),
-           "from_first_join_s": (max(got) - first_sent) if len(got) == n else None,
-           "from_first_connect_s": (max(got) - min(conn)) if len(got) == n else None,
-           "connect_retries": sum(a.get("retries", 0) for a in ans)}
+    res = {
+        "n": n,
+        "assigned": len(got),
+        "missing": n - len(got),
+        "from_first_join_s": (max(got) - first_sent) if len(got) == n else None,
+        "from_first_connect_s": (max(got) - min(conn)) if len(got) == n else None,
+        "connect_retries": sum(a.get("retries", 0) for a in ans),
+    }
     server.close_job(job_id)
     clients.same({"cmd": "close"})
     return res
@@ -176,29 +207,50 @@ def live(server: Server, clients: Clients, totals: list[int], measure_s: float, 
             v = server.job(j) or {}
             if v.get("state") != "running" or v.get("round") != 0:
                 bad_jobs.append(j)
-        res = {"nodes": total, "jobs": len(jobs), "ramp_s": ramp_s, "measure_s": wall,
-               "server_cpu": (s1 - s0) / C.CLK_TCK / wall, "server_rss_mb": rss / 1024, "server_hwm_mb": hwm / 1024,
-               "evicted": sum(s["evicted"] for s in stats), "closed": sum(s["closed"] for s in stats),
-               "errors": sum(s["errors"] for s in stats), "why_closed": [s["why"] for s in stats],
-               "assigned": sum(s["assigned"] for s in stats),
-               "jobs_not_running_round0": bad_jobs,
-               "server_evictions": metrics.get("rdzv_evictions_total", 0.0),
-               "server_rounds_opened": metrics.get("rdzv_rounds_opened_total", 0.0),
-               "server_stall_warnings": server.stalls(),
-               "healthz_p50_s": C.percentile(probe, 50), "healthz_max_s": max(probe),
-               "client_cpu": sum(b["cpu_ticks"] - a for a, b in zip(c0, stats, strict=True)) / C.CLK_TCK / wall,
-               "load": C.loadavg()}
+        res = {
+            "nodes": total,
+            "jobs": len(jobs),
+            "ramp_s": ramp_s,
+            "measure_s": wall,
+            "server_cpu": (s1 - s0) / C.CLK_TCK / wall,
+            "server_rss_mb": rss / 1024,
+            "server_hwm_mb": hwm / 1024,
+            "evicted": sum(s["evicted"] for s in stats),
+            "closed": sum(s["closed"] for s in stats),
+            "errors": sum(s["errors"] for s in stats),
+            "why_closed": [s["why"] for s in stats],
+            "assigned": sum(s["assigned"] for s in stats),
+            "jobs_not_running_round0": bad_jobs,
+            "server_evictions": metrics.get("rdzv_evictions_total", 0.0),
+            "server_rounds_opened": metrics.get("rdzv_rounds_opened_total", 0.0),
+            "server_stall_warnings": server.stalls(),
+            "healthz_p50_s": C.percentile(probe, 50),
+            "healthz_max_s": max(probe),
+            "client_cpu": sum(b["cpu_ticks"] - a for a, b in zip(c0, stats, strict=True)) / C.CLK_TCK / wall,
+            "load": C.loadavg(),
+        }
         results.append(res)
-        print(f"[server_scale] live {total}: server {res['server_cpu'] * 100:.1f}% of a core, "
-              f"RSS {res['server_rss_mb']:.0f} MB, evicted {res['evicted']}, load {res['load']}", file=sys.stderr)
+        print(
+            f"[server_scale] live {total}: server {res['server_cpu'] * 100:.1f}% of a core, "
+            f"RSS {res['server_rss_mb']:.0f} MB, evicted {res['evicted']}, load {res['load']}",
+            file=sys.stderr,
+        )
     for j in jobs:
         server.close_job(j)
     clients.same({"cmd": "close"})
     return results
 
 
-def run(formation_ns: list[int], reps: int, storm_n: int | None, live_totals: list[int], live_s: float,
-        n_clients: int = 2, ws_ping: float | None = 5.0, log=print) -> dict:
+def run(
+    formation_ns: list[int],
+    reps: int,
+    storm_n: int | None,
+    live_totals: list[int],
+    live_s: float,
+    n_clients: int = 2,
+    ws_ping: float | None = 5.0,
+    log=print,
+) -> dict:
     """All the server scale measurements; each part has its own fresh server."""
     C.raise_nofile()
     tmp = Path(tempfile.mkdtemp(prefix="rdzv-bench-scale-"))
@@ -219,8 +271,10 @@ def run(formation_ns: list[int], reps: int, storm_n: int | None, live_totals: li
                     for n in formation_ns:
                         r = formation(server, clients, n, reps, tag)
                         out["formation"].append(r)
-                        log(f"[server_scale] formation N={n}: p50 {r['p50'] * 1000:.1f} ms, "
-                            f"p99 {r['p99'] * 1000:.1f} ms (load {C.loadavg()})")
+                        log(
+                            f"[server_scale] formation N={n}: p50 {r['p50'] * 1000:.1f} ms, "
+                            f"p99 {r['p99'] * 1000:.1f} ms (load {C.loadavg()})"
+                        )
                 elif part == "storm":
                     out["storm"] = storm(server, clients, storm_n, tag)
                     log(f"[server_scale] storm {storm_n}: {out['storm']} (load {C.loadavg()})")
@@ -245,32 +299,54 @@ def table(res: dict) -> str:
         target = "p99 < 50 ms" if f["n"] == 256 else ""
         ok = ("yes" if f["p99"] < 0.050 else "NO") if f["n"] == 256 else ""
         miss = f", {f['missing']} missing" if f["missing"] else ""
-        rows.append([f"formation N={f['n']} (last join sent -> assigned, {len(f['reps'])} reps)",
-                     f"p50 {f['p50'] * 1000:.1f} ms, p99 {f['p99'] * 1000:.1f} ms "
-                     f"(p99 {f['p99_min'] * 1000:.1f}-{f['p99_max'] * 1000:.1f}){miss}", target, ok])
+        rows.append(
+            [
+                f"formation N={f['n']} (last join sent -> assigned, {len(f['reps'])} reps)",
+                f"p50 {f['p50'] * 1000:.1f} ms, p99 {f['p99'] * 1000:.1f} ms "
+                f"(p99 {f['p99_min'] * 1000:.1f}-{f['p99_max'] * 1000:.1f}){miss}",
+                target,
+                ok,
+            ]
+        )
     s = res.get("storm")
     if s:
         if s["from_first_join_s"] is None:
             val, ok = f"{s['missing']} of {s['n']} got no assignment in {ASSIGN_TIMEOUT_S:g} s", "NO"
         else:
-            val = (f"{s['from_first_join_s']:.2f} s (from first connect attempt {s['from_first_connect_s']:.2f} s, "
-                   f"{s['connect_retries']} connect retries)")
+            val = (
+                f"{s['from_first_join_s']:.2f} s (from first connect attempt {s['from_first_connect_s']:.2f} s, "
+                f"{s['connect_retries']} connect retries)"
+            )
             ok = "yes" if s["from_first_join_s"] < 3.0 else "NO"
         rows.append([f"join storm {s['n']} nodes: first join -> all assigned", val, "< 3 s", ok])
     for lv in res["live"]:
         big = lv["nodes"] >= 10000
         ok = ""
         if big:
-            ok = "yes" if (lv["server_cpu"] < 1.0 and lv["server_rss_mb"] < 500 and lv["evicted"] == 0
-                           and not lv["server_evictions"] and not lv["server_rounds_opened"]) else "NO"
-        rows.append([f"{lv['nodes']} live nodes ({lv['jobs']} job(s)), heartbeats 2 s, {lv['measure_s']:.0f} s",
-                     f"server CPU {lv['server_cpu'] * 100:.1f}% of a core, RSS {lv['server_rss_mb']:.0f} MB, "
-                     f"evicted {lv['evicted'] + int(lv['server_evictions'])}, dropped {lv['closed']}, rounds "
-                     f"restarted {int(lv['server_rounds_opened'])}, "
-                     f"server stalls >1.5 s {lv['server_stall_warnings']}, /healthz p50 "
-                     f"{lv['healthz_p50_s'] * 1000:.0f} ms max {lv['healthz_max_s'] * 1000:.0f} ms "
-                     f"(clients {lv['client_cpu'] * 100:.0f}% CPU, load {lv['load']})",
-                     "< 1 core, < 500 MB, 0 evicted" if big else "", ok])
+            ok = (
+                "yes"
+                if (
+                    lv["server_cpu"] < 1.0
+                    and lv["server_rss_mb"] < 500
+                    and lv["evicted"] == 0
+                    and not lv["server_evictions"]
+                    and not lv["server_rounds_opened"]
+                )
+                else "NO"
+            )
+        rows.append(
+            [
+                f"{lv['nodes']} live nodes ({lv['jobs']} job(s)), heartbeats 2 s, {lv['measure_s']:.0f} s",
+                f"server CPU {lv['server_cpu'] * 100:.1f}% of a core, RSS {lv['server_rss_mb']:.0f} MB, "
+                f"evicted {lv['evicted'] + int(lv['server_evictions'])}, dropped {lv['closed']}, rounds "
+                f"restarted {int(lv['server_rounds_opened'])}, "
+                f"server stalls >1.5 s {lv['server_stall_warnings']}, /healthz p50 "
+                f"{lv['healthz_p50_s'] * 1000:.0f} ms max {lv['healthz_max_s'] * 1000:.0f} ms "
+                f"(clients {lv['client_cpu'] * 100:.0f}% CPU, load {lv['load']})",
+                "< 1 core, < 500 MB, 0 evicted" if big else "",
+                ok,
+            ]
+        )
     return C.md_table(["server scale (rdzv only)", "result", "target", "met"], rows)
 
 
@@ -291,15 +367,21 @@ def main(argv: list[str] | None = None) -> None:
     def ints(text, default):
         return [int(x) for x in text.split(",") if x.strip() and int(x)] if text is not None else default
 
-    res = run(formation_ns=ints(a.formation, [8, 64, 256] if q else [8, 64, 256, 1024]),
-              reps=a.reps or (2 if q else 3),
-              storm_n=a.storm if a.storm is not None else (1024 if q else 4096),
-              live_totals=ints(a.live, [1000] if q else [1000, 5000, 10000]),
-              live_s=a.live_s or (5.0 if q else 20.0), n_clients=a.clients,
-              ws_ping=None if a.no_ws_ping else 5.0, log=lambda s: print(s, file=sys.stderr))
+    res = run(
+        formation_ns=ints(a.formation, [8, 64, 256] if q else [8, 64, 256, 1024]),
+        reps=a.reps or (2 if q else 3),
+        storm_n=a.storm if a.storm is not None else (1024 if q else 4096),
+        live_totals=ints(a.live, [1000] if q else [1000, 5000, 10000]),
+        live_s=a.live_s or (5.0 if q else 20.0),
+        n_clients=a.clients,
+        ws_ping=None if a.no_ws_ping else 5.0,
+        log=lambda s: print(s, file=sys.stderr),
+    )
     print(table(res))
-    print(f"\nload average before/after: {res['load_before']} / {res['load_after']}; "
-          f"{a.clients} client process(es); {os.cpu_count()} CPU(s)")
+    print(
+        f"\nload average before/after: {res['load_before']} / {res['load_after']}; "
+        f"{a.clients} client process(es); {os.cpu_count()} CPU(s)"
+    )
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
 

@@ -47,8 +47,25 @@ ASSIGN_TIMEOUT_S = 60.0
 
 
 class Node:
-    __slots__ = ("job_id", "node_id", "join_text", "ws", "t_connect", "t_sent", "t_recv", "hb_s", "hb_task",
-                 "reader", "evicted", "restarts", "done", "closed", "assigned", "errors", "why")
+    __slots__ = (
+        "job_id",
+        "node_id",
+        "join_text",
+        "ws",
+        "t_connect",
+        "t_sent",
+        "t_recv",
+        "hb_s",
+        "hb_task",
+        "reader",
+        "evicted",
+        "restarts",
+        "done",
+        "closed",
+        "assigned",
+        "errors",
+        "why",
+    )
 
     def __init__(self, job_id: str, node_id: str, join_text: str):
         self.job_id, self.node_id, self.join_text = job_id, node_id, join_text
@@ -69,8 +86,15 @@ class Node:
 def _join_text(job_id: str, node_id: str, index: int, nnodes: int) -> str:
     from rdzv_server.protocol import JobSpec, JoinMsg
 
-    msg = JoinMsg(job_id=job_id, node_id=node_id, host=f"sim{index}", addr="127.0.0.1", local_world_size=1,
-                  master_port=20000 + index % 40000, spec=JobSpec(min_nodes=nnodes, max_nodes=nnodes))
+    msg = JoinMsg(
+        job_id=job_id,
+        node_id=node_id,
+        host=f"sim{index}",
+        addr="127.0.0.1",
+        local_world_size=1,
+        master_port=20000 + index % 40000,
+        spec=JobSpec(min_nodes=nnodes, max_nodes=nnodes),
+    )
     return msg.model_dump_json()
 
 
@@ -179,8 +203,11 @@ class ClientProc:
             await asyncio.wait_for(asyncio.gather(*(n.assigned.wait() for n in todo)), ASSIGN_TIMEOUT_S)
         except asyncio.TimeoutError:
             pass
-        return {"sent": [n.t_sent for n in todo], "recv": [n.t_recv for n in todo],
-                "connect": [n.t_connect for n in todo]}
+        return {
+            "sent": [n.t_sent for n in todo],
+            "recv": [n.t_recv for n in todo],
+            "connect": [n.t_connect for n in todo],
+        }
 
     async def storm(self, specs: list[list]) -> dict:
         new = [Node(job, nid, _join_text(job, nid, idx, n)) for job, nid, idx, n in specs]
@@ -199,13 +226,20 @@ class ClientProc:
         return res
 
     def stats(self) -> dict:
-        return {"nodes": len(self.nodes), "evicted": sum(n.evicted for n in self.nodes),
-                "restart": sum(n.restarts for n in self.nodes), "done": sum(n.done for n in self.nodes),
-                "closed": sum(n.closed for n in self.nodes), "errors": sum(n.errors for n in self.nodes),
-                "dropped": sum(n.closed and not n.done for n in self.nodes),
-                "assigned": sum(n.t_recv is not None for n in self.nodes), "hb_sent": self.hb_sent,
-                "why": dict(collections.Counter(n.why for n in self.nodes if n.why)),
-                "cpu_ticks": C.cpu_ticks(os.getpid()), "rss_kb": C.status_kb(os.getpid(), "VmRSS")}
+        return {
+            "nodes": len(self.nodes),
+            "evicted": sum(n.evicted for n in self.nodes),
+            "restart": sum(n.restarts for n in self.nodes),
+            "done": sum(n.done for n in self.nodes),
+            "closed": sum(n.closed for n in self.nodes),
+            "errors": sum(n.errors for n in self.nodes),
+            "dropped": sum(n.closed and not n.done for n in self.nodes),
+            "assigned": sum(n.t_recv is not None for n in self.nodes),
+            "hb_sent": self.hb_sent,
+            "why": dict(collections.Counter(n.why for n in self.nodes if n.why)),
+            "cpu_ticks": C.cpu_ticks(os.getpid()),
+            "rss_kb": C.status_kb(os.getpid(), "VmRSS"),
+        }
 
     async def close(self) -> dict:
         nodes, self.nodes = self.nodes, []
@@ -221,8 +255,10 @@ class ClientProc:
     async def serve(self) -> None:
         import aiohttp
 
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False),
-                                             timeout=aiohttp.ClientTimeout(total=None, connect=30))
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            timeout=aiohttp.ClientTimeout(total=None, connect=30),
+        )
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=2**26)
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -263,8 +299,12 @@ class Clients:
         argv = [sys.executable, "-m", "bench.simagents", url]
         if ws_ping is None:
             argv.append("--no-ws-ping")
-        self.procs = [subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=C.ROOT,
-                                       start_new_session=True) for _ in range(n)]
+        self.procs = [
+            subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=C.ROOT, start_new_session=True
+            )
+            for _ in range(n)
+        ]
         for p in self.procs:
             assert json.loads(p.stdout.readline()).get("ready")
 
@@ -288,7 +328,7 @@ class Clients:
         return self.all([cmd] * len(self.procs))
 
     def split(self, op: str, nodes: list[list]) -> list[dict]:
-        return self.all([{"cmd": op, "nodes": nodes[i::len(self.procs)]} for i in range(len(self.procs))])
+        return self.all([{"cmd": op, "nodes": nodes[i :: len(self.procs)]} for i in range(len(self.procs))])
 
     def stop(self) -> None:
         for p in self.procs:
@@ -308,7 +348,6 @@ class Clients:
                     pipe.close()
                 except OSError:
                     pass
-
 
 
 def node_specs(job_id: str, n: int, base: int = 0) -> list[list]:

@@ -169,10 +169,7 @@ def train(
         optimizer.load_state_dict(ckpt["optimizer"])
         step, epoch, samples_into_epoch = ckpt["step"], ckpt["epoch"], ckpt["samples_into_epoch"]
     ddp = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    say(
-        f"started rank {rank}/{world_size} local_rank {local_rank} restart_count {restart} "
-        f"resumed_from_step {step}"
-    )
+    say(f"started rank {rank}/{world_size} local_rank {local_rank} restart_count {restart} resumed_from_step {step}")
 
     dataset = make_dataset()
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0)

@@ -62,8 +62,14 @@ log = logging.getLogger("rdzv_agent")
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_GAVE_UP = 3
-FATAL_CODES = {ErrorCode.SPEC_MISMATCH, ErrorCode.JOB_FINISHED, ErrorCode.VALIDATION_ERROR,
-               ErrorCode.UNAUTHORIZED, ErrorCode.BAD_REQUEST, ErrorCode.JOB_SECRET_MISMATCH}
+FATAL_CODES = {
+    ErrorCode.SPEC_MISMATCH,
+    ErrorCode.JOB_FINISHED,
+    ErrorCode.VALIDATION_ERROR,
+    ErrorCode.UNAUTHORIZED,
+    ErrorCode.BAD_REQUEST,
+    ErrorCode.JOB_SECRET_MISMATCH,
+}
 
 
 # ------------------------------------------------------------------ helpers
@@ -89,8 +95,15 @@ class Agent:
 
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
-        self.session = NodeSession(job_id=cfg.job_id, host=cfg.host, nproc=cfg.nproc, spec=cfg.spec_fields(),
-                                   addr=cfg.local_addr, job_secret=cfg.job_secret, requested_rank=cfg.node_rank)
+        self.session = NodeSession(
+            job_id=cfg.job_id,
+            host=cfg.host,
+            nproc=cfg.nproc,
+            spec=cfg.spec_fields(),
+            addr=cfg.local_addr,
+            job_secret=cfg.job_secret,
+            requested_rank=cfg.node_rank,
+        )
         self.phase = Phase.JOINING
         self._link: AgentLink | None = None  # set once run() connects
         self.group: WorkerGroup | None = None
@@ -184,18 +197,29 @@ class Agent:
                 await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
             except socket.gaierror as e:
                 if e.errno != socket.EAI_AGAIN:  # a name that does not exist will not start to
-                    print(f"rdzv-agent: error: server host {printable(host)!r} does not resolve: {e.strerror}",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"rdzv-agent: error: server host {printable(host)!r} does not resolve: {e.strerror}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     return EXIT_USAGE
             if not self.session.addr:
                 self.session.addr = route_addr(host, port)
-            self._link = AgentLink(self.cfg.endpoint, self.cfg.token,
-                                    heartbeat_s=heartbeat_every(self.session.spec["heartbeat_timeout_s"]))
+            self._link = AgentLink(
+                self.cfg.endpoint, self.cfg.token, heartbeat_s=heartbeat_every(self.session.spec["heartbeat_timeout_s"])
+            )
             self.session.link = self._link
             await self._link.start()
             await self.watch.start(self._worker_pids)
-            self._say("joining %s at %s (nnodes %d:%d, %d worker(s) here, address %s)", self.cfg.endpoint,
-                      time.strftime("%H:%M:%S"), self.cfg.min_nodes, self.cfg.max_nodes, self.cfg.nproc, self.addr)
+            self._say(
+                "joining %s at %s (nnodes %d:%d, %d worker(s) here, address %s)",
+                self.cfg.endpoint,
+                time.strftime("%H:%M:%S"),
+                self.cfg.min_nodes,
+                self.cfg.max_nodes,
+                self.cfg.nproc,
+                self.addr,
+            )
             if not await self._join_when_healthy(rejoining=False):
                 return await self._on_signal(self.signals.get_nowait())
             return await self._loop()
@@ -255,7 +279,6 @@ class Agent:
                 if f is not None:
                     f.cancel()
 
-
     def _worker_pids(self) -> list[int]:
         return list(self.group.pids) if self.group is not None else []
 
@@ -291,15 +314,21 @@ class Agent:
         why = printable(link.last_error or "no answer", limit=300)
         if out.kind == "give_up":
             self.status.done()
-            print(f"[rdzv-agent] job {cfg.job_id}: giving up: server {cfg.endpoint} unreachable for "
-                  f"{cfg.server_timeout_s:g}s (--server-timeout; {why})"
-                  + ("; stopping workers" if self.group is not None else ""), file=sys.stderr, flush=True)
+            print(
+                f"[rdzv-agent] job {cfg.job_id}: giving up: server {cfg.endpoint} unreachable for "
+                f"{cfg.server_timeout_s:g}s (--server-timeout; {why})"
+                + ("; stopping workers" if self.group is not None else ""),
+                file=sys.stderr,
+                flush=True,
+            )
             await self._stop_workers()
             self.phase = Phase.DONE
             return EXIT_GAVE_UP
-        notice = (f"server unreachable for {out.down:.0f}s at {cfg.endpoint} ({why})"
-                  + ("; workers keep running" if self.group is not None else "")
-                  + f"; giving up in {out.left:.0f}s")
+        notice = (
+            f"server unreachable for {out.down:.0f}s at {cfg.endpoint} ({why})"
+            + ("; workers keep running" if self.group is not None else "")
+            + f"; giving up in {out.left:.0f}s"
+        )
         if out.kind == "notice":
             self._say("%s", notice)
         self.status.show(f"[rdzv-agent] {notice}")
@@ -335,8 +364,10 @@ class Agent:
                 if self._held_for is not None:
                     self._say("this host may be admitted again; waiting as a spare")
                 self._held_for = None
-                self.status.show(f"[rdzv-agent] job {cfg.job_id}: spare (the job is at max {cfg.max_nodes} "
-                                 "nodes); waiting to replace a node")
+                self.status.show(
+                    f"[rdzv-agent] job {cfg.job_id}: spare (the job is at max {cfg.max_nodes} "
+                    "nodes); waiting to replace a node"
+                )
         elif isinstance(msg, AssignedMsg):
             a = msg.assignment
             problem = self.session.check_assignment(a)
@@ -414,28 +445,45 @@ class Agent:
                 log.info("server: %s", printable(msg.message))
             return None
         if msg.code in FATAL_CODES:
-            print(f"[rdzv-agent] error: the server refused this node: {printable(msg.message)}", file=sys.stderr,
-                  flush=True)
+            print(
+                f"[rdzv-agent] error: the server refused this node: {printable(msg.message)}",
+                file=sys.stderr,
+                flush=True,
+            )
             await self._stop_workers()
             return EXIT_USAGE
         log.warning("server error %s: %s", msg.code.value, printable(msg.message))
         return None
 
-
     def _show_waiting(self, round_no: int, info: WaitingInfo) -> None:
-        self.status.show(f"[rdzv-agent] job {self.cfg.job_id} round {round_no}: {info.joined} joined "
-                         f"(min {info.min_nodes}, max {info.max_nodes}, spares {info.spares}); "
-                         f"{printable(info.text, limit=500)}")
+        self.status.show(
+            f"[rdzv-agent] job {self.cfg.job_id} round {round_no}: {info.joined} joined "
+            f"(min {info.min_nodes}, max {info.max_nodes}, spares {info.spares}); "
+            f"{printable(info.text, limit=500)}"
+        )
 
     async def _start_workers(self, a: Assignment) -> None:
         cfg = self.cfg
         self.session.assignment = a
-        self._say("round %d: group rank %d of %d, ranks %d-%d of world %d, master %s:%d, restart %d/%d",
-                  a.round, a.group_rank, a.group_world_size, a.rank_offset, a.rank_offset + a.local_world_size - 1,
-                  a.world_size, a.master_addr, a.master_port, a.restarts, a.max_restarts)
+        self._say(
+            "round %d: group rank %d of %d, ranks %d-%d of world %d, master %s:%d, restart %d/%d",
+            a.round,
+            a.group_rank,
+            a.group_world_size,
+            a.rank_offset,
+            a.rank_offset + a.local_world_size - 1,
+            a.world_size,
+            a.master_addr,
+            a.master_port,
+            a.restarts,
+            a.max_restarts,
+        )
         if cfg.node_rank is not None and a.group_rank != cfg.node_rank:
-            why = (f"this round has {a.group_world_size} node(s)" if cfg.node_rank >= a.group_world_size
-                   else f"rank {cfg.node_rank} is held by another node")
+            why = (
+                f"this round has {a.group_world_size} node(s)"
+                if cfg.node_rank >= a.group_world_size
+                else f"rank {cfg.node_rank} is held by another node"
+            )
             self._say("asked for node rank %d, got %d (%s)", cfg.node_rank, a.group_rank, why)
         base = dict(os.environ)
         err_root = cfg.log_dir or self._err_dir
@@ -450,8 +498,14 @@ class Agent:
             self.watch.add_env(env)
             envs.append(env)
         self.watch.new_round(a.round)
-        launch = LaunchConfig(cmd=cfg.cmd, local_world_size=cfg.nproc, log_dir=cfg.log_dir, redirects=cfg.redirects,
-                              tee=cfg.tee, local_ranks_filter=cfg.local_ranks_filter)
+        launch = LaunchConfig(
+            cmd=cfg.cmd,
+            local_world_size=cfg.nproc,
+            log_dir=cfg.log_dir,
+            redirects=cfg.redirects,
+            tee=cfg.tee,
+            local_ranks_filter=cfg.local_ranks_filter,
+        )
         self.group = WorkerGroup(launch, envs, attempt=a.round)
         try:
             await self.group.start()
@@ -460,8 +514,14 @@ class Agent:
 
             self.group = None
             self._say("cannot start workers: %s", e)
-            rec = ExitRecord(local_rank=0, rank=a.rank_offset, pid=0, exit_code=127,
-                             message=f"cannot start {cfg.cmd[0]}: {e}", timestamp=time.time())
+            rec = ExitRecord(
+                local_rank=0,
+                rank=a.rank_offset,
+                pid=0,
+                exit_code=127,
+                message=f"cannot start {cfg.cmd[0]}: {e}",
+                timestamp=time.time(),
+            )
             self.phase = Phase.REPORTED
             self.session.report_failed(a.round, [rec])
             return
@@ -497,10 +557,19 @@ class Agent:
         for i in failed:
             self._say("round %d: %s", a.round, describe(i, a.rank_offset + i.local_rank))
         await self._stop_workers()
-        records = [ExitRecord(local_rank=i.local_rank, rank=a.rank_offset + i.local_rank, pid=i.pid,
-                              exit_code=i.exit_code, signal=i.signal, message=self.watch.exit_message(i),
-                              timestamp=i.timestamp, reason="timer" if self.watch.timer_killed(i.pid) else None)
-                   for i in failed]
+        records = [
+            ExitRecord(
+                local_rank=i.local_rank,
+                rank=a.rank_offset + i.local_rank,
+                pid=i.pid,
+                exit_code=i.exit_code,
+                signal=i.signal,
+                message=self.watch.exit_message(i),
+                timestamp=i.timestamp,
+                reason="timer" if self.watch.timer_killed(i.pid) else None,
+            )
+            for i in failed
+        ]
         self.phase = Phase.REPORTED
         self.session.report_failed(a.round, records)
         return None
@@ -516,10 +585,13 @@ class Agent:
         return 128 + signum
 
 
-
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=os.environ.get("RDZV_LOG_LEVEL", "INFO"),
-                        format="[rdzv-agent %(asctime)s] %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
+    logging.basicConfig(
+        level=os.environ.get("RDZV_LOG_LEVEL", "INFO"),
+        format="[rdzv-agent %(asctime)s] %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
     args = build_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)

@@ -207,9 +207,16 @@ class FileTimerServer:
                 raise ValueError("too long")
             req = json.loads(line)
             pid, scope_id, expiration, sig = req["pid"], req["scope_id"], req["expiration_time"], req["signal"]
-            if not (isinstance(pid, int) and 0 < pid < 2**31 and isinstance(scope_id, str)
-                    and len(scope_id) <= MAX_SCOPE_ID and isinstance(expiration, (int, float))
-                    and math.isfinite(expiration) and isinstance(sig, int) and 0 <= sig < 65):
+            if not (
+                isinstance(pid, int)
+                and 0 < pid < 2**31
+                and isinstance(scope_id, str)
+                and len(scope_id) <= MAX_SCOPE_ID
+                and isinstance(expiration, (int, float))
+                and math.isfinite(expiration)
+                and isinstance(sig, int)
+                and 0 <= sig < 65
+            ):
                 raise ValueError("bad fields")
         except (ValueError, KeyError, TypeError):
             self.dropped += 1
@@ -239,8 +246,11 @@ class FileTimerServer:
             if t.signal <= 0:
                 continue
             if t.pid not in allowed and _pgid(t.pid) not in allowed:
-                log.warning("timer %r expired for pid %d, which is not one of this agent's workers: ignored",
-                            printable(t.scope_id, limit=100), t.pid)
+                log.warning(
+                    "timer %r expired for pid %d, which is not one of this agent's workers: ignored",
+                    printable(t.scope_id, limit=100),
+                    t.pid,
+                )
                 continue
             try:
                 os.kill(t.pid, t.signal)

@@ -64,8 +64,18 @@ def render_jobs(jobs: JobList) -> str:
         return "no jobs"
     return _table(
         ["JOB", "STATE", "ROUND", "NODES", "MIN:MAX", "WORLD", "RESTARTS"],
-        [[j.job_id, j.state.value, j.round, j.nodes, f"{j.min_nodes}:{j.max_nodes}", j.world_size,
-          f"{j.restarts}/{j.max_restarts}"] for j in jobs.jobs],
+        [
+            [
+                j.job_id,
+                j.state.value,
+                j.round,
+                j.nodes,
+                f"{j.min_nodes}:{j.max_nodes}",
+                j.world_size,
+                f"{j.restarts}/{j.max_restarts}",
+            ]
+            for j in jobs.jobs
+        ],
     )
 
 
@@ -82,19 +92,40 @@ def render_job(job: JobView) -> str:
     if job.root_cause:
         out.append(f"root cause: {printable(job.root_cause)}")
     out.append("")
-    rows = [[n.group_rank if n.group_rank is not None else "-", n.node_id, n.host, n.addr, n.state,
-             n.local_world_size, f"{n.last_seen_s:.1f}s ago", _progress_cell(n)] for n in job.nodes + job.spares]
-    out.append(_table(["RANK", "NODE", "HOST", "ADDR", "STATE", "NPROC", "LAST SEEN", "PROGRESS"], rows)
-               if rows else "no nodes")
+    rows = [
+        [
+            n.group_rank if n.group_rank is not None else "-",
+            n.node_id,
+            n.host,
+            n.addr,
+            n.state,
+            n.local_world_size,
+            f"{n.last_seen_s:.1f}s ago",
+            _progress_cell(n),
+        ]
+        for n in job.nodes + job.spares
+    ]
+    out.append(
+        _table(["RANK", "NODE", "HOST", "ADDR", "STATE", "NPROC", "LAST SEEN", "PROGRESS"], rows)
+        if rows
+        else "no nodes"
+    )
     for n in job.spares:
         if n.host_blocked:
             out.append(f"spare {printable(n.node_id)} waits: {printable(n.host_blocked)}")
     if job.nodes_omitted:
         out.append(f"(+{job.nodes_omitted} more nodes not listed)")
     out.append("")
-    hist = [[r.round, _when(r.started_at),
-             "-" if r.completed_at is None else f"{(r.completed_at - r.started_at) * 1000:.0f} ms",
-             r.world_size if r.world_size is not None else "-", r.reason] for r in job.history[-20:]]
+    hist = [
+        [
+            r.round,
+            _when(r.started_at),
+            "-" if r.completed_at is None else f"{(r.completed_at - r.started_at) * 1000:.0f} ms",
+            r.world_size if r.world_size is not None else "-",
+            r.reason,
+        ]
+        for r in job.history[-20:]
+    ]
     out.append(_table(["ROUND", "OPENED", "FORMED IN", "WORLD", "WHY"], hist))
     return "\n".join(out)
 
@@ -103,10 +134,16 @@ def _global_flags(p: argparse.ArgumentParser, defaults: bool) -> None:
     """--endpoint and --token: on the main parser with their defaults, and on
     every subcommand without (so ``rdzv status --endpoint X`` works and a flag
     given before the subcommand is not reset by it)."""
-    p.add_argument("--endpoint", default=os.environ.get("RDZV_ENDPOINT", "127.0.0.1:29400") if defaults
-                   else argparse.SUPPRESS, help="server HOST:PORT (default $RDZV_ENDPOINT or 127.0.0.1:29400)")
-    p.add_argument("--token", default=os.environ.get("RDZV_TOKEN") if defaults else argparse.SUPPRESS,
-                   help="bearer token (default $RDZV_TOKEN)")
+    p.add_argument(
+        "--endpoint",
+        default=os.environ.get("RDZV_ENDPOINT", "127.0.0.1:29400") if defaults else argparse.SUPPRESS,
+        help="server HOST:PORT (default $RDZV_ENDPOINT or 127.0.0.1:29400)",
+    )
+    p.add_argument(
+        "--token",
+        default=os.environ.get("RDZV_TOKEN") if defaults else argparse.SUPPRESS,
+        help="bearer token (default $RDZV_TOKEN)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,25 +155,31 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     st = sub.add_parser("status", help="list jobs, or show one job", parents=[common])
     st.add_argument("job", nargs="?", help="job id")
-    st.add_argument("--state", choices=[s.value for s in JobState], default=None,
-                    help="list only jobs in this state")
+    st.add_argument("--state", choices=[s.value for s in JobState], default=None, help="list only jobs in this state")
     st.add_argument("--json", action="store_true", help="print the raw JSON")
     st.add_argument("--watch", action="store_true", help="refresh in place until interrupted")
     st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
     cl = sub.add_parser("close", help="close a job: its agents stop their workers and exit", parents=[common])
     cl.add_argument("job", help="job id")
-    de = sub.add_parser("delete", help="forget a finished job (its view, its saved state, its metrics)",
-                        parents=[common])
+    de = sub.add_parser(
+        "delete", help="forget a finished job (its view, its saved state, its metrics)", parents=[common]
+    )
     de.add_argument("job", help="job id")
     ho = sub.add_parser("hosts", help="host records: failures, cool-downs, cordons", parents=[common])
     ho.add_argument("host", nargs="?", help="one host, with its failures")
     ho.add_argument("--json", action="store_true", help="print the raw JSON")
-    co = sub.add_parser("cordon", help="no new admissions from a host (--drain: replace its running nodes now)",
-                        parents=[common])
+    co = sub.add_parser(
+        "cordon", help="no new admissions from a host (--drain: replace its running nodes now)", parents=[common]
+    )
     co.add_argument("host")
     co.add_argument("--reason", required=True, help="why (shown to the host's agents and in rdzv status)")
-    co.add_argument("--ttl", type=_duration, default=None, metavar="DURATION",
-                    help="lift the cordon after this long (e.g. 30m, 2h); default: until uncordoned")
+    co.add_argument(
+        "--ttl",
+        type=_duration,
+        default=None,
+        metavar="DURATION",
+        help="lift the cordon after this long (e.g. 30m, 2h); default: until uncordoned",
+    )
     co.add_argument("--drain", action="store_true", help="replace the host's running nodes at once")
     un = sub.add_parser("uncordon", help="admit a host again (lifts a cool-down too)", parents=[common])
     un.add_argument("host")
@@ -152,15 +195,27 @@ def _duration(text: str) -> float:
 def render_hosts(hosts: HostList) -> str:
     if not hosts.hosts:
         return "no host records (no host failed or was cordoned)"
-    return _table(["HOST", "STATE", "FAILURES", "COOL-DOWNS", "UNTIL", "WHY"],
-                  [[h.host, h.state + (" (drain)" if h.drain and h.cordoned else ""), h.failures_total, h.cooldowns,
-                    _when(h.cordon_until if h.cordoned else h.cooled_until if h.state == "cooled_down" else None),
-                    h.reason or (h.failures[-1].reason if h.failures else "-")] for h in hosts.hosts])
+    return _table(
+        ["HOST", "STATE", "FAILURES", "COOL-DOWNS", "UNTIL", "WHY"],
+        [
+            [
+                h.host,
+                h.state + (" (drain)" if h.drain and h.cordoned else ""),
+                h.failures_total,
+                h.cooldowns,
+                _when(h.cordon_until if h.cordoned else h.cooled_until if h.state == "cooled_down" else None),
+                h.reason or (h.failures[-1].reason if h.failures else "-"),
+            ]
+            for h in hosts.hosts
+        ],
+    )
 
 
 def render_host(h: HostView) -> str:
-    out = [f"host {printable(h.host)}: {h.state}" + (f": {printable(h.reason)}" if h.reason else ""),
-           f"failures {h.failures_total}, cool-downs {h.cooldowns}"]
+    out = [
+        f"host {printable(h.host)}: {h.state}" + (f": {printable(h.reason)}" if h.reason else ""),
+        f"failures {h.failures_total}, cool-downs {h.cooldowns}",
+    ]
     if h.failures:
         out.append("")
         out.append(_table(["WHEN", "JOB", "FAILURE"], [[_when(f.at), f.job_id, f.reason] for f in h.failures]))
@@ -176,8 +231,11 @@ async def _hosts_command(client: RestClient, args: argparse.Namespace) -> int:
         return 2
     if args.command == "cordon":
         view = await client.cordon(args.host, args.reason, args.ttl, args.drain)
-        print(f"host {view.host}: cordoned" + (" and drained" if view.drain else "")
-              + (f" until {_when(view.cordon_until)}" if view.cordon_until is not None else ""))
+        print(
+            f"host {view.host}: cordoned"
+            + (" and drained" if view.drain else "")
+            + (f" until {_when(view.cordon_until)}" if view.cordon_until is not None else "")
+        )
         return 0
     if args.command == "uncordon":
         view = await client.uncordon(args.host)
@@ -207,8 +265,9 @@ def _progress_cell(n: NodeView) -> str:
     return f"step {n.step}{rate}{since}" + (" STRAGGLER" if n.straggler else "")
 
 
-async def _status_text(client: RestClient, job: str | None, as_json: bool, state: str | None = None,
-                       compact: bool = False) -> str:
+async def _status_text(
+    client: RestClient, job: str | None, as_json: bool, state: str | None = None, compact: bool = False
+) -> str:
     if job:
         view = await client.job(job)
         return _json(view, compact) if as_json else render_job(view)
@@ -274,8 +333,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"rdzv: {e.message}", file=sys.stderr)
         code = 1
     except ValidationError as e:  # something answered, but not an rdzv server of this version
-        print(f"rdzv: unexpected answer from {args.endpoint} (is it an rdzv server?): "
-              f"{e.error_count()} invalid field(s)", file=sys.stderr)
+        print(
+            f"rdzv: unexpected answer from {args.endpoint} (is it an rdzv server?): {e.error_count()} invalid field(s)",
+            file=sys.stderr,
+        )
         code = 1
     except KeyboardInterrupt:
         code = 130

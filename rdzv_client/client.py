@@ -124,8 +124,13 @@ class AgentLink:
     messages arrive on :meth:`recv` in order, as protocol models.
     """
 
-    def __init__(self, endpoint: str, token: str | None = None, ssl_ctx: ssl.SSLContext | bool | None = None,
-                 heartbeat_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        token: str | None = None,
+        ssl_ctx: ssl.SSLContext | bool | None = None,
+        heartbeat_s: float = 2.0,
+    ) -> None:
         self.url = base_url(endpoint) + AGENT_PATH
         scheme, self._host, self._port = parse_endpoint(endpoint)
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -167,8 +172,12 @@ class AgentLink:
             self.send_nowait(_dump(msg))
 
     def _with_secret(self, msg: dict[str, Any] | None) -> dict[str, Any] | None:
-        if (msg is not None and msg.get("node_secret") is None and self._secret is not None
-                and msg.get("node_id") == self._secret[0]):
+        if (
+            msg is not None
+            and msg.get("node_secret") is None
+            and self._secret is not None
+            and msg.get("node_id") == self._secret[0]
+        ):
             return {**msg, "node_secret": self._secret[1]}
         return msg
 
@@ -230,8 +239,16 @@ class AgentLink:
         delays = backoff_delays()
         while True:
             try:
-                ws = await wsclient.connect(self._host, self._port, AGENT_PATH, headers=self.headers, ssl=self.ssl,
-                                            timeout=CONNECT_TIMEOUT_S, max_msg_size=MAX_MSG_BYTES, ping_s=WS_PING_S)
+                ws = await wsclient.connect(
+                    self._host,
+                    self._port,
+                    AGENT_PATH,
+                    headers=self.headers,
+                    ssl=self.ssl,
+                    timeout=CONNECT_TIMEOUT_S,
+                    max_msg_size=MAX_MSG_BYTES,
+                    ping_s=WS_PING_S,
+                )
             except wsclient.HandshakeError as e:
                 if e.status == 401:
                     self._messages.put_nowait(error_from_body("unauthorized", "the server refused the token"))
@@ -313,8 +330,13 @@ class RestClient:
     """The REST API: jobs, one job, close, health. Errors come back as the
     :class:`RdzvError` of their code; an unreachable server as UnavailableError."""
 
-    def __init__(self, endpoint: str, token: str | None = None, timeout: float = 10.0,
-                 ssl_ctx: ssl.SSLContext | bool | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        token: str | None = None,
+        timeout: float = 10.0,
+        ssl_ctx: ssl.SSLContext | bool | None = None,
+    ) -> None:
         self.base = base_url(endpoint)
         import aiohttp
 
@@ -327,8 +349,7 @@ class RestClient:
 
         try:
             async with aiohttp.ClientSession(timeout=self.timeout) as s:  # noqa: SIM117 - the inner uses s
-                async with s.request(method, self.base + path, json=json_body, headers=self.headers,
-                                     ssl=self.ssl) as r:
+                async with s.request(method, self.base + path, json=json_body, headers=self.headers, ssl=self.ssl) as r:
                     body = await r.read()
                     if r.status >= 400:
                         try:

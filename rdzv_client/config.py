@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 DEFAULT_SERVER_TIMEOUT_S = 300.0
 DEFAULT_STOP_TIMEOUT_S = 10.0
 
+
 class UsageError(Exception):
     """Bad flags or environment: print one line, exit 2."""
 
@@ -80,10 +81,16 @@ class AgentConfig:
 
     def spec_fields(self) -> dict[str, Any]:
         """The job spec as the plain JSON object of a join (no pydantic: the agent's start-up path)."""
-        return check_spec(min_nodes=self.min_nodes, max_nodes=self.max_nodes, max_restarts=self.max_restarts,
-                          last_call_s=self.last_call_s, heartbeat_timeout_s=self.heartbeat_timeout_s,
-                          join_timeout_s=self.join_timeout_s, scale_up_window_s=self.scale_up_window_s,
-                          hang_timeout_s=self.hang_timeout_s)
+        return check_spec(
+            min_nodes=self.min_nodes,
+            max_nodes=self.max_nodes,
+            max_restarts=self.max_restarts,
+            last_call_s=self.last_call_s,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
+            join_timeout_s=self.join_timeout_s,
+            scale_up_window_s=self.scale_up_window_s,
+            hang_timeout_s=self.hang_timeout_s,
+        )
 
     def spec(self) -> JobSpec:
         from rdzv_server.protocol import JobSpec
@@ -117,67 +124,169 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rdzv-agent",
         allow_abbrev=False,  # the script's own --node or --log must not match our flags
         description="Launch and supervise one node's workers of an elastic PyTorch job "
-                    "(a drop-in for torchrun; see rdzv-server).",
+        "(a drop-in for torchrun; see rdzv-server).",
         formatter_class=_HelpFormatter,
     )
     a = p.add_argument
     a("--version", action="version", version=f"rdzv-agent {__version__}")
-    a("--endpoint", "--rdzv-endpoint", "--rdzv_endpoint", dest="endpoint",
-      default=os.environ.get("RDZV_ENDPOINT") or _env("rdzv_endpoint"), help="rdzv-server HOST:PORT ($RDZV_ENDPOINT)")
-    a("--job-id", "--rdzv-id", "--rdzv_id", "--run-id", dest="job_id",
-      default=_env("rdzv_id") or os.environ.get("SLURM_JOB_ID"), help="job id; under SLURM defaults to $SLURM_JOB_ID")
+    a(
+        "--endpoint",
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        dest="endpoint",
+        default=os.environ.get("RDZV_ENDPOINT") or _env("rdzv_endpoint"),
+        help="rdzv-server HOST:PORT ($RDZV_ENDPOINT)",
+    )
+    a(
+        "--job-id",
+        "--rdzv-id",
+        "--rdzv_id",
+        "--run-id",
+        dest="job_id",
+        default=_env("rdzv_id") or os.environ.get("SLURM_JOB_ID"),
+        help="job id; under SLURM defaults to $SLURM_JOB_ID",
+    )
     a("--nnodes", default=_env("nnodes", "1"), help="N or MIN:MAX nodes")
-    a("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default=_env("nproc_per_node", "1"),
-      help="workers on this node: N, gpu (one per GPU), cpu (one per core), auto (gpu if any, else cpu)")
-    a("--max-restarts", "--max_restarts", dest="max_restarts", type=int,
-      default=int(_env("max_restarts", DEFAULT_MAX_RESTARTS)),
-      help="restarts after worker failures before the job fails")
-    a("--node-rank", "--node_rank", dest="node_rank", type=int, default=_env("node_rank"),
-      help="ask for this group rank (honoured when free and smaller than the number of nodes)")
-    a("--local-addr", "--local_addr", dest="local_addr", default=_env("local_addr"),
-      help="address other nodes reach this one at (default: the one that reaches the server)")
+    a(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nproc_per_node",
+        default=_env("nproc_per_node", "1"),
+        help="workers on this node: N, gpu (one per GPU), cpu (one per core), auto (gpu if any, else cpu)",
+    )
+    a(
+        "--max-restarts",
+        "--max_restarts",
+        dest="max_restarts",
+        type=int,
+        default=int(_env("max_restarts", DEFAULT_MAX_RESTARTS)),
+        help="restarts after worker failures before the job fails",
+    )
+    a(
+        "--node-rank",
+        "--node_rank",
+        dest="node_rank",
+        type=int,
+        default=_env("node_rank"),
+        help="ask for this group rank (honoured when free and smaller than the number of nodes)",
+    )
+    a(
+        "--local-addr",
+        "--local_addr",
+        dest="local_addr",
+        default=_env("local_addr"),
+        help="address other nodes reach this one at (default: the one that reaches the server)",
+    )
     a("--token", default=None, help="bearer token for the server (default: $RDZV_TOKEN)")
-    a("--job-secret", dest="job_secret", default=None,
-      help="the job's secret: the first node sets it, every other node must bring the same "
-           "(default: $RDZV_JOB_SECRET, better than the flag, which other users see in ps)")
-    a("--log-dir", "--log_dir", dest="log_dir", default=_env("log_dir"),
-      help="per-attempt worker logs: DIR/attempt_ROUND/LOCAL_RANK/{stdout,stderr}.log")
-    a("--redirects", "-r", default=_env("redirects", "0"),
-      help="send worker output to log files only: 0 none, 1 stdout, 2 stderr, 3 both; or 0:3,1:0 per rank")
+    a(
+        "--job-secret",
+        dest="job_secret",
+        default=None,
+        help="the job's secret: the first node sets it, every other node must bring the same "
+        "(default: $RDZV_JOB_SECRET, better than the flag, which other users see in ps)",
+    )
+    a(
+        "--log-dir",
+        "--log_dir",
+        dest="log_dir",
+        default=_env("log_dir"),
+        help="per-attempt worker logs: DIR/attempt_ROUND/LOCAL_RANK/{stdout,stderr}.log",
+    )
+    a(
+        "--redirects",
+        "-r",
+        default=_env("redirects", "0"),
+        help="send worker output to log files only: 0 none, 1 stdout, 2 stderr, 3 both; or 0:3,1:0 per rank",
+    )
     a("--tee", "-t", default=_env("tee", "0"), help="copy worker output to log files too (values as --redirects)")
-    a("--local-ranks-filter", "--local_ranks_filter", dest="local_ranks_filter", default=_env("local_ranks_filter", ""),
-      help="show only these local ranks on the console, e.g. 0 or 0,2")
-    a("--standalone", action="store_true", default=bool(_env("standalone")),
-      help="single node: run an embedded server on a free localhost port")
+    a(
+        "--local-ranks-filter",
+        "--local_ranks_filter",
+        dest="local_ranks_filter",
+        default=_env("local_ranks_filter", ""),
+        help="show only these local ranks on the console, e.g. 0 or 0,2",
+    )
+    a(
+        "--standalone",
+        action="store_true",
+        default=bool(_env("standalone")),
+        help="single node: run an embedded server on a free localhost port",
+    )
     a("-m", "--module", action="store_true", help="run the script as a python module (python -m)")
-    a("--no-python", "--no_python", dest="no_python", action="store_true",
-      help="run the script as an executable, not with python")
-    a("--last-call", type=float, default=DEFAULT_LAST_CALL_S,
-      help="seconds the first round waits for more nodes once min is reached")
-    a("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S,
-      help="seconds of silence after which the server evicts a node")
-    a("--join-timeout", type=float, default=DEFAULT_JOIN_TIMEOUT_S,
-      help="seconds a job below min nodes waits for more before it fails")
-    a("--scale-up-window", type=float, default=DEFAULT_SCALE_UP_WINDOW_S,
-      help="seconds new nodes are batched before one scale-up round")
-    a("--hang-timeout", type=float, default=None,
-      help="a worker that called rdzv_client.worker.progress() and then goes this many seconds without "
-           "another call is hung: its stacks are dumped and the round restarts (default: off; part of the job spec)")
-    a("--stop-timeout", type=float, default=DEFAULT_STOP_TIMEOUT_S,
-      help="seconds workers get between SIGTERM and SIGKILL")
-    a("--server-timeout", type=float,
-      default=os.environ.get("RDZV_SERVER_TIMEOUT", DEFAULT_SERVER_TIMEOUT_S),
-      help="give up (stop workers, exit 3) when the server has been unreachable this many seconds "
-           "($RDZV_SERVER_TIMEOUT, default 300)")
-    a("--host-name", dest="host_name", default=os.environ.get("RDZV_HOST_NAME") or None,
-      help="the name the server keeps this host's record under (failures, cool-downs, cordons); "
-           "default: $RDZV_HOST_NAME or the host name")
-    a("--health-check", dest="health_check", default=os.environ.get("RDZV_HEALTH_CHECK") or None, metavar="CMD",
-      help="shell command run before every join (e.g. 'python -m rdzv_client.health'); a non-zero exit or a "
-           "timeout keeps this node out of the round, its last line goes to the server's host record, and the "
-           "check is retried with backoff ($RDZV_HEALTH_CHECK)")
-    a("--health-check-timeout", dest="health_check_timeout", type=float, default=60.0,
-      help="seconds the health check may run")
+    a(
+        "--no-python",
+        "--no_python",
+        dest="no_python",
+        action="store_true",
+        help="run the script as an executable, not with python",
+    )
+    a(
+        "--last-call",
+        type=float,
+        default=DEFAULT_LAST_CALL_S,
+        help="seconds the first round waits for more nodes once min is reached",
+    )
+    a(
+        "--heartbeat-timeout",
+        type=float,
+        default=DEFAULT_HEARTBEAT_TIMEOUT_S,
+        help="seconds of silence after which the server evicts a node",
+    )
+    a(
+        "--join-timeout",
+        type=float,
+        default=DEFAULT_JOIN_TIMEOUT_S,
+        help="seconds a job below min nodes waits for more before it fails",
+    )
+    a(
+        "--scale-up-window",
+        type=float,
+        default=DEFAULT_SCALE_UP_WINDOW_S,
+        help="seconds new nodes are batched before one scale-up round",
+    )
+    a(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        help="a worker that called rdzv_client.worker.progress() and then goes this many seconds without "
+        "another call is hung: its stacks are dumped and the round restarts (default: off; part of the job spec)",
+    )
+    a(
+        "--stop-timeout",
+        type=float,
+        default=DEFAULT_STOP_TIMEOUT_S,
+        help="seconds workers get between SIGTERM and SIGKILL",
+    )
+    a(
+        "--server-timeout",
+        type=float,
+        default=os.environ.get("RDZV_SERVER_TIMEOUT", DEFAULT_SERVER_TIMEOUT_S),
+        help="give up (stop workers, exit 3) when the server has been unreachable this many seconds "
+        "($RDZV_SERVER_TIMEOUT, default 300)",
+    )
+    a(
+        "--host-name",
+        dest="host_name",
+        default=os.environ.get("RDZV_HOST_NAME") or None,
+        help="the name the server keeps this host's record under (failures, cool-downs, cordons); "
+        "default: $RDZV_HOST_NAME or the host name",
+    )
+    a(
+        "--health-check",
+        dest="health_check",
+        default=os.environ.get("RDZV_HEALTH_CHECK") or None,
+        metavar="CMD",
+        help="shell command run before every join (e.g. 'python -m rdzv_client.health'); a non-zero exit or a "
+        "timeout keeps this node out of the round, its last line goes to the server's host record, and the "
+        "check is retried with backoff ($RDZV_HEALTH_CHECK)",
+    )
+    a(
+        "--health-check-timeout",
+        dest="health_check_timeout",
+        type=float,
+        default=60.0,
+        help="seconds the health check may run",
+    )
     # torchrun flags that mean nothing here: accepted so command lines carry over.
     a("--rdzv-backend", "--rdzv_backend", default=None, help=argparse.SUPPRESS)
     a("--rdzv-conf", "--rdzv_conf", default="", help="torchrun's key=value,... (join_timeout, last_call_timeout)")
@@ -215,6 +324,7 @@ def count_procs(value: str) -> int:
     if value in ("gpu", "auto"):
         try:
             import torch
+
             gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         except ImportError:
             gpus = 0
@@ -236,7 +346,8 @@ def check_slurm() -> None:
         raise UsageError(
             f"SLURM started more than one task on this node (SLURM_NTASKS_PER_NODE={ntasks or '?'}, "
             f"SLURM_LOCALID={localid or '?'}); rdzv-agent starts all of a node's workers itself: "
-            "run it with srun --ntasks-per-node=1")
+            "run it with srun --ntasks-per-node=1"
+        )
 
 
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
@@ -292,13 +403,20 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     node_rank = int(args.node_rank) if args.node_rank is not None else None
     job_secret = args.job_secret if args.job_secret is not None else os.environ.get("RDZV_JOB_SECRET") or None
     if job_secret is not None and not re.fullmatch(SECRET_PATTERN, job_secret):
-        raise UsageError(f"the job secret (--job-secret or RDZV_JOB_SECRET) must be 1-{MAX_SECRET_LEN} "
-                         "printable ASCII characters")
+        raise UsageError(
+            f"the job secret (--job-secret or RDZV_JOB_SECRET) must be 1-{MAX_SECRET_LEN} printable ASCII characters"
+        )
     try:
-        spec_check = check_spec(min_nodes=min_nodes, max_nodes=max_nodes, max_restarts=args.max_restarts,
-                                last_call_s=last_call, heartbeat_timeout_s=args.heartbeat_timeout,
-                                join_timeout_s=join_timeout, scale_up_window_s=args.scale_up_window,
-                                hang_timeout_s=args.hang_timeout)
+        spec_check = check_spec(
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            max_restarts=args.max_restarts,
+            last_call_s=last_call,
+            heartbeat_timeout_s=args.heartbeat_timeout,
+            join_timeout_s=join_timeout,
+            scale_up_window_s=args.scale_up_window,
+            hang_timeout_s=args.hang_timeout,
+        )
     except ValueError as e:
         raise UsageError(f"bad job settings: {e}") from None
     try:
@@ -308,13 +426,28 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     if not 0 < server_timeout < float("inf"):
         raise UsageError(f"--server-timeout {args.server_timeout!r}: must be a positive number of seconds")
     return AgentConfig(
-        endpoint=endpoint, job_id=job_id, min_nodes=min_nodes, max_nodes=max_nodes, nproc=nproc, cmd=cmd,
-        max_restarts=args.max_restarts, node_rank=node_rank, local_addr=args.local_addr,
-        token=args.token or os.environ.get("RDZV_TOKEN") or None, job_secret=job_secret, log_dir=log_dir,
-        redirects=redirects, tee=tee, local_ranks_filter=ranks_filter,
-        last_call_s=spec_check["last_call_s"], heartbeat_timeout_s=spec_check["heartbeat_timeout_s"],
-        join_timeout_s=spec_check["join_timeout_s"], scale_up_window_s=spec_check["scale_up_window_s"],
-        stop_timeout_s=args.stop_timeout, server_timeout_s=server_timeout, standalone=standalone,
+        endpoint=endpoint,
+        job_id=job_id,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc=nproc,
+        cmd=cmd,
+        max_restarts=args.max_restarts,
+        node_rank=node_rank,
+        local_addr=args.local_addr,
+        token=args.token or os.environ.get("RDZV_TOKEN") or None,
+        job_secret=job_secret,
+        log_dir=log_dir,
+        redirects=redirects,
+        tee=tee,
+        local_ranks_filter=ranks_filter,
+        last_call_s=spec_check["last_call_s"],
+        heartbeat_timeout_s=spec_check["heartbeat_timeout_s"],
+        join_timeout_s=spec_check["join_timeout_s"],
+        scale_up_window_s=spec_check["scale_up_window_s"],
+        stop_timeout_s=args.stop_timeout,
+        server_timeout_s=server_timeout,
+        standalone=standalone,
         hang_timeout_s=spec_check["hang_timeout_s"],
         **_host_options(args),
     )

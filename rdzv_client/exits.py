@@ -129,7 +129,7 @@ def root_cause_line(lines: list[str]) -> str:
         if line.startswith(_TRACEBACK_HEAD) or line.startswith('  File "'):
             start = i
     if start >= 0:
-        for line in lines[start + 1:]:
+        for line in lines[start + 1 :]:
             if line.strip() and not line[:1].isspace():
                 return line.strip()
     for line in reversed(lines):

@@ -49,9 +49,14 @@ DEFAULT_MAX_CLOCK_SKEW_S = 5.0
 async def run_check(cmd: str, timeout: float, env: dict[str, str] | None = None) -> tuple[bool, str]:
     """Run ``cmd`` (a shell command line) in its own process group; (passed,
     the last line of its output, bounded). A timeout kills the group."""
-    proc = await asyncio.create_subprocess_shell(cmd, stdin=asyncio.subprocess.DEVNULL,
-                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                                                 start_new_session=True, env=env)
+    proc = await asyncio.create_subprocess_shell(
+        cmd,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,
+        env=env,
+    )
     tail = bytearray()
 
     async def read() -> None:
@@ -79,8 +84,9 @@ HEALTH_BACKOFF_S = 1.0  # a failed --health-check runs again after this, doublin
 HEALTH_BACKOFF_MAX_S = 30.0
 
 
-async def wait_healthy(cfg: AgentConfig, say: Callable[..., None], interrupted: Callable[[], bool],
-                       on_failure: Callable[[str], None]) -> bool:
+async def wait_healthy(
+    cfg: AgentConfig, say: Callable[..., None], interrupted: Callable[[], bool], on_failure: Callable[[str], None]
+) -> bool:
     """The agent's ``--health-check`` loop: run the check until it passes
     (True) or ``interrupted()`` (a signal came: False). Each failure is said,
     handed to ``on_failure`` (the agent leaves the job), sent to the server's
@@ -117,7 +123,8 @@ async def report_health(cfg: AgentConfig, line: str) -> None:
 
     try:
         await RestClient(cfg.endpoint, cfg.token, timeout=5.0).report_health(
-            host_label(cfg.host), line or "failed", cfg.job_id)
+            host_label(cfg.host), line or "failed", cfg.job_id
+        )
     except (RdzvError, ValueError) as e:
         log.warning("cannot send the health check's result to the server: %s", printable(getattr(e, "message", e)))
 
@@ -153,7 +160,7 @@ def check_gpus() -> str | None:
         except Exception as e:
             return f"GPU {i}: matmul failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
         if b != 64.0 * 64 * 64:
-            return f"GPU {i}: matmul gave {b}, expected {64 ** 3}"
+            return f"GPU {i}: matmul gave {b}, expected {64**3}"
     return None
 
 
@@ -173,8 +180,9 @@ def check_clock(endpoint: str | None, max_skew: float, timeout: float = 5.0) -> 
     url = endpoint if "://" in endpoint else f"http://{endpoint}"
     try:
         before = time.time()
-        with urllib.request.urlopen(url.rstrip("/") + "/healthz", timeout=timeout,
-                                    context=ssl.create_default_context()) as r:
+        with urllib.request.urlopen(
+            url.rstrip("/") + "/healthz", timeout=timeout, context=ssl.create_default_context()
+        ) as r:
             date = r.headers.get("Date")
         after = time.time()
     except (urllib.error.URLError, OSError, ValueError) as e:
@@ -193,20 +201,26 @@ def check_clock(endpoint: str | None, max_skew: float, timeout: float = 5.0) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m rdzv_client.health",
-                                description="Check this node: GPUs (when torch and CUDA are present), free disk "
-                                            "in the log dir, clock skew against the rdzv server.")
-    p.add_argument("--endpoint", default=os.environ.get("RDZV_ENDPOINT"),
-                   help="rdzv server HOST:PORT for the clock check ($RDZV_ENDPOINT; none: no clock check)")
+    p = argparse.ArgumentParser(
+        prog="python -m rdzv_client.health",
+        description="Check this node: GPUs (when torch and CUDA are present), free disk "
+        "in the log dir, clock skew against the rdzv server.",
+    )
+    p.add_argument(
+        "--endpoint",
+        default=os.environ.get("RDZV_ENDPOINT"),
+        help="rdzv server HOST:PORT for the clock check ($RDZV_ENDPOINT; none: no clock check)",
+    )
     p.add_argument("--log-dir", default=os.environ.get("RDZV_LOG_DIR") or ".", help="where free disk is checked")
     p.add_argument("--min-free-disk", type=int, default=DEFAULT_MIN_FREE_DISK, metavar="BYTES")
     p.add_argument("--max-clock-skew", type=float, default=DEFAULT_MAX_CLOCK_SKEW_S, metavar="SECONDS")
     p.add_argument("--no-gpu", action="store_true", help="skip the GPU check")
     args = p.parse_args(argv)
     checks: list[Callable[[], str | None]] = [
-              lambda: None if args.no_gpu else check_gpus(),
-              lambda: check_disk(Path(args.log_dir), args.min_free_disk),
-              lambda: check_clock(args.endpoint, args.max_clock_skew)]
+        lambda: None if args.no_gpu else check_gpus(),
+        lambda: check_disk(Path(args.log_dir), args.min_free_disk),
+        lambda: check_clock(args.endpoint, args.max_clock_skew),
+    ]
     for check in checks:
         failed = check()
         if failed is not None:

@@ -84,8 +84,17 @@ class NodeSession:
     agent builds and sends its first join without pydantic. Joins are plain
     JSON objects (``join_fields``), validated as ``JoinMsg`` by the server."""
 
-    def __init__(self, *, job_id: str, host: str, nproc: int, spec: JobSpec | dict[str, Any], addr: str | None = None,
-                 job_secret: str | None = None, requested_rank: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        host: str,
+        nproc: int,
+        spec: JobSpec | dict[str, Any],
+        addr: str | None = None,
+        job_secret: str | None = None,
+        requested_rank: int | None = None,
+    ) -> None:
         self.job_id = job_id
         self.host = host
         self.nproc = nproc
@@ -112,11 +121,18 @@ class NodeSession:
         addr = self.addr
         if addr is None:
             raise RuntimeError("NodeSession.addr is set before the node joins")
-        return join_fields(job_id=self.job_id, node_id=self.node_id, host=host_label(self.host), addr=addr,
-                           local_world_size=self.nproc,
-                           master_port=resume.master_port if resume is not None else free_port(addr),
-                           spec=self.spec, requested_rank=self.requested_rank,
-                           resume_round=resume.round if resume is not None else None, job_secret=self.job_secret)
+        return join_fields(
+            job_id=self.job_id,
+            node_id=self.node_id,
+            host=host_label(self.host),
+            addr=addr,
+            local_world_size=self.nproc,
+            master_port=resume.master_port if resume is not None else free_port(addr),
+            spec=self.spec,
+            requested_rank=self.requested_rank,
+            resume_round=resume.round if resume is not None else None,
+            job_secret=self.job_secret,
+        )
 
     def join(self) -> None:
         """Ask for a place in the next round (re-sent after every reconnect)."""

@@ -112,8 +112,10 @@ class RdzvRendezvousHandler(RendezvousHandler):
         self.token = params.get("token") or os.environ.get("RDZV_TOKEN") or None
         self.job_secret = params.get("job_secret") or os.environ.get("RDZV_JOB_SECRET") or None
         if self.job_secret is not None and not re.fullmatch(SECRET_PATTERN, self.job_secret):
-            raise ValueError(f"rdzv: the job secret (--rdzv-conf job_secret=... or RDZV_JOB_SECRET) must be "
-                             f"1-{MAX_SECRET_LEN} printable ASCII characters")
+            raise ValueError(
+                f"rdzv: the job secret (--rdzv-conf job_secret=... or RDZV_JOB_SECRET) must be "
+                f"1-{MAX_SECRET_LEN} printable ASCII characters"
+            )
         # torchrun's workers inherit this process's environment: the credentials stay with us
         for name in WITHHELD_FROM_WORKERS:
             os.environ.pop(name, None)
@@ -132,8 +134,14 @@ class RdzvRendezvousHandler(RendezvousHandler):
             join_timeout_s=self.join_timeout_s,
         )
         self.nproc = _torchrun_nproc()
-        self.session = NodeSession(job_id=self.run_id, host=socket.gethostname(), nproc=self.nproc, spec=self.spec,
-                                   addr=addr, job_secret=self.job_secret)
+        self.session = NodeSession(
+            job_id=self.run_id,
+            host=socket.gethostname(),
+            nproc=self.nproc,
+            spec=self.spec,
+            addr=addr,
+            job_secret=self.job_secret,
+        )
         self.failure_report_delay_s = float(params.get("failure_report_delay", FAILURE_REPORT_DELAY_S))
         self._assignment: Assignment | None = None
         self._restart_round = -1  # the newest round the server said is forming
@@ -200,15 +208,18 @@ class RdzvRendezvousHandler(RendezvousHandler):
                 continue
             why = printable(self.session.link.last_error or "no answer", limit=300)
             if out.kind == "give_up":
-                self._gave_up = (f"gave up: rdzv server {self.endpoint} unreachable for {self.server_timeout_s:g}s "
-                                 f"(rdzv-conf server_timeout; {why})")
+                self._gave_up = (
+                    f"gave up: rdzv server {self.endpoint} unreachable for {self.server_timeout_s:g}s "
+                    f"(rdzv-conf server_timeout; {why})"
+                )
                 log.error("job %s: %s", self.run_id, self._gave_up)
                 self._closed_why = self._gave_up
                 self._closed = True
                 self._news.set()
                 return
-            log.warning("rdzv server %s unreachable for %.0fs (%s); giving up in %.0fs", self.endpoint, out.down,
-                        why, out.left)
+            log.warning(
+                "rdzv server %s unreachable for %.0fs (%s); giving up in %.0fs", self.endpoint, out.down, why, out.left
+            )
 
     async def _dispatch(self) -> None:
         """Keep the handler's view current while torchrun's workers run."""
@@ -287,8 +298,15 @@ class RdzvRendezvousHandler(RendezvousHandler):
         self._store = store
         prefixed = PrefixStore(f"rdzv/{self.run_id}/{a.round}", store)
         bootstrap = RendezvousStoreInfo.build(a.group_rank, prefixed, local_addr=self.addr)
-        log.info("job %s round %d: group rank %d of %d, store %s:%d", self.run_id, a.round, a.group_rank,
-                 a.group_world_size, a.master_addr, a.master_port)
+        log.info(
+            "job %s round %d: group rank %d of %d, store %s:%d",
+            self.run_id,
+            a.round,
+            a.group_rank,
+            a.group_world_size,
+            a.master_addr,
+            a.master_port,
+        )
         return RendezvousInfo(prefixed, a.group_rank, a.group_world_size, bootstrap)
 
     async def _next_round(self) -> Assignment:
@@ -302,8 +320,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
             # itself: then the round names the lost node as its cause, and this
             # consequential failure costs no restart.
             deadline = time.monotonic() + self.failure_report_delay_s
-            while (self._restart_round <= prev.round and not self._closed
-                   and (left := deadline - time.monotonic()) > 0):
+            while self._restart_round <= prev.round and not self._closed and (left := deadline - time.monotonic()) > 0:
                 self._news.clear()
                 try:
                     await asyncio.wait_for(self._news.wait(), left)
@@ -311,9 +328,19 @@ class RdzvRendezvousHandler(RendezvousHandler):
                     break
         if prev is not None and self._restart_round <= prev.round:
             # torchrun restarts because a local worker failed: the others must restart too
-            self.session.report_failed(prev.round, [ExitRecord(
-                local_rank=0, rank=prev.rank_offset, pid=os.getpid(), exit_code=1, timestamp=time.time(),
-                message="torchrun restarted its worker group on this node (see its log for the worker error)")])
+            self.session.report_failed(
+                prev.round,
+                [
+                    ExitRecord(
+                        local_rank=0,
+                        rank=prev.rank_offset,
+                        pid=os.getpid(),
+                        exit_code=1,
+                        timestamp=time.time(),
+                        message="torchrun restarted its worker group on this node (see its log for the worker error)",
+                    )
+                ],
+            )
         self._assignment = None
         self.session.join()
         started = time.monotonic()
@@ -328,8 +355,13 @@ class RdzvRendezvousHandler(RendezvousHandler):
                 raise RendezvousTimeoutError(f"no round of job {self.run_id} formed within {self.join_timeout_s:g}s")
             if now - said >= PROGRESS_EVERY_S and link.connected.is_set():
                 said = now
-                log.warning("job %s: waiting %.0fs for a round (join_timeout in %.0fs)%s", self.run_id,
-                            now - started, left, f": {self._waiting_text}" if self._waiting_text else "")
+                log.warning(
+                    "job %s: waiting %.0fs for a round (join_timeout in %.0fs)%s",
+                    self.run_id,
+                    now - started,
+                    left,
+                    f": {self._waiting_text}" if self._waiting_text else "",
+                )
             try:
                 msg = await asyncio.wait_for(inbox.get(), min(left, 0.5))
             except asyncio.TimeoutError:

@@ -111,12 +111,29 @@ class WorkerWatch:
             rp = self.channel.ranks[lr]
             idle = now - rp.at
             pid = group.pids[lr] if lr < len(group.pids) else 0
-            why = (f"no progress() for {idle:.1f}s (hang timeout {cfg.hang_timeout_s:g}s) on host "
-                   f"{cfg.host}, last step {rp.step}")
-            self._say("round %d: local rank %d (rank %d) pid %d hung: %s; dumping every worker's stack",
-                      a.round, lr, a.rank_offset + lr, pid, why)
-            records.append(ExitRecord(local_rank=lr, rank=a.rank_offset + lr, pid=pid, message=why[:MAX_ERROR_MESSAGE],
-                                      timestamp=time.time(), reason="hang", last_step=rp.step))
+            why = (
+                f"no progress() for {idle:.1f}s (hang timeout {cfg.hang_timeout_s:g}s) on host "
+                f"{cfg.host}, last step {rp.step}"
+            )
+            self._say(
+                "round %d: local rank %d (rank %d) pid %d hung: %s; dumping every worker's stack",
+                a.round,
+                lr,
+                a.rank_offset + lr,
+                pid,
+                why,
+            )
+            records.append(
+                ExitRecord(
+                    local_rank=lr,
+                    rank=a.rank_offset + lr,
+                    pid=pid,
+                    message=why[:MAX_ERROR_MESSAGE],
+                    timestamp=time.time(),
+                    reason="hang",
+                    last_step=rp.step,
+                )
+            )
         # faulthandler (registered by rdzv_client.worker) writes the stack to the
         # worker's stderr; a stopped worker writes it once it continues
         for sig in (signal.SIGUSR1, signal.SIGCONT):

@@ -92,9 +92,7 @@ class _Worker:
     proc: asyncio.subprocess.Process | None = None
     readers: list[asyncio.Task[None]] = field(default_factory=list)
     monitor: asyncio.Task[ExitInfo] | None = None
-    stderr_tail: collections.deque[str] = field(
-        default_factory=lambda: collections.deque(maxlen=_STDERR_TAIL_LINES)
-    )
+    stderr_tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=_STDERR_TAIL_LINES))
     stderr_file: Path | None = None
 
 
@@ -117,9 +115,7 @@ class WorkerGroup:
         prefix_fn: Callable[[int], str] | None = None,
     ) -> None:
         if len(envs) != config.local_world_size:
-            raise ValueError(
-                f"got {len(envs)} worker environments for local_world_size {config.local_world_size}"
-            )
+            raise ValueError(f"got {len(envs)} worker environments for local_world_size {config.local_world_size}")
         self.config = config
         self.attempt = attempt
         self.console = console

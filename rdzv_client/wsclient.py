@@ -80,8 +80,9 @@ def encode_frame(opcode: int, payload: bytes, fin: bool = True) -> bytes:
 class WebSocket:
     """One client connection. Use :func:`connect`."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_msg_size: int,
-                 ping_s: float | None) -> None:
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_msg_size: int, ping_s: float | None
+    ) -> None:
         self._reader = reader
         self._writer = writer
         self.max_msg_size = max_msg_size
@@ -281,23 +282,45 @@ class _TooBig(WSError):
     pass
 
 
-async def connect(host: str, port: int, path: str, *, headers: dict[str, str] | None = None,
-                  ssl: ssl_mod.SSLContext | None = None, timeout: float = 5.0, max_msg_size: int = 4 * 1024 * 1024,
-                  ping_s: float | None = None) -> WebSocket:
+async def connect(
+    host: str,
+    port: int,
+    path: str,
+    *,
+    headers: dict[str, str] | None = None,
+    ssl: ssl_mod.SSLContext | None = None,
+    timeout: float = 5.0,
+    max_msg_size: int = 4 * 1024 * 1024,
+    ping_s: float | None = None,
+) -> WebSocket:
     """Open a WebSocket to ``host:port`` at ``path`` (TLS when ``ssl`` is a
     context). ``timeout`` bounds TCP, TLS and the upgrade together."""
     return await asyncio.wait_for(_connect(host, port, path, headers or {}, ssl, max_msg_size, ping_s), timeout)
 
 
-async def _connect(host: str, port: int, path: str, headers: dict[str, str], ssl: ssl_mod.SSLContext | None,
-                   max_msg_size: int, ping_s: float | None) -> WebSocket:
-    reader, writer = await asyncio.open_connection(host, port, ssl=ssl, server_hostname=host if ssl else None,
-                                                   limit=MAX_HEADER_BYTES)
+async def _connect(
+    host: str,
+    port: int,
+    path: str,
+    headers: dict[str, str],
+    ssl: ssl_mod.SSLContext | None,
+    max_msg_size: int,
+    ping_s: float | None,
+) -> WebSocket:
+    reader, writer = await asyncio.open_connection(
+        host, port, ssl=ssl, server_hostname=host if ssl else None, limit=MAX_HEADER_BYTES
+    )
     try:
         key = base64.b64encode(os.urandom(16)).decode()
         host_header = f"[{host}]" if ":" in host else host
-        lines = [f"GET {path} HTTP/1.1", f"Host: {host_header}:{port}", "Upgrade: websocket", "Connection: Upgrade",
-                 f"Sec-WebSocket-Key: {key}", "Sec-WebSocket-Version: 13"]
+        lines = [
+            f"GET {path} HTTP/1.1",
+            f"Host: {host_header}:{port}",
+            "Upgrade: websocket",
+            "Connection: Upgrade",
+            f"Sec-WebSocket-Key: {key}",
+            "Sec-WebSocket-Version: 13",
+        ]
         lines += [f"{k}: {v}" for k, v in headers.items()]
         writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
         await writer.drain()

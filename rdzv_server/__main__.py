@@ -39,8 +39,19 @@ def default_data_dir() -> Path:
 
 
 _UNITS_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
-_UNITS_B = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-            "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+_UNITS_B = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+}
 
 
 def parse_duration(text: str) -> float:
@@ -60,7 +71,7 @@ def parse_size(text: str) -> int:
     """``0``, ``65536``, ``64MiB``, ``1G`` -> bytes."""
     t = text.strip().lower()
     num = t.rstrip("kmgib")
-    unit = t[len(num):]
+    unit = t[len(num) :]
     try:
         value = float(num) * _UNITS_B[unit]
     except (ValueError, KeyError):
@@ -97,49 +108,101 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"rdzv-server {__version__}")
-    p.add_argument("--host", default=argparse.SUPPRESS,
-                   help="address to listen on (default: 0.0.0.0 with a token, 127.0.0.1 without; "
-                        "a non-loopback address without a token needs --insecure)")
-    p.add_argument("--insecure", action="store_true",
-                   help="allow a non-loopback --host without a token: anyone who can reach the port "
-                        "can join, close or take over any job")
+    p.add_argument(
+        "--host",
+        default=argparse.SUPPRESS,
+        help="address to listen on (default: 0.0.0.0 with a token, 127.0.0.1 without; "
+        "a non-loopback address without a token needs --insecure)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --host without a token: anyone who can reach the port "
+        "can join, close or take over any job",
+    )
     p.add_argument("--port", type=int, default=29400, help="port to listen on (0: any free port)")
-    p.add_argument("--data-dir", default=None,
-                   help=f"where job state is kept (SQLite); default {default_data_dir()} "
-                        "($XDG_STATE_HOME/rdzv); 'none' keeps state in memory only")
-    p.add_argument("--token", default=None,
-                   help="bearer token required on every request but /healthz (default: $RDZV_TOKEN)")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help=f"where job state is kept (SQLite); default {default_data_dir()} "
+        "($XDG_STATE_HOME/rdzv); 'none' keeps state in memory only",
+    )
+    p.add_argument(
+        "--token", default=None, help="bearer token required on every request but /healthz (default: $RDZV_TOKEN)"
+    )
     p.add_argument("--tls-cert", default=None, help="PEM certificate: serve HTTPS")
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
-    p.add_argument("--disconnect-grace", type=float, default=DEFAULT_DISCONNECT_GRACE_S,
-                   help="seconds a node whose connection dropped has to reconnect before it is lost")
-    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
-                   help="seconds a client has to send a request line and headers (after connecting, or "
-                        "after the previous response); then the connection is closed")
-    p.add_argument("--join-deadline", type=float, default=DEFAULT_JOIN_DEADLINE_S,
-                   help="seconds a new agent WebSocket has to send its join; then it is closed")
-    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
-                   help="open connections at most (lowered to fit the file-descriptor limit); "
-                        "new ones beyond it are closed at once")
-    p.add_argument("--retain-finished", type=parse_duration, default="7d", metavar="DURATION",
-                   help="finished jobs (succeeded, failed, closed) older than this are removed from memory, "
-                        "disk and /metrics (e.g. 90s, 30m, 12h, 7d)")
-    p.add_argument("--max-waiting-jobs", type=_positive_int, default=DEFAULT_MAX_WAITING_JOBS, metavar="N",
-                   help="at most this many jobs wait for nodes; beyond it a new job is refused (its agents "
-                        "retry) and nothing is created")
-    p.add_argument("--min-free-disk", type=parse_size, default="64MiB", metavar="SIZE",
-                   help="refuse new jobs while the data dir's file system has less free space than this "
-                        "(running jobs carry on); 0 disables the check")
-    p.add_argument("--host-failures", type=_count, default=DEFAULT_HOST_FAILURES, metavar="K",
-                   help="a host with K failures (worker failures of the root-cause node on it, evictions for "
-                        "silence, failed health checks) within --host-failure-window is cooled down: its joins "
-                        "wait as spares, told why (0: never)")
+    p.add_argument(
+        "--disconnect-grace",
+        type=float,
+        default=DEFAULT_DISCONNECT_GRACE_S,
+        help="seconds a node whose connection dropped has to reconnect before it is lost",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a client has to send a request line and headers (after connecting, or "
+        "after the previous response); then the connection is closed",
+    )
+    p.add_argument(
+        "--join-deadline",
+        type=float,
+        default=DEFAULT_JOIN_DEADLINE_S,
+        help="seconds a new agent WebSocket has to send its join; then it is closed",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="open connections at most (lowered to fit the file-descriptor limit); "
+        "new ones beyond it are closed at once",
+    )
+    p.add_argument(
+        "--retain-finished",
+        type=parse_duration,
+        default="7d",
+        metavar="DURATION",
+        help="finished jobs (succeeded, failed, closed) older than this are removed from memory, "
+        "disk and /metrics (e.g. 90s, 30m, 12h, 7d)",
+    )
+    p.add_argument(
+        "--max-waiting-jobs",
+        type=_positive_int,
+        default=DEFAULT_MAX_WAITING_JOBS,
+        metavar="N",
+        help="at most this many jobs wait for nodes; beyond it a new job is refused (its agents "
+        "retry) and nothing is created",
+    )
+    p.add_argument(
+        "--min-free-disk",
+        type=parse_size,
+        default="64MiB",
+        metavar="SIZE",
+        help="refuse new jobs while the data dir's file system has less free space than this "
+        "(running jobs carry on); 0 disables the check",
+    )
+    p.add_argument(
+        "--host-failures",
+        type=_count,
+        default=DEFAULT_HOST_FAILURES,
+        metavar="K",
+        help="a host with K failures (worker failures of the root-cause node on it, evictions for "
+        "silence, failed health checks) within --host-failure-window is cooled down: its joins "
+        "wait as spares, told why (0: never)",
+    )
     p.add_argument("--host-failure-window", type=parse_duration, default="10m", metavar="DURATION")
-    p.add_argument("--host-cooldown", type=parse_duration, default="1m", metavar="DURATION",
-                   help="the first cool-down; each next one of the same host doubles, up to --host-cooldown-max")
+    p.add_argument(
+        "--host-cooldown",
+        type=parse_duration,
+        default="1m",
+        metavar="DURATION",
+        help="the first cool-down; each next one of the same host doubles, up to --host-cooldown-max",
+    )
     p.add_argument("--host-cooldown-max", type=parse_duration, default="30m", metavar="DURATION")
-    p.add_argument("--log-level", default=os.environ.get("RDZV_LOG_LEVEL", "INFO"),
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument(
+        "--log-level", default=os.environ.get("RDZV_LOG_LEVEL", "INFO"), choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
     return p
 
 
@@ -155,13 +218,21 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         raise SystemExit("rdzv-server: --disconnect-grace must be in (0, 60] seconds")
     if not 0 < args.join_deadline <= 3600:
         raise SystemExit("rdzv-server: --join-deadline must be in (0, 3600] seconds")
-    return Settings(data_dir=data_dir, token=token, disconnect_grace_s=args.disconnect_grace,
-                    join_deadline_s=args.join_deadline,
-                    retain_finished_s=args.retain_finished, max_waiting_jobs=args.max_waiting_jobs,
-                    min_free_disk=args.min_free_disk,
-                    host_rules=HostRules(failures=args.host_failures, window_s=args.host_failure_window,
-                                         cooldown_s=args.host_cooldown,
-                                         cooldown_max_s=max(args.host_cooldown, args.host_cooldown_max)))
+    return Settings(
+        data_dir=data_dir,
+        token=token,
+        disconnect_grace_s=args.disconnect_grace,
+        join_deadline_s=args.join_deadline,
+        retain_finished_s=args.retain_finished,
+        max_waiting_jobs=args.max_waiting_jobs,
+        min_free_disk=args.min_free_disk,
+        host_rules=HostRules(
+            failures=args.host_failures,
+            window_s=args.host_failure_window,
+            cooldown_s=args.host_cooldown,
+            cooldown_max_s=max(args.host_cooldown, args.host_cooldown_max),
+        ),
+    )
 
 
 class UsageError(Exception):
@@ -184,9 +255,11 @@ def bind_host(host: str | None, token: str | None, insecure: bool) -> str:
         return "0.0.0.0" if token else "127.0.0.1"
     if token or insecure or is_loopback(host):
         return host
-    raise UsageError(f"refusing to listen on {host or '(all addresses)'} without a token: anyone who can reach it "
-                     "could join, close or take over any job; set --token (or $RDZV_TOKEN), or pass --insecure "
-                     "to accept that risk")
+    raise UsageError(
+        f"refusing to listen on {host or '(all addresses)'} without a token: anyone who can reach it "
+        "could join, close or take over any job; set --token (or $RDZV_TOKEN), or pass --insecure "
+        "to accept that risk"
+    )
 
 
 def auth_note(host: str, token: str | None) -> str:
@@ -210,10 +283,17 @@ def ssl_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
     return ctx
 
 
-async def serve(settings: Settings, host: str, port: int, ssl_ctx: ssl.SSLContext | None = None,
-                ready: Callable[[int], object] | None = None, *,
-                header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
-                max_connections: int = DEFAULT_MAX_CONNECTIONS, fd_note: str | None = None) -> None:
+async def serve(
+    settings: Settings,
+    host: str,
+    port: int,
+    ssl_ctx: ssl.SSLContext | None = None,
+    ready: Callable[[int], object] | None = None,
+    *,
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    fd_note: str | None = None,
+) -> None:
     """Run until SIGINT/SIGTERM. ``ready(port)`` is called once listening."""
     asyncio.get_running_loop().set_exception_handler(AcceptErrors())
     app = create_app(settings)
@@ -227,8 +307,9 @@ async def serve(settings: Settings, host: str, port: int, ssl_ctx: ssl.SSLContex
     # generations far less often; reference counting frees almost everything.
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
-    site = Listener(runner, host, port, ssl_context=ssl_ctx, max_connections=max_connections,
-                    header_timeout_s=header_timeout_s)
+    site = Listener(
+        runner, host, port, ssl_context=ssl_ctx, max_connections=max_connections, header_timeout_s=header_timeout_s
+    )
     try:
         await site.start()
     except OSError as e:
@@ -236,12 +317,22 @@ async def serve(settings: Settings, host: str, port: int, ssl_ctx: ssl.SSLContex
         raise SystemExit(f"rdzv-server: cannot listen on {host}:{port}: {e.strerror or e}") from None
     bound = site.sockets[0].getsockname()[1] if site.sockets else port
     scheme = "https" if ssl_ctx else "http"
-    log.info("rdzv-server listening on %s://%s:%d (data: %s, %s)", scheme, host, bound,
-             settings.data_dir or "memory only", auth_note(host, settings.token))
+    log.info(
+        "rdzv-server listening on %s://%s:%d (data: %s, %s)",
+        scheme,
+        host,
+        bound,
+        settings.data_dir or "memory only",
+        auth_note(host, settings.token),
+    )
     free = free_bytes(settings.data_dir) if settings.data_dir is not None else None
     if free is not None and free < settings.min_free_disk:
-        log.warning("only %d bytes free on %s (--min-free-disk %d): new jobs are refused until there is space",
-                    free, settings.data_dir, settings.min_free_disk)
+        log.warning(
+            "only %d bytes free on %s (--min-free-disk %d): new jobs are refused until there is space",
+            free,
+            settings.data_dir,
+            settings.min_free_disk,
+        )
     if ready:
         ready(bound)
     stop = asyncio.Event()
@@ -257,8 +348,9 @@ async def serve(settings: Settings, host: str, port: int, ssl_ctx: ssl.SSLContex
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
     settings = settings_from_args(args)
     try:
         host = bind_host(getattr(args, "host", None), settings.token, args.insecure)
@@ -274,13 +366,24 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("rdzv-server: --max-connections must be at least 1")
     before, fds = raise_fd_limit()
     max_conns = connection_limit(args.max_connections, fds)
-    fd_note = (f"file descriptors: limit {fds}" + (f" (raised from {before})" if fds != before else "")
-               + f"; at most {max_conns} connections"
-               + (f" (--max-connections {args.max_connections} lowered to fit)"
-                  if max_conns < args.max_connections else ""))
+    fd_note = (
+        f"file descriptors: limit {fds}"
+        + (f" (raised from {before})" if fds != before else "")
+        + f"; at most {max_conns} connections"
+        + (f" (--max-connections {args.max_connections} lowered to fit)" if max_conns < args.max_connections else "")
+    )
     try:
-        asyncio.run(serve(settings, host, args.port, ctx, header_timeout_s=args.header_timeout,
-                          max_connections=max_conns, fd_note=fd_note))
+        asyncio.run(
+            serve(
+                settings,
+                host,
+                args.port,
+                ctx,
+                header_timeout_s=args.header_timeout,
+                max_connections=max_conns,
+                fd_note=fd_note,
+            )
+        )
     except DataDirError as e:
         print(f"rdzv-server: refusing to start: {e}", file=sys.stderr)
         raise SystemExit(2) from None

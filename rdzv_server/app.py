@@ -72,10 +72,14 @@ class Settings:
     store_settings: StoreSettings = field(init=False)
 
     def __post_init__(self) -> None:
-        self.store_settings = StoreSettings(data_dir=self.data_dir, disconnect_grace_s=self.disconnect_grace_s,
-                                            retain_finished_s=self.retain_finished_s,
-                                            max_waiting_jobs=self.max_waiting_jobs,
-                                            min_free_disk=self.min_free_disk, host_rules=self.host_rules)
+        self.store_settings = StoreSettings(
+            data_dir=self.data_dir,
+            disconnect_grace_s=self.disconnect_grace_s,
+            retain_finished_s=self.retain_finished_s,
+            max_waiting_jobs=self.max_waiting_jobs,
+            min_free_disk=self.min_free_disk,
+            host_rules=self.host_rules,
+        )
 
 
 _HTTP_CODES = {
@@ -88,8 +92,9 @@ _HTTP_CODES = {
 
 
 def _error(code: ErrorCode, message: str, status: int, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(text=ErrorBody(code=code, message=message[:MAX_ERROR_MESSAGE]).model_dump_json(),
-                             status=status, headers=headers)
+    return web.json_response(
+        text=ErrorBody(code=code, message=message[:MAX_ERROR_MESSAGE]).model_dump_json(), status=status, headers=headers
+    )
 
 
 @web.middleware
@@ -124,10 +129,16 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         # surrogateescape: a header that is not UTF-8 is simply wrong, not a crash
         given_token = value.strip().encode("utf-8", "surrogateescape")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given_token, token.encode()):
-            request.app[AUDIT].event("token", f"token rejected: {request.method} {printable(request.path, 200)} "
-                                              f"from {printable(request.remote)}")
-            return _error(ErrorCode.UNAUTHORIZED, "missing or wrong bearer token (Authorization: Bearer ...)",
-                          401, {"WWW-Authenticate": "Bearer"})
+            request.app[AUDIT].event(
+                "token",
+                f"token rejected: {request.method} {printable(request.path, 200)} from {printable(request.remote)}",
+            )
+            return _error(
+                ErrorCode.UNAUTHORIZED,
+                "missing or wrong bearer token (Authorization: Bearer ...)",
+                401,
+                {"WWW-Authenticate": "Bearer"},
+            )
     return await handler(request)
 
 
@@ -146,8 +157,10 @@ def openapi_document() -> dict[str, Any]:
     """The REST contract, generated from the pydantic models (OpenAPI 3.1: its
     schemas are JSON Schema 2020-12, which is what pydantic emits)."""
     _, defs = models_json_schema(
-        [(m, "serialization") for m in (JobList, JobView, CloseResult, DeleteResult, Health, ErrorBody,
-                                         HostList, HostView)]
+        [
+            (m, "serialization")
+            for m in (JobList, JobView, CloseResult, DeleteResult, Health, ErrorBody, HostList, HostView)
+        ]
         + [(m, "validation") for m in (CordonRequest, HealthReport)],
         ref_template="#/components/schemas/{model}",
     )
@@ -160,19 +173,41 @@ def openapi_document() -> dict[str, Any]:
         return {"description": desc, "content": {"application/json": {"schema": ref(name)}}}
 
     errors = {str(s): resp("ErrorBody", "refused") for s in (400, 401, 404, 405, 409, 413, 422, 503)}
-    job_param = {"name": "job_id", "in": "path", "required": True,
-                 "schema": {"type": "string", "minLength": 1, "maxLength": MAX_ID_LEN, "pattern": ID_PATTERN}}
+    job_param = {
+        "name": "job_id",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "minLength": 1, "maxLength": MAX_ID_LEN, "pattern": ID_PATTERN},
+    }
     page_params = [
-        {"name": "state", "in": "query", "required": False, "description": "only jobs in this state",
-         "schema": {"type": "string", "enum": [s.value for s in JobState]}},
-        {"name": "limit", "in": "query", "required": False, "description": "jobs per page",
-         "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE, "default": DEFAULT_PAGE}},
-        {"name": "cursor", "in": "query", "required": False,
-         "description": "the next_cursor of the previous page, unchanged",
-         "schema": {"type": "string", "maxLength": MAX_CURSOR_LEN}},
+        {
+            "name": "state",
+            "in": "query",
+            "required": False,
+            "description": "only jobs in this state",
+            "schema": {"type": "string", "enum": [s.value for s in JobState]},
+        },
+        {
+            "name": "limit",
+            "in": "query",
+            "required": False,
+            "description": "jobs per page",
+            "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE, "default": DEFAULT_PAGE},
+        },
+        {
+            "name": "cursor",
+            "in": "query",
+            "required": False,
+            "description": "the next_cursor of the previous page, unchanged",
+            "schema": {"type": "string", "maxLength": MAX_CURSOR_LEN},
+        },
     ]
-    host_param = {"name": "host", "in": "path", "required": True,
-                  "schema": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": HOST_PATTERN}}
+    host_param = {
+        "name": "host",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": HOST_PATTERN},
+    }
     host_page = [page_params[1], page_params[2]]
 
     def body(name: str) -> dict[str, Any]:
@@ -182,55 +217,112 @@ def openapi_document() -> dict[str, Any]:
     job_errors = {"401": errors["401"], "404": errors["404"], "422": errors["422"]}
     return {
         "openapi": "3.1.0",
-        "info": {"title": "rdzv", "version": __version__,
-                 "description": "Rendezvous server for elastic PyTorch training. Agents use the "
-                                f"WebSocket at {AGENT_PATH}; see rdzv_server/protocol.py."},
-        "components": {"schemas": schemas,
-                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "info": {
+            "title": "rdzv",
+            "version": __version__,
+            "description": "Rendezvous server for elastic PyTorch training. Agents use the "
+            f"WebSocket at {AGENT_PATH}; see rdzv_server/protocol.py.",
+        },
+        "components": {"schemas": schemas, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "paths": {
-            "/v1/jobs": {"get": {"operationId": "listJobs", "security": secured, "parameters": page_params,
-                                 "description": "Jobs in creation order, one page at a time.",
-                                 "responses": {"200": resp("JobList"), "401": errors["401"],
-                                               "422": errors["422"]}}},
-            "/v1/jobs/{job_id}": {
-                "get": {"operationId": "getJob", "security": secured, "parameters": [job_param],
-                        "responses": {"200": resp("JobView"), **job_errors}},
-                "delete": {"operationId": "deleteJob", "security": secured, "parameters": [job_param],
-                           "description": "Forget a finished job; a live one is refused (409): close it first.",
-                           "responses": {"200": resp("DeleteResult"), **job_errors, "409": errors["409"],
-                                         "503": errors["503"]}},
+            "/v1/jobs": {
+                "get": {
+                    "operationId": "listJobs",
+                    "security": secured,
+                    "parameters": page_params,
+                    "description": "Jobs in creation order, one page at a time.",
+                    "responses": {"200": resp("JobList"), "401": errors["401"], "422": errors["422"]},
+                }
             },
-            "/v1/jobs/{job_id}/close": {"post": {"operationId": "closeJob", "security": secured,
-                                                 "parameters": [job_param],
-                                                 "responses": {"200": resp("CloseResult"), **job_errors,
-                                                               "503": errors["503"]}}},
-            "/v1/hosts": {"get": {"operationId": "listHosts", "security": secured, "parameters": host_page,
-                                  "description": "Host records (failures, cool-downs, cordons) by host name, "
-                                                 "one page at a time.",
-                                  "responses": {"200": resp("HostList"), "401": errors["401"],
-                                                "422": errors["422"]}}},
-            "/v1/hosts/{host}": {"get": {"operationId": "getHost", "security": secured, "parameters": [host_param],
-                                         "responses": {"200": resp("HostView"), **job_errors}}},
-            "/v1/hosts/{host}/cordon": {"post": {
-                "operationId": "cordonHost", "security": secured, "parameters": [host_param],
-                "requestBody": body("CordonRequest"),
-                "description": "No new admissions from the host (joins wait as spares, told why); drain: its "
-                               "running nodes are replaced at once.",
-                "responses": {"200": resp("HostView"), **job_errors, "503": errors["503"]}}},
-            "/v1/hosts/{host}/uncordon": {"post": {
-                "operationId": "uncordonHost", "security": secured, "parameters": [host_param],
-                "description": "Lift the host's cordon and any cool-down.",
-                "responses": {"200": resp("HostView"), **job_errors, "503": errors["503"]}}},
-            "/v1/hosts/{host}/health": {"post": {
-                "operationId": "reportHealth", "security": secured, "parameters": [host_param],
-                "requestBody": body("HealthReport"),
-                "description": "An agent's health check failed on the host: recorded as a failure of the host.",
-                "responses": {"200": resp("HostView"), **job_errors, "503": errors["503"]}}},
+            "/v1/jobs/{job_id}": {
+                "get": {
+                    "operationId": "getJob",
+                    "security": secured,
+                    "parameters": [job_param],
+                    "responses": {"200": resp("JobView"), **job_errors},
+                },
+                "delete": {
+                    "operationId": "deleteJob",
+                    "security": secured,
+                    "parameters": [job_param],
+                    "description": "Forget a finished job; a live one is refused (409): close it first.",
+                    "responses": {
+                        "200": resp("DeleteResult"),
+                        **job_errors,
+                        "409": errors["409"],
+                        "503": errors["503"],
+                    },
+                },
+            },
+            "/v1/jobs/{job_id}/close": {
+                "post": {
+                    "operationId": "closeJob",
+                    "security": secured,
+                    "parameters": [job_param],
+                    "responses": {"200": resp("CloseResult"), **job_errors, "503": errors["503"]},
+                }
+            },
+            "/v1/hosts": {
+                "get": {
+                    "operationId": "listHosts",
+                    "security": secured,
+                    "parameters": host_page,
+                    "description": "Host records (failures, cool-downs, cordons) by host name, one page at a time.",
+                    "responses": {"200": resp("HostList"), "401": errors["401"], "422": errors["422"]},
+                }
+            },
+            "/v1/hosts/{host}": {
+                "get": {
+                    "operationId": "getHost",
+                    "security": secured,
+                    "parameters": [host_param],
+                    "responses": {"200": resp("HostView"), **job_errors},
+                }
+            },
+            "/v1/hosts/{host}/cordon": {
+                "post": {
+                    "operationId": "cordonHost",
+                    "security": secured,
+                    "parameters": [host_param],
+                    "requestBody": body("CordonRequest"),
+                    "description": "No new admissions from the host (joins wait as spares, told why); drain: its "
+                    "running nodes are replaced at once.",
+                    "responses": {"200": resp("HostView"), **job_errors, "503": errors["503"]},
+                }
+            },
+            "/v1/hosts/{host}/uncordon": {
+                "post": {
+                    "operationId": "uncordonHost",
+                    "security": secured,
+                    "parameters": [host_param],
+                    "description": "Lift the host's cordon and any cool-down.",
+                    "responses": {"200": resp("HostView"), **job_errors, "503": errors["503"]},
+                }
+            },
+            "/v1/hosts/{host}/health": {
+                "post": {
+                    "operationId": "reportHealth",
+                    "security": secured,
+                    "parameters": [host_param],
+                    "requestBody": body("HealthReport"),
+                    "description": "An agent's health check failed on the host: recorded as a failure of the host.",
+                    "responses": {"200": resp("HostView"), **job_errors, "503": errors["503"]},
+                }
+            },
             "/healthz": {"get": {"operationId": "health", "responses": {"200": resp("Health")}}},
-            "/metrics": {"get": {"operationId": "metrics", "security": secured,
-                                 "responses": {"200": {"description": "Prometheus text format",
-                                                       "content": {"text/plain": {"schema": {"type": "string"}}}},
-                                               "401": errors["401"]}}},
+            "/metrics": {
+                "get": {
+                    "operationId": "metrics",
+                    "security": secured,
+                    "responses": {
+                        "200": {
+                            "description": "Prometheus text format",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        },
+                        "401": errors["401"],
+                    },
+                }
+            },
         },
     }
 
@@ -239,8 +331,9 @@ def create_app(settings: Settings | None = None) -> web.Application:
     """The server as an aiohttp application; the store opens on startup
     (raising DataDirError if its data cannot be used)."""
     settings = settings or Settings()
-    app = web.Application(client_max_size=MAX_BODY_BYTES,
-                          middlewares=[error_middleware, auth_middleware, latency_middleware])
+    app = web.Application(
+        client_max_size=MAX_BODY_BYTES, middlewares=[error_middleware, auth_middleware, latency_middleware]
+    )
     metrics = Metrics()
     app[METRICS] = metrics
     app[STORE] = Store(settings.store_settings, metrics=metrics)

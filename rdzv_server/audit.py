@@ -36,9 +36,15 @@ class _Window:
 class Audit:
     """A per-kind rate limit in front of one logger."""
 
-    def __init__(self, logger: logging.Logger = log, per_window: int = PER_WINDOW, window_s: float = WINDOW_S,
-                 clock: Callable[[], float] = time.monotonic, max_kinds: int = MAX_KINDS,
-                 level: int = logging.WARNING) -> None:
+    def __init__(
+        self,
+        logger: logging.Logger = log,
+        per_window: int = PER_WINDOW,
+        window_s: float = WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+        max_kinds: int = MAX_KINDS,
+        level: int = logging.WARNING,
+    ) -> None:
         self.logger = logger
         self.per_window = per_window
         self.window_s = window_s
@@ -77,5 +83,10 @@ class Audit:
     def _close(self, kind: str, w: _Window) -> None:
         del self._kinds[kind]
         if w.suppressed:
-            self.logger.log(self.level, "suppressed %d similar %s line(s) in the last %g s",
-                            w.suppressed, printable(repr(kind)), self.window_s)
+            self.logger.log(
+                self.level,
+                "suppressed %d similar %s line(s) in the last %g s",
+                w.suppressed,
+                printable(repr(kind)),
+                self.window_s,
+            )

@@ -120,8 +120,11 @@ class Protocol(RequestHandler):
         open_ = len(self.server.connections)
         if open_ >= self.max_connections:
             self.refused = True
-            _refused_log("refusing new connections: %d open, the limit is %d (--max-connections, fd limit)",
-                         open_, self.max_connections)
+            _refused_log(
+                "refusing new connections: %d open, the limit is %d (--max-connections, fd limit)",
+                open_,
+                self.max_connections,
+            )
             cast(asyncio.Transport, transport).abort()  # a socket's transport
             return
         super().connection_made(transport)
@@ -130,8 +133,9 @@ class Protocol(RequestHandler):
         if not self.refused:
             super().connection_lost(exc)
 
-    def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self, request: BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
         if status >= 500:  # a bug in a handler: keep aiohttp's traceback in the log
             return super().handle_error(request, status, exc, message)
         if request.writer.output_size > 0:  # as aiohttp: a response already started
@@ -141,8 +145,11 @@ class Protocol(RequestHandler):
         text = printable(next((ln for ln in reason.splitlines() if ln.strip()), reason).strip(), limit=300)
         _bad_http_log("bad HTTP request from %s: %s (%d)", printable(request.remote, limit=64), text, status)
         code = ErrorCode.BODY_TOO_LARGE if status == 413 else ErrorCode.BAD_REQUEST
-        resp = web.Response(status=status, content_type="application/json",
-                            text=ErrorBody(code=code, message=f"malformed HTTP request: {text}").model_dump_json())
+        resp = web.Response(
+            status=status,
+            content_type="application/json",
+            text=ErrorBody(code=code, message=f"malformed HTTP request: {text}").model_dump_json(),
+        )
         resp.force_close()
         return resp
 
@@ -150,13 +157,24 @@ class Protocol(RequestHandler):
 class Listener(web.BaseSite):
     """A TCP site like aiohttp's TCPSite, whose connections are :class:`Protocol`."""
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, ssl_context: ssl.SSLContext | None = None,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S, backlog: int = 4096) -> None:
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+        backlog: int = 4096,
+    ) -> None:
         super().__init__(runner, ssl_context=ssl_context, backlog=backlog)
         self._host, self._port = host, port
-        self._handler_kwargs: dict[str, Any] = {"keepalive_timeout": header_timeout_s, "access_log": None,
-                                "max_connections": max_connections}
+        self._handler_kwargs: dict[str, Any] = {
+            "keepalive_timeout": header_timeout_s,
+            "access_log": None,
+            "max_connections": max_connections,
+        }
 
     @property
     def name(self) -> str:
@@ -171,8 +189,9 @@ class Listener(web.BaseSite):
     async def start(self) -> None:
         await super().start()
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._protocol, self._host, self._port, ssl=self._ssl_context,
-                                                backlog=self._backlog, reuse_address=True)
+        self._server = await loop.create_server(
+            self._protocol, self._host, self._port, ssl=self._ssl_context, backlog=self._backlog, reuse_address=True
+        )
 
     def _protocol(self) -> Protocol:
         manager = self._runner.server

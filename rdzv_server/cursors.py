@@ -26,15 +26,20 @@ def decode_cursor(cursor: str) -> tuple[float, str]:
             raise ValueError("too long")
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         created_at, job_id = json.loads(raw)
-        if (not isinstance(created_at, (int, float)) or isinstance(created_at, bool)
-                or not isinstance(job_id, str) or not is_valid_id(job_id)):
+        if (
+            not isinstance(created_at, (int, float))
+            or isinstance(created_at, bool)
+            or not isinstance(job_id, str)
+            or not is_valid_id(job_id)
+        ):
             raise ValueError("not a cursor")
         created_at = float(created_at)  # OverflowError for a huge integer
         if created_at != created_at:
             raise ValueError("NaN")
     except (ValueError, TypeError, OverflowError, RecursionError):
-        raise RequestError("cursor is not one this server gave out: pass next_cursor back unchanged",
-                           ErrorCode.VALIDATION_ERROR) from None
+        raise RequestError(
+            "cursor is not one this server gave out: pass next_cursor back unchanged", ErrorCode.VALIDATION_ERROR
+        ) from None
     return created_at, job_id
 
 
@@ -50,6 +55,7 @@ def decode_host_cursor(cursor: str) -> str:
         if not is_valid_host(host):
             raise ValueError("not a host")
     except (ValueError, TypeError, UnicodeDecodeError):
-        raise RequestError("cursor is not one this server gave out: pass next_cursor back unchanged",
-                           ErrorCode.VALIDATION_ERROR) from None
+        raise RequestError(
+            "cursor is not one this server gave out: pass next_cursor back unchanged", ErrorCode.VALIDATION_ERROR
+        ) from None
     return host

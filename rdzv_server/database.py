@@ -75,8 +75,10 @@ def _lock_data_dir(data_dir: Path) -> int:
             holder = "unknown"
         os.close(fd)
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise DataDirError(f"data dir {data_dir} is in use by another rdzv-server (pid {holder}, "
-                               f"lock {path}); stop it first, or use another --data-dir") from e
+            raise DataDirError(
+                f"data dir {data_dir} is in use by another rdzv-server (pid {holder}, "
+                f"lock {path}); stop it first, or use another --data-dir"
+            ) from e
         raise DataDirError(f"cannot lock {path}: {e.strerror or e}") from e
     pid = f"{os.getpid()}\n".encode()
     try:  # in place, then cut: a full disk keeps the file's block
@@ -140,16 +142,22 @@ class Database:
                 ) from e
             raise DataDirError(
                 f"cannot open database {self.path} ({e}); "
-                + ("it exists but is unreadable or corrupt: move it away to start empty, or restore a backup"
-                   if existed else "check the data dir")
+                + (
+                    "it exists but is unreadable or corrupt: move it away to start empty, or restore a backup"
+                    if existed
+                    else "check the data dir"
+                )
             ) from e
         self.conn: sqlite3.Connection = conn
 
     def _private_file(self) -> None:
         """Create the database file 0600 (SQLite would use 0644 under the usual
         umask); tighten an existing one and its -wal/-shm."""
-        for path in (self.path, self.path.with_name(self.path.name + "-wal"),
-                     self.path.with_name(self.path.name + "-shm")):
+        for path in (
+            self.path,
+            self.path.with_name(self.path.name + "-wal"),
+            self.path.with_name(self.path.name + "-shm"),
+        ):
             try:
                 if path == self.path and not path.exists():
                     os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
@@ -215,7 +223,8 @@ class Database:
             self.conn.executemany(
                 "INSERT INTO hosts (host, record, updated_at) VALUES (?, ?, ?) "
                 "ON CONFLICT(host) DO UPDATE SET record=excluded.record, updated_at=excluded.updated_at",
-                [(r.host, json.dumps(r.to_record(), separators=(",", ":")), r.updated_at) for r in records])
+                [(r.host, json.dumps(r.to_record(), separators=(",", ":")), r.updated_at) for r in records],
+            )
             self.conn.execute("COMMIT")
         except BaseException:
             self.conn.execute("ROLLBACK")

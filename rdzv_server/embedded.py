@@ -16,8 +16,9 @@ from aiohttp import web
 from .app import Settings, create_app
 
 
-async def start_embedded(host: str = "127.0.0.1", port: int = 0,
-                         settings: Settings | None = None) -> tuple[web.AppRunner, int]:
+async def start_embedded(
+    host: str = "127.0.0.1", port: int = 0, settings: Settings | None = None
+) -> tuple[web.AppRunner, int]:
     """Start a server on ``host:port``; return its runner (``await runner.cleanup()``
     stops it) and the port it listens on."""
     runner = web.AppRunner(create_app(settings or Settings(data_dir=None)), access_log=None)

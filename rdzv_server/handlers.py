@@ -58,8 +58,9 @@ def _json(model: BaseModel, status: int = 200) -> web.Response:
 def _job_id(request: web.Request) -> str:
     job_id = request.match_info["job_id"]
     if not is_valid_id(job_id):
-        raise RequestError(f"job id {job_id[:64]!r} is not valid: 1-128 characters of [A-Za-z0-9._:@+-]",
-                           ErrorCode.VALIDATION_ERROR)
+        raise RequestError(
+            f"job id {job_id[:64]!r} is not valid: 1-128 characters of [A-Za-z0-9._:@+-]", ErrorCode.VALIDATION_ERROR
+        )
     return job_id
 
 
@@ -70,8 +71,10 @@ def _page_params(request: web.Request) -> tuple[JobState | None, int, str | None
         try:
             state = JobState(q["state"])
         except ValueError:
-            raise RequestError(f"state {q['state'][:64]!r} is not one of "
-                               f"{', '.join(s.value for s in JobState)}", ErrorCode.VALIDATION_ERROR) from None
+            raise RequestError(
+                f"state {q['state'][:64]!r} is not one of {', '.join(s.value for s in JobState)}",
+                ErrorCode.VALIDATION_ERROR,
+            ) from None
     limit, cursor = _limit(request)
     return state, limit, cursor
 
@@ -102,8 +105,9 @@ async def close_job(request: web.Request) -> web.Response:
 
 async def delete_job(request: web.Request) -> web.Response:
     job = request.app[STORE].delete_job(_job_id(request))
-    request.app[AUDIT].event("delete", f"job {job.job_id} ({job.state.value}) deleted on request from "
-                                       f"{printable(request.remote)}")
+    request.app[AUDIT].event(
+        "delete", f"job {job.job_id} ({job.state.value}) deleted on request from {printable(request.remote)}"
+    )
     return _json(DeleteResult(job_id=job.job_id, state=job.state))
 
 
@@ -117,8 +121,9 @@ def _limit(request: web.Request) -> tuple[int, str | None]:
     if "limit" in q:
         text = q["limit"]
         if not (text.isascii() and text.isdigit() and len(text) <= 6 and 1 <= int(text) <= MAX_PAGE):
-            raise RequestError(f"limit {text[:64]!r} is not a whole number from 1 to {MAX_PAGE}",
-                               ErrorCode.VALIDATION_ERROR)
+            raise RequestError(
+                f"limit {text[:64]!r} is not a whole number from 1 to {MAX_PAGE}", ErrorCode.VALIDATION_ERROR
+            )
         limit = int(text)
     return limit, q.get("cursor") or None  # an empty cursor: the first page
 
@@ -147,8 +152,11 @@ async def cordon_host(request: web.Request) -> web.Response:
     req = await _body(request, CordonRequest)
     view = request.app[STORE].cordon(host, req.reason, req.ttl_s, req.drain)
     ttl = f" for {req.ttl_s:g}s" if req.ttl_s is not None else ""
-    request.app[AUDIT].event("cordon", f"host {printable(host)} cordoned{ttl}{' with drain' if req.drain else ''} "
-                                       f"on request from {printable(request.remote)}: {printable(req.reason)}")
+    request.app[AUDIT].event(
+        "cordon",
+        f"host {printable(host)} cordoned{ttl}{' with drain' if req.drain else ''} "
+        f"on request from {printable(request.remote)}: {printable(req.reason)}",
+    )
     return _json(view)
 
 
@@ -159,8 +167,9 @@ async def uncordon_host(request: web.Request) -> web.Response:
         if body.strip() not in (b"", b"{}"):
             raise RequestError("uncordon takes no body (or an empty JSON object)", ErrorCode.VALIDATION_ERROR)
     view = request.app[STORE].uncordon(host)
-    request.app[AUDIT].event("uncordon", f"host {printable(host)} uncordoned on request from "
-                                         f"{printable(request.remote)}")
+    request.app[AUDIT].event(
+        "uncordon", f"host {printable(host)} uncordoned on request from {printable(request.remote)}"
+    )
     return _json(view)
 
 
@@ -207,8 +216,7 @@ class WsChannel:
     so one slow agent never holds up the others. The queue is bounded (see
     MAX_QUEUED_MESSAGES): an agent that falls behind is disconnected."""
 
-    def __init__(self, ws: web.WebSocketResponse, transport: asyncio.Transport | None = None,
-                 peer: str = "?") -> None:
+    def __init__(self, ws: web.WebSocketResponse, transport: asyncio.Transport | None = None, peer: str = "?") -> None:
         self.ws = ws
         self.transport = transport
         self.peer = peer
@@ -225,8 +233,9 @@ class WsChannel:
         if self.killed:
             return
         if self.queue.qsize() >= MAX_QUEUED_MESSAGES or self.queued_bytes + len(text) > MAX_QUEUED_BYTES:
-            self.kill(f"send queue full ({self.queue.qsize()} messages, {self.queued_bytes} bytes): "
-                      "the agent does not read")
+            self.kill(
+                f"send queue full ({self.queue.qsize()} messages, {self.queued_bytes} bytes): the agent does not read"
+            )
             return
         self.queued_bytes += len(text)
         self.queue.put_nowait(text)
@@ -349,8 +358,10 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
             except RdzvError as e:
                 if isinstance(msg, JoinMsg):
                     request.app[AUDIT].event(
-                        "join", f"join refused: job {msg.job_id} node {msg.node_id} from "
-                                f"{printable(request.remote)}: {e.code.value}: {e.message}")
+                        "join",
+                        f"join refused: job {msg.job_id} node {msg.node_id} from "
+                        f"{printable(request.remote)}: {e.code.value}: {e.message}",
+                    )
                 if not chan.refuse(ErrorMsg(code=e.code, message=e.message)):
                     break
                 continue
@@ -367,12 +378,14 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
     return ws
 
 
-def _dispatch(store: Store, msg: AgentMessage, bound: tuple[str, str] | None,
-              chan: WsChannel) -> tuple[str, str] | None:
+def _dispatch(
+    store: Store, msg: AgentMessage, bound: tuple[str, str] | None, chan: WsChannel
+) -> tuple[str, str] | None:
     if isinstance(msg, JoinMsg):
         if bound is not None and bound != (msg.job_id, msg.node_id):
-            raise RequestError(f"this connection belongs to node {bound[1]!r} of job {bound[0]!r}",
-                               ErrorCode.ALREADY_JOINED)
+            raise RequestError(
+                f"this connection belongs to node {bound[1]!r} of job {bound[0]!r}", ErrorCode.ALREADY_JOINED
+            )
         store.join(msg, chan)
         return (msg.job_id, msg.node_id)
     if bound is None:

@@ -84,8 +84,10 @@ class HostRecord:
             return f"host {self.host} is cordoned{until}: {self.cordon_reason or 'no reason given'}"
         if self.cooling(now):
             assert self.cooled_until is not None
-            return (f"host {self.host} is cooled down for {self.cooled_until - now:.0f}s more "
-                    f"(until {self.cooled_until:.0f}): {self.cooled_reason}")
+            return (
+                f"host {self.host} is cooled down for {self.cooled_until - now:.0f}s more "
+                f"(until {self.cooled_until:.0f}): {self.cooled_reason}"
+            )
         return None
 
     def to_record(self) -> dict[str, Any]:
@@ -148,8 +150,9 @@ class Hosts:
         self.records.move_to_end(host)
         return rec, evicted
 
-    def record_failure(self, host: str, job_id: str, reason: str,
-                       now: float) -> tuple[HostRecord | None, bool, list[str]]:
+    def record_failure(
+        self, host: str, job_id: str, reason: str, now: float
+    ) -> tuple[HostRecord | None, bool, list[str]]:
         """A failure counted against ``host``: (its record or None if there was
         no room, whether it is cooled down by this failure, evicted hosts)."""
         rec, evicted = self._touch(host, now)
@@ -168,13 +171,16 @@ class Hosts:
         rec.cooldowns += 1
         rec.cooled_until = now + span
         rec.counted_from = now + span  # what happened before (and during) this cool-down is settled
-        rec.cooled_reason = (f"{len(recent)} failures within {rules.window_s:g}s (--host-failures "
-                             f"{rules.failures}), cool-down {rec.cooldowns} of {span:g}s; "
-                             f"last: {rec.failures[-1].reason}")
+        rec.cooled_reason = (
+            f"{len(recent)} failures within {rules.window_s:g}s (--host-failures "
+            f"{rules.failures}), cool-down {rec.cooldowns} of {span:g}s; "
+            f"last: {rec.failures[-1].reason}"
+        )
         return rec, True, evicted
 
-    def cordon(self, host: str, reason: str, ttl_s: float | None, drain: bool,
-               now: float) -> tuple[HostRecord | None, list[str]]:
+    def cordon(
+        self, host: str, reason: str, ttl_s: float | None, drain: bool, now: float
+    ) -> tuple[HostRecord | None, list[str]]:
         rec, evicted = self._touch(host, now)
         if rec is None:
             return None, evicted
@@ -200,8 +206,10 @@ class Hosts:
         """The earliest time a block that holds now ends (None: none ends)."""
         best: float | None = None
         for rec in self.records.values():
-            for t in (rec.cooled_until if rec.cooling(now) else None,
-                      rec.cordon_until if rec.cordon_active(now) else None):
+            for t in (
+                rec.cooled_until if rec.cooling(now) else None,
+                rec.cordon_until if rec.cordon_active(now) else None,
+            ):
                 if t is not None and (best is None or t < best):
                     best = t
         return best

@@ -21,21 +21,39 @@ class Metrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.joins = Counter("rdzv_joins", "Join messages accepted", ["job_id"], registry=r)
         self.rounds_opened = Counter("rdzv_rounds_opened", "Rounds opened after the first", ["job_id"], registry=r)
-        self.rounds_completed = Counter("rdzv_rounds_completed", "Rounds whose membership froze", ["job_id"],
-                                        registry=r)
-        self.evictions = Counter("rdzv_evictions", "Nodes evicted (lost connection or heartbeat)", ["job_id"],
-                                 registry=r)
+        self.rounds_completed = Counter(
+            "rdzv_rounds_completed", "Rounds whose membership froze", ["job_id"], registry=r
+        )
+        self.evictions = Counter(
+            "rdzv_evictions", "Nodes evicted (lost connection or heartbeat)", ["job_id"], registry=r
+        )
         self.restarts = Counter("rdzv_restarts", "Restarts counted against the budget", ["job_id"], registry=r)
         self.live_nodes = Gauge("rdzv_live_nodes", "Nodes known to the job", ["job_id"], registry=r)
         self.job_round = Gauge("rdzv_job_round", "Current round number", ["job_id"], registry=r)
-        self.latency = Histogram("rdzv_request_seconds", "REST request latency", ["route"], registry=r,
-                                 buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
+        self.latency = Histogram(
+            "rdzv_request_seconds",
+            "REST request latency",
+            ["route"],
+            registry=r,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+        )
         self.agent_messages = Counter("rdzv_agent_messages", "Agent channel messages received", ["op"], registry=r)
-        self.since_progress = Gauge("rdzv_job_max_seconds_since_progress",
-                                    "Most seconds any node's step has not advanced (jobs whose workers call "
-                                    "rdzv_client.worker.progress)", ["job_id"], registry=r)
-        self.per_job = (self.joins, self.rounds_opened, self.rounds_completed, self.evictions, self.restarts,
-                        self.live_nodes, self.job_round, self.since_progress)
+        self.since_progress = Gauge(
+            "rdzv_job_max_seconds_since_progress",
+            "Most seconds any node's step has not advanced (jobs whose workers call rdzv_client.worker.progress)",
+            ["job_id"],
+            registry=r,
+        )
+        self.per_job = (
+            self.joins,
+            self.rounds_opened,
+            self.rounds_completed,
+            self.evictions,
+            self.restarts,
+            self.live_nodes,
+            self.job_round,
+            self.since_progress,
+        )
         self._rendering: asyncio.Future[bytes] | None = None
 
     def observe(self, job: Job, fx: Effects) -> None:

@@ -122,6 +122,7 @@ Secret = Annotated[str, Field(min_length=1, max_length=MAX_SECRET_LEN, pattern=S
 
 # ------------------------------------------------------------------ job spec
 
+
 class JobSpec(_Strict):
     """What the first join of a job fixes for its life.
 
@@ -247,9 +248,7 @@ class LeaveMsg(_Strict):
     reason: str = Field(default="left", max_length=256)
 
 
-AgentMessage = Annotated[
-    JoinMsg | HeartbeatMsg | FailedMsg | SucceededMsg | LeaveMsg, Field(discriminator="op")
-]
+AgentMessage = Annotated[JoinMsg | HeartbeatMsg | FailedMsg | SucceededMsg | LeaveMsg, Field(discriminator="op")]
 AGENT_MESSAGE = TypeAdapter(AgentMessage)
 
 
@@ -313,8 +312,10 @@ class Assignment(_Strict):
         if self.group_rank >= self.group_world_size:
             raise ValueError(f"group_rank {self.group_rank} >= group_world_size {self.group_world_size}")
         if self.rank_offset + self.local_world_size > self.world_size:
-            raise ValueError(f"ranks {self.rank_offset}..{self.rank_offset + self.local_world_size - 1} "
-                             f"outside world_size {self.world_size}")
+            raise ValueError(
+                f"ranks {self.rank_offset}..{self.rank_offset + self.local_world_size - 1} "
+                f"outside world_size {self.world_size}"
+            )
         if self.world_size < self.group_world_size:
             raise ValueError(f"world_size {self.world_size} < group_world_size {self.group_world_size}")
         return self

@@ -31,18 +31,23 @@ class NodeView(BaseModel):
     host: str
     addr: str
     state: Literal["waiting", "running", "succeeded", "spare", "disconnected", "rejoining", "failed", "closed"] = Field(
-        description="the node's state; once the job ended, the job's (succeeded, failed, closed)")
+        description="the node's state; once the job ended, the job's (succeeded, failed, closed)"
+    )
     group_rank: int | None
     requested_rank: int | None = Field(default=None, description="the --node-rank it asked for, if any")
     local_world_size: int
     last_seen_s: float = Field(description="seconds since the server last heard from this node")
-    step: int | None = Field(default=None, description="the lowest last progress() step of its local ranks "
-                                                       "(null: its workers do not call rdzv_client.worker.progress)")
+    step: int | None = Field(
+        default=None,
+        description="the lowest last progress() step of its local ranks "
+        "(null: its workers do not call rdzv_client.worker.progress)",
+    )
     steps_per_s: float | None = Field(default=None, description="that rank's recent steps per second")
     since_progress_s: float | None = Field(default=None, description="seconds since its step last advanced")
     straggler: bool = Field(default=False, description="its steps/s stayed below half the job's median for 30 s")
-    host_blocked: str | None = Field(default=None, description="why this spare waits: its host is cordoned "
-                                                               "or cooled down")
+    host_blocked: str | None = Field(
+        default=None, description="why this spare waits: its host is cordoned or cooled down"
+    )
 
 
 class RoundView(BaseModel):
@@ -73,8 +78,9 @@ DEFAULT_PAGE = 100
 
 class JobList(BaseModel):
     jobs: list[JobSummary]
-    next_cursor: str | None = Field(default=None, description="pass as ?cursor= for the next page; "
-                                                              "null on the last page")
+    next_cursor: str | None = Field(
+        default=None, description="pass as ?cursor= for the next page; null on the last page"
+    )
 
 
 class DeleteResult(BaseModel):
@@ -111,8 +117,9 @@ class HostView(BaseModel):
 
 class HostList(BaseModel):
     hosts: list[HostView]
-    next_cursor: str | None = Field(default=None, description="pass as ?cursor= for the next page; "
-                                                              "null on the last page")
+    next_cursor: str | None = Field(
+        default=None, description="pass as ?cursor= for the next page; null on the last page"
+    )
 
 
 class Health(BaseModel):

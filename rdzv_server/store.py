@@ -98,8 +98,9 @@ class Store(HostsMixin, RetentionMixin):
     The host records' side (cordon, health, cool-downs) is :class:`~rdzv_server.store_hosts.HostsMixin`,
     removal of finished jobs :class:`~rdzv_server.store_retention.RetentionMixin`."""
 
-    def __init__(self, settings: StoreSettings, clock: Callable[[], float] = time.time,
-                 metrics: Metrics | None = None) -> None:
+    def __init__(
+        self, settings: StoreSettings, clock: Callable[[], float] = time.time, metrics: Metrics | None = None
+    ) -> None:
         self.settings = settings
         self.clock = clock
         self.progress_jobs: set[str] = set()  # jobs whose agents sent progress (a subset of jobs)
@@ -147,8 +148,13 @@ class Store(HostsMixin, RetentionMixin):
                 heapq.heappush(self._ended, (job.ended_at or job.created_at, job.job_id))
         self._order.sort()
         if self.jobs:
-            log.info("loaded %d job(s) from %s (%d active); every node has %s to reconnect",
-                     len(self.jobs), self.db.path, len(self.active), "a full heartbeat timeout")
+            log.info(
+                "loaded %d job(s) from %s (%d active); every node has %s to reconnect",
+                len(self.jobs),
+                self.db.path,
+                len(self.active),
+                "a full heartbeat timeout",
+            )
 
     async def start(self) -> None:
         self._last_tick = time.monotonic()
@@ -189,8 +195,10 @@ class Store(HostsMixin, RetentionMixin):
         if stalled:
             for job_id in self.active:  # deadlines only move later: the heap stays valid
                 rounds.grace(self.jobs[job_id], now, stall=True)
-            log.warning("the server did not run for a while (stopped or starved); "
-                        "every node heard from since gets a full heartbeat timeout")
+            log.warning(
+                "the server did not run for a while (stopped or starved); "
+                "every node heard from since gets a full heartbeat timeout"
+            )
         if self._unblock_at is not None and now >= self._unblock_at:
             self._unblock_at = self.hosts.next_unblock(now)
             self._hosts_changed(now)  # a cool-down or a cordon's ttl ended: its spares may be admitted
@@ -257,9 +265,11 @@ class Store(HostsMixin, RetentionMixin):
             self.active.add(job.job_id)
             bisect.insort(self._order, (job.created_at, job.job_id))
             fx.persist = True
-            fx.logs.insert(0, f"job {job.job_id} created: nnodes {msg.spec.min_nodes}:{msg.spec.max_nodes}, "
-                              f"max_restarts {msg.spec.max_restarts}"
-                              + (", with a job secret" if msg.job_secret is not None else ""))
+            fx.logs.insert(
+                0,
+                f"job {job.job_id} created: nnodes {msg.spec.min_nodes}:{msg.spec.max_nodes}, "
+                f"max_restarts {msg.spec.max_restarts}" + (", with a job secret" if msg.job_secret is not None else ""),
+            )
         key = (job.job_id, msg.node_id)
         old = self.channels.get(key)
         self.channels[key] = chan
@@ -277,14 +287,18 @@ class Store(HostsMixin, RetentionMixin):
         s = self.settings
         why = None
         if len(self.waiting) >= s.max_waiting_jobs:
-            why = (f"{len(self.waiting)} jobs are waiting for nodes on this server (--max-waiting-jobs "
-                   f"{s.max_waiting_jobs}); job {job_id!r} is not created: retry later")
+            why = (
+                f"{len(self.waiting)} jobs are waiting for nodes on this server (--max-waiting-jobs "
+                f"{s.max_waiting_jobs}); job {job_id!r} is not created: retry later"
+            )
         elif self.db is not None and s.data_dir is not None and s.min_free_disk > 0:
             free = free_bytes(s.data_dir)
             if free is not None and free < s.min_free_disk:
-                why = (f"only {free} bytes free on {self.settings.data_dir} (--min-free-disk {s.min_free_disk}); "
-                       f"new jobs are refused until there is space, running jobs carry on; "
-                       f"job {job_id!r} is not created")
+                why = (
+                    f"only {free} bytes free on {self.settings.data_dir} (--min-free-disk {s.min_free_disk}); "
+                    f"new jobs are refused until there is space, running jobs carry on; "
+                    f"job {job_id!r} is not created"
+                )
         if why is None:
             return
         error = UnavailableError(why, ErrorCode.UNAVAILABLE)
@@ -360,8 +374,9 @@ class Store(HostsMixin, RetentionMixin):
     def view(self, job_id: str) -> JobView:
         return rounds.view(self._job(job_id), self.clock())
 
-    def summaries(self, state: JobState | None = None, limit: int = 100,
-                  cursor: str | None = None) -> tuple[list[JobSummary], str | None]:
+    def summaries(
+        self, state: JobState | None = None, limit: int = 100, cursor: str | None = None
+    ) -> tuple[list[JobSummary], str | None]:
         """One page of job summaries in creation order: (summaries, next_cursor).
         ``cursor`` is a ``next_cursor`` this server returned (opaque to clients)."""
         start = 0
@@ -387,8 +402,9 @@ class Store(HostsMixin, RetentionMixin):
 
     # --------------------------------------------------------------- effects
 
-    def _apply(self, job: Job, fx: Effects, now: float, created: bool = False,
-               requester: Channel | None = None) -> None:
+    def _apply(
+        self, job: Job, fx: Effects, now: float, created: bool = False, requester: Channel | None = None
+    ) -> None:
         if fx.persist and self.db is not None:
             try:
                 self.db.save(job, now)
@@ -435,8 +451,12 @@ class Store(HostsMixin, RetentionMixin):
         dropped: the error the caller raises would otherwise queue behind the
         drop and never be sent. Agents whose report caused the write are only
         dropped: they re-send the report when they reconnect."""
-        log.error("job %s: cannot save state to %s: %s; the change is refused", job.job_id,
-                  self.db.path if self.db else "?", err)
+        log.error(
+            "job %s: cannot save state to %s: %s; the change is refused",
+            job.job_id,
+            self.db.path if self.db else "?",
+            err,
+        )
         saved = None
         if not created and self.db is not None:
             try:

@@ -45,6 +45,7 @@ class HostsMixin:
     _unblock_at: float | None
 
     if TYPE_CHECKING:
+
         def _apply(self, job: Job, fx: Effects, now: float) -> None: ...
 
     def _save_hosts(self, records: list[HostRecord], removed: list[str]) -> bool:
@@ -54,8 +55,12 @@ class HostsMixin:
             self.db.save_hosts(records, removed)
             return True
         except sqlite3.Error as e:
-            log.error("cannot save host record(s) %s to %s: %s", ", ".join(printable(r.host) for r in records),
-                      self.db.path, e)
+            log.error(
+                "cannot save host record(s) %s to %s: %s",
+                ", ".join(printable(r.host) for r in records),
+                self.db.path,
+                e,
+            )
             return False
 
     def host_failure(self, host: str, job_id: str, reason: str, now: float | None = None) -> HostRecord | None:
@@ -64,8 +69,12 @@ class HostsMixin:
         now = self.clock() if now is None else now
         rec, cooled, evicted = self.hosts.record_failure(host, job_id, reason, now)
         if rec is None:
-            log.warning("host table full of blocked hosts (%d): failure on %s not recorded: %s",
-                        len(self.hosts.records), printable(host, limit=255), printable(reason))
+            log.warning(
+                "host table full of blocked hosts (%d): failure on %s not recorded: %s",
+                len(self.hosts.records),
+                printable(host, limit=255),
+                printable(reason),
+            )
             return None
         self._save_hosts([rec], evicted)
         if cooled:
@@ -88,8 +97,9 @@ class HostsMixin:
 
     def check_host(self, host: str) -> str:
         if not is_valid_host(host):
-            raise RequestError(f"host {host[:64]!r} is not valid: 1-255 characters of [A-Za-z0-9._:[]%-]",
-                               ErrorCode.VALIDATION_ERROR)
+            raise RequestError(
+                f"host {host[:64]!r} is not valid: 1-255 characters of [A-Za-z0-9._:[]%-]", ErrorCode.VALIDATION_ERROR
+            )
         return host
 
     def host_view(self, host: str) -> HostView:
@@ -102,19 +112,31 @@ class HostsMixin:
         """A failed health check on ``host`` (POST /v1/hosts/{host}/health)."""
         rec = self.host_failure(self.check_host(host), job_id or "-", f"health check failed: {reason}")
         if rec is None:
-            raise UnavailableError(f"the host table is full ({len(self.hosts.records)} records, all blocking a "
-                                   "host); the report is not recorded", ErrorCode.UNAVAILABLE)
+            raise UnavailableError(
+                f"the host table is full ({len(self.hosts.records)} records, all blocking a "
+                "host); the report is not recorded",
+                ErrorCode.UNAVAILABLE,
+            )
         return self._host_view(rec, self.clock())
 
     @staticmethod
     def _host_view(rec: HostRecord, now: float) -> HostView:
         why = rec.blocked(now)
         state = "cordoned" if rec.cordon_active(now) else "cooled_down" if rec.cooling(now) else "ok"
-        return HostView(host=rec.host, state=state, reason=why, cordoned=rec.cordon_active(now),
-                        cordon_reason=rec.cordon_reason, cordon_until=rec.cordon_until, drain=rec.drain,
-                        cooled_until=rec.cooled_until, cooldowns=rec.cooldowns, failures_total=rec.failures_total,
-                        failures=[HostFailureView(at=f.at, job_id=f.job_id, reason=f.reason) for f in rec.failures],
-                        updated_at=rec.updated_at)
+        return HostView(
+            host=rec.host,
+            state=state,
+            reason=why,
+            cordoned=rec.cordon_active(now),
+            cordon_reason=rec.cordon_reason,
+            cordon_until=rec.cordon_until,
+            drain=rec.drain,
+            cooled_until=rec.cooled_until,
+            cooldowns=rec.cooldowns,
+            failures_total=rec.failures_total,
+            failures=[HostFailureView(at=f.at, job_id=f.job_id, reason=f.reason) for f in rec.failures],
+            updated_at=rec.updated_at,
+        )
 
     def host_views(self, limit: int = 100, cursor: str | None = None) -> tuple[list[HostView], str | None]:
         """One page of host records by host name: (views, next_cursor)."""
@@ -129,8 +151,11 @@ class HostsMixin:
         now = self.clock()
         rec, evicted = self.hosts.cordon(self.check_host(host), reason, ttl_s, drain, now)
         if rec is None:
-            raise UnavailableError(f"the host table is full ({len(self.hosts.records)} records, all blocking a host); "
-                                   f"uncordon a host first", ErrorCode.UNAVAILABLE)
+            raise UnavailableError(
+                f"the host table is full ({len(self.hosts.records)} records, all blocking a host); "
+                f"uncordon a host first",
+                ErrorCode.UNAVAILABLE,
+            )
         self._save_hosts([rec], evicted)
         self._unblock_at = self.hosts.next_unblock(now)
         self._hosts_changed(now, drain={host} if drain else None)

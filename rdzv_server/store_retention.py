@@ -40,6 +40,7 @@ class RetentionMixin:
     _order: list[tuple[float, str]]
 
     if TYPE_CHECKING:
+
         def _job(self, job_id: str) -> Job: ...
 
     def _expire(self, now: float) -> None:
@@ -56,14 +57,22 @@ class RetentionMixin:
         try:
             self._remove(expired)
         except sqlite3.Error as e:
-            log.error("cannot remove %d finished job(s) from %s: %s; trying again in a minute", len(expired),
-                      self.db.path if self.db else "?", e)
+            log.error(
+                "cannot remove %d finished job(s) from %s: %s; trying again in a minute",
+                len(expired),
+                self.db.path if self.db else "?",
+                e,
+            )
             for job in expired:  # due again in 60 s
                 heapq.heappush(self._ended, (limit + 60.0, job.job_id))
             return
         shown = ", ".join(j.job_id for j in expired[:8]) + (" ..." if len(expired) > 8 else "")
-        log.info("removed %d finished job(s) older than --retain-finished %gs: %s", len(expired),
-                 self.settings.retain_finished_s, shown)
+        log.info(
+            "removed %d finished job(s) older than --retain-finished %gs: %s",
+            len(expired),
+            self.settings.retain_finished_s,
+            shown,
+        )
 
     def _remove(self, jobs: list[Job]) -> None:
         """Forget finished jobs: database first (raises sqlite3.Error), then
@@ -87,12 +96,15 @@ class RetentionMixin:
         """Forget a finished job (its view, its row, its metric series)."""
         job = self._job(job_id)
         if not job.finished:
-            raise JobNotFinishedError(f"job {job_id!r} is {job.state.value}; close it first (rdzv close {job_id}, "
-                                      f"or POST /v1/jobs/{job_id}/close), then delete it")
+            raise JobNotFinishedError(
+                f"job {job_id!r} is {job.state.value}; close it first (rdzv close {job_id}, "
+                f"or POST /v1/jobs/{job_id}/close), then delete it"
+            )
         try:
             self._remove([job])
         except sqlite3.Error as e:
-            raise UnavailableError(f"the server cannot delete job {job_id!r} from its database ({e}); retry later",
-                                   ErrorCode.UNAVAILABLE) from e
+            raise UnavailableError(
+                f"the server cannot delete job {job_id!r} from its database ({e}); retry later", ErrorCode.UNAVAILABLE
+            ) from e
         log.info("job %s deleted by request (it had %s)", job_id, job.state.value)
         return job

@@ -76,23 +76,37 @@ def heartbeat_every(heartbeat_timeout_s: float) -> float:
     return min(2.0, heartbeat_timeout_s / 3.0)
 
 
-def check_spec(*, min_nodes: int, max_nodes: int, max_restarts: int = DEFAULT_MAX_RESTARTS,
-               last_call_s: float = DEFAULT_LAST_CALL_S, heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
-               join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
-               scale_up_window_s: float = DEFAULT_SCALE_UP_WINDOW_S,
-               hang_timeout_s: float | None = None) -> dict[str, Any]:
+def check_spec(
+    *,
+    min_nodes: int,
+    max_nodes: int,
+    max_restarts: int = DEFAULT_MAX_RESTARTS,
+    last_call_s: float = DEFAULT_LAST_CALL_S,
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+    join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
+    scale_up_window_s: float = DEFAULT_SCALE_UP_WINDOW_S,
+    hang_timeout_s: float | None = None,
+) -> dict[str, Any]:
     """A job spec as the plain JSON object ``JobSpec`` serializes to, or
     ValueError naming the field: the same rules as ``JobSpec``, without pydantic."""
     out: dict[str, Any] = {}
-    for name, value, lo, hi in (("min_nodes", min_nodes, 1, MAX_NODES), ("max_nodes", max_nodes, 1, MAX_NODES),
-                                ("max_restarts", max_restarts, 0, MAX_RESTARTS)):
+    for name, value, lo, hi in (
+        ("min_nodes", min_nodes, 1, MAX_NODES),
+        ("max_nodes", max_nodes, 1, MAX_NODES),
+        ("max_restarts", max_restarts, 0, MAX_RESTARTS),
+    ):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{name}: must be an integer, got {value!r}")
         if not lo <= value <= hi:
             raise ValueError(f"{name}: must be between {lo} and {hi}, got {value}")
         out[name] = value
-    seconds: tuple[float | None, ...] = (last_call_s, heartbeat_timeout_s, join_timeout_s, scale_up_window_s,
-                                         hang_timeout_s)
+    seconds: tuple[float | None, ...] = (
+        last_call_s,
+        heartbeat_timeout_s,
+        join_timeout_s,
+        scale_up_window_s,
+        hang_timeout_s,
+    )
     for name, secs in zip((*SPEC_SECONDS, "hang_timeout_s"), seconds, strict=True):
         if name == "hang_timeout_s" and secs is None:  # optional: off
             out[name] = None
@@ -107,13 +121,34 @@ def check_spec(*, min_nodes: int, max_nodes: int, max_restarts: int = DEFAULT_MA
     return out
 
 
-def join_fields(*, job_id: str, node_id: str, host: str, addr: str, local_world_size: int, master_port: int,
-                spec: dict[str, Any], requested_rank: int | None = None, resume_round: int | None = None,
-                node_secret: str | None = None, job_secret: str | None = None) -> dict[str, Any]:
+def join_fields(
+    *,
+    job_id: str,
+    node_id: str,
+    host: str,
+    addr: str,
+    local_world_size: int,
+    master_port: int,
+    spec: dict[str, Any],
+    requested_rank: int | None = None,
+    resume_round: int | None = None,
+    node_secret: str | None = None,
+    job_secret: str | None = None,
+) -> dict[str, Any]:
     """A join as the plain JSON object ``JoinMsg`` serializes to (field for
     field, in its order). The values are the agent's own, checked where they
     were made (flags, ``check_spec``); the server validates it as ``JoinMsg``."""
-    return {"op": "join", "job_id": job_id, "node_id": node_id, "host": host, "addr": addr,
-            "local_world_size": local_world_size, "master_port": master_port, "spec": dict(spec),
-            "requested_rank": requested_rank, "resume_round": resume_round, "node_secret": node_secret,
-            "job_secret": job_secret}
+    return {
+        "op": "join",
+        "job_id": job_id,
+        "node_id": node_id,
+        "host": host,
+        "addr": addr,
+        "local_world_size": local_world_size,
+        "master_port": master_port,
+        "spec": dict(spec),
+        "requested_rank": requested_rank,
+        "resume_round": resume_round,
+        "node_secret": node_secret,
+        "job_secret": job_secret,
+    }

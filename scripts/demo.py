@@ -47,8 +47,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-SHOW = re.compile(r"(started rank \d+/\d+|step \d+0 loss|done step|round \d+:|job .*(succeeded|failed|closed)"
-                  r"|opened|complete|lost|left|evicted|spare)")
+SHOW = re.compile(
+    r"(started rank \d+/\d+|step \d+0 loss|done step|round \d+:|job .*(succeeded|failed|closed)"
+    r"|opened|complete|lost|left|evicted|spare)"
+)
 
 
 def pump(name: str, proc: subprocess.Popen) -> None:
@@ -67,8 +69,9 @@ def pump(name: str, proc: subprocess.Popen) -> None:
 
 def start(name: str, cmd: list[str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1", RDZV_CKPT_DIR=str(CKPT))
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                         start_new_session=True, cwd=ROOT)
+    p = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True, cwd=ROOT
+    )
     procs[name] = p
     threading.Thread(target=pump, args=(name, p), daemon=True).start()
     return p
@@ -97,15 +100,45 @@ def rest(path: str) -> dict:
 
 
 def agent(name: str) -> subprocess.Popen:
-    return start(name, [PY, "-m", "rdzv_client.agent", "--endpoint", f"127.0.0.1:{PORT}", "--job-id", JOB,
-                        "--nnodes", "2:3", "--nproc-per-node", "1", "--local-addr", "127.0.0.1",
-                        "--max-restarts", "3", "examples/train_ddp.py", "--steps", str(STEPS),
-                        "--step-sleep", "0.1", "--ckpt-every", "10", "--log-every", "10"])
+    return start(
+        name,
+        [
+            PY,
+            "-m",
+            "rdzv_client.agent",
+            "--endpoint",
+            f"127.0.0.1:{PORT}",
+            "--job-id",
+            JOB,
+            "--nnodes",
+            "2:3",
+            "--nproc-per-node",
+            "1",
+            "--local-addr",
+            "127.0.0.1",
+            "--max-restarts",
+            "3",
+            "examples/train_ddp.py",
+            "--steps",
+            str(STEPS),
+            "--step-sleep",
+            "0.1",
+            "--ckpt-every",
+            "10",
+            "--log-every",
+            "10",
+        ],
+    )
 
 
 def status() -> None:
-    out = subprocess.run([PY, "-m", "rdzv_client.cli", "--endpoint", f"127.0.0.1:{PORT}", "status", JOB],
-                         capture_output=True, text=True, timeout=15, cwd=ROOT)
+    out = subprocess.run(
+        [PY, "-m", "rdzv_client.cli", "--endpoint", f"127.0.0.1:{PORT}", "status", JOB],
+        capture_output=True,
+        text=True,
+        timeout=15,
+        cwd=ROOT,
+    )
     print("\n".join("           " + line for line in (out.stdout or out.stderr).splitlines()), flush=True)
 
 
@@ -135,8 +168,10 @@ def main() -> int:
     CKPT = work / "checkpoints"
     print(f"rdzv demo: job {JOB}; files in {work}")
     say(f"starting rdzv-server on 127.0.0.1:{PORT} (state in {work / 'server'})")
-    start("server", [PY, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(PORT),
-                     "--data-dir", str(work / "server")])
+    start(
+        "server",
+        [PY, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(PORT), "--data-dir", str(work / "server")],
+    )
     wait_for("listening on", 0, 30, who="server")
 
     say("starting three agents: --nnodes 2:3, one CPU worker each, training examples/train_ddp.py")
@@ -153,9 +188,11 @@ def main() -> int:
     wait_for(r"round 1 complete", t_kill, 60, who="server")
     formed = time.monotonic() - t_kill
     line = wait_for(r"started rank 0/2 .*resumed_from_step [1-9]", t_kill, 60)
-    say(f"survivors re-formed with world size 2 {formed:.1f}s after the kill; their new workers started "
+    say(
+        f"survivors re-formed with world size 2 {formed:.1f}s after the kill; their new workers started "
         f"{time.monotonic() - t_kill:.1f}s after it (most of that is importing torch) and resumed from the "
-        f"checkpoint at step {line.split('resumed_from_step')[-1].strip()}")
+        f"checkpoint at step {line.split('resumed_from_step')[-1].strip()}"
+    )
     wait_for(r"step \d+ loss .* world_size 2", t_kill, 60)
     status()
 
@@ -165,8 +202,10 @@ def main() -> int:
     wait_for(r"round 2 complete", t_new, 60, who="server")
     formed = time.monotonic() - t_new
     wait_for(r"started rank 0/3 .*resumed_from_step [1-9]", t_new, 90)
-    say(f"the world grew back to 3: round 2 formed {formed:.1f}s after agent-4 was launched, workers running "
-        f"{time.monotonic() - t_new:.1f}s after it")
+    say(
+        f"the world grew back to 3: round 2 formed {formed:.1f}s after agent-4 was launched, workers running "
+        f"{time.monotonic() - t_new:.1f}s after it"
+    )
     wait_for(r"step \d+ loss .* world_size 3", t_new, 60)
 
     say(f"training to step {STEPS} ...")

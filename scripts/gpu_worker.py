@@ -36,8 +36,19 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--backend", choices=["nccl", "gloo"], default="nccl")
     args = p.parse_args()
-    env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                                          "GROUP_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "CUDA_VISIBLE_DEVICES")}
+    env = {
+        k: os.environ.get(k)
+        for k in (
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE",
+            "GROUP_RANK",
+            "GROUP_WORLD_SIZE",
+            "TORCHELASTIC_RESTART_COUNT",
+            "CUDA_VISIBLE_DEVICES",
+        )
+    }
     rank, local_rank = int(env["RANK"]), int(env["LOCAL_RANK"])
     world = int(env["WORLD_SIZE"])
     tag = f"{args.mode}-round{env['TORCHELASTIC_RESTART_COUNT']}-rank{rank}"
@@ -50,8 +61,11 @@ def main() -> int:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         props = torch.cuda.get_device_properties(local_rank)
-        record["gpu"] = {"name": props.name, "uuid": str(getattr(props, "uuid", "")),
-                         "visible": torch.cuda.device_count()}
+        record["gpu"] = {
+            "name": props.name,
+            "uuid": str(getattr(props, "uuid", "")),
+            "visible": torch.cuda.device_count(),
+        }
     else:
         device = torch.device("cpu")
     if args.mode == "env":

@@ -25,8 +25,10 @@ _env = os.environ
 
 
 def stamp(out, what, t):
-    line = (f"{what} {_env.get('RANK', '?')} {_env.get('WORLD_SIZE', '?')} "
-            f"{_env.get('TORCHELASTIC_RESTART_COUNT', '?')} {t:.6f} {os.getpid()}\n")
+    line = (
+        f"{what} {_env.get('RANK', '?')} {_env.get('WORLD_SIZE', '?')} "
+        f"{_env.get('TORCHELASTIC_RESTART_COUNT', '?')} {t:.6f} {os.getpid()}\n"
+    )
     fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, line.encode())

@@ -37,8 +37,9 @@ def hosts_changed(job: Job, now: float, drain: set[str]) -> Effects:
         elif node.state == SPARE and why is None and node.note is not None:
             node.note = None
             fx.persist = True
-            fx.logs.append(f"job {job.job_id} round {job.round}: host {node.host} of spare {node.node_id} "
-                           "may be admitted again")
+            fx.logs.append(
+                f"job {job.job_id} round {job.round}: host {node.host} of spare {node.node_id} may be admitted again"
+            )
             if job.forming:
                 move(job, node, WAITING)
             elif len(job.order) + count(job, WAITING) < job.spec.max_nodes:

@@ -47,11 +47,13 @@ def _check_job_secret(job: Job, msg: JoinMsg) -> None:
         if msg.job_secret is not None:
             raise JobSecretMismatchError(
                 f"job {job.job_id!r} was created without a job secret, but this join brings one: "
-                "another job uses this id; pick another job id")
+                "another job uses this id; pick another job id"
+            )
         return
     if msg.job_secret is None:
         raise JobSecretMismatchError(
-            f"job {job.job_id!r} requires a job secret (--job-secret or RDZV_JOB_SECRET); this join brings none")
+            f"job {job.job_id!r} requires a job secret (--job-secret or RDZV_JOB_SECRET); this join brings none"
+        )
     if not hmac.compare_digest(job.secret_hash, job_secret_hash(job.job_id, msg.job_secret)):
         raise JobSecretMismatchError(f"wrong job secret for job {job.job_id!r}")
 
@@ -69,11 +71,15 @@ def _check_spec(job: Job, msg: JoinMsg) -> None:
             f"job {job.job_id!r} has nnodes {spec.min_nodes}:{spec.max_nodes}, "
             f"but node {msg.node_id!r} asked for {asked.min_nodes}:{asked.max_nodes}"
         )
-    differ = [f"{name} {_show(getattr(spec, name))}, but node {msg.node_id!r} asked for {_show(getattr(asked, name))}"
-              for name in type(spec).model_fields if getattr(spec, name) != getattr(asked, name)]
+    differ = [
+        f"{name} {_show(getattr(spec, name))}, but node {msg.node_id!r} asked for {_show(getattr(asked, name))}"
+        for name in type(spec).model_fields
+        if getattr(spec, name) != getattr(asked, name)
+    ]
     if differ:
-        raise SpecMismatchError(f"job {job.job_id!r} has " + "; and ".join(differ)
-                                + " (every node of a job must use the same settings)")
+        raise SpecMismatchError(
+            f"job {job.job_id!r} has " + "; and ".join(differ) + " (every node of a job must use the same settings)"
+        )
 
 
 def _check_node_secret(job: Job, node: Node, msg: JoinMsg) -> None:
@@ -84,7 +90,8 @@ def _check_node_secret(job: Job, node: Node, msg: JoinMsg) -> None:
         raise NodeSecretMismatchError(
             f"node {node.node_id!r} of job {job.job_id!r} is held by another agent: this join "
             f"{'carries a wrong' if msg.node_secret else 'does not carry its'} node secret; "
-            "a new agent joins with a new node id")
+            "a new agent joins with a new node id"
+        )
 
 
 def join(job: Job, msg: JoinMsg, now: float, node_secret: str | None = None) -> Effects:
@@ -106,8 +113,7 @@ def join(job: Job, msg: JoinMsg, now: float, node_secret: str | None = None) -> 
     node = job.nodes.get(msg.node_id)
     if node is not None:
         _check_node_secret(job, node, msg)
-    if (node is not None and node.state == RUNNING and not job.forming
-            and msg.resume_round in (None, job.round)):
+    if node is not None and node.state == RUNNING and not job.forming and msg.resume_round in (None, job.round):
         return _reconnect(job, node, now)
     if msg.resume_round is not None:
         fx = _resume(job, node, msg, now)
@@ -198,18 +204,30 @@ def _enter(job: Job, node: Node, now: float, issued: str | None) -> Effects:
         move(job, node, WAITING)
         job.status_dirty = True
         done = _check_complete(job, now)
-        fx.send(node.node_id, JoinedMsg(round=job.round, node_id=node.node_id, heartbeat_s=heartbeat_interval(spec),
-                                        waiting_for=waiting_info(job, now, detail=False), node_secret=issued))
+        fx.send(
+            node.node_id,
+            JoinedMsg(
+                round=job.round,
+                node_id=node.node_id,
+                heartbeat_s=heartbeat_interval(spec),
+                waiting_for=waiting_info(job, now, detail=False),
+                node_secret=issued,
+            ),
+        )
         return fx.merge(done)
-    fx.send(node.node_id, JoinedMsg(round=job.round + 1, node_id=node.node_id, heartbeat_s=heartbeat_interval(spec),
-                                    node_secret=issued))
+    fx.send(
+        node.node_id,
+        JoinedMsg(round=job.round + 1, node_id=node.node_id, heartbeat_s=heartbeat_interval(spec), node_secret=issued),
+    )
     queued = count(job, WAITING) - (node.state == WAITING)
     if len(job.order) + queued < spec.max_nodes:
         move(job, node, WAITING)
         if job.scale_up_deadline is None:
             job.scale_up_deadline = now + spec.scale_up_window_s
-        fx.logs.append(f"job {job.job_id} round {job.round}: node {node.node_id} ({node.host}) arrived; "
-                       f"scale-up in {spec.scale_up_window_s:g}s")
+        fx.logs.append(
+            f"job {job.job_id} round {job.round}: node {node.node_id} ({node.host}) arrived; "
+            f"scale-up in {spec.scale_up_window_s:g}s"
+        )
     else:
         move(job, node, SPARE)
         fx.send(node.node_id, SpareMsg(round=job.round))
@@ -223,8 +241,10 @@ def _hold(job: Job, node: Node, now: float, why: str, issued: str | None) -> Eff
     was = node.state
     round_no = job.round if job.forming else job.round + 1
     fx = Effects()
-    fx.send(node.node_id, JoinedMsg(round=round_no, node_id=node.node_id, heartbeat_s=heartbeat_interval(job.spec),
-                                    node_secret=issued))
+    fx.send(
+        node.node_id,
+        JoinedMsg(round=round_no, node_id=node.node_id, heartbeat_s=heartbeat_interval(job.spec), node_secret=issued),
+    )
     move(job, node, SPARE)
     fx.send(node.node_id, SpareMsg(round=job.round, reason=why))
     if node.note != why:

@@ -118,8 +118,9 @@ def fail(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], now:
     """A node's workers failed in ``round_no``: restart if the budget allows."""
     node = _member(job, node_id, round_no, "failure report")
     if node.state == SUCCEEDED:
-        raise StaleRoundError(f"node {node_id!r} already succeeded in round {job.round}; "
-                              "a failure report cannot follow its success")
+        raise StaleRoundError(
+            f"node {node_id!r} already succeeded in round {job.round}; a failure report cannot follow its success"
+        )
     first = min(failures, key=lambda r: (r.timestamp or float("inf"), r.rank))
     # signal and message came over the network: one line, control characters escaped
     cause = printable(f"node {node.node_id} ({node.host}) {first.describe()}")
@@ -137,8 +138,9 @@ def fail(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], now:
     fx.host_failures.append((node.host, f"worker failure: {first.describe()}"))
     if job.restarts >= job.spec.max_restarts:
         job.root_cause = cause
-        return fx.merge(_end(job, JobState.FAILED,
-                             f"restart budget of {job.spec.max_restarts} spent; first failure: {cause}", now))
+        return fx.merge(
+            _end(job, JobState.FAILED, f"restart budget of {job.spec.max_restarts} spent; first failure: {cause}", now)
+        )
     job.restarts += 1
     fx.restarts += 1
     return fx.merge(_open_round(job, f"worker failure: {cause} (restart {job.restarts}/{job.spec.max_restarts})", now))
@@ -229,8 +231,11 @@ def tick(job: Job, now: float) -> Effects:
         elif job.join_deadline is not None and now >= job.join_deadline:
             joined = count(job, WAITING)
             missing = [n for n in job.prev_order if n in job.nodes and job.nodes[n].state == REJOINING]
-            why = (f"previous member(s) {', '.join(missing[:8])} never rejoined" if missing and
-                   joined >= job.spec.min_nodes else f"{joined} of min {job.spec.min_nodes} nodes joined")
+            why = (
+                f"previous member(s) {', '.join(missing[:8])} never rejoined"
+                if missing and joined >= job.spec.min_nodes
+                else f"{joined} of min {job.spec.min_nodes} nodes joined"
+            )
             fx.merge(_end(job, JobState.FAILED, f"join timeout: {why} within {job.spec.join_timeout_s:g}s", now))
             return fx
     elif job.scale_up_deadline is not None and now >= job.scale_up_deadline:
@@ -324,9 +329,11 @@ def _open_round(job: Job, reason: str, now: float) -> Effects:
         elif node.state == SPARE and blocked(job, node, now) is None:
             node.note = None
             move(job, node, WAITING)
-    fx.logs.append(f"job {job.job_id} round {job.round} opened: {reason}; "
-                   f"waiting for {len(job.prev_order)} node(s) {', '.join(job.prev_order[:16]) or 'nobody'}"
-                   f"{' ...' if len(job.prev_order) > 16 else ''}")
+    fx.logs.append(
+        f"job {job.job_id} round {job.round} opened: {reason}; "
+        f"waiting for {len(job.prev_order)} node(s) {', '.join(job.prev_order[:16]) or 'nobody'}"
+        f"{' ...' if len(job.prev_order) > 16 else ''}"
+    )
     return fx.merge(_check_complete(job, now))
 
 
@@ -420,9 +427,11 @@ def _complete(job: Job, now: float) -> Effects:
         fx.send(node.node_id, spare)
     shown = ", ".join(f"{n.node_id}={n.group_rank}" for n in members[:16])
     more = f" (+{len(members) - 16} more)" if len(members) > 16 else ""
-    fx.logs.append(f"job {job.job_id} round {job.round} complete: {len(members)} nodes, world size "
-                   f"{job.world_size}, master {job.master_addr}:{job.master_port}, spares {len(spares)}; "
-                   f"ranks {shown}{more}")
+    fx.logs.append(
+        f"job {job.job_id} round {job.round} complete: {len(members)} nodes, world size "
+        f"{job.world_size}, master {job.master_addr}:{job.master_port}, spares {len(spares)}; "
+        f"ranks {shown}{more}"
+    )
     return fx
 
 
@@ -455,4 +464,3 @@ def _end(job: Job, state: JobState, reason: str, now: float) -> Effects:
         fx.send(node_id, msg)
     fx.logs.append(f"job {job.job_id} round {job.round}: {state.value}: {reason}")
     return fx
-

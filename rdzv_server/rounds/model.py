@@ -212,8 +212,9 @@ def move(job: Job, node: Node, state: NodeState | None) -> None:
     """The one place a node's state changes: check the transition, keep the
     counts. ``None`` removes the node from the job."""
     if state not in TRANSITIONS.get(node.state, ()):
-        raise IllegalTransitionError(f"illegal node state transition for node {node.node_id!r} of job "
-                                     f"{job.job_id!r}: {node.state} -> {state}")
+        raise IllegalTransitionError(
+            f"illegal node state transition for node {node.node_id!r} of job {job.job_id!r}: {node.state} -> {state}"
+        )
     if state is None:  # the node keeps its last state, for whoever still holds it
         del job.nodes[node.node_id]
     if node.state is not None:

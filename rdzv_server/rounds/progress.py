@@ -57,12 +57,16 @@ def check_stragglers(job: Job, now: float) -> list[str]:
             n.slow_since = now if n.slow_since is None else n.slow_since
             if not n.straggler and now - n.slow_since >= STRAGGLER_WINDOW_S:
                 n.straggler = True
-                lines.append(f"job {job.job_id}: node {n.node_id} ({n.host}) is a straggler: {n.step_rate:g} "
-                             f"steps/s for {now - n.slow_since:.0f}s, job median {median:g}")
+                lines.append(
+                    f"job {job.job_id}: node {n.node_id} ({n.host}) is a straggler: {n.step_rate:g} "
+                    f"steps/s for {now - n.slow_since:.0f}s, job median {median:g}"
+                )
         else:
             n.slow_since = None
             if n.straggler:
                 n.straggler = False
-                lines.append(f"job {job.job_id}: node {n.node_id} ({n.host}) is no longer a straggler: "
-                             f"{n.step_rate:g} steps/s, job median {median:g}")
+                lines.append(
+                    f"job {job.job_id}: node {n.node_id} ({n.host}) is no longer a straggler: "
+                    f"{n.step_rate:g} steps/s, job median {median:g}"
+                )
     return lines

@@ -26,8 +26,10 @@ def waiting_info(job: Job, now: float, detail: bool = True) -> WaitingInfo | Non
     if joined < spec.min_nodes:
         parts.append(f"{spec.min_nodes - joined} more node(s) to reach min {spec.min_nodes}")
     if job.last_call_deadline is not None:
-        parts.append(f"last call until {job.last_call_deadline:.3f} ({max(0.0, job.last_call_deadline - now):.1f}s "
-                     f"left, or {spec.max_nodes - joined} more to reach max {spec.max_nodes})")
+        parts.append(
+            f"last call until {job.last_call_deadline:.3f} ({max(0.0, job.last_call_deadline - now):.1f}s "
+            f"left, or {spec.max_nodes - joined} more to reach max {spec.max_nodes})"
+        )
     return WaitingInfo(
         text="; ".join(parts) or "completing",
         joined=joined,
@@ -45,13 +47,21 @@ def _node_view(node: Node, now: float, job_state: JobState | None = None) -> Nod
     else:
         assert node.state is not None  # a node in job.nodes has a state
         state = node.state.value if node.connected else "disconnected"
-    return NodeView(node_id=node.node_id, host=node.host, addr=node.addr, state=state,
-                    group_rank=node.group_rank, requested_rank=node.requested_rank,
-                    local_world_size=node.local_world_size, last_seen_s=round(max(0.0, now - node.last_seen), 3),
-                    step=node.step, steps_per_s=node.step_rate, straggler=node.straggler,
-                    since_progress_s=(round(max(0.0, now - node.progress_at), 3)
-                                      if node.progress_at is not None else None),
-                    host_blocked=node.note if node.state == SPARE else None)
+    return NodeView(
+        node_id=node.node_id,
+        host=node.host,
+        addr=node.addr,
+        state=state,
+        group_rank=node.group_rank,
+        requested_rank=node.requested_rank,
+        local_world_size=node.local_world_size,
+        last_seen_s=round(max(0.0, now - node.last_seen), 3),
+        step=node.step,
+        steps_per_s=node.step_rate,
+        straggler=node.straggler,
+        since_progress_s=(round(max(0.0, now - node.progress_at), 3) if node.progress_at is not None else None),
+        host_blocked=node.note if node.state == SPARE else None,
+    )
 
 
 def view(job: Job, now: float) -> JobView:
@@ -60,32 +70,53 @@ def view(job: Job, now: float) -> JobView:
     ``*_omitted`` fields count what was left out."""
     members = [job.nodes[n] for n in job.order if n in job.nodes]
     in_order = set(job.order)
-    others = sorted((n for n in job.nodes.values() if n.node_id not in in_order and n.state != SPARE),
-                    key=natural_key)
+    others = sorted((n for n in job.nodes.values() if n.node_id not in in_order and n.state != SPARE), key=natural_key)
     spares = sorted((n for n in job.nodes.values() if n.state == SPARE), key=natural_key)
     listed = (members + others)[:MAX_VIEW_NODES]
-    spares_listed = spares[:max(0, MAX_VIEW_NODES - len(listed))]
+    spares_listed = spares[: max(0, MAX_VIEW_NODES - len(listed))]
     nodes_omitted = len(members) + len(others) + len(spares) - len(listed) - len(spares_listed)
     history = job.history[-MAX_VIEW_HISTORY:]
     return JobView(
-        job_id=job.job_id, state=job.state, round=job.round,
-        min_nodes=job.spec.min_nodes, max_nodes=job.spec.max_nodes, world_size=job.world_size,
-        restarts=job.restarts, max_restarts=job.spec.max_restarts,
-        master_addr=job.master_addr, master_port=job.master_port,
+        job_id=job.job_id,
+        state=job.state,
+        round=job.round,
+        min_nodes=job.spec.min_nodes,
+        max_nodes=job.spec.max_nodes,
+        world_size=job.world_size,
+        restarts=job.restarts,
+        max_restarts=job.spec.max_restarts,
+        master_addr=job.master_addr,
+        master_port=job.master_port,
         nodes=[_node_view(n, now, job.state) for n in listed],
         spares=[_node_view(n, now, job.state) for n in spares_listed],
         waiting_for=waiting_info(job, now),
         root_cause=job.root_cause or (job.end_reason if job.state == JobState.FAILED else None),
-        history=[RoundView(round=r.round, reason=r.reason, started_at=r.started_at, completed_at=r.completed_at,
-                           world_size=r.world_size, nodes=r.nodes) for r in history],
+        history=[
+            RoundView(
+                round=r.round,
+                reason=r.reason,
+                started_at=r.started_at,
+                completed_at=r.completed_at,
+                world_size=r.world_size,
+                nodes=r.nodes,
+            )
+            for r in history
+        ],
         nodes_omitted=nodes_omitted,
         history_omitted=len(job.history) - len(history),
     )
 
 
 def summary(job: Job) -> JobSummary:
-    return JobSummary(job_id=job.job_id, state=job.state, round=job.round, min_nodes=job.spec.min_nodes,
-                      max_nodes=job.spec.max_nodes,
-                      nodes=len(job.order) if job.order else count(job, WAITING) + count(job, REJOINING),
-                      spares=count(job, SPARE), world_size=job.world_size,
-                      restarts=job.restarts, max_restarts=job.spec.max_restarts)
+    return JobSummary(
+        job_id=job.job_id,
+        state=job.state,
+        round=job.round,
+        min_nodes=job.spec.min_nodes,
+        max_nodes=job.spec.max_nodes,
+        nodes=len(job.order) if job.order else count(job, WAITING) + count(job, REJOINING),
+        spares=count(job, SPARE),
+        world_size=job.world_size,
+        restarts=job.restarts,
+        max_restarts=job.spec.max_restarts,
+    )
