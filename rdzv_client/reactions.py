@@ -1,0 +1,214 @@
+"""How the agent answers what the server says: assignments, restarts,
+evictions, the end of the job, errors. A mixin of :class:`~rdzv_client.agent.Agent`
+(its state and its steps are the agent's, declared here for the type checker),
+kept apart so the agent's loop reads in one screen. Also the agent's
+:class:`Phase` and exit codes (see docs/design.md, "Exit codes of rdzv-agent").
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import signal
+import sys
+from typing import TYPE_CHECKING
+
+from rdzv_server.errors import ErrorCode, RdzvError
+from rdzv_server.wire import printable
+
+from .status import first_line
+
+if TYPE_CHECKING:
+    from rdzv_server.protocol import Assignment, ErrorMsg, ServerMessage, WaitingInfo
+
+    from .client import AgentLink
+    from .config import AgentConfig
+    from .session import NodeSession
+    from .status import StatusLine
+    from .workers import WorkerGroup
+
+log = logging.getLogger("rdzv_agent")
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_GAVE_UP = 3
+FATAL_CODES = {
+    ErrorCode.SPEC_MISMATCH,
+    ErrorCode.JOB_FINISHED,
+    ErrorCode.VALIDATION_ERROR,
+    ErrorCode.UNAUTHORIZED,
+    ErrorCode.BAD_REQUEST,
+    ErrorCode.JOB_SECRET_MISMATCH,
+}
+
+
+# ------------------------------------------------------------------ helpers
+
+
+class Phase(enum.Enum):
+    """Where the agent is; one value instead of interacting flags."""
+
+    JOINING = "joining"  # a join is the link's intent: waiting for a round
+    SPARE = "spare"  # the job is at max nodes: waiting to replace one
+    RUNNING = "running"  # this round's workers are up
+    STOPPING = "stopping"  # workers are being stopped (a restart, a signal, the end)
+    REPORTED = "reported"  # workers failed and that is reported: waiting for the next round
+    SUCCEEDED = "succeeded"  # workers all exited 0 and that is reported: waiting for the ack
+    DONE = "done"  # the loop returns an exit status
+
+
+class ServerReactions:
+    """The agent's answers to server messages (mixed into Agent)."""
+
+    cfg: AgentConfig
+    session: NodeSession
+    phase: Phase
+    status: StatusLine
+    group: WorkerGroup | None
+    _held_for: str | None
+
+    if TYPE_CHECKING:  # the agent's own, used here
+
+        @property
+        def link(self) -> AgentLink: ...
+
+        @property
+        def assignment(self) -> Assignment | None: ...
+
+        def _say(self, text: str, *args: object) -> None: ...
+
+        def _join(self) -> None: ...
+
+        async def _join_when_healthy(self, rejoining: bool) -> bool: ...
+
+        async def _start_workers(self, a: Assignment) -> None: ...
+
+        async def _stop_workers(self, timeout: float | None = None, sig: int = signal.SIGTERM) -> None: ...
+
+    async def _on_message(self, msg: ServerMessage | RdzvError) -> int | None:
+        from rdzv_server.protocol import (
+            AckMsg,
+            AssignedMsg,
+            DoneMsg,
+            ErrorMsg,
+            EvictedMsg,
+            JoinedMsg,
+            RestartMsg,
+            SpareMsg,
+            StatusMsg,
+        )
+
+        cfg = self.cfg
+        if isinstance(msg, JoinedMsg):
+            if msg.waiting_for:
+                self._show_waiting(msg.round, msg.waiting_for)
+        elif isinstance(msg, StatusMsg):
+            self._show_waiting(msg.round, msg.waiting_for)
+        elif isinstance(msg, SpareMsg):
+            if self.phase is Phase.JOINING:
+                self.phase = Phase.SPARE
+            if msg.reason is not None:  # this host may not be admitted now (cordoned, cooled down)
+                if msg.reason != self._held_for:
+                    self._say("waiting as a spare: %s", printable(msg.reason, limit=500))
+                self._held_for = msg.reason
+            else:
+                if self._held_for is not None:
+                    self._say("this host may be admitted again; waiting as a spare")
+                self._held_for = None
+                self.status.show(
+                    f"[rdzv-agent] job {cfg.job_id}: spare (the job is at max {cfg.max_nodes} "
+                    "nodes); waiting to replace a node"
+                )
+        elif isinstance(msg, AssignedMsg):
+            a = msg.assignment
+            problem = self.session.check_assignment(a)
+            if problem is not None:
+                self.link.protocol_error(f"round {a.round}: {problem}")
+                return None
+            if self.assignment is not None and self.assignment.round == a.round:
+                # A reconnect re-sent this round's assignment: the workers run it, or
+                # ran it and their outcome is reported (the report follows the resume).
+                return None
+            await self._start_workers(a)
+        elif isinstance(msg, RestartMsg):
+            self.link.clear_reports()
+            if self.assignment is not None and msg.round <= self.assignment.round:
+                return None
+            self._say("round %d: %s; stopping workers and rejoining", msg.round, printable(first_line(msg.reason)))
+            await self._stop_workers()
+            await self._join_when_healthy(rejoining=True)  # after a signal: the loop handles it next
+        elif isinstance(msg, EvictedMsg):
+            # Fencing: workers die before anything else, then this is a new node.
+            if self.group is not None:
+                self.group.kill_now()
+                await self._stop_workers(timeout=1.0)
+            self._say("evicted (%s); rejoining as a new node", printable(msg.reason))
+            self.phase = Phase.JOINING
+            self.session.evicted()
+        elif isinstance(msg, DoneMsg):
+            self.link.clear_reports()
+            await self._stop_workers()
+            self.phase = Phase.DONE
+            if msg.state == "succeeded":
+                self._say("job succeeded")
+                return 0
+            self.status.done()
+            text = f"[rdzv-agent] job {cfg.job_id} {msg.state}: {printable(msg.reason)}"
+            if msg.root_cause and msg.root_cause not in msg.reason:
+                text += f"\n[rdzv-agent] root cause: {printable(msg.root_cause)}"
+            print(text, file=sys.stderr, flush=True)
+            return EXIT_FAILED
+        elif isinstance(msg, AckMsg):
+            self.link.clear_reports()
+            if msg.of == "succeeded":
+                self.phase = Phase.DONE
+                self._say("workers succeeded; done")
+                return 0
+        elif isinstance(msg, ErrorMsg):
+            return await self._on_error(msg)
+        elif isinstance(msg, RdzvError):  # from the link: e.g. the token was refused
+            print(f"[rdzv-agent] error: {printable(msg.message)}", file=sys.stderr, flush=True)
+            await self._stop_workers()
+            return EXIT_USAGE
+        return None
+
+    async def _on_error(self, msg: ErrorMsg) -> int | None:
+        from rdzv_server.protocol import EvictedMsg
+
+        if msg.code == ErrorCode.UNAVAILABLE:
+            # the server could not save state: it drops us, we reconnect and re-send
+            log.warning("server unavailable: %s", printable(msg.message))
+            return None
+        self.link.clear_reports()
+        if msg.code in (ErrorCode.EVICTED, ErrorCode.NODE_SECRET_MISMATCH):
+            # node_secret_mismatch: the server's node of this id is not ours (we never
+            # got its secret, or it was lost and re-created): fence, then join as new
+            return await self._on_message(EvictedMsg(reason=msg.message))
+        if msg.code == ErrorCode.STALE_ROUND:
+            if self.phase is Phase.SUCCEEDED:
+                return 0  # our success was recorded before the connection dropped
+            if self.group is not None and self.phase is Phase.RUNNING:
+                # we resumed a round that is over: stop and join the next one
+                self._say("%s; stopping workers and rejoining", printable(msg.message))
+                await self._stop_workers()
+                self._join()
+            else:
+                log.info("server: %s", printable(msg.message))
+            return None
+        if msg.code in FATAL_CODES:
+            print(
+                f"[rdzv-agent] error: the server refused this node: {printable(msg.message)}",
+                file=sys.stderr,
+                flush=True,
+            )
+            await self._stop_workers()
+            return EXIT_USAGE
+        log.warning("server error %s: %s", msg.code.value, printable(msg.message))
+        return None
+
+    def _show_waiting(self, round_no: int, info: WaitingInfo) -> None:
+        self.status.show(
+            f"[rdzv-agent] job {self.cfg.job_id} round {round_no}: {info.joined} joined "
+            f"(min {info.min_nodes}, max {info.max_nodes}, spares {info.spares}); "
+            f"{printable(info.text, limit=500)}"
+        )
