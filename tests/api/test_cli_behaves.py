@@ -31,8 +31,12 @@ async def test_status_escapes_what_agents_sent(server: Server, agents) -> None:
     b = await agents(server, "hostile", "node2", (2, 2), nproc=1)
     assigned = await a.wait_for("assigned")
     await b.wait_for("assigned")
-    await a.ws.send_str(FailedMsg(round=assigned.assignment.round, failures=[ExitRecord(
-        local_rank=0, rank=0, pid=1, signal="SIG\n\x1b[2J", message="ValueError: " + HOSTILE)]).model_dump_json())
+    await a.ws.send_str(
+        FailedMsg(
+            round=assigned.assignment.round,
+            failures=[ExitRecord(local_rank=0, rank=0, pid=1, signal="SIG\n\x1b[2J", message="ValueError: " + HOSTILE)],
+        ).model_dump_json()
+    )
     for job in (None, "hostile"):
         args = ["--endpoint", server.endpoint, "status"] + ([job] if job else [])
         rc, out, err = await rdzv(*args)
@@ -48,9 +52,22 @@ async def test_status_escapes_what_agents_sent(server: Server, agents) -> None:
 
 async def test_watch_waits_for_a_job_that_does_not_exist_yet(server: Server, agents) -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "rdzv_client.cli", "status", "later", "--watch", "--interval", "0.2",
-        "--endpoint", server.endpoint, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env=_env(), start_new_session=True)
+        sys.executable,
+        "-m",
+        "rdzv_client.cli",
+        "status",
+        "later",
+        "--watch",
+        "--interval",
+        "0.2",
+        "--endpoint",
+        server.endpoint,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(),
+        start_new_session=True,
+    )
     out = b""
     try:
         while b"does not exist yet" not in out:
@@ -69,14 +86,21 @@ async def test_watch_waits_for_a_job_that_does_not_exist_yet(server: Server, age
     assert b"Traceback" not in err, err
 
 
-async def test_json_watch_is_one_compact_document_per_line_and_quiet_on_a_closed_pipe(server: Server,
-                                                                                       agents) -> None:
+async def test_json_watch_is_one_compact_document_per_line_and_quiet_on_a_closed_pipe(server: Server, agents) -> None:
     a = await agents(server, "piped", "node1", (1, 1))
     await a.wait_for("assigned")
-    cmd = (f"{sys.executable} -m rdzv_client.cli --endpoint {server.endpoint} status piped --json --watch "
-           f"--interval 0.1 | head -3")
-    done = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, env=_env(),
-                          timeout=CLI_TIMEOUT_S, cwd=ROOT)
+    cmd = (
+        f"{sys.executable} -m rdzv_client.cli --endpoint {server.endpoint} status piped --json --watch "
+        f"--interval 0.1 | head -3"
+    )
+    done = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", cmd],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=CLI_TIMEOUT_S,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, (done.returncode, done.stderr)
     assert done.stderr == "", done.stderr
     lines = done.stdout.splitlines()
@@ -102,20 +126,28 @@ async def test_nodes_of_an_ended_job_do_not_read_running(server: Server, agents)
     a = await agents(server, "ended", "node1", (1, 1))
     await a.wait_for("assigned")
     assert [n["state"] for n in server.get("/v1/jobs/ended")["nodes"]] == ["running"]
-    urllib.request.urlopen(urllib.request.Request(f"{server.url}/v1/jobs/ended/close", method="POST", data=b""),
-                           timeout=5).close()
+    urllib.request.urlopen(
+        urllib.request.Request(f"{server.url}/v1/jobs/ended/close", method="POST", data=b""), timeout=5
+    ).close()
     await a.wait_for("done")
     view = server.get("/v1/jobs/ended")
     assert view["state"] == "closed" and [n["state"] for n in view["nodes"]] == ["closed"], view["nodes"]
 
 
-@pytest.mark.parametrize("module,name", [("rdzv_client.cli", "rdzv"), ("rdzv_client.agent", "rdzv-agent"),
-                                         ("rdzv_server", "rdzv-server")])
+@pytest.mark.parametrize(
+    "module,name", [("rdzv_client.cli", "rdzv"), ("rdzv_client.agent", "rdzv-agent"), ("rdzv_server", "rdzv-server")]
+)
 def test_version_everywhere(module: str, name: str) -> None:
     from rdzv_server import __version__
 
-    done = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, env=_env(),
-                          timeout=CLI_TIMEOUT_S, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-m", module, "--version"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=CLI_TIMEOUT_S,
+        cwd=ROOT,
+    )
     assert (done.returncode, done.stdout, done.stderr) == (0, f"{name} {__version__}\n", ""), done
     meta = (ROOT / "pyproject.toml").read_text()
     assert 'version = {attr = "rdzv_server.__version__"}' in meta  # one constant

@@ -104,14 +104,23 @@ async def agents():
     session = aiohttp.ClientSession()
     opened: list[Agent] = []
 
-    async def join(server: Server, job_id: str, host: str, nnodes: tuple[int, int], token: str | None = None,
-                   nproc: int = 2) -> Agent:
+    async def join(
+        server: Server, job_id: str, host: str, nnodes: tuple[int, int], token: str | None = None, nproc: int = 2
+    ) -> Agent:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         agent = Agent(await session.ws_connect(f"ws://{server.endpoint}{AGENT_PATH}", headers=headers))
         opened.append(agent)
-        await agent.ws.send_str(JoinMsg(
-            job_id=job_id, node_id=f"{host}-1-abcdef", host=host, addr="127.0.0.1", local_world_size=nproc,
-            master_port=free_port(), spec=JobSpec(min_nodes=nnodes[0], max_nodes=nnodes[1])).model_dump_json())
+        await agent.ws.send_str(
+            JoinMsg(
+                job_id=job_id,
+                node_id=f"{host}-1-abcdef",
+                host=host,
+                addr="127.0.0.1",
+                local_world_size=nproc,
+                master_port=free_port(),
+                spec=JobSpec(min_nodes=nnodes[0], max_nodes=nnodes[1]),
+            ).model_dump_json()
+        )
         await agent.wait_for("joined")
         return agent
 
@@ -124,8 +133,16 @@ async def agents():
 async def rdzv(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
     """``python -m rdzv_client.cli ARGS``: (exit status, stdout, stderr)."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "rdzv_client.cli", *args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, env=_env(env), start_new_session=True)
+        sys.executable,
+        "-m",
+        "rdzv_client.cli",
+        *args,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(env),
+        start_new_session=True,
+    )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), CLI_TIMEOUT_S)
     except asyncio.TimeoutError:
@@ -162,8 +179,11 @@ async def test_status_lists_shows_and_closes_a_job(server: Server, agents) -> No
     ep = ("--endpoint", server.endpoint)
 
     (rc1, listing, e1), (rc2, shown, e2), (rc3, raw, e3), (rc4, forming, e4) = await asyncio.gather(
-        rdzv(*ep, "status"), rdzv(*ep, "status", "live"), rdzv(*ep, "status", "live", "--json"),
-        rdzv(*ep, "status", "forming"))
+        rdzv(*ep, "status"),
+        rdzv(*ep, "status", "live"),
+        rdzv(*ep, "status", "live", "--json"),
+        rdzv(*ep, "status", "forming"),
+    )
     assert (rc1, rc2, rc3, rc4) == (0, 0, 0, 0), (e1, e2, e3, e4)
     assert e1 == e2 == e3 == e4 == ""
 
@@ -215,7 +235,7 @@ async def test_errors_are_one_line_and_exit_1(server: Server, tmp_path: Path) ->
 
     # a port that answers HTTP 200 with something that is not rdzv's JSON
     class Foreign(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             body = b"<html>hello</html>"
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
@@ -259,8 +279,15 @@ async def test_token_and_environment_variables(token_server: Server, agents) -> 
     assert by_env[0] == 0 and by_env[1].startswith("job secured: running, round 0, world size 2"), by_env
     assert token_server.get("/v1/jobs/secured", token=TOKEN)["state"] == "running", "a refused close changed state"
     # flags win over the environment
-    rc, out, err = await rdzv("--endpoint", ep, "--token", TOKEN, "close", "secured",
-                              env={"RDZV_ENDPOINT": "127.0.0.1:1", "RDZV_TOKEN": "wrong"})
+    rc, out, err = await rdzv(
+        "--endpoint",
+        ep,
+        "--token",
+        TOKEN,
+        "close",
+        "secured",
+        env={"RDZV_ENDPOINT": "127.0.0.1:1", "RDZV_TOKEN": "wrong"},
+    )
     assert (rc, out, err) == (0, "job secured: closed\n", "")
 
 
@@ -268,15 +295,31 @@ async def test_watch_refreshes_until_terminated(server: Server, agents) -> None:
     a = await agents(server, "watched", "node1", (1, 1))
     await a.wait_for("assigned")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "rdzv_client.cli", "--endpoint", server.endpoint, "status", "watched", "--watch",
-        "--interval", "0.5", stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env=_env(), start_new_session=True)
+        sys.executable,
+        "-m",
+        "rdzv_client.cli",
+        "--endpoint",
+        server.endpoint,
+        "status",
+        "watched",
+        "--watch",
+        "--interval",
+        "0.5",
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(),
+        start_new_session=True,
+    )
     out = b""
     try:
         out += await asyncio.wait_for(proc.stdout.readline(), CLI_TIMEOUT_S)  # the first refresh began
         server_close = asyncio.get_running_loop().run_in_executor(
-            None, lambda: urllib.request.urlopen(urllib.request.Request(
-                f"{server.url}/v1/jobs/watched/close", method="POST", data=b""), timeout=5).close())
+            None,
+            lambda: urllib.request.urlopen(
+                urllib.request.Request(f"{server.url}/v1/jobs/watched/close", method="POST", data=b""), timeout=5
+            ).close(),
+        )
         deadline = asyncio.get_running_loop().time() + 2.5
         while (left := deadline - asyncio.get_running_loop().time()) > 0:
             try:

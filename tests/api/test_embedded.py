@@ -18,9 +18,17 @@ async def test_an_embedded_server_listens_on_the_port_it_returns_and_forms_a_rou
             async with s.get(f"http://127.0.0.1:{port}/healthz") as r:
                 assert r.status == 200
             async with s.ws_connect(f"ws://127.0.0.1:{port}{AGENT_PATH}") as ws:
-                await ws.send_str(JoinMsg(job_id="solo", node_id="n-1-abcdef", host="h", addr="127.0.0.1",
-                                          local_world_size=1, master_port=29555,
-                                          spec=JobSpec(min_nodes=1, max_nodes=1, last_call_s=0.1)).model_dump_json())
+                await ws.send_str(
+                    JoinMsg(
+                        job_id="solo",
+                        node_id="n-1-abcdef",
+                        host="h",
+                        addr="127.0.0.1",
+                        local_world_size=1,
+                        master_port=29555,
+                        spec=JobSpec(min_nodes=1, max_nodes=1, last_call_s=0.1),
+                    ).model_dump_json()
+                )
                 ops = []
                 while "assigned" not in ops:
                     msg = SERVER_MESSAGE.validate_json((await ws.receive(timeout=10)).data)

@@ -119,8 +119,14 @@ async def test_list_jobs_in_pages(client, connect):
 async def test_list_jobs_refuses_bad_parameters(client, connect):
     """Bad limit, state or cursor: 422 naming the parameter, as every refusal."""
     await form(connect, "one", ["node1"])
-    for query, word in [("limit=0", "limit"), ("limit=1001", "limit"), ("limit=x", "limit"),
-                        ("state=sleeping", "state"), ("cursor=not-ours", "cursor"), ("cursor=" + "A" * 600, "cursor")]:
+    for query, word in [
+        ("limit=0", "limit"),
+        ("limit=1001", "limit"),
+        ("limit=x", "limit"),
+        ("state=sleeping", "state"),
+        ("cursor=not-ours", "cursor"),
+        ("cursor=" + "A" * 600, "cursor"),
+    ]:
         body = await get(client, f"/v1/jobs?{query}", 422)
         assert body["code"] == "validation_error" and word in body["message"], (query, body)
     assert [j["job_id"] for j in (await get(client, "/v1/jobs?limit=1000"))["jobs"]] == ["one"]

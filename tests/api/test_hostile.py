@@ -78,8 +78,9 @@ BAD_FRAMES = {
     "round overflows to inf": '{"op": "succeeded", "round": 1e999999}',
     "round above 2**53": '{"op": "succeeded", "round": 9007199254740993}',
     "fractional round": '{"op": "succeeded", "round": 1.5}',
-    "1025 failures": json.dumps({"op": "failed", "round": 0,
-                                 "failures": [{"local_rank": 0, "rank": 0, "pid": 1}] * 1025}),
+    "1025 failures": json.dumps(
+        {"op": "failed", "round": 0, "failures": [{"local_rank": 0, "rank": 0, "pid": 1}] * 1025}
+    ),
 }
 
 
@@ -176,8 +177,12 @@ async def test_stale_rounds_are_refused(client, world):
     a1, _ = world
     before = await snapshot(client)
     failures = [ExitRecord(local_rank=0, rank=0, pid=1, exit_code=1)]
-    for msg in (FailedMsg(round=1, failures=failures), FailedMsg(round=99, failures=failures),
-                SucceededMsg(round=1), SucceededMsg(round=2**53)):
+    for msg in (
+        FailedMsg(round=1, failures=failures),
+        FailedMsg(round=99, failures=failures),
+        SucceededMsg(round=1),
+        SucceededMsg(round=2**53),
+    ):
         await a1.send(msg)
         text = await expect_error(a1, "stale_round")
         assert "stale" in text and "round 0" in text
@@ -188,8 +193,13 @@ async def test_reports_before_join_are_refused(client, connect, world):
     """Reports, heartbeats and leaves from a connection that never joined get not_joined and change nothing."""
     before = await snapshot(client)
     fresh = await connect()
-    for msg in ('{"op": "hb", "x": null}', FailedMsg(round=0, failures=[ExitRecord(local_rank=0, rank=0, pid=1)]),
-                SucceededMsg(round=0), '{"op": "leave"}', '{"op":"hb"}'):
+    for msg in (
+        '{"op": "hb", "x": null}',
+        FailedMsg(round=0, failures=[ExitRecord(local_rank=0, rank=0, pid=1)]),
+        SucceededMsg(round=0),
+        '{"op": "leave"}',
+        '{"op":"hb"}',
+    ):
         await fresh.send(msg)
         if isinstance(msg, str) and '"x"' in msg:
             await expect_error(fresh, "validation_error")
@@ -256,8 +266,18 @@ async def test_unknown_job_is_404(client, world, method):
     assert await snapshot(client) == before
 
 
-BAD_IDS = {"space": "my%20job", "slash": "a%2Fb", "unicode": "n%C3%B8de", "dotdot": "..", "dot first": ".x",
-           "colon first": ":x", "too long": "j" * 129, "4 kB": "j" * 4000, "nul": "a%00b", "quote": "a%22b"}
+BAD_IDS = {
+    "space": "my%20job",
+    "slash": "a%2Fb",
+    "unicode": "n%C3%B8de",
+    "dotdot": "..",
+    "dot first": ".x",
+    "colon first": ":x",
+    "too long": "j" * 129,
+    "4 kB": "j" * 4000,
+    "nul": "a%00b",
+    "quote": "a%22b",
+}
 
 
 @pytest.mark.parametrize("job_id", BAD_IDS.values(), ids=BAD_IDS.keys())
@@ -285,8 +305,9 @@ async def test_ten_kilobyte_path_gets_a_clean_4xx(client, world):
 async def test_close_bodies(client, world):
     """close refuses a non-empty body with 422 and a body over the limit with 413, leaving the job running."""
     before = await snapshot(client)
-    resp = await client.post("/v1/jobs/base/close", data=b'{"force": true}',
-                             headers={"Content-Type": "application/json"})
+    resp = await client.post(
+        "/v1/jobs/base/close", data=b'{"force": true}', headers={"Content-Type": "application/json"}
+    )
     await expect_json_error(resp, 422, "validation_error")
     resp = await client.post("/v1/jobs/base/close", data=b"x" * (MAX_BODY_BYTES + 1))
     body = await expect_json_error(resp, 413, "body_too_large")
@@ -296,9 +317,19 @@ async def test_close_bodies(client, world):
     assert await snapshot(client) == before
 
 
-WRONG_METHODS = [("DELETE", "/v1/jobs"), ("POST", "/v1/jobs"), ("PUT", "/v1/jobs/base"), ("DELETE", "/v1/jobs/base/close"),
-                 ("PATCH", "/v1/jobs/base"), ("GET", "/v1/jobs/base/close"), ("PUT", "/v1/jobs/base/close"),
-                 ("POST", "/healthz"), ("POST", "/metrics"), ("POST", "/v1/agent"), ("DELETE", "/openapi.json")]
+WRONG_METHODS = [
+    ("DELETE", "/v1/jobs"),
+    ("POST", "/v1/jobs"),
+    ("PUT", "/v1/jobs/base"),
+    ("DELETE", "/v1/jobs/base/close"),
+    ("PATCH", "/v1/jobs/base"),
+    ("GET", "/v1/jobs/base/close"),
+    ("PUT", "/v1/jobs/base/close"),
+    ("POST", "/healthz"),
+    ("POST", "/metrics"),
+    ("POST", "/v1/agent"),
+    ("DELETE", "/openapi.json"),
+]
 
 
 @pytest.mark.parametrize(("method", "path"), WRONG_METHODS)
@@ -311,8 +342,21 @@ async def test_wrong_methods_are_405(client, world, method, path):
     assert await snapshot(client) == before
 
 
-@pytest.mark.parametrize("path", ["/", "/v2/jobs", "/v1", "/v1/job", "/v1/jobs/base/nodes", "/v1/jobs/base/close/x",
-                                  "/healthz/x", "/%ff", "/" + "x" * 3000, "/v1/jobs/base/../../etc/passwd"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/",
+        "/v2/jobs",
+        "/v1",
+        "/v1/job",
+        "/v1/jobs/base/nodes",
+        "/v1/jobs/base/close/x",
+        "/healthz/x",
+        "/%ff",
+        "/" + "x" * 3000,
+        "/v1/jobs/base/../../etc/passwd",
+    ],
+)
 async def test_unknown_paths_are_404_json(client, world, path):
     """An unknown path gets 404 not_found as JSON, never an HTML page."""
     before = await snapshot(client)
@@ -350,8 +394,10 @@ async def send_raw(port: int, data: bytes) -> bytes:
 async def test_undecodable_authorization_is_401(make_client, value):
     """An Authorization header that is not UTF-8 (or absurdly long) is a 401, not a 500."""
     client = await make_client(Settings(token="s3cret"))
-    reply = await send_raw(client.server.port, b"GET /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: " + value
-                           + b"\r\nConnection: close\r\n\r\n")
+    reply = await send_raw(
+        client.server.port,
+        b"GET /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: " + value + b"\r\nConnection: close\r\n\r\n",
+    )
     head, _, body = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 401 "), reply[:300]
     assert json.loads(body)["code"] == "unauthorized"
@@ -376,4 +422,5 @@ async def wait_view(client, job_id: str, pred, timeout: float = 3.0) -> dict:
         while not pred(view := await (await client.get(f"/v1/jobs/{job_id}")).json()):
             await asyncio.sleep(0.01)
         return view
+
     return await asyncio.wait_for(poll(), timeout)

@@ -13,7 +13,7 @@ from rdzv_server.app import Settings
 from rdzv_server.hosts import HostRules
 from rdzv_server.protocol import ExitRecord, FailedMsg
 
-from .conftest import TIMEOUT, form, join_msg
+from .conftest import form, join_msg
 
 
 def failure(rank: int = 0) -> list[ExitRecord]:
@@ -44,6 +44,7 @@ async def until(agent, op: str):
 async def spare_in_2_of_2(connect, job_id: str, max_restarts: int = 5, on=None):
     """node a and b run a 2:2 job, node c waits as a spare."""
     from rdzv_server.protocol import JobSpec
+
     spec = JobSpec(min_nodes=2, max_nodes=2, max_restarts=max_restarts)
     agents = {n: await connect(on) for n in ("a", "b", "c")}
     for n in ("a", "b"):
@@ -167,31 +168,33 @@ async def test_hosts_are_paged(client):
     assert seen == [f"h{i}" for i in range(5)]
 
 
-@pytest.mark.parametrize("method,path,body,status,code", [
-    ("get", "/v1/hosts/nobody", None, 404, "not_found"),
-    ("post", "/v1/hosts/nobody/uncordon", None, 404, "not_found"),
-    ("get", "/v1/hosts/bad%20host", None, 422, "validation_error"),
-    ("get", "/v1/hosts/" + "h" * 300, None, 422, "validation_error"),
-    ("post", "/v1/hosts/bad%0Ahost/cordon", {"reason": "r"}, 422, "validation_error"),
-    ("post", "/v1/hosts/h/cordon", {}, 422, "validation_error"),
-    ("post", "/v1/hosts/h/cordon", {"reason": ""}, 422, "validation_error"),
-    ("post", "/v1/hosts/h/cordon", {"reason": "x" * 301}, 422, "validation_error"),
-    ("post", "/v1/hosts/h/cordon", {"reason": "r", "ttl_s": -1}, 422, "validation_error"),
-    ("post", "/v1/hosts/h/cordon", {"reason": "r", "ttl_s": 1e30}, 422, "validation_error"),
-    ("post", "/v1/hosts/h/cordon", {"reason": "r", "drain": "yes"}, 422, "validation_error"),
-    ("post", "/v1/hosts/h/cordon", {"reason": "r", "extra": 1}, 422, "validation_error"),
-    ("post", "/v1/hosts/h/cordon", "not json", 422, "validation_error"),
-    ("post", "/v1/hosts/h/cordon", [1, 2], 422, "validation_error"),
-    ("post", "/v1/hosts/h/uncordon", {"reason": "r"}, 422, "validation_error"),
-    ("post", "/v1/hosts/h/health", {"reason": "r", "job_id": "bad id"}, 422, "validation_error"),
-    ("get", "/v1/hosts?limit=0", None, 422, "validation_error"),
-    ("get", "/v1/hosts?limit=abc", None, 422, "validation_error"),
-    ("get", "/v1/hosts?cursor=!!!", None, 422, "validation_error"),
-    ("get", "/v1/hosts?cursor=" + "A" * 600, None, 422, "validation_error"),
-    ("get", "/v1/hosts?cursor=_-8", None, 422, "validation_error"),
-])
-async def test_hostile_input_to_host_endpoints_is_refused_and_changes_nothing(client, method, path, body, status,
-                                                                              code):
+@pytest.mark.parametrize(
+    "method,path,body,status,code",
+    [
+        ("get", "/v1/hosts/nobody", None, 404, "not_found"),
+        ("post", "/v1/hosts/nobody/uncordon", None, 404, "not_found"),
+        ("get", "/v1/hosts/bad%20host", None, 422, "validation_error"),
+        ("get", "/v1/hosts/" + "h" * 300, None, 422, "validation_error"),
+        ("post", "/v1/hosts/bad%0Ahost/cordon", {"reason": "r"}, 422, "validation_error"),
+        ("post", "/v1/hosts/h/cordon", {}, 422, "validation_error"),
+        ("post", "/v1/hosts/h/cordon", {"reason": ""}, 422, "validation_error"),
+        ("post", "/v1/hosts/h/cordon", {"reason": "x" * 301}, 422, "validation_error"),
+        ("post", "/v1/hosts/h/cordon", {"reason": "r", "ttl_s": -1}, 422, "validation_error"),
+        ("post", "/v1/hosts/h/cordon", {"reason": "r", "ttl_s": 1e30}, 422, "validation_error"),
+        ("post", "/v1/hosts/h/cordon", {"reason": "r", "drain": "yes"}, 422, "validation_error"),
+        ("post", "/v1/hosts/h/cordon", {"reason": "r", "extra": 1}, 422, "validation_error"),
+        ("post", "/v1/hosts/h/cordon", "not json", 422, "validation_error"),
+        ("post", "/v1/hosts/h/cordon", [1, 2], 422, "validation_error"),
+        ("post", "/v1/hosts/h/uncordon", {"reason": "r"}, 422, "validation_error"),
+        ("post", "/v1/hosts/h/health", {"reason": "r", "job_id": "bad id"}, 422, "validation_error"),
+        ("get", "/v1/hosts?limit=0", None, 422, "validation_error"),
+        ("get", "/v1/hosts?limit=abc", None, 422, "validation_error"),
+        ("get", "/v1/hosts?cursor=!!!", None, 422, "validation_error"),
+        ("get", "/v1/hosts?cursor=" + "A" * 600, None, 422, "validation_error"),
+        ("get", "/v1/hosts?cursor=_-8", None, 422, "validation_error"),
+    ],
+)
+async def test_hostile_input_to_host_endpoints_is_refused_and_changes_nothing(client, method, path, body, status, code):
     kw = {"data": body} if isinstance(body, str) else {"json": body} if body is not None else {}
     resp = await getattr(client, method)(path, **kw)
     assert resp.status == status, await resp.text()
@@ -222,6 +225,7 @@ async def test_a_table_full_of_blocked_hosts_refuses_new_records_and_changes_not
 
 def test_cli_refuses_a_host_name_that_is_not_one(capsys):
     from rdzv_client.cli import main
+
     with pytest.raises(SystemExit) as e:
         main(["--endpoint", "127.0.0.1:1", "cordon", "a/b", "--reason", "r"])
     assert e.value.code == 2 and "is not a host name" in capsys.readouterr().err
@@ -229,11 +233,14 @@ def test_cli_refuses_a_host_name_that_is_not_one(capsys):
 
 async def test_openapi_lists_the_host_endpoints(client):
     doc = await get_json(client, "/openapi.json")
-    assert {"/v1/hosts", "/v1/hosts/{host}", "/v1/hosts/{host}/cordon", "/v1/hosts/{host}/uncordon"} <= set(doc["paths"])
+    assert {"/v1/hosts", "/v1/hosts/{host}", "/v1/hosts/{host}/cordon", "/v1/hosts/{host}/uncordon"} <= set(
+        doc["paths"]
+    )
 
 
 async def test_health_clock_check_reads_the_servers_date_header(client):
     from rdzv_client.health import check_clock
+
     endpoint = f"127.0.0.1:{client.port}"
     assert await asyncio.to_thread(check_clock, endpoint, 5.0) is None
     failed = await asyncio.to_thread(check_clock, endpoint, -1.0)  # any skew is too much

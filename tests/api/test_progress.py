@@ -17,8 +17,9 @@ async def _view(client, job_id: str) -> dict:
 async def test_progress_heartbeats_show_in_the_job_view_and_metrics(client, connect) -> None:
     agents, _ = await form(connect, "p", ["n0", "n1"])
     view = await _view(client, "p")
-    assert all(n["step"] is None and n["steps_per_s"] is None and n["since_progress_s"] is None
-               for n in view["nodes"]), view["nodes"]
+    assert all(
+        n["step"] is None and n["steps_per_s"] is None and n["since_progress_s"] is None for n in view["nodes"]
+    ), view["nodes"]
     await agents[0].send(HeartbeatMsg(step=12, rate=3.5))
     await agents[1].send(HeartbeatMsg())  # a plain heartbeat: no progress
 
@@ -43,8 +44,12 @@ async def test_progress_heartbeats_show_in_the_job_view_and_metrics(client, conn
 async def test_invalid_progress_heartbeat_is_refused_and_changes_nothing(client, connect) -> None:
     agents, _ = await form(connect, "q", ["n0", "n1"])
     await agents[0].send(HeartbeatMsg(step=5, rate=1.0))
-    for bad in ('{"op":"hb","step":-3}', '{"op":"hb","step":"5"}', '{"op":"hb","rate":-1}',
-                '{"op":"hb","step":1,"evil":true}'):
+    for bad in (
+        '{"op":"hb","step":-3}',
+        '{"op":"hb","step":"5"}',
+        '{"op":"hb","rate":-1}',
+        '{"op":"hb","step":1,"evil":true}',
+    ):
         await agents[0].send(bad)
         err = await agents[0].expect("error")
         assert err.code.value == "validation_error" and "\n" not in err.message
@@ -54,7 +59,7 @@ async def test_invalid_progress_heartbeat_is_refused_and_changes_nothing(client,
 
 
 async def test_a_slow_node_is_flagged_straggler_in_the_view_and_the_log(client, connect, monkeypatch, caplog) -> None:
-    from rdzv_server.rounds import progress  # noqa: PLC0415
+    from rdzv_server.rounds import progress
 
     monkeypatch.setattr(progress, "STRAGGLER_WINDOW_S", 0.0)  # flag on the first slow check
     monkeypatch.setattr(progress, "STRAGGLER_CHECK_S", 0.0)
@@ -69,14 +74,15 @@ async def test_a_slow_node_is_flagged_straggler_in_the_view_and_the_log(client, 
             break
         await asyncio.sleep(0.01)
     assert nodes["n2"]["straggler"] and not nodes["n0"]["straggler"] and not nodes["n1"]["straggler"], nodes
-    assert any("node n2 (" in r.getMessage() and "is a straggler: 1 steps/s" in r.getMessage()
-               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert any(
+        "node n2 (" in r.getMessage() and "is a straggler: 1 steps/s" in r.getMessage() for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
 
 
 async def test_a_join_with_another_hang_timeout_is_refused_naming_the_field(client, connect) -> None:
-    from rdzv_server.protocol import JobSpec  # noqa: PLC0415
+    from rdzv_server.protocol import JobSpec
 
-    from .conftest import join_msg  # noqa: PLC0415
+    from .conftest import join_msg
 
     a, b = await connect(), await connect()
     await a.send(join_msg("h", "n0", spec=JobSpec(min_nodes=2, max_nodes=2, hang_timeout_s=60.0)))

@@ -12,10 +12,24 @@ from rdzv_server.app import Settings, create_app
 from rdzv_server.protocol import AGENT_PATH, ExitRecord, FailedMsg, LeaveMsg, SucceededMsg
 from rdzv_server.store import DataDirError, Store, StoreSettings
 
-from .conftest import TIMEOUT, Agent, form, join_msg
+from .conftest import TIMEOUT, form, join_msg
 
-JOB_FIELDS = {"job_id", "state", "round", "min_nodes", "max_nodes", "world_size", "restarts", "max_restarts",
-              "master_addr", "master_port", "nodes", "spares", "waiting_for", "history"}
+JOB_FIELDS = {
+    "job_id",
+    "state",
+    "round",
+    "min_nodes",
+    "max_nodes",
+    "world_size",
+    "restarts",
+    "max_restarts",
+    "master_addr",
+    "master_port",
+    "nodes",
+    "spares",
+    "waiting_for",
+    "history",
+}
 NODE_FIELDS = {"node_id", "host", "state", "group_rank", "local_world_size", "last_seen_s"}
 ROUND_FIELDS = {"round", "reason", "started_at", "world_size"}
 
@@ -28,12 +42,14 @@ async def get_json(client, path: str, status: int = 200, **kw):
 
 async def wait_for_job(client, job_id: str, pred, timeout: float = TIMEOUT) -> dict:
     """Poll the job view until ``pred(view)`` holds (REST has no push)."""
+
     async def poll():
         while True:
             view = await get_json(client, f"/v1/jobs/{job_id}")
             if pred(view):
                 return view
             await asyncio.sleep(0.02)
+
     return await asyncio.wait_for(poll(), timeout)
 
 
@@ -42,7 +58,8 @@ def failure(rank: int = 0, code: int = 1) -> list[ExitRecord]:
 
 
 async def test_two_agents_form_a_round_and_rest_shows_it(client, connect):
-    """Two agents joining a 2:2 job get ranks 0/1 with prefix-sum offsets, and REST shows the job with the DESIGN fields."""
+    """Two agents joining a 2:2 job get ranks 0/1 with prefix-sum offsets, and REST shows the job
+    with the fields of docs/design.md."""
     agents, got = await form(connect, "exp1", ["node1", "node2"], nproc=4)
     a1, a2 = got["node1"], got["node2"]
     assert (a1.group_rank, a2.group_rank) == (0, 1)
@@ -56,16 +73,18 @@ async def test_two_agents_form_a_round_and_rest_shows_it(client, connect):
     assert listing["jobs"][0]["state"] == "running" and listing["jobs"][0]["nodes"] == 2
 
     view = await get_json(client, "/v1/jobs/exp1")
-    assert JOB_FIELDS <= view.keys()
+    assert view.keys() >= JOB_FIELDS
     assert view["state"] == "running" and view["round"] == 0 and view["world_size"] == 8
     assert (view["min_nodes"], view["max_nodes"], view["restarts"], view["max_restarts"]) == (2, 2, 0, 3)
     assert (view["master_addr"], view["master_port"]) == (a1.master_addr, a1.master_port)
     assert view["waiting_for"] is None and view["spares"] == []
     assert [(n["node_id"], n["group_rank"], n["state"], n["local_world_size"]) for n in view["nodes"]] == [
-        ("node1", 0, "running", 4), ("node2", 1, "running", 4)]
+        ("node1", 0, "running", 4),
+        ("node2", 1, "running", 4),
+    ]
     for node in view["nodes"]:
-        assert NODE_FIELDS <= node.keys() and node["host"] == node["node_id"] and node["last_seen_s"] >= 0
-    assert len(view["history"]) == 1 and ROUND_FIELDS <= view["history"][0].keys()
+        assert node.keys() >= NODE_FIELDS and node["host"] == node["node_id"] and node["last_seen_s"] >= 0
+    assert len(view["history"]) == 1 and view["history"][0].keys() >= ROUND_FIELDS
     assert view["history"][0]["round"] == 0 and view["history"][0]["world_size"] == 8
 
 
@@ -186,8 +205,14 @@ async def test_leave_reforms_without_the_leaver(client, connect):
 # ------------------------------------------------------------------- auth
 
 
-AUTHED = [("GET", "/v1/jobs"), ("GET", "/v1/jobs/authjob"), ("POST", "/v1/jobs/authjob/close"),
-          ("GET", "/metrics"), ("GET", "/openapi.json"), ("GET", "/v1/nothing-here")]
+AUTHED = [
+    ("GET", "/v1/jobs"),
+    ("GET", "/v1/jobs/authjob"),
+    ("POST", "/v1/jobs/authjob/close"),
+    ("GET", "/metrics"),
+    ("GET", "/openapi.json"),
+    ("GET", "/v1/nothing-here"),
+]
 
 
 @pytest.mark.parametrize("header", [None, "Bearer wrong", "Basic s3cret", "Bearer", "s3cret", "Bearer s3cret2"])
@@ -201,9 +226,16 @@ async def test_auth_refuses_missing_or_wrong_tokens(make_client, header):
         assert resp.headers["WWW-Authenticate"] == "Bearer"
         body = await resp.json()
         assert body["code"] == "unauthorized" and body["message"]
-    resp = await client.get(AGENT_PATH, headers={**headers, "Upgrade": "websocket", "Connection": "Upgrade",
-                                                 "Sec-WebSocket-Version": "13",
-                                                 "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="})
+    resp = await client.get(
+        AGENT_PATH,
+        headers={
+            **headers,
+            "Upgrade": "websocket",
+            "Connection": "Upgrade",
+            "Sec-WebSocket-Version": "13",
+            "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+        },
+    )
     assert resp.status == 401 and (await resp.json())["code"] == "unauthorized"
     with pytest.raises(WSServerHandshakeError) as refused:
         await client.ws_connect(AGENT_PATH, headers=headers)
@@ -294,8 +326,18 @@ async def test_server_command_refuses_a_corrupt_database(tmp_path):
     garbage = b"\x00garbage\xff" * 500
     (tmp_path / "rdzv.db").write_bytes(garbage)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", "0", "--data-dir", str(tmp_path),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "rdzv_server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--data-dir",
+        str(tmp_path),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2, (out, err)
     assert b"refusing to start" in err and b"rdzv.db" in err and b"move it away" in err

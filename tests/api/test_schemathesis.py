@@ -9,9 +9,9 @@ import aiohttp
 import pytest
 import requests
 import schemathesis
-from schemathesis import GenerationMode
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -33,6 +33,7 @@ async def seed(base: str) -> None:
     """Create jobs through the agent channel: one running (its agent stays
     until the ws closes), one re-forming after its node left, one succeeded."""
     async with aiohttp.ClientSession() as session:
+
         async def agent(job_id, node_id, nnodes=(1, 1)):
             ws = await session.ws_connect(base + AGENT_PATH)
             await ws.send_str(join_msg(job_id, node_id, nnodes).model_dump_json())
@@ -95,13 +96,19 @@ OPERATIONS = [(method.upper(), path) for path, ops in openapi_document()["paths"
 @pytest.mark.timeout(40)
 @pytest.mark.parametrize(("method", "path"), OPERATIONS, ids=[f"{m} {p}" for m, p in OPERATIONS])
 def test_rest_api_conforms_to_its_openapi(api_schema, http, method, path):
-    """Generated valid and invalid requests get non-5xx answers whose status, content type and body match /openapi.json."""
+    """Generated valid and invalid requests get non-5xx answers whose status, content type and
+    body match /openapi.json."""
     operation = api_schema[path][method]
     strategy = st.one_of(operation.as_strategy(GenerationMode.POSITIVE), operation.as_strategy(GenerationMode.NEGATIVE))
 
     @given(case=strategy)
-    @settings(max_examples=50, deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    @settings(
+        max_examples=50,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
     def check(case):
         case.call_and_validate(session=http, checks=CHECKS)
 
@@ -111,9 +118,18 @@ def test_rest_api_conforms_to_its_openapi(api_schema, http, method, path):
 def test_openapi_document_is_served(server):
     """/openapi.json names every REST path of the contract."""
     doc = requests.get(f"{server}/openapi.json", timeout=5).json()
-    assert set(doc["paths"]) == {"/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/close", "/healthz", "/metrics",
-                                 "/v1/hosts", "/v1/hosts/{host}", "/v1/hosts/{host}/cordon",
-                                 "/v1/hosts/{host}/uncordon", "/v1/hosts/{host}/health"}
+    assert set(doc["paths"]) == {
+        "/v1/jobs",
+        "/v1/jobs/{job_id}",
+        "/v1/jobs/{job_id}/close",
+        "/healthz",
+        "/metrics",
+        "/v1/hosts",
+        "/v1/hosts/{host}",
+        "/v1/hosts/{host}/cordon",
+        "/v1/hosts/{host}/uncordon",
+        "/v1/hosts/{host}/health",
+    }
     assert {"get", "delete"} <= set(doc["paths"]["/v1/jobs/{job_id}"])
     jobs = requests.get(f"{server}/v1/jobs", timeout=5).json()["jobs"]
     # the fuzzed DELETEs may have removed the finished job; the live ones are refused (409)

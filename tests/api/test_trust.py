@@ -5,15 +5,12 @@ lines for refusals."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import sqlite3
 
-import pytest
-
 from rdzv_server.app import Settings
 from rdzv_server.keys import STORE
-from rdzv_server.protocol import ExitRecord, FailedMsg, HeartbeatMsg, JobSpec, LeaveMsg, SucceededMsg
+from rdzv_server.protocol import ExitRecord, FailedMsg, JobSpec, LeaveMsg, SucceededMsg
 
 from .conftest import form, join_msg
 from .test_hostile import expect_error, snapshot, wait_view
@@ -38,8 +35,11 @@ async def test_impostor_with_a_live_nodes_id_is_refused_and_changes_nothing(clie
     assert a1.node_secret and a2.node_secret and a1.node_secret != a2.node_secret
     before = await snapshot(client)
     impostor = await connect()
-    for msg in (join_msg("base", "node2", **IMPOSTOR), join_msg("base", "node2", resume_round=0, **IMPOSTOR),
-                join_msg("base", "node2", node_secret=a1.node_secret, **IMPOSTOR)):
+    for msg in (
+        join_msg("base", "node2", **IMPOSTOR),
+        join_msg("base", "node2", resume_round=0, **IMPOSTOR),
+        join_msg("base", "node2", node_secret=a1.node_secret, **IMPOSTOR),
+    ):
         await impostor.send(msg)
         text = await expect_error(impostor, "node_secret_mismatch")
         assert "node2" in text and a2.node_secret not in text
@@ -67,8 +67,7 @@ async def test_impostor_with_a_live_nodes_id_is_refused_and_changes_nothing(clie
     assert got[0] is a1
     assert (view["master_addr"], view["master_port"]) == (assigned["node1"].master_addr, 29500)
     assert view["restarts"] == 1  # node1's one failure; the impostor's report charged nothing
-    assert {n["addr"] for n in view["nodes"]} == {assigned["node1"].master_addr,
-                                                   join_msg("base", "node2").addr}
+    assert {n["addr"] for n in view["nodes"]} == {assigned["node1"].master_addr, join_msg("base", "node2").addr}
 
 
 async def test_node_secrets_never_show_in_rest_or_the_log(client, connect, caplog):
@@ -179,8 +178,9 @@ async def test_job_secret_is_kept_on_disk_as_a_hash(make_client, connect, tmp_pa
 # ---------------------------------------------------------- repeated reports
 
 
-async def test_repeated_success_writes_nothing_and_a_later_failure_is_stale(make_client, connect, tmp_path,
-                                                                           monkeypatch, caplog):
+async def test_repeated_success_writes_nothing_and_a_later_failure_is_stale(
+    make_client, connect, tmp_path, monkeypatch, caplog
+):
     """node1 succeeded (one write); 20 more `succeeded` from it are each acked
     with no database write and no log line; its `failed` after that is stale
     and charges nothing."""

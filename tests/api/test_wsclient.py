@@ -78,8 +78,19 @@ async def test_the_link_joins_and_validates_what_the_server_says(client) -> None
     await link.start()
     try:
         spec = JobSpec(min_nodes=1, max_nodes=1)
-        link.set_intent(json.loads(JoinMsg(job_id="wsl", node_id="n1", host="h", addr="127.0.0.1",
-                                           local_world_size=1, master_port=29500, spec=spec).model_dump_json()))
+        link.set_intent(
+            json.loads(
+                JoinMsg(
+                    job_id="wsl",
+                    node_id="n1",
+                    host="h",
+                    addr="127.0.0.1",
+                    local_world_size=1,
+                    master_port=29500,
+                    spec=spec,
+                ).model_dump_json()
+            )
+        )
         joined = await asyncio.wait_for(link.recv(), T)
         assigned = await asyncio.wait_for(link.recv(), T)
         assert type(joined).__name__ == "JoinedMsg" and type(assigned).__name__ == "AssignedMsg"
@@ -195,12 +206,14 @@ class RawPeer:
         self.tasks.append(asyncio.current_task())
         try:
             head = (await reader.readuntil(b"\r\n\r\n")).decode()
-            key = next(ln.split(":", 1)[1].strip() for ln in head.split("\r\n")
-                       if ln.lower().startswith("sec-websocket-key:"))
-            accept = self.accept or base64.b64encode(
-                hashlib.sha1((key + wsclient.GUID).encode()).digest()).decode()
-            writer.write(f"HTTP/1.1 {self.status}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                         f"Sec-WebSocket-Accept: {accept}\r\n\r\n".encode())
+            key = next(
+                ln.split(":", 1)[1].strip() for ln in head.split("\r\n") if ln.lower().startswith("sec-websocket-key:")
+            )
+            accept = self.accept or base64.b64encode(hashlib.sha1((key + wsclient.GUID).encode()).digest()).decode()
+            writer.write(
+                f"HTTP/1.1 {self.status}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                f"Sec-WebSocket-Accept: {accept}\r\n\r\n".encode()
+            )
             await writer.drain()
             await self.script(reader, writer)
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -264,9 +277,14 @@ async def test_fragments_with_a_ping_between_make_one_message_and_the_ping_is_an
     pongs: list = []
 
     async def fragments(reader, writer):
-        writer.write(frame(wsclient.OP_TEXT, b"hel", fin=False) + frame(wsclient.OP_PING, b"p1")
-                     + frame(wsclient.OP_CONT, b"lo ", fin=False) + frame(wsclient.OP_CONT, "wörld".encode())
-                     + frame(wsclient.OP_BINARY, b"\x00\x01") + frame(wsclient.OP_TEXT, b"next"))
+        writer.write(
+            frame(wsclient.OP_TEXT, b"hel", fin=False)
+            + frame(wsclient.OP_PING, b"p1")
+            + frame(wsclient.OP_CONT, b"lo ", fin=False)
+            + frame(wsclient.OP_CONT, "wörld".encode())
+            + frame(wsclient.OP_BINARY, b"\x00\x01")
+            + frame(wsclient.OP_TEXT, b"next")
+        )
         pongs.append(await read_client_frame(reader))
         await reader.read()
 
@@ -279,15 +297,21 @@ async def test_fragments_with_a_ping_between_make_one_message_and_the_ping_is_an
         await ws.close(timeout=0.2)
 
 
-@pytest.mark.parametrize("bad,why", [
-    (frame(wsclient.OP_TEXT, b"hi", masked=True), "the server masked a frame"),
-    (frame(wsclient.OP_CONT, b"hi"), "continuation frame without a message"),
-    (frame(wsclient.OP_TEXT, b"a", fin=False) + frame(wsclient.OP_TEXT, b"b"), "new message inside a fragmented one"),
-    (frame(wsclient.OP_TEXT, b"\xff\xfe"), "text message is not UTF-8"),
-    (bytes([0xC1, 0x00]), "reserved bits set"),
-    (frame(wsclient.OP_PING, b"x" * 126), "bad control frame"),
-    (bytes([0x81, 127]) + struct.pack("!Q", 2**62), "over"),
-])
+@pytest.mark.parametrize(
+    "bad,why",
+    [
+        (frame(wsclient.OP_TEXT, b"hi", masked=True), "the server masked a frame"),
+        (frame(wsclient.OP_CONT, b"hi"), "continuation frame without a message"),
+        (
+            frame(wsclient.OP_TEXT, b"a", fin=False) + frame(wsclient.OP_TEXT, b"b"),
+            "new message inside a fragmented one",
+        ),
+        (frame(wsclient.OP_TEXT, b"\xff\xfe"), "text message is not UTF-8"),
+        (bytes([0xC1, 0x00]), "reserved bits set"),
+        (frame(wsclient.OP_PING, b"x" * 126), "bad control frame"),
+        (bytes([0x81, 127]) + struct.pack("!Q", 2**62), "over"),
+    ],
+)
 async def test_a_broken_frame_is_a_protocol_error_and_a_close(bad: bytes, why: str) -> None:
     closes: list = []
 
@@ -305,10 +329,13 @@ async def test_a_broken_frame_is_a_protocol_error_and_a_close(bad: bytes, why: s
         assert struct.unpack("!H", closes[0][1][:2])[0] in (1002, 1007, 1009)
 
 
-@pytest.mark.parametrize("peer,status,message", [
-    (dict(accept="d3Jvbmc="), 101, "Invalid challenge response"),
-    (dict(status="403 Forbidden"), 403, "Forbidden"),
-])
+@pytest.mark.parametrize(
+    "peer,status,message",
+    [
+        (dict(accept="d3Jvbmc="), 101, "Invalid challenge response"),
+        (dict(status="403 Forbidden"), 403, "Forbidden"),
+    ],
+)
 async def test_a_bad_upgrade_answer_is_a_handshake_error(peer: dict, status: int, message: str) -> None:
     async def idle(reader, writer):
         await reader.read()

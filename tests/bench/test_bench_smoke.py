@@ -17,8 +17,14 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
 
 def test_bench_smoke(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=80, start_new_session=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=80,
+        start_new_session=True,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = proc.stdout
     assert "| row | rdzv median (min-max) | torchrun median (min-max) | rdzv/torchrun |" in table
@@ -47,9 +53,32 @@ def test_bench_smoke(tmp_path):
 
 def test_server_scale_cli_smoke(tmp_path):
     out = tmp_path / "scale.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.server_scale", "--formation", "8", "--reps", "1",
-                           "--storm", "16", "--live", "20", "--live-s", "1", "--clients", "1", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60, start_new_session=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.server_scale",
+            "--formation",
+            "8",
+            "--reps",
+            "1",
+            "--storm",
+            "16",
+            "--live",
+            "20",
+            "--live-s",
+            "1",
+            "--clients",
+            "1",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=True,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| server scale (rdzv only) | result | target | met |" in proc.stdout
     data = json.loads(out.read_text())
@@ -59,9 +88,28 @@ def test_server_scale_cli_smoke(tmp_path):
 
 def test_finished_jobs_cli_smoke(tmp_path):
     out = tmp_path / "finished.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.finished_jobs", "--jobs", "40", "--idle-s", "1",
-                           "--requests", "10", "--waiting", "5", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60, start_new_session=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.finished_jobs",
+            "--jobs",
+            "40",
+            "--idle-s",
+            "1",
+            "--requests",
+            "10",
+            "--waiting",
+            "5",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=True,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| finished jobs (rdzv only) | result | target | met |" in proc.stdout
     assert "40 finished jobs present" in proc.stdout and "GET /v1/jobs, first page (40 jobs)" in proc.stdout

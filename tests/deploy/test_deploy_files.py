@@ -48,9 +48,22 @@ BASH = shutil.which("bash") or "/bin/bash"
 CONTRACT_FLAGS = {
     "rdzv-server": {"--host", "--port", "--data-dir", "--token", "--tls-cert", "--tls-key", "--help", "-h"},
     "rdzv-agent": {
-        "--endpoint", "--job-id", "--nnodes", "--nproc-per-node", "--max-restarts", "--node-rank",
-        "--local-addr", "--token", "--log-dir", "--redirects", "--tee", "--standalone", "-m",
-        "--no-python", "--help", "-h",
+        "--endpoint",
+        "--job-id",
+        "--nnodes",
+        "--nproc-per-node",
+        "--max-restarts",
+        "--node-rank",
+        "--local-addr",
+        "--token",
+        "--log-dir",
+        "--redirects",
+        "--tee",
+        "--standalone",
+        "-m",
+        "--no-python",
+        "--help",
+        "-h",
     },
 }
 # Flags that take no value.
@@ -108,7 +121,7 @@ def invocations_in_tokens(where: str, tokens: list[str]) -> list[Invocation]:
     for i, token in enumerate(tokens):
         match = PROGRAM_RE.fullmatch(token)
         if match:
-            found.append(parse_invocation(where, match.group(1), tokens[i + 1:]))
+            found.append(parse_invocation(where, match.group(1), tokens[i + 1 :]))
     return found
 
 
@@ -238,8 +251,19 @@ def run(argv: list[str], timeout: float = 20, **kwargs) -> subprocess.CompletedP
 
 def test_expected_files_exist():
     """Every deployment file the README promises is there."""
-    for path in (SBATCH, ENTRYPOINT, UNIT, ENV_EXAMPLE, DOCKERFILE, COMPOSE, K8S_SERVER, K8S_JOB,
-                 K8S_SECRET, README, DEPLOY / "container" / "Dockerfile.dockerignore"):
+    for path in (
+        SBATCH,
+        ENTRYPOINT,
+        UNIT,
+        ENV_EXAMPLE,
+        DOCKERFILE,
+        COMPOSE,
+        K8S_SERVER,
+        K8S_JOB,
+        K8S_SECRET,
+        README,
+        DEPLOY / "container" / "Dockerfile.dockerignore",
+    ):
         assert path.is_file(), f"{path.relative_to(REPO)} is missing"
 
 
@@ -282,8 +306,12 @@ def test_invocations_found_where_expected():
 
 def test_invocations_use_only_contract_flags():
     """Every rdzv-server/rdzv-agent command in deploy/ uses only flags of the CLI contract (CONTRACT_FLAGS)."""
-    bad = [f"{inv.where}: {inv.program} {flag}"
-           for inv in all_invocations() for flag in inv.flags if flag not in CONTRACT_FLAGS[inv.program]]
+    bad = [
+        f"{inv.where}: {inv.program} {flag}"
+        for inv in all_invocations()
+        for flag in inv.flags
+        if flag not in CONTRACT_FLAGS[inv.program]
+    ]
     assert not bad, "flags outside the contract:\n" + "\n".join(bad)
 
 
@@ -294,7 +322,8 @@ def test_no_token_on_command_lines():
 
 
 IMPORT_FAILED = 97
-HELP_CODE = """
+HELP_CODE = (
+    """
 import runpy, sys, traceback
 sys.argv = [sys.argv[1], "--help"]
 try:
@@ -302,7 +331,9 @@ try:
 except ImportError:
     traceback.print_exc()
     sys.exit(%d)
-""" % IMPORT_FAILED
+"""
+    % IMPORT_FAILED
+)
 
 
 @functools.cache
@@ -328,8 +359,7 @@ def test_used_flags_appear_in_help(program, module):
     used = {flag for inv in all_invocations() if inv.program == program for flag in inv.flags}
     assert used, f"no {program} flags found"
     text = help_text(module)
-    missing = [flag for flag in sorted(used)
-               if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text)]
+    missing = [flag for flag in sorted(used) if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text)]
     assert not missing, f"{program} --help lacks {missing}"
 
 
@@ -432,7 +462,7 @@ def test_dockerfile():
     froms = [rest.split()[0] for word, rest in instructions if word == "FROM"]
     resolved = [re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), ""), image) for image in froms]
     assert resolved and all(image == "python:3.11-slim" for image in resolved), resolved
-    last_stage = instructions[max(i for i, (w, _) in enumerate(instructions) if w == "FROM"):]
+    last_stage = instructions[max(i for i, (w, _) in enumerate(instructions) if w == "FROM") :]
     users = [rest for word, rest in last_stage if word == "USER"]
     assert users and users[-1].split(":")[0] not in ("root", "0"), users
     assert args.get("RDZV_EXTRAS") == "torch", "torch must be installed by default"
@@ -441,7 +471,7 @@ def test_dockerfile():
     assert "--build-arg RDZV_EXTRAS=" in README.read_text()
     (healthcheck,) = [rest for word, rest in instructions if word == "HEALTHCHECK"]
     assert "/healthz" in healthcheck and "python" in healthcheck and "curl" not in healthcheck
-    cmd = json.loads(healthcheck[healthcheck.index("CMD") + 3:])
+    cmd = json.loads(healthcheck[healthcheck.index("CMD") + 3 :])
     assert cmd[:2] == ["python", "-c"]
     compile(cmd[2], "HEALTHCHECK", "exec")
     (entrypoint,) = [json.loads(rest) for word, rest in instructions if word == "ENTRYPOINT"]
@@ -452,8 +482,10 @@ def test_dockerfile():
             for source in sources:
                 assert source == "." or (REPO / source).exists(), f"COPY source {source} missing"
     assert any(word == "COPY" and str(ENTRYPOINT.relative_to(REPO)) in rest for word, rest in instructions)
-    assert any(word == "COPY" and f"{NEXT_JOB_ID.relative_to(REPO)} /usr/local/bin/next-job-id" in rest
-               for word, rest in instructions), "the compose agents run next-job-id from PATH"
+    assert any(
+        word == "COPY" and f"{NEXT_JOB_ID.relative_to(REPO)} /usr/local/bin/next-job-id" in rest
+        for word, rest in instructions
+    ), "the compose agents run next-job-id from PATH"
 
 
 def test_entrypoint_dispatches(tmp_path):
@@ -461,10 +493,13 @@ def test_entrypoint_dispatches(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for program in ("rdzv-server", "rdzv-agent"):
-        write_script(bin_dir / program, f"""
+        write_script(
+            bin_dir / program,
+            f"""
             #!/bin/sh
             echo {program} "$@"
-        """)
+        """,
+        )
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
     cases = {
         (): f"rdzv-server --host 0.0.0.0 --port {PORT} --data-dir {DATA_DIR}",
@@ -568,7 +603,8 @@ def test_k8s_server():
 
 
 def test_k8s_training_job():
-    """An Indexed Job, one agent per pod against the server Service, its pod IP as --local-addr, the token from the Secret."""
+    """A Job of agents, one per pod, against the server Service, its pod IP as --local-addr,
+    the token from the Secret."""
     objects = k8s_objects(K8S_JOB)
     server_objects = k8s_objects(K8S_SERVER)
     secret = one_of_kind(k8s_objects(K8S_SECRET), "Secret")
@@ -631,16 +667,19 @@ def bash_functions(script: str, path_dirs: list[Path] | None = None) -> subproce
     return run([BASH, "-c", f"source {shlex.quote(str(SBATCH))}; {script}"], env=env)
 
 
-@pytest.mark.parametrize("nodelist, hosts", [
-    ("node01", ["node01"]),
-    ("node[01-04,07],gpu5", ["node01", "node02", "node03", "node04", "node07", "gpu5"]),
-    ("a,b,c", ["a", "b", "c"]),
-    ("gpu-[8-11]", ["gpu-8", "gpu-9", "gpu-10", "gpu-11"]),
-    ("x[098-101]", ["x098", "x099", "x100", "x101"]),
-    ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
-    ("node[1,3-4]-ib,login", ["node1-ib", "node3-ib", "node4-ib", "login"]),
-    ("n[7]", ["n7"]),
-])
+@pytest.mark.parametrize(
+    "nodelist, hosts",
+    [
+        ("node01", ["node01"]),
+        ("node[01-04,07],gpu5", ["node01", "node02", "node03", "node04", "node07", "gpu5"]),
+        ("a,b,c", ["a", "b", "c"]),
+        ("gpu-[8-11]", ["gpu-8", "gpu-9", "gpu-10", "gpu-11"]),
+        ("x[098-101]", ["x098", "x099", "x100", "x101"]),
+        ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+        ("node[1,3-4]-ib,login", ["node1-ib", "node3-ib", "node4-ib", "login"]),
+        ("n[7]", ["n7"]),
+    ],
+)
 def test_nodelist_parser(nodelist, hosts):
     """The sbatch script's pure-bash parser expands SLURM nodelists like scontrol show hostnames."""
     result = bash_functions(f"rdzv_expand_nodelist {shlex.quote(nodelist)}")
@@ -657,10 +696,13 @@ def test_nodelist_parser_rejects_garbage(nodelist):
 
 def test_hostnames_prefers_scontrol(tmp_path):
     """rdzv_hostnames asks scontrol when there is one and falls back to the parser otherwise."""
-    write_script(tmp_path / "scontrol", """
+    write_script(
+        tmp_path / "scontrol",
+        """
         #!/bin/sh
         echo "from-scontrol $*"
-    """)
+    """,
+    )
     with_scontrol = bash_functions("rdzv_hostnames 'n[1-2]'", [tmp_path])
     assert with_scontrol.stdout.splitlines() == ["from-scontrol show hostnames n[1-2]"], with_scontrol
     empty = tmp_path / "empty"
@@ -732,7 +774,8 @@ def wait_healthy(url: str, timeout: float = 10) -> None:
 
 @pytest.mark.parametrize("server, agent_rc", [("stub", 0), ("stub", 3), ("real", 0), ("external", 0)])
 def test_sbatch_runs_server_and_agents(tmp_path, server, agent_rc):
-    """Under a fake SLURM, train.sbatch starts a healthy server (or uses RDZV_ENDPOINT), runs the agent with the contract flags, stops the server, returns the agent's code."""
+    """Under a fake SLURM, train.sbatch starts a healthy server (or uses RDZV_ENDPOINT), runs the
+    agent with the contract flags, stops the server, returns the agent's code."""
     if server == "real":
         help_text("rdzv_server")  # skips while the server cannot be imported
     record = tmp_path / "record"
@@ -794,8 +837,11 @@ def test_sbatch_runs_server_and_agents(tmp_path, server, agent_rc):
     agent = json.loads((record / "agent").read_text())
     inv = parse_invocation("agent", "rdzv-agent", agent["argv"])
     assert dict(inv.options) == {
-        "--endpoint": f"{host}:{port}", "--job-id": "4242", "--nnodes": "1",
-        "--nproc-per-node": "gpu", "--max-restarts": "3",
+        "--endpoint": f"{host}:{port}",
+        "--job-id": "4242",
+        "--nnodes": "1",
+        "--nproc-per-node": "gpu",
+        "--max-restarts": "3",
     }
     assert list(inv.rest) == ["examples/train_ddp.py", "--steps", "3"]
     assert agent["health"] == 200 and agent["token"] and agent["env_endpoint"] == f"{host}:{port}"
@@ -807,20 +853,30 @@ def test_sbatch_fails_fast_when_server_dies(tmp_path):
     """A server that exits at start fails the batch job at once, showing its log, without running agents."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    write_script(bin_dir / "rdzv-server", """
+    write_script(
+        bin_dir / "rdzv-server",
+        """
         #!/bin/sh
         echo "cannot open data dir" >&2
         exit 2
-    """)
-    write_script(bin_dir / "srun", """
+    """,
+    )
+    write_script(
+        bin_dir / "srun",
+        """
         #!/bin/sh
         echo "srun must not run" >&2
         exit 99
-    """)
+    """,
+    )
     (bin_dir / "python3").symlink_to(sys.executable)
     env = {
-        "PATH": f"{bin_dir}:/usr/bin:/bin", "TMPDIR": str(tmp_path), "SLURM_JOB_ID": "7",
-        "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1", "SLURM_SUBMIT_DIR": str(tmp_path),
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "TMPDIR": str(tmp_path),
+        "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_SUBMIT_DIR": str(tmp_path),
         "RDZV_WAIT_S": "30",
     }
     result = run([BASH, str(SBATCH)], env=env, timeout=20)
@@ -900,8 +956,9 @@ def test_k8s_pod_failure_policy_follows_the_exit_codes():
     assert set(by_code) <= set(codes.values()), f"a rule names an exit code the agent does not have: {by_code}"
     for name, code in codes.items():
         assert documented[str(code)] == by_code.get(code, "Count"), (name, code, documented, by_code)
-    assert documented["128+N"] == "Count" and not any(c > 128 for c in by_code), \
+    assert documented["128+N"] == "Count" and not any(c > 128 for c in by_code), (
         "signals fall to the default (Count); disruptions are matched by their condition"
+    )
 
 
 # ---------------------------------------------------------------- SLURM: node failures
@@ -913,7 +970,7 @@ def sbatch_directives() -> list[str]:
     for line in SBATCH.read_text().splitlines()[1:]:
         stripped = line.strip()
         if stripped.startswith("#SBATCH"):
-            options.append(stripped[len("#SBATCH"):].strip())
+            options.append(stripped[len("#SBATCH") :].strip())
         elif stripped and not stripped.startswith("#"):
             break
     return options
@@ -947,13 +1004,20 @@ def test_sbatch_passes_no_kill_to_srun(tmp_path):
     write_script(bin_dir / "rdzv-agent", STUB_AGENT.format(python=python, record=str(record)))
     write_script(bin_dir / "srun", STUB_SRUN.format(record=shlex.quote(str(record))))
     (bin_dir / "python3").symlink_to(python)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "TMPDIR": str(tmp_path),
-           "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1",
-           "SLURM_SUBMIT_DIR": str(tmp_path), "RDZV_WAIT_S": "20"}
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "TMPDIR": str(tmp_path),
+        "SLURM_JOB_ID": "77",
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_SUBMIT_DIR": str(tmp_path),
+        "RDZV_WAIT_S": "20",
+    }
     result = run([BASH, str(SBATCH), "--steps", "1"], env=env, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     srun = (record / "srun").read_text().split()
-    options = srun[:srun.index("rdzv-agent")]
+    options = srun[: srun.index("rdzv-agent")]
     assert "--no-kill" in options and "--kill-on-bad-exit=0" in options, srun
 
 
@@ -982,16 +1046,22 @@ def test_compose_agents_take_a_job_id_per_run(tmp_path):
     bin_dir = tmp_path / "bin"
     for d in (record, bin_dir):
         d.mkdir()
-    write_script(bin_dir / "next-job-id", f"""
+    write_script(
+        bin_dir / "next-job-id",
+        f"""
         #!/bin/sh
         echo "$*" > {record}/next-job-id
         echo compose-demo-7
-    """)
-    write_script(bin_dir / "rdzv-agent", f"""
+    """,
+    )
+    write_script(
+        bin_dir / "rdzv-agent",
+        f"""
         #!{sys.executable}
         import json, sys
         json.dump(sys.argv[1:], open({str(record / "agent")!r}, "w"))
-    """)
+    """,
+    )
     env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"}
     for name, argv in scripts.items():
         result = run(argv, env=env)
@@ -1010,16 +1080,22 @@ def test_compose_next_job_id_stops_on_failure(tmp_path):
     scripts = compose_agent_scripts()
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    write_script(bin_dir / "next-job-id", """
+    write_script(
+        bin_dir / "next-job-id",
+        """
         #!/bin/sh
         echo "next-job-id: no server" >&2
         exit 2
-    """)
-    write_script(bin_dir / "rdzv-agent", """
+    """,
+    )
+    write_script(
+        bin_dir / "rdzv-agent",
+        """
         #!/bin/sh
         echo "agent must not run" >&2
         exit 99
-    """)
+    """,
+    )
     result = run(scripts["agent-1"], env={**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"})
     assert result.returncode == 2 and "agent must not run" not in result.stderr, result
 
@@ -1033,9 +1109,22 @@ class RealServer:
         self.token = token
         self.log = (tmp_path / "server.log").open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(self.port),
-             "--data-dir", str(tmp_path / "state")],
-            env={**os.environ, "RDZV_TOKEN": token}, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
+            [
+                sys.executable,
+                "-m",
+                "rdzv_server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--data-dir",
+                str(tmp_path / "state"),
+            ],
+            env={**os.environ, "RDZV_TOKEN": token},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
         wait_healthy(f"http://{self.endpoint}/healthz", timeout=30)
 
     def stop(self) -> None:
@@ -1050,16 +1139,19 @@ class RealServer:
 
 
 def next_job_id(server: RealServer, **env) -> subprocess.CompletedProcess:
-    return run([sys.executable, str(NEXT_JOB_ID), server.endpoint, "compose-demo"],
-               env={**os.environ, "RDZV_TOKEN": server.token, **env})
+    return run(
+        [sys.executable, str(NEXT_JOB_ID), server.endpoint, "compose-demo"],
+        env={**os.environ, "RDZV_TOKEN": server.token, **env},
+    )
 
 
 def job_state(server: RealServer, job_id: str) -> str | None:
     import urllib.error
     import urllib.request
 
-    request = urllib.request.Request(f"http://{server.endpoint}/v1/jobs/{job_id}",
-                                     headers={"Authorization": f"Bearer {server.token}"})
+    request = urllib.request.Request(
+        f"http://{server.endpoint}/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {server.token}"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=5) as response:
             return json.load(response)["state"]
@@ -1082,10 +1174,26 @@ def test_next_job_id_against_a_real_server(tmp_path):
         assert first.returncode == 0 and first.stdout.strip() == "compose-demo-1", first
         # One of two nodes has joined compose-demo-1: the run is on, the second agent joins it too.
         waiting = subprocess.Popen(
-            [sys.executable, "-m", "rdzv_client.agent", "--endpoint", server.endpoint, "--job-id", "compose-demo-1",
-             "--nnodes", "2:2", "--nproc-per-node", "1", "--no-python", "true"],
-            env={**os.environ, "RDZV_TOKEN": server.token}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            cwd=REPO)
+            [
+                sys.executable,
+                "-m",
+                "rdzv_client.agent",
+                "--endpoint",
+                server.endpoint,
+                "--job-id",
+                "compose-demo-1",
+                "--nnodes",
+                "2:2",
+                "--nproc-per-node",
+                "1",
+                "--no-python",
+                "true",
+            ],
+            env={**os.environ, "RDZV_TOKEN": server.token},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=REPO,
+        )
         deadline = time.monotonic() + 30
         while job_state(server, "compose-demo-1") is None:
             assert time.monotonic() < deadline and waiting.poll() is None, "the agent never joined"
@@ -1093,9 +1201,26 @@ def test_next_job_id_against_a_real_server(tmp_path):
         again = next_job_id(server)
         assert again.stdout.strip() == "compose-demo-1", again
         # The second node arrives; both run `true` and the job succeeds.
-        done = run([sys.executable, "-m", "rdzv_client.agent", "--endpoint", server.endpoint, "--job-id",
-                    "compose-demo-1", "--nnodes", "2:2", "--nproc-per-node", "1", "--no-python", "true"],
-                   timeout=60, env={**os.environ, "RDZV_TOKEN": server.token}, cwd=REPO)
+        done = run(
+            [
+                sys.executable,
+                "-m",
+                "rdzv_client.agent",
+                "--endpoint",
+                server.endpoint,
+                "--job-id",
+                "compose-demo-1",
+                "--nnodes",
+                "2:2",
+                "--nproc-per-node",
+                "1",
+                "--no-python",
+                "true",
+            ],
+            timeout=60,
+            env={**os.environ, "RDZV_TOKEN": server.token},
+            cwd=REPO,
+        )
         assert done.returncode == 0, done.stderr
         assert waiting.wait(timeout=30) == 0
         assert job_state(server, "compose-demo-1") == "succeeded"
@@ -1140,7 +1265,9 @@ def test_gpu_check_uses_the_real_programs_on_loopback_only():
     assert 'setdefault("NCCL_SOCKET_IFNAME", "lo")' in text and 'setdefault("GLOO_SOCKET_IFNAME", "lo")' in text
     assert "pkill" not in text and "killall" not in text
     worker = (REPO / "scripts" / "gpu_worker.py").read_text()
-    assert 'default="nccl"' in worker and "dist.all_reduce(t)" in worker and 'torch.device("cuda", local_rank)' in worker
+    assert (
+        'default="nccl"' in worker and "dist.all_reduce(t)" in worker and 'torch.device("cuda", local_rank)' in worker
+    )
 
 
 @pytest.mark.slow
@@ -1151,15 +1278,20 @@ def test_gpu_check_rehearsal_on_cpu(tmp_path):
     process gone afterwards."""
     help_text("rdzv_client.agent")
     workdir = tmp_path / "gpu-check"
-    result = run([sys.executable, str(GPU_CHECK), "--rehearse-on-cpu", "2", "--drill-seconds", "6",
-                  "--workdir", str(workdir)], timeout=290)
+    result = run(
+        [sys.executable, str(GPU_CHECK), "--rehearse-on-cpu", "2", "--drill-seconds", "6", "--workdir", str(workdir)],
+        timeout=290,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
-    table = result.stdout[result.stdout.index("\ncheck"):].strip().splitlines()
+    table = result.stdout[result.stdout.index("\ncheck") :].strip().splitlines()
     assert re.fullmatch(r"check\s+\| result\s+\| seconds", table[0]), table
     rows = [line.split(" | ") for line in table[2:]]
     assert [row[0].strip() for row in rows] == [
-        "--nproc-per-node 2 detection", "standalone gloo job on all 2", "2 agents split CUDA_VISIBLE_DEVICES",
-        "node-loss drill (gloo)"], rows
+        "--nproc-per-node 2 detection",
+        "standalone gloo job on all 2",
+        "2 agents split CUDA_VISIBLE_DEVICES",
+        "node-loss drill (gloo)",
+    ], rows
     assert all(row[1].startswith("ok") and float(row[2]) >= 0 for row in rows), rows
     assert "re-formed as world 1" in rows[3][1]
     pids = {json.loads(p.read_text())["pid"] for p in workdir.rglob("*.json")}
@@ -1187,24 +1319,42 @@ def test_sbatch_fails_fast_when_the_data_dir_is_in_use(tmp_path):
     data_dir = tmp_path / "shared-state"
     port = free_port()
     log = (tmp_path / "holder.log").open("w")
-    holder = subprocess.Popen([sys.executable, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(port),
-                               "--data-dir", str(data_dir)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    holder = subprocess.Popen(
+        [sys.executable, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data_dir)],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    write_script(bin_dir / "rdzv-server", f"""
+    write_script(
+        bin_dir / "rdzv-server",
+        f"""
         #!/bin/sh
         exec {sys.executable} -m rdzv_server "$@"
-    """)
-    write_script(bin_dir / "srun", """
+    """,
+    )
+    write_script(
+        bin_dir / "srun",
+        """
         #!/bin/sh
         echo "srun must not run" >&2
         exit 99
-    """)
+    """,
+    )
     (bin_dir / "python3").symlink_to(sys.executable)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO),
-           "SLURM_JOB_ID": "8", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1",
-           "SLURM_SUBMIT_DIR": str(tmp_path), "RDZV_WAIT_S": "60", "RDZV_HOST": "127.0.0.1",
-           "RDZV_DATA_DIR": str(data_dir)}
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "TMPDIR": str(tmp_path),
+        "PYTHONPATH": str(REPO),
+        "SLURM_JOB_ID": "8",
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_SUBMIT_DIR": str(tmp_path),
+        "RDZV_WAIT_S": "60",
+        "RDZV_HOST": "127.0.0.1",
+        "RDZV_DATA_DIR": str(data_dir),
+    }
     try:
         wait_healthy(f"http://127.0.0.1:{port}/healthz", timeout=30)
         result = run([BASH, str(SBATCH)], env=env, timeout=90)

@@ -32,8 +32,15 @@ def _no_traceback(agent: Proc) -> None:
 
 def rdzv(cluster: Cluster, *argv: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
     """The ``rdzv`` command, to its end."""
-    return subprocess.run([sys.executable, "-m", "rdzv_client.cli", *argv], capture_output=True, text=True,
-                          env=cluster.env(), cwd=ROOT, timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "rdzv_client.cli", *argv],
+        capture_output=True,
+        text=True,
+        env=cluster.env(),
+        cwd=ROOT,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 # ------------------------------------------------------------------ signals
@@ -89,8 +96,17 @@ LOG_LINE = r"^\[rdzv-agent \d\d:\d\d:\d\d\] "  # a plain log line, not the statu
 
 def _restart_server(cluster: Cluster, old: Server) -> Server:
     """The same server again: same port, same data dir."""
-    argv = [sys.executable, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(old.port),
-            "--data-dir", str(cluster.tmp / "server-data")]
+    argv = [
+        sys.executable,
+        "-m",
+        "rdzv_server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(old.port),
+        "--data-dir",
+        str(cluster.tmp / "server-data"),
+    ]
     name = old.name + "-again"
     server = Server(name, cluster._spawn(name, argv, cluster.env()), cluster.tmp / f"{name}.log", port=old.port)
     cluster.procs.append(server)
@@ -103,13 +119,21 @@ def test_typoed_endpoint_gives_up_after_the_server_timeout(cluster: Cluster) -> 
     """Nothing listens at the endpoint: the agent counts down in plain log
     lines, then exits 3 with one line that says why."""
     port = free_port()
-    agent = cluster.start_agent(None, "typo", "stubborn.py", nnodes="1",
-                                flags=("--endpoint", f"127.0.0.1:{port}", "--job-id", "typo",
-                                       "--server-timeout", "4"))
+    agent = cluster.start_agent(
+        None,
+        "typo",
+        "stubborn.py",
+        nnodes="1",
+        flags=("--endpoint", f"127.0.0.1:{port}", "--job-id", "typo", "--server-timeout", "4"),
+    )
     assert agent.wait_exit(40) == 3, agent.text()
     text = agent.text()
-    assert re.search(LOG_LINE + r"job typo node \S+: server unreachable for \d+s at 127\.0\.0\.1:\d+ "
-                     r"\(cannot reach .*\); giving up in \d+s$", text, re.M), text
+    assert re.search(
+        LOG_LINE + r"job typo node \S+: server unreachable for \d+s at 127\.0\.0\.1:\d+ "
+        r"\(cannot reach .*\); giving up in \d+s$",
+        text,
+        re.M,
+    ), text
     [line] = [ln for ln in text.splitlines() if "giving up:" in ln]
     assert line.startswith(f"[rdzv-agent] job typo: giving up: server 127.0.0.1:{port} unreachable for 4s"), line
     assert "ready rank" not in text  # no worker ever started
@@ -118,8 +142,16 @@ def test_typoed_endpoint_gives_up_after_the_server_timeout(cluster: Cluster) -> 
 
 @pytest.mark.timeout(60)
 def test_unresolvable_server_name_is_an_error_at_once(cluster: Cluster) -> None:
-    res = cluster.run_agent("--endpoint", "no-such-host.invalid:29400", "--job-id", "dns", "--nnodes", "1",
-                            str(ROOT / "tests/e2e/scripts/stubborn.py"), timeout=30)
+    res = cluster.run_agent(
+        "--endpoint",
+        "no-such-host.invalid:29400",
+        "--job-id",
+        "dns",
+        "--nnodes",
+        "1",
+        str(ROOT / "tests/e2e/scripts/stubborn.py"),
+        timeout=30,
+    )
     assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
     lines = [ln for ln in res.stderr.splitlines() if "rdzv-agent: error" in ln]
     assert lines and "'no-such-host.invalid' does not resolve" in lines[0], res.stderr
@@ -131,13 +163,17 @@ def test_server_dies_while_workers_run_then_the_agent_gives_up(cluster: Cluster)
     """kill -9 of the server: the agent says so in a log line (workers keep
     running), and after --server-timeout stops its workers and exits 3."""
     server = cluster.start_server()
-    agent = cluster.start_agent(server, "gone", "stubborn.py", "--ignore", "none", nnodes="1",
-                                flags=("--server-timeout", "5"))
+    agent = cluster.start_agent(
+        server, "gone", "stubborn.py", "--ignore", "none", nnodes="1", flags=("--server-timeout", "5")
+    )
     [pid] = _worker_pids(agent)
     os.kill(server.pid, signal.SIGKILL)
     server.wait_exit(10)
-    agent.wait_log(LOG_LINE + r".*server unreachable for \d+s at 127\.0\.0\.1:\d+ \(.*\); workers keep running; "
-                   r"giving up in \d+s$", 20)
+    agent.wait_log(
+        LOG_LINE + r".*server unreachable for \d+s at 127\.0\.0\.1:\d+ \(.*\); workers keep running; "
+        r"giving up in \d+s$",
+        20,
+    )
     assert alive(pid)
     assert agent.wait_exit(40) == 3, agent.text()
     assert "giving up: server" in agent.text() and "stopping workers" in agent.text()
@@ -151,8 +187,9 @@ def test_server_dies_after_the_workers_finished_then_the_agent_gives_up(cluster:
     """The workers succeed while the server is down: the agent waits to report
     for --server-timeout, not forever (a SLURM allocation would stay held)."""
     server = cluster.start_server()
-    agent = cluster.start_agent(server, "late", "stubborn.py", "--ignore", "none", "--seconds", "3", nnodes="1",
-                                flags=("--server-timeout", "5"))
+    agent = cluster.start_agent(
+        server, "late", "stubborn.py", "--ignore", "none", "--seconds", "3", nnodes="1", flags=("--server-timeout", "5")
+    )
     _worker_pids(agent)
     os.kill(server.pid, signal.SIGKILL)
     server.wait_exit(10)
@@ -244,8 +281,19 @@ class FakeServer:
 
 
 def _assigned(**over) -> dict:
-    a = dict(job_id="liar", round=0, group_rank=0, group_world_size=1, local_world_size=1, rank_offset=0,
-             world_size=1, master_addr="127.0.0.1", master_port=29501, max_restarts=3, restarts=0)
+    a = dict(
+        job_id="liar",
+        round=0,
+        group_rank=0,
+        group_world_size=1,
+        local_world_size=1,
+        rank_offset=0,
+        world_size=1,
+        master_addr="127.0.0.1",
+        master_port=29501,
+        max_restarts=3,
+        restarts=0,
+    )
     a.update(over)
     return {"op": "assigned", "assignment": a}
 
@@ -270,8 +318,15 @@ def test_bad_server_messages_are_protocol_errors_not_crashes(cluster: Cluster) -
     ]
     fake = FakeServer(script)
     try:
-        agent = cluster.start_agent(None, "liar", "stubborn.py", "--ignore", "none", nnodes="1",
-                                    flags=("--endpoint", f"127.0.0.1:{fake.port}", "--job-id", "liar"))
+        agent = cluster.start_agent(
+            None,
+            "liar",
+            "stubborn.py",
+            "--ignore",
+            "none",
+            nnodes="1",
+            flags=("--endpoint", f"127.0.0.1:{fake.port}", "--job-id", "liar"),
+        )
         [pid] = _worker_pids(agent, timeout=40)
         wait_until(lambda: fake.connections >= 6, 40, "the agent reconnecting after the 10**18 world")
         text = agent.text()
@@ -307,8 +362,9 @@ def test_root_cause_is_the_error_line_not_the_traceback_header(cluster: Cluster)
     WHY column name "ValueError: bad lr"."""
     server = cluster.start_server()
     good = cluster.start_agent(server, "lr", "bad_lr.py", flags=("--max-restarts", "0"))
-    bad = cluster.start_agent(server, "lr", "bad_lr.py", flags=("--max-restarts", "0"),
-                              env={"E2E_BAD_LR": "1", "PYTHONWARNINGS": "default"})
+    bad = cluster.start_agent(
+        server, "lr", "bad_lr.py", flags=("--max-restarts", "0"), env={"E2E_BAD_LR": "1", "PYTHONWARNINGS": "default"}
+    )
     for a in (good, bad):
         assert a.wait_exit(60) == 1, a.text()
     assert "UserWarning" in bad.text()  # the warning was there, before the traceback
@@ -339,17 +395,36 @@ def test_text_from_the_network_is_escaped_on_every_agent_and_in_status(cluster: 
 
     async def hostile() -> None:
         async with aiohttp.ClientSession() as s, s.ws_connect(f"ws://{server.endpoint}{AGENT_PATH}") as ws:
-            await ws.send_str(JoinMsg(job_id="esc", node_id="evil-1-abcdef", host="evil", addr="127.0.0.1",
-                                      local_world_size=1, master_port=free_port(),
-                                      spec=JobSpec(min_nodes=2, max_nodes=2, max_restarts=0)).model_dump_json())
+            await ws.send_str(
+                JoinMsg(
+                    job_id="esc",
+                    node_id="evil-1-abcdef",
+                    host="evil",
+                    addr="127.0.0.1",
+                    local_world_size=1,
+                    master_port=free_port(),
+                    spec=JobSpec(min_nodes=2, max_nodes=2, max_restarts=0),
+                ).model_dump_json()
+            )
             sent = False
             async for frame in ws:
                 msg = SERVER_MESSAGE.validate_json(frame.data)
                 if msg.op == "assigned" and not sent:
                     sent = True
-                    await ws.send_str(FailedMsg(round=msg.assignment.round, failures=[ExitRecord(
-                        local_rank=0, rank=msg.assignment.rank_offset, pid=1, signal="SIG\n\x1b[2J",
-                        message="ValueError: x\x1b]0;pwned\x07")]).model_dump_json())
+                    await ws.send_str(
+                        FailedMsg(
+                            round=msg.assignment.round,
+                            failures=[
+                                ExitRecord(
+                                    local_rank=0,
+                                    rank=msg.assignment.rank_offset,
+                                    pid=1,
+                                    signal="SIG\n\x1b[2J",
+                                    message="ValueError: x\x1b]0;pwned\x07",
+                                )
+                            ],
+                        ).model_dump_json()
+                    )
                 if msg.op == "done":
                     return
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from tests.helpers.cluster import Cluster
 from tests.helpers.procs import ROOT, wait_until
 
-HOOK = textwrap.dedent('''
+HOOK = textwrap.dedent("""
     import json, os, sys, time, urllib.request
 
     _OUT, _URL = os.environ["STARTUP_HOOK_OUT"], os.environ["STARTUP_HOOK_URL"]
@@ -45,7 +45,7 @@ HOOK = textwrap.dedent('''
             return None
 
     sys.meta_path.insert(0, _FirstImport())
-''')
+""")
 
 
 def test_the_join_reaches_the_server_before_pydantic_is_imported(cluster: Cluster, tmp_path: Path) -> None:
@@ -54,11 +54,15 @@ def test_the_join_reaches_the_server_before_pydantic_is_imported(cluster: Cluste
     hook_dir.mkdir()
     (hook_dir / "sitecustomize.py").write_text(HOOK)
     out = tmp_path / "first-imports.jsonl"
-    env = {"PYTHONPATH": f"{hook_dir}:{ROOT}", "STARTUP_HOOK_OUT": str(out),
-           "STARTUP_HOOK_URL": f"{server.url}/v1/jobs/startup"}
+    env = {
+        "PYTHONPATH": f"{hook_dir}:{ROOT}",
+        "STARTUP_HOOK_OUT": str(out),
+        "STARTUP_HOOK_URL": f"{server.url}/v1/jobs/startup",
+    }
     # 2 nodes: no round forms; the agent joins and waits
-    agent = cluster.start_agent(server, "startup", sys.executable, "-c", "pass", nnodes="2", env=env,
-                                flags=("--no-python",))
+    agent = cluster.start_agent(
+        server, "startup", sys.executable, "-c", "pass", nnodes="2", env=env, flags=("--no-python",)
+    )
     wait_until(lambda: out.exists() and "pydantic" in out.read_text(), 30, "the agent to import pydantic")
     firsts = {r["module"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert "aiohttp" not in firsts, firsts  # the agent never needs it

@@ -26,8 +26,11 @@ def _ran(agent: Proc, restart: int, world: int, step: int = 1) -> bool:
 
 
 def _all_running(agents: list[Proc], restart: int, world: int, step: int = 1, timeout: float = 60.0) -> None:
-    wait_until(lambda: all(_ran(a, restart, world, step) for a in agents), timeout,
-               f"every agent's workers at step {step} of restart {restart} with world {world}")
+    wait_until(
+        lambda: all(_ran(a, restart, world, step) for a in agents),
+        timeout,
+        f"every agent's workers at step {step} of restart {restart} with world {world}",
+    )
 
 
 @pytest.mark.timeout(90)
@@ -41,8 +44,21 @@ def test_sigkilled_node_is_replaced_by_a_smaller_round(cluster: Cluster, on_erro
     at once when it fails, so that their agents' failure reports race the dead
     node's disconnect grace (and must not be charged as a worker failure)."""
     server = cluster.start_server()
-    agents = [cluster.start_agent(server, "kill", "loop.py", "--steps", "400", "--interval", "0.05",
-                                  "--on-collective-error", on_error, nnodes="2:3") for _ in range(3)]
+    agents = [
+        cluster.start_agent(
+            server,
+            "kill",
+            "loop.py",
+            "--steps",
+            "400",
+            "--interval",
+            "0.05",
+            "--on-collective-error",
+            on_error,
+            nnodes="2:3",
+        )
+        for _ in range(3)
+    ]
     _all_running(agents, restart=0, world=3, step=2)
     view = server.job("kill")
     victim_id = next(n["node_id"] for n in view["nodes"] if n["group_rank"] == 0)
@@ -69,8 +85,10 @@ def test_new_node_scales_a_running_job_up(cluster: Cluster) -> None:
     """A third agent arriving at a 2:3 job that runs with 2: all three re-form
     with world 3, and the scale-up does not count as a restart."""
     server = cluster.start_server()
-    first = [cluster.start_agent(server, "grow", "loop.py", "--steps", "400", "--interval", "0.05", nnodes="2:3")
-             for _ in range(2)]
+    first = [
+        cluster.start_agent(server, "grow", "loop.py", "--steps", "400", "--interval", "0.05", nnodes="2:3")
+        for _ in range(2)
+    ]
     _all_running(first, restart=0, world=2, step=2)
     late = cluster.start_agent(server, "grow", "loop.py", "--steps", "400", "--interval", "0.05", nnodes="2:3")
     _all_running([*first, late], restart=1, world=3, step=1, timeout=40)
@@ -88,9 +106,23 @@ def test_worker_failure_restarts_every_node_once(cluster: Cluster, tmp_path) -> 
     succeeds, and REST counts exactly one restart."""
     server = cluster.start_server()
     marker = tmp_path / "failed-once"
-    agents = [cluster.start_agent(server, "once", "loop.py", "--steps", "8", "--interval", "0.05",
-                                  "--fail-once", str(marker), "--fail-rank", "1", nproc=2)
-              for _ in range(2)]
+    agents = [
+        cluster.start_agent(
+            server,
+            "once",
+            "loop.py",
+            "--steps",
+            "8",
+            "--interval",
+            "0.05",
+            "--fail-once",
+            str(marker),
+            "--fail-rank",
+            "1",
+            nproc=2,
+        )
+        for _ in range(2)
+    ]
     for a in agents:
         assert a.wait_exit(75) == 0, a.text()
     assert marker.exists()
@@ -137,8 +169,10 @@ def test_sigterm_agent_leaves_and_the_rest_reform_at_once(cluster: Cluster) -> N
     with world 2 right away (the leave is news), well before a heartbeat
     timeout could have told the server; the history says it left."""
     server = cluster.start_server()
-    agents = [cluster.start_agent(server, "term", "loop.py", "--steps", "400", "--interval", "0.05",
-                                  nnodes="2:3") for _ in range(3)]
+    agents = [
+        cluster.start_agent(server, "term", "loop.py", "--steps", "400", "--interval", "0.05", nnodes="2:3")
+        for _ in range(3)
+    ]
     _all_running(agents, restart=0, world=3, step=2)
     leaver, survivors = agents[1], [agents[0], agents[2]]
     leaver_id = leaver.wait_log(r"node (\S+): joining", timeout=1)[0].group(1)
@@ -163,15 +197,19 @@ def test_frozen_server_does_not_restart_workers(cluster: Cluster) -> None:
     changes, no worker is restarted (same pids, never restart 1), and
     training runs on to success."""
     server = cluster.start_server()
-    agents = [cluster.start_agent(server, "freeze", "loop.py", "--steps", "160", "--interval", "0.05")
-              for _ in range(2)]
+    agents = [
+        cluster.start_agent(server, "freeze", "loop.py", "--steps", "160", "--interval", "0.05") for _ in range(2)
+    ]
     _all_running(agents, restart=0, world=2, step=3)
     os.kill(server.pid, signal.SIGSTOP)
     try:
         frozen_at_step = max(s.step for s in agents[0].steps())
         # the workers do not need the server: they keep stepping while it is frozen
-        wait_until(lambda: max(s.step for s in agents[0].steps()) >= frozen_at_step + 10, 15,
-                   "steps while the server is frozen")
+        wait_until(
+            lambda: max(s.step for s in agents[0].steps()) >= frozen_at_step + 10,
+            15,
+            "steps while the server is frozen",
+        )
         time.sleep(max(0.0, 4.0 - 0.05 * 10))  # the freeze itself is the input here, not a wait for a result
     finally:
         os.kill(server.pid, signal.SIGCONT)
@@ -191,8 +229,10 @@ def test_closing_the_job_stops_every_agent_and_worker(cluster: Cluster) -> None:
     """POST /v1/jobs/{id}/close: every agent stops its workers and exits 1,
     and no worker process is left behind."""
     server = cluster.start_server()
-    agents = [cluster.start_agent(server, "closeme", "loop.py", "--steps", "1000", "--interval", "0.05", nproc=2)
-              for _ in range(2)]
+    agents = [
+        cluster.start_agent(server, "closeme", "loop.py", "--steps", "1000", "--interval", "0.05", nproc=2)
+        for _ in range(2)
+    ]
     _all_running(agents, restart=0, world=4, step=2)
     workers = [p for a in agents for p in cluster.workers_of(a)]
     assert len(workers) >= 4, workers

@@ -26,13 +26,25 @@ def _history_reasons(view: dict) -> str:
 
 def test_a_stopped_worker_is_detected_its_stack_logged_and_the_next_round_runs(cluster: Cluster) -> None:
     server = cluster.start_server()
-    agent = cluster.start_agent(server, "hang1", SCRIPT, "--steps", "15", "--stop-self-at", "5",
-                                nnodes="1", flags=("--hang-timeout", "5", "--max-restarts", "2"))
+    agent = cluster.start_agent(
+        server,
+        "hang1",
+        SCRIPT,
+        "--steps",
+        "15",
+        "--stop-self-at",
+        "5",
+        nnodes="1",
+        flags=("--hang-timeout", "5", "--max-restarts", "2"),
+    )
     assert agent.wait_exit(90) == 0, agent.text()[-3000:]
     text = agent.text()
     # detected, as a hang, with the step it stopped after
-    assert re.search(r"local rank 0 \(rank 0\) pid \d+ hung: no progress\(\) for [\d.]+s \(hang timeout 5s\) "
-                     r"on host \S+, last step 5", text), text[-3000:]
+    assert re.search(
+        r"local rank 0 \(rank 0\) pid \d+ hung: no progress\(\) for [\d.]+s \(hang timeout 5s\) "
+        r"on host \S+, last step 5",
+        text,
+    ), text[-3000:]
     # the stopped worker's stack (it writes it once it gets SIGCONT), before round 1
     hang_at = text.index(" hung: ")
     round1_at = text.index("round 1: group rank")
@@ -49,8 +61,12 @@ def test_a_stopped_worker_is_detected_its_stack_logged_and_the_next_round_runs(c
 def test_a_frozen_peer_leaves_the_other_blocked_in_all_reduce_both_detected(cluster: Cluster) -> None:
     server = cluster.start_server()
     flags = ("--hang-timeout", "6", "--max-restarts", "4")
-    agents = [cluster.start_agent(server, "hang2", SCRIPT, "--steps", "20", "--stop-self-at", "5",
-                                  "--stop-rank", "1", nnodes="2", flags=flags) for _ in range(2)]
+    agents = [
+        cluster.start_agent(
+            server, "hang2", SCRIPT, "--steps", "20", "--stop-self-at", "5", "--stop-rank", "1", nnodes="2", flags=flags
+        )
+        for _ in range(2)
+    ]
     for a in agents:
         assert a.wait_exit(110) == 0, a.text()[-3000:]
     texts = [a.text() for a in agents]
@@ -59,7 +75,7 @@ def test_a_frozen_peer_leaves_the_other_blocked_in_all_reduce_both_detected(clus
     r1 = next(t for t in texts if t is not r0)
     # the healthy rank is hung too: blocked in the all_reduce its frozen peer never joins
     assert re.search(r"local rank 0 \(rank 0\) pid \d+ hung: .* last step 5", r0), r0[-3000:]
-    assert re.search(BLOCKED_FRAME, r0[r0.index(" hung: "):]), r0[-4000:]
+    assert re.search(BLOCKED_FRAME, r0[r0.index(" hung: ") :]), r0[-4000:]
     assert re.search(r"local rank 0 \(rank 1\) pid \d+ hung: .* last step 5", r1), r1[-3000:]
     # training resumed: a later round ran every step on both ranks
     for t in texts:
@@ -71,8 +87,14 @@ def test_a_frozen_peer_leaves_the_other_blocked_in_all_reduce_both_detected(clus
 
 def test_torch_file_timer_expiry_kills_the_worker_and_counts_as_a_failure(cluster: Cluster) -> None:
     server = cluster.start_server()
-    agent = cluster.start_agent(server, "ftimer", "file_timer.py", nnodes="1", flags=("--max-restarts", "2"),
-                                env={"TORCHELASTIC_ENABLE_FILE_TIMER": "1"})
+    agent = cluster.start_agent(
+        server,
+        "ftimer",
+        "file_timer.py",
+        nnodes="1",
+        flags=("--max-restarts", "2"),
+        env={"TORCHELASTIC_ENABLE_FILE_TIMER": "1"},
+    )
     assert agent.wait_exit(90) == 0, agent.text()[-3000:]
     text = agent.text()
     assert "torch elastic timer 'guarded_step' of worker pid" in text, text[-3000:]
@@ -86,8 +108,12 @@ def test_torch_file_timer_expiry_kills_the_worker_and_counts_as_a_failure(cluste
 def test_agents_send_their_workers_progress_to_the_server(cluster: Cluster) -> None:
     server = cluster.start_server()
     agent = cluster.start_agent(server, "prog", SCRIPT, "--steps", "100000", "--interval", "0.05", nnodes="1")
-    view = server.wait_job("prog", lambda v: bool(v["nodes"]) and (v["nodes"][0]["step"] or 0) >= 3
-                           and (v["nodes"][0]["steps_per_s"] or 0) > 0, 90, "the node's progress in the job view")
+    view = server.wait_job(
+        "prog",
+        lambda v: bool(v["nodes"]) and (v["nodes"][0]["step"] or 0) >= 3 and (v["nodes"][0]["steps_per_s"] or 0) > 0,
+        90,
+        "the node's progress in the job view",
+    )
     node = view["nodes"][0]
     assert node["since_progress_s"] is not None and node["since_progress_s"] >= 0, node
     with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
@@ -101,8 +127,16 @@ def test_agents_send_their_workers_progress_to_the_server(cluster: Cluster) -> N
 
 def test_a_worker_that_exited_without_finished_is_not_hung(cluster: Cluster) -> None:
     server = cluster.start_server()
-    agent = cluster.start_agent(server, "early", "progress_exit.py", "--seconds", "12", nnodes="1", nproc=2,
-                                flags=("--hang-timeout", "3", "--max-restarts", "2"))
+    agent = cluster.start_agent(
+        server,
+        "early",
+        "progress_exit.py",
+        "--seconds",
+        "12",
+        nnodes="1",
+        nproc=2,
+        flags=("--hang-timeout", "3", "--max-restarts", "2"),
+    )
     assert agent.wait_exit(90) == 0, agent.text()[-3000:]
     text = agent.text()
     assert " hung: " not in text, text[-3000:]

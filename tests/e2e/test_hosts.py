@@ -15,18 +15,31 @@ from tests.helpers.procs import Proc, wait_until
 
 
 def cli(server, *argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rdzv_client.cli", "--endpoint", server.endpoint, *argv],
-                          capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        [sys.executable, "-m", "rdzv_client.cli", "--endpoint", server.endpoint, *argv],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 def members(view: dict) -> list[str]:
     return [n["host"] for n in view["nodes"]]
 
 
-def host_agent(cluster: Cluster, server, job: str, host: str, *args: str, nnodes: str, flags: tuple[str, ...] = (),
-               env: dict[str, str] | None = None) -> Proc:
-    return cluster.start_agent(server, job, *args, nnodes=nnodes, flags=("--host-name", host, *flags), env=env,
-                               name=host)
+def host_agent(
+    cluster: Cluster,
+    server,
+    job: str,
+    host: str,
+    *args: str,
+    nnodes: str,
+    flags: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> Proc:
+    return cluster.start_agent(
+        server, job, *args, nnodes=nnodes, flags=("--host-name", host, *flags), env=env, name=host
+    )
 
 
 @pytest.mark.timeout(120)
@@ -93,8 +106,16 @@ def test_a_failing_health_check_keeps_the_node_out_and_the_job_runs_on_the_other
     check = f"if [ -e {marker} ]; then echo 'GPU 0: matmul failed'; exit 1; fi; touch {marker}"
     args = ("loop.py", "--steps", "40", "--interval", "0.1", "--fail-if-env", "E2E_ALWAYS_FAIL")
     good = [host_agent(cluster, server, "health", h, *args, nnodes="2:3") for h in ("g1", "g2")]
-    sick = host_agent(cluster, server, "health", "sick", *args, nnodes="2:3", env={"E2E_ALWAYS_FAIL": "1"},
-                      flags=("--health-check", check, "--health-check-timeout", "10"))
+    sick = host_agent(
+        cluster,
+        server,
+        "health",
+        "sick",
+        *args,
+        nnodes="2:3",
+        env={"E2E_ALWAYS_FAIL": "1"},
+        flags=("--health-check", check, "--health-check-timeout", "10"),
+    )
     sick.wait_log(r"health check failed: exit status 1: GPU 0: matmul failed; not joining", timeout=60)
     for agent in good:
         assert agent.wait_exit(90) == 0, agent.text()[-3000:]
@@ -104,7 +125,12 @@ def test_a_failing_health_check_keeps_the_node_out_and_the_job_runs_on_the_other
     assert "(sick) left (health check failed: exit status 1: GPU 0: matmul failed)" in server.text()
     status, host = server.request("GET", "/v1/hosts/sick")
     assert status == 200, host
-    assert any(f["reason"] == "health check failed: exit status 1: GPU 0: matmul failed" and f["job_id"] == "health"
-               for f in host["failures"]), host
-    wait_until(lambda: len(sick.wait_log(r"health check failed: ", timeout=30, count=2)) >= 2, 30,
-               "the check retried with backoff")
+    assert any(
+        f["reason"] == "health check failed: exit status 1: GPU 0: matmul failed" and f["job_id"] == "health"
+        for f in host["failures"]
+    ), host
+    wait_until(
+        lambda: len(sick.wait_log(r"health check failed: ", timeout=30, count=2)) >= 2,
+        30,
+        "the check retried with backoff",
+    )

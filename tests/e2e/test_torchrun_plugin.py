@@ -16,8 +16,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests.helpers.procs import alive, descendants, wait_until  # noqa: E402
-from tests.helpers.torchrun import Rig, TorchrunProc  # noqa: E402
+from tests.helpers.procs import alive, descendants, wait_until
+from tests.helpers.torchrun import Rig, TorchrunProc
 
 pytestmark = pytest.mark.e2e
 
@@ -40,8 +40,9 @@ def test_registry_finds_the_handler_and_it_rendezvouses(rig: Rig) -> None:
     from rdzv_client.torch_plugin import RdzvRendezvousHandler
 
     rig.start_server()
-    params = RendezvousParameters(backend="rdzv", endpoint=rig.endpoint, run_id="unit", min_nodes=1,
-                                  max_nodes=1, local_addr="127.0.0.1")
+    params = RendezvousParameters(
+        backend="rdzv", endpoint=rig.endpoint, run_id="unit", min_nodes=1, max_nodes=1, local_addr="127.0.0.1"
+    )
     handler = get_rendezvous_handler(params)
     assert type(handler) is RdzvRendezvousHandler
     assert handler.get_backend() == "rdzv"
@@ -70,8 +71,10 @@ def test_two_nodes_form_train_and_succeed(rig: Rig) -> None:
     running with both; (c) both torchruns exit 0 and the job has succeeded."""
     rig.start_server()
     # a long last call: the two nodes form one round together however slowly torch imports
-    nodes = [rig.torchrun(f"node{i}", "form", "1:2", "--steps", "30", "--interval", "0.1",
-                          conf="last_call_timeout=20") for i in range(2)]
+    nodes = [
+        rig.torchrun(f"node{i}", "form", "1:2", "--steps", "30", "--interval", "0.1", conf="last_call_timeout=20")
+        for i in range(2)
+    ]
     wait_until(lambda: all(_at(n, world=2, step=2) for n in nodes), 40, "both nodes' workers at step 2, world 2")
     view = rig.job("form")
     assert view["state"] == "running", view
@@ -96,8 +99,10 @@ def test_killing_the_store_host_costs_one_round(rig: Rig) -> None:
     history shows round 1, opened because that node was lost, and no restart
     spent. (c) the survivor then finishes: exit 0, job succeeded."""
     rig.start_server()
-    nodes = [rig.torchrun(f"node{i}", "kill", "1:2", "--steps", "40", "--interval", "0.1",
-                          conf="last_call_timeout=20") for i in range(2)]
+    nodes = [
+        rig.torchrun(f"node{i}", "kill", "1:2", "--steps", "40", "--interval", "0.1", conf="last_call_timeout=20")
+        for i in range(2)
+    ]
     wait_until(lambda: all(_at(n, world=2, step=2) for n in nodes), 40, "both nodes' workers at step 2, world 2")
     view = rig.job("kill")
     assert (view["state"], view["round"], view["world_size"]) == ("running", 0, 2), view

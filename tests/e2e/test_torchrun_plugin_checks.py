@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests.helpers.procs import free_port  # noqa: E402
+from tests.helpers.procs import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -68,10 +68,22 @@ class LyingServer:
             self.joins.append(msg)
             fields = self.plan[min(len(self.joins), len(self.plan)) - 1]
             await ws.send_str(JoinedMsg(round=0, node_id=msg["node_id"], heartbeat_s=2.0).model_dump_json())
-            a = Assignment(**{"job_id": msg["job_id"], "round": 0, "group_rank": 0, "group_world_size": 1,
-                              "local_world_size": msg["local_world_size"], "rank_offset": 0,
-                              "world_size": msg["local_world_size"], "master_addr": "127.0.0.1",
-                              "master_port": msg["master_port"], "max_restarts": 3, "restarts": 0, **fields})
+            a = Assignment(
+                **{
+                    "job_id": msg["job_id"],
+                    "round": 0,
+                    "group_rank": 0,
+                    "group_world_size": 1,
+                    "local_world_size": msg["local_world_size"],
+                    "rank_offset": 0,
+                    "world_size": msg["local_world_size"],
+                    "master_addr": "127.0.0.1",
+                    "master_port": msg["master_port"],
+                    "max_restarts": 3,
+                    "restarts": 0,
+                    **fields,
+                }
+            )
             await ws.send_str(AssignedMsg(assignment=a).model_dump_json())
         return ws
 
@@ -81,8 +93,9 @@ class LyingServer:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("lie", [{"job_id": "someone-else"}, {"local_world_size": 3, "world_size": 3}],
-                         ids=["other-job", "other-nproc"])
+@pytest.mark.parametrize(
+    "lie", [{"job_id": "someone-else"}, {"local_world_size": 3, "world_size": 3}], ids=["other-job", "other-nproc"]
+)
 def test_the_handler_refuses_an_assignment_that_is_not_for_it(lie: dict, monkeypatch, caplog) -> None:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
@@ -90,8 +103,15 @@ def test_the_handler_refuses_an_assignment_that_is_not_for_it(lie: dict, monkeyp
 
     monkeypatch.delenv("PET_NPROC_PER_NODE", raising=False)
     server = LyingServer([lie, {"round": 1}])
-    params = RendezvousParameters(backend="rdzv", endpoint=f"127.0.0.1:{server.port}", run_id="mine",
-                                  min_nodes=1, max_nodes=1, local_addr="127.0.0.1", join_timeout=30)
+    params = RendezvousParameters(
+        backend="rdzv",
+        endpoint=f"127.0.0.1:{server.port}",
+        run_id="mine",
+        min_nodes=1,
+        max_nodes=1,
+        local_addr="127.0.0.1",
+        join_timeout=30,
+    )
     handler = RdzvRendezvousHandler(params)
     try:
         info = handler.next_rendezvous()

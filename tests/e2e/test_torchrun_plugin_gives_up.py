@@ -12,10 +12,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests.helpers.procs import alive, descendants, free_port, wait_until  # noqa: E402
-from tests.helpers.torchrun import Rig  # noqa: E402
+from tests.helpers.procs import alive, descendants, free_port, wait_until
+from tests.helpers.torchrun import Rig
 
-from .test_torchrun_plugin import _at  # noqa: E402
+from .test_torchrun_plugin import _at
 
 pytestmark = pytest.mark.e2e
 
@@ -35,8 +35,7 @@ def test_plugin_gives_up_on_an_endpoint_nobody_answers(rig: Rig) -> None:
 @pytest.mark.timeout(120)
 def test_plugin_gives_up_when_the_server_dies_while_workers_run(rig: Rig) -> None:
     server = rig.start_server()
-    node = rig.torchrun("node0", "orphan", "1:1", "--steps", "100000", "--interval", "0.05",
-                        conf="server_timeout=5")
+    node = rig.torchrun("node0", "orphan", "1:1", "--steps", "100000", "--interval", "0.05", conf="server_timeout=5")
     wait_until(lambda: _at(node, world=1, step=2), 60, "the worker at step 2")
     workers = descendants(node.pid)
     assert workers

@@ -25,19 +25,22 @@ async def _impostor(url: str, job_id: str, node_id: str) -> list[dict]:
     """A raw WebSocket client that tries to be ``node_id``: a join, a resume
     and reports; returns the server's answers, one per frame sent."""
     spec = JobSpec(min_nodes=2, max_nodes=2)  # the agents' spec exactly: only the node secret is missing
-    join = JoinMsg(job_id=job_id, node_id=node_id, host="evil", addr="10.66.66.66", local_world_size=1,
-                   master_port=4444, spec=spec)
-    frames = [join, join.model_copy(update={"resume_round": 0}),
-              join.model_copy(update={"node_secret": "guessed-" + "x" * 24}),
-              FailedMsg(round=0, failures=[ExitRecord(local_rank=0, rank=0, pid=1, exit_code=1)]),
-              LeaveMsg(reason="taking over")]
+    join = JoinMsg(
+        job_id=job_id, node_id=node_id, host="evil", addr="10.66.66.66", local_world_size=1, master_port=4444, spec=spec
+    )
+    frames = [
+        join,
+        join.model_copy(update={"resume_round": 0}),
+        join.model_copy(update={"node_secret": "guessed-" + "x" * 24}),
+        FailedMsg(round=0, failures=[ExitRecord(local_rank=0, rank=0, pid=1, exit_code=1)]),
+        LeaveMsg(reason="taking over"),
+    ]
     answers = []
-    async with aiohttp.ClientSession() as session:
-        async with session.ws_connect(url + AGENT_PATH) as ws:
-            for frame in frames:
-                await ws.send_str(frame.model_dump_json())
-                msg = await asyncio.wait_for(ws.receive(), 5.0)
-                answers.append(json.loads(msg.data))
+    async with aiohttp.ClientSession() as session, session.ws_connect(url + AGENT_PATH) as ws:
+        for frame in frames:
+            await ws.send_str(frame.model_dump_json())
+            msg = await asyncio.wait_for(ws.receive(), 5.0)
+            answers.append(json.loads(msg.data))
     return answers
 
 
@@ -49,8 +52,9 @@ def test_an_impostor_with_a_running_nodes_id_changes_nothing(cluster: Cluster) -
     with the same pids, restarts stay 0, the master stays the victim's, and
     the server never logs the victim as reconnected."""
     server = cluster.start_server()
-    agents = [cluster.start_agent(server, "victim", "loop.py", "--steps", "100000", "--interval", "0.05")
-              for _ in range(2)]
+    agents = [
+        cluster.start_agent(server, "victim", "loop.py", "--steps", "100000", "--interval", "0.05") for _ in range(2)
+    ]
     _all_running(agents, restart=0, world=2, step=3)
     view = server.job("victim")
     rank0 = next(n for n in view["nodes"] if n["group_rank"] == 0)
@@ -58,14 +62,18 @@ def test_an_impostor_with_a_running_nodes_id_changes_nothing(cluster: Cluster) -
     answers = asyncio.run(_impostor(server.url, "victim", rank0["node_id"]))
     assert [a.get("code") for a in answers] == ["node_secret_mismatch"] * 3 + ["not_joined"] * 2, answers
     steps_then = {a.name: max(s.step for s in a.steps()) for a in agents}
-    wait_until(lambda: all(max(s.step for s in a.steps()) >= steps_then[a.name] + 20 for a in agents), 30,
-               "20 more steps on every node after the impostor")
+    wait_until(
+        lambda: all(max(s.step for s in a.steps()) >= steps_then[a.name] + 20 for a in agents),
+        30,
+        "20 more steps on every node after the impostor",
+    )
     after = server.job("victim")
     assert (after["state"], after["round"], after["restarts"]) == ("running", 0, 0), after
     assert (after["master_addr"], after["master_port"]) == (view["master_addr"], view["master_port"])
     assert after["master_addr"] == "127.0.0.1"
-    assert [(n["node_id"], n["addr"], n["state"]) for n in after["nodes"]] == \
-        [(n["node_id"], n["addr"], "running") for n in view["nodes"]]
+    assert [(n["node_id"], n["addr"], n["state"]) for n in after["nodes"]] == [
+        (n["node_id"], n["addr"], "running") for n in view["nodes"]
+    ]
     for a in agents:
         steps = a.steps()
         assert {s.restart for s in steps} == {0} and {s.pid for s in steps} == pids[a.name], a.name
@@ -96,12 +104,14 @@ def test_job_secret_and_spec_guard_a_job_and_workers_see_neither_secret(cluster:
     script = str(Path(__file__).parent / "scripts" / "env_dump.py")
     refused = {
         "no secret": cluster.run_agent(*base, script, str(out), env={"RDZV_TOKEN": token}),
-        "other secret": cluster.run_agent(*base, "--job-secret", "guess", script, str(out),
-                                          env={"RDZV_TOKEN": token}),
+        "other secret": cluster.run_agent(*base, "--job-secret", "guess", script, str(out), env={"RDZV_TOKEN": token}),
         "other max-restarts": cluster.run_agent(*base, "--max-restarts", "0", script, str(out), env=env),
     }
-    expected = {"no secret": "requires a job secret", "other secret": "wrong job secret",
-                "other max-restarts": "max_restarts 3, but node"}
+    expected = {
+        "no secret": "requires a job secret",
+        "other secret": "wrong job secret",
+        "other max-restarts": "max_restarts 3, but node",
+    }
     for what, proc in refused.items():
         assert proc.returncode == 2, (what, proc.stderr)
         errors = [line for line in proc.stderr.splitlines() if "error" in line]

@@ -28,8 +28,12 @@ def ws_open(port: int, path: str = "/v1/agent", rcvbuf: int | None = None) -> so
     """A WebSocket to the server, by hand: returns the socket after the 101 response."""
     s = connect(port, rcvbuf)
     key = base64.b64encode(os.urandom(16)).decode()
-    s.sendall((f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
-               f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+    s.sendall(
+        (
+            f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        ).encode()
+    )
     head = b""
     while b"\r\n\r\n" not in head:
         chunk = s.recv(4096)

@@ -5,9 +5,9 @@ examples/train_ddp.py with checkpoints. ``random.Random(seed)`` orders a fixed
 number of events, every kind at least once:
 
 * ``kill_node``: a replacement agent starts and queues for a scale-up (or
-  waits as a spare when the job is at max nodes), then another node dies (SIGKILL to its agent and workers): the next round takes
-  the replacement in its place (``--scale-up-window 3`` lets both land in
-  one round);
+  waits as a spare when the job is at max nodes), then another node dies
+  (SIGKILL to its agent and workers): the next round takes the replacement
+  in its place (``--scale-up-window 3`` lets both land in one round);
 * ``kill_worker``: SIGKILL one worker (the agent reports a failure);
 * ``restart_server``: SIGKILL the server, start it again (same port, data dir);
 * ``add_node``: start one more agent (at most 4 live).
@@ -117,6 +117,7 @@ class Monitor:
         def check():
             view = self.sample()
             return pred(view)
+
         try:
             return wait_until(check, timeout, what, interval=0.1)
         except AssertionError as e:
@@ -141,16 +142,31 @@ def test_seeded_chaos(fcluster: FaultCluster, tmp_path: Path) -> None:
         nonlocal n_agents
         n_agents += 1
         return fcluster.start_train_agent(
-            server.endpoint, JOB, f"agent{n_agents}", ckpt, "--steps", str(STEPS), "--step-sleep", "0.03",
-            "--ckpt-every", "2", "--log-every", "2", nnodes=f"2:{MAX_LIVE}",
-            flags=("--heartbeat-timeout", f"{HB_TIMEOUT:g}", "--max-restarts", "50", "--scale-up-window", "3"))
+            server.endpoint,
+            JOB,
+            f"agent{n_agents}",
+            ckpt,
+            "--steps",
+            str(STEPS),
+            "--step-sleep",
+            "0.03",
+            "--ckpt-every",
+            "2",
+            "--log-every",
+            "2",
+            nnodes=f"2:{MAX_LIVE}",
+            flags=("--heartbeat-timeout", f"{HB_TIMEOUT:g}", "--max-restarts", "50", "--scale-up-window", "3"),
+        )
 
     live = [new_agent() for _ in range(3)]
     dead: list[Proc] = []
 
     for k, kind in enumerate(plan, start=1):
-        mon.until(lambda v: mon.step() >= k * STRIDE and v is not None and v["state"] == "running", 60,
-                  f"step {k * STRIDE} before event {k} ({kind})")
+        mon.until(
+            lambda v: mon.step() >= k * STRIDE and v is not None and v["state"] == "running",
+            60,
+            f"step {k * STRIDE} before event {k} ({kind})",
+        )
         if kind == "add_node" and len(live) >= MAX_LIVE:
             kind = "kill_worker"
         at = f"{time.monotonic() - started:5.1f}s step {mon.step()} round {mon.rounds[-1] if mon.rounds else '?'}"
@@ -158,16 +174,21 @@ def test_seeded_chaos(fcluster: FaultCluster, tmp_path: Path) -> None:
             victim = live.pop(rng.randrange(len(live)))
             live.append(new_agent())
             # queued for the scale-up, or a spare when the job is at max nodes
-            mon.until(lambda v: v is not None and (v["spares"] or any(n["state"] == "waiting" for n in v["nodes"])),
-                      30, "the replacement queued")
+            mon.until(
+                lambda v: v is not None and (v["spares"] or any(n["state"] == "waiting" for n in v["nodes"])),
+                30,
+                "the replacement queued",
+            )
             fcluster.kill_node(victim)
             dead.append(victim)
             mon.log.append(f"{at}: kill_node {victim.name}, replaced by {live[-1].name}")
         elif kind == "kill_worker":
+
             def pick():
                 has = [(a, descendants(a.pid)) for a in live]
                 has = [(a, w) for a, w in has if w]
                 return has[rng.randrange(len(has))] if has else None
+
             agent, workers = mon.until(lambda v: pick(), 30, "an agent with a live worker") or (None, [])
             os.kill(workers[0], signal.SIGKILL)
             mon.log.append(f"{at}: kill_worker pid {workers[0]} of {agent.name}")
@@ -184,8 +205,10 @@ def test_seeded_chaos(fcluster: FaultCluster, tmp_path: Path) -> None:
     mon.until(lambda v: v is not None and v["state"] in ("succeeded", "failed", "closed"), 90, "the job's end")
     final = mon.last_view
     elapsed = time.monotonic() - started
-    print(f"[chaos] seed {SEED}: {final['state']} in {elapsed:.1f}s, round {final['round']}, "
-          f"restarts {final['restarts']}, checkpoint steps sampled {len(mon.steps)}")
+    print(
+        f"[chaos] seed {SEED}: {final['state']} in {elapsed:.1f}s, round {final['round']}, "
+        f"restarts {final['restarts']}, checkpoint steps sampled {len(mon.steps)}"
+    )
     if final["state"] != "succeeded":
         mon.fail(f"the job {final['state']}: {final.get('root_cause')}")
     for a in live:

@@ -38,8 +38,16 @@ JOIN_DEADLINE_S = 10.0
 
 
 def _join(job_id: str, node_id: str, node_secret: str | None = None) -> str:
-    msg = {"op": "join", "job_id": job_id, "node_id": node_id, "host": "flood", "addr": "127.0.0.1",
-           "local_world_size": 1, "master_port": 29500, "spec": {"min_nodes": 1, "max_nodes": 1}}
+    msg = {
+        "op": "join",
+        "job_id": job_id,
+        "node_id": node_id,
+        "host": "flood",
+        "addr": "127.0.0.1",
+        "local_world_size": 1,
+        "master_port": 29500,
+        "spec": {"min_nodes": 1, "max_nodes": 1},
+    }
     if node_secret is not None:
         msg["node_secret"] = node_secret
     return json.dumps(msg)
@@ -96,7 +104,8 @@ def _flood(server: Server, s: socket.socket, frame: bytes, seconds: float) -> tu
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("kind", ["invalid", "unread-replies"])
 def test_a_websocket_that_floods_and_never_reads_is_closed_and_memory_stays_bounded(
-        fcluster: FaultCluster, tmp_path: Path, kind: str) -> None:
+    fcluster: FaultCluster, tmp_path: Path, kind: str
+) -> None:
     """invalid: tiny frames that are not valid messages (each would get an error reply);
     unread-replies: valid joins of a running node, each answered with its assignment, never read."""
     server = fcluster.start_server_at(free_port(), tmp_path / "data", name="server")
@@ -124,8 +133,7 @@ def test_a_websocket_that_floods_and_never_reads_is_closed_and_memory_stays_boun
 
 
 @pytest.mark.timeout(90)
-def test_half_sent_requests_and_websockets_that_never_join_are_closed(fcluster: FaultCluster,
-                                                                        tmp_path: Path) -> None:
+def test_half_sent_requests_and_websockets_that_never_join_are_closed(fcluster: FaultCluster, tmp_path: Path) -> None:
     """200 half-sent HTTP requests and 200 WebSockets that never join, held at once:
     /healthz answers and a real agent joins and finishes meanwhile, and the
     server closes every one of them after its deadline."""
@@ -152,12 +160,22 @@ def test_half_sent_requests_and_websockets_that_never_join_are_closed(fcluster: 
 
 
 @pytest.mark.timeout(90)
-def test_at_the_fd_limit_the_log_stays_small_and_health_comes_back(fcluster: FaultCluster,
-                                                                    tmp_path: Path) -> None:
+def test_at_the_fd_limit_the_log_stays_small_and_health_comes_back(fcluster: FaultCluster, tmp_path: Path) -> None:
     """The server runs with 128 file descriptors; 400 clients connect and hold."""
     port = free_port()
-    argv = ["prlimit", "--nofile=128:128", sys.executable, "-m", "rdzv_server", "--host", "127.0.0.1",
-            "--port", str(port), "--data-dir", str(tmp_path / "data")]
+    argv = [
+        "prlimit",
+        "--nofile=128:128",
+        sys.executable,
+        "-m",
+        "rdzv_server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--data-dir",
+        str(tmp_path / "data"),
+    ]
     server = Server("server", fcluster._spawn("server", argv, fcluster.env()), tmp_path / "server.log", port=port)
     fcluster.procs.append(server)
     wait_until(server.healthy, 20, "the server answering /healthz")
@@ -218,7 +236,9 @@ def test_connections_beyond_max_connections_are_closed_at_once(fcluster: FaultCl
 
 MALFORMED = {
     "long request line": b"GET /" + b"a" * 10_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
-    "1000 headers": b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(1000)) + b"\r\n",
+    "1000 headers": b"GET /healthz HTTP/1.1\r\nHost: x\r\n"
+    + b"".join(b"X-H%d: v\r\n" % i for i in range(1000))
+    + b"\r\n",
     "garbage": b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\x1b[2J garbage\r\n\r\n",
     "bad header": b"GET /healthz HTTP/1.1\r\nHost: x\r\nBad\x01Header: \x1b[31mred\r\n\r\n",
     "bad method": b"G\x1bT /healthz HTTP/1.1\r\nHost: x\r\n\r\n",

@@ -23,8 +23,17 @@ pytestmark = [pytest.mark.e2e]
 
 
 def join(job_id: str, node_id: str, spec: JobSpec, resume: int | None = None, secret: str | None = None) -> str:
-    return JoinMsg(job_id=job_id, node_id=node_id, host=node_id, addr="127.0.0.1", local_world_size=1,
-                   master_port=29500, spec=spec, resume_round=resume, node_secret=secret).model_dump_json()
+    return JoinMsg(
+        job_id=job_id,
+        node_id=node_id,
+        host=node_id,
+        addr="127.0.0.1",
+        local_world_size=1,
+        master_port=29500,
+        spec=spec,
+        resume_round=resume,
+        node_secret=secret,
+    ).model_dump_json()
 
 
 class SimAgent:
@@ -37,7 +46,7 @@ class SimAgent:
         self._hb: asyncio.Task | None = None
 
     @classmethod
-    async def connect(cls, session: aiohttp.ClientSession, server: Server) -> "SimAgent":
+    async def connect(cls, session: aiohttp.ClientSession, server: Server) -> SimAgent:
         return cls(await session.ws_connect(server.url + AGENT_PATH))
 
     async def _read(self) -> None:
@@ -50,6 +59,7 @@ class SimAgent:
             while not self.ws.closed:
                 await self.ws.send_str('{"op":"hb"}')
                 await asyncio.sleep(every)
+
         self._hb = asyncio.ensure_future(beat())
 
     async def wait_op(self, op: str, timeout: float = 10.0, count: int = 1) -> dict:
@@ -59,14 +69,16 @@ class SimAgent:
                     raise AssertionError(f"connection closed before {op!r}; got {self.ops}")
                 await asyncio.sleep(0.02)
             return [m for m in self.ops if m["op"] == op][count - 1]
+
         try:
             return await asyncio.wait_for(seen(), timeout)
         except asyncio.TimeoutError:
             raise AssertionError(f"no {op!r} within {timeout:g}s; got {[m['op'] for m in self.ops]}") from None
 
     @classmethod
-    async def form(cls, session: aiohttp.ClientSession, server: Server, job_id: str, nodes: tuple[str, ...],
-                   spec: JobSpec) -> list["SimAgent"]:
+    async def form(
+        cls, session: aiohttp.ClientSession, server: Server, job_id: str, nodes: tuple[str, ...], spec: JobSpec
+    ) -> list[SimAgent]:
         """One agent per node id, all joined to ``job_id``; returns once each is assigned."""
         agents = [await cls.connect(session, server) for _ in nodes]
         for agent, node in zip(agents, nodes):
@@ -109,7 +121,8 @@ async def test_silent_node_is_evicted_while_the_server_stalls_again_and_again(fc
         finally:
             os.kill(server.pid, signal.SIGCONT)
         assert any(m["op"] == "evicted" for m in silent.ops), (
-            f"the silent node was not evicted after {stops} stalls; it got {silent.ops}\n{server.text()[-2000:]}")
+            f"the silent node was not evicted after {stops} stalls; it got {silent.ops}\n{server.text()[-2000:]}"
+        )
         assert stops <= 6, f"evicted only after {stops} stalls"
         assert not any(m["op"] == "evicted" for m in live.ops), live.ops
         assert "did not run for a while" in server.text()
@@ -138,6 +151,7 @@ def _rows(data_dir: Path, job_id: str) -> int:
 
 def _metrics(server: Server) -> str:
     import urllib.request
+
     with urllib.request.urlopen(server.url + "/metrics", timeout=5) as r:
         return r.read().decode()
 
@@ -226,8 +240,9 @@ async def test_nearly_full_disk_refuses_new_jobs_but_not_a_round_change(fcluster
 
 
 @pytest.mark.timeout(90)
-async def test_a_real_agent_refused_by_the_waiting_job_cap_says_why_and_gets_in_later(fcluster: FaultCluster,
-                                                                                       tmp_path: Path):
+async def test_a_real_agent_refused_by_the_waiting_job_cap_says_why_and_gets_in_later(
+    fcluster: FaultCluster, tmp_path: Path
+):
     """--max-waiting-jobs 1 with one job waiting: a real rdzv-agent of a new job
     prints the server's reason, keeps its place (retrying), and once the
     waiting job is closed its own job is created, trains and succeeds."""

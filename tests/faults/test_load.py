@@ -54,8 +54,18 @@ def test_thousands_of_nodes_do_not_disturb_a_real_job(fcluster: FaultCluster, si
     per_job = NODES // JOBS
     server = fcluster.start_server_at(free_port(), tmp_path / "data", name="server")
     stop = tmp_path / "stop"
-    real = [fcluster.start_ranks_agent(server.endpoint, "real", f"n{i}", stop, nnodes="2", interval=0.1,
-                                       flags=("--heartbeat-timeout", f"{HB_TIMEOUT:g}")) for i in range(2)]
+    real = [
+        fcluster.start_ranks_agent(
+            server.endpoint,
+            "real",
+            f"n{i}",
+            stop,
+            nnodes="2",
+            interval=0.1,
+            flags=("--heartbeat-timeout", f"{HB_TIMEOUT:g}"),
+        )
+        for i in range(2)
+    ]
     wait_until(lambda: all(Ticks.last_step(a, 0) >= 2 for a in real), 60, "the real job training")
 
     started = time.monotonic()
@@ -92,8 +102,12 @@ def test_thousands_of_nodes_do_not_disturb_a_real_job(fcluster: FaultCluster, si
 
     for j in range(JOBS):
         server.close_job(f"sim-{j}")
-    wait_until(lambda: gen.same({"cmd": "stats"})[0]["done"] >= per_job * JOBS, 60,
-               "every simulated node told the job closed", interval=0.5)
+    wait_until(
+        lambda: gen.same({"cmd": "stats"})[0]["done"] >= per_job * JOBS,
+        60,
+        "every simulated node told the job closed",
+        interval=0.5,
+    )
     stop.touch()
     for a in real:
         assert a.wait_exit(40) == 0, a.text()[-3000:]
@@ -104,6 +118,8 @@ def test_thousands_of_nodes_do_not_disturb_a_real_job(fcluster: FaultCluster, si
         assert {t.round for t in ticks} == {0} and len({t.pid for t in ticks}) == 1, f"{a.name} was restarted"
         assert "evicted" not in a.text() and "stopping workers" not in a.text()
     latencies.sort()
-    print(f"\nload: {per_job * JOBS} simulated nodes in {JOBS} jobs, all assigned {all_in_s:.1f}s after start; "
-          f"{s['hb_sent']} heartbeats; /healthz p50 {latencies[len(latencies) // 2] * 1000:.0f} ms, "
-          f"max {latencies[-1] * 1000:.0f} ms over {len(latencies)} probes; real job round 0, no eviction")
+    print(
+        f"\nload: {per_job * JOBS} simulated nodes in {JOBS} jobs, all assigned {all_in_s:.1f}s after start; "
+        f"{s['hb_sent']} heartbeats; /healthz p50 {latencies[len(latencies) // 2] * 1000:.0f} ms, "
+        f"max {latencies[-1] * 1000:.0f} ms over {len(latencies)} probes; real job round 0, no eviction"
+    )

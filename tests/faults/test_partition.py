@@ -40,8 +40,9 @@ def _pids_alive(pids) -> list[int]:
 
 
 @pytest.mark.timeout(150)
-def test_cut_off_node_is_fenced_and_comes_back_as_a_new_node(netlab: NetLab, fcluster: FaultCluster,
-                                                             tmp_path: Path) -> None:
+def test_cut_off_node_is_fenced_and_comes_back_as_a_new_node(
+    netlab: NetLab, fcluster: FaultCluster, tmp_path: Path
+) -> None:
     """3 nodes train; group rank 0's link goes down (it hosts the workers'
     TCPStore too). After the heartbeat timeout the other two re-form round 1
     without it and train on, with a new master. The cut-off node's workers
@@ -52,17 +53,37 @@ def test_cut_off_node_is_fenced_and_comes_back_as_a_new_node(netlab: NetLab, fcl
     succeeds."""
     port = free_port()
     # --insecure: no token, on an address that exists only in the test's private namespaces
-    server = fcluster.start_server_at(port, tmp_path / "data", "--insecure", host=netlab.hub_addr, name="server",
-                                      netns=netlab.hub, request_via=netlab.in_hub)
+    server = fcluster.start_server_at(
+        port,
+        tmp_path / "data",
+        "--insecure",
+        host=netlab.hub_addr,
+        name="server",
+        netns=netlab.hub,
+        request_via=netlab.in_hub,
+    )
     stop = tmp_path / "stop"
     agents = []
     for i in range(netlab.n):
-        agents.append(fcluster.start_ranks_agent(
-            server.endpoint, "part", f"n{i}", stop, nnodes=f"2:{netlab.n}", interval=0.05, netns=netlab.node_ns(i),
-            flags=("--local-addr", netlab.node_addr(i), "--heartbeat-timeout", f"{HB_TIMEOUT:g}"),
-            env={"GLOO_SOCKET_IFNAME": "rzeth"}, worker_args=("--hang-on-error",)))
-    wait_until(lambda: all(any(t.round == 0 and t.world == 3 and t.step >= 3 for t in Ticks.of(a)) for a in agents),
-               60, "3 nodes training in round 0")
+        agents.append(
+            fcluster.start_ranks_agent(
+                server.endpoint,
+                "part",
+                f"n{i}",
+                stop,
+                nnodes=f"2:{netlab.n}",
+                interval=0.05,
+                netns=netlab.node_ns(i),
+                flags=("--local-addr", netlab.node_addr(i), "--heartbeat-timeout", f"{HB_TIMEOUT:g}"),
+                env={"GLOO_SOCKET_IFNAME": "rzeth"},
+                worker_args=("--hang-on-error",),
+            )
+        )
+    wait_until(
+        lambda: all(any(t.round == 0 and t.world == 3 and t.step >= 3 for t in Ticks.of(a)) for a in agents),
+        60,
+        "3 nodes training in round 0",
+    )
     view = server.job("part")
     assert view["master_addr"].startswith(netlab.subnet + "."), view
     rank0 = next(n for n in view["nodes"] if n["group_rank"] == 0)
@@ -73,8 +94,9 @@ def test_cut_off_node_is_fenced_and_comes_back_as_a_new_node(netlab: NetLab, fcl
 
     netlab.cut(victim_i)
     cut_at = time.time()
-    view = server.wait_job("part", lambda v: v["round"] >= 1 and v["state"] == "running", HB_TIMEOUT + 20,
-                           "the survivors re-formed")
+    view = server.wait_job(
+        "part", lambda v: v["round"] >= 1 and v["state"] == "running", HB_TIMEOUT + 20, "the survivors re-formed"
+    )
     opened = view["history"][1]
     assert rank0["node_id"] in opened["reason"] and "no heartbeat" in opened["reason"], view["history"]
     # the last heartbeat got through up to one interval (timeout/3) before the cut
@@ -82,8 +104,11 @@ def test_cut_off_node_is_fenced_and_comes_back_as_a_new_node(netlab: NetLab, fcl
     assert (view["round"], view["world_size"], view["restarts"]) == (1, 2, 0), view
     assert rank0["node_id"] not in {n["node_id"] for n in view["nodes"]}
     assert view["master_addr"] != rank0["addr"], "the master stayed on the cut-off node"
-    wait_until(lambda: all(any(t.round == 1 and t.world == 2 and t.step >= 5 for t in Ticks.of(a))
-                           for a in survivors), 40, "the survivors training in round 1")
+    wait_until(
+        lambda: all(any(t.round == 1 and t.world == 2 and t.step >= 5 for t in Ticks.of(a)) for a in survivors),
+        40,
+        "the survivors training in round 1",
+    )
     # the cut-off node cannot know yet: its agent and workers are still there
     assert victim.popen.poll() is None
 
@@ -95,12 +120,19 @@ def test_cut_off_node_is_fenced_and_comes_back_as_a_new_node(netlab: NetLab, fcl
     victim.wait_log(r"evicted \(.*\); rejoining as a new node", 30)
     # the agent kills them before it says it rejoins: they are gone by now
     assert not _pids_alive(stale_workers), "the evicted node's workers outlived the eviction"
-    view = server.wait_job("part", lambda v: v["state"] == "running" and len(v["nodes"]) == 3 and v["round"] >= 2,
-                           40, "all three nodes in a new round")
+    view = server.wait_job(
+        "part",
+        lambda v: v["state"] == "running" and len(v["nodes"]) == 3 and v["round"] >= 2,
+        40,
+        "all three nodes in a new round",
+    )
     assert view["round"] == 2 and "scale-up" in view["history"][2]["reason"], view["history"]
     assert view["restarts"] == 0
-    wait_until(lambda: all(any(t.round == 2 and t.world == 3 and t.step >= 3 for t in Ticks.of(a)) for a in agents),
-               40, "3 nodes training in round 2")
+    wait_until(
+        lambda: all(any(t.round == 2 and t.world == 3 and t.step >= 3 for t in Ticks.of(a)) for a in agents),
+        40,
+        "3 nodes training in round 2",
+    )
     back_after = time.monotonic() - healed_at
 
     stop.touch()
@@ -114,5 +146,7 @@ def test_cut_off_node_is_fenced_and_comes_back_as_a_new_node(netlab: NetLab, fcl
     assert set(owners) >= {(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1), (2, 2)}, sorted(owners)
     # the stale workers never ticked in a round they did not belong to
     assert {t.round for t in Ticks.of(victim) if t.pid in stale_workers} == {0}
-    print(f"partition: re-formed {opened['started_at'] - cut_at:.2f}s after the cut; "
-          f"back in round 2 {back_after:.2f}s after the heal")
+    print(
+        f"partition: re-formed {opened['started_at'] - cut_at:.2f}s after the cut; "
+        f"back in round 2 {back_after:.2f}s after the heal"
+    )

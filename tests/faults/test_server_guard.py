@@ -56,8 +56,12 @@ def test_a_second_server_on_the_same_data_dir_is_refused(fcluster: FaultCluster,
     data = tmp_path / "data"
     first = fcluster.start_server_at(free_port(), data, name="first")
     s = ws_open(first.port)  # a job on disk, so there is something to split
-    s.sendall(ws_frame('{"op":"join","job_id":"j","node_id":"n0","host":"h","addr":"127.0.0.1",'
-                       '"local_world_size":1,"master_port":29500,"spec":{"min_nodes":2,"max_nodes":2}}'))
+    s.sendall(
+        ws_frame(
+            '{"op":"join","job_id":"j","node_id":"n0","host":"h","addr":"127.0.0.1",'
+            '"local_world_size":1,"master_port":29500,"spec":{"min_nodes":2,"max_nodes":2}}'
+        )
+    )
     first.wait_job("j", lambda v: len(v["nodes"]) == 1, 10, "the job on disk")
     port = free_port()
     r = fcluster.run_server("--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data), timeout=15)
@@ -83,8 +87,12 @@ def test_database_files_are_private(fcluster: FaultCluster, tmp_path: Path) -> N
     finally:
         os.umask(old)
     s = ws_open(server.port)
-    s.sendall(ws_frame('{"op":"join","job_id":"j","node_id":"n0","host":"h","addr":"127.0.0.1",'
-                       '"local_world_size":1,"master_port":29500,"spec":{"min_nodes":2,"max_nodes":2}}'))
+    s.sendall(
+        ws_frame(
+            '{"op":"join","job_id":"j","node_id":"n0","host":"h","addr":"127.0.0.1",'
+            '"local_world_size":1,"master_port":29500,"spec":{"min_nodes":2,"max_nodes":2}}'
+        )
+    )
     server.wait_job("j", lambda v: len(v["nodes"]) == 1, 10, "the job on disk")
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in data.iterdir()}
     assert {"rdzv.db", "rdzv.db-wal", "rdzv.db-shm", "rdzv.lock"} <= modes.keys(), modes

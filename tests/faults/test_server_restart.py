@@ -38,9 +38,14 @@ AGENT_FLAGS = ("--heartbeat-timeout", f"{HB_TIMEOUT:g}")
 
 def _ticking(agents, round_no: int | None, world: int, step: int, timeout: float = 60.0) -> None:
     """Every agent's worker reached ``step`` of round ``round_no`` (None: any round) with ``world`` ranks."""
-    wait_until(lambda: all(any(round_no in (None, t.round) and t.world == world and t.step >= step
-                               for t in Ticks.of(a)) for a in agents),
-               timeout, f"every worker at step {step} of round {round_no} with world {world}")
+    wait_until(
+        lambda: all(
+            any(round_no in (None, t.round) and t.world == world and t.step >= step for t in Ticks.of(a))
+            for a in agents
+        ),
+        timeout,
+        f"every worker at step {step} of round {round_no} with world {world}",
+    )
 
 
 def _ranks(view: dict) -> dict[str, int]:
@@ -57,8 +62,12 @@ def test_kill9_mid_run_the_job_comes_back_and_workers_never_restart(fcluster: Fa
     port, data = free_port(), tmp_path / "data"
     server = fcluster.start_server_at(port, data, name="server")
     stop = tmp_path / "stop"
-    agents = [fcluster.start_ranks_agent(server.endpoint, "restart", f"n{i}", stop, nnodes="3", interval=0.05,
-                                         flags=AGENT_FLAGS) for i in range(3)]
+    agents = [
+        fcluster.start_ranks_agent(
+            server.endpoint, "restart", f"n{i}", stop, nnodes="3", interval=0.05, flags=AGENT_FLAGS
+        )
+        for i in range(3)
+    ]
     _ticking(agents, 0, 3, step=3)
     before = server.job("restart")
     assert (before["state"], before["round"]) == ("running", 0), before
@@ -66,16 +75,25 @@ def test_kill9_mid_run_the_job_comes_back_and_workers_never_restart(fcluster: Fa
     fcluster.kill9(server)
     at_kill = {a.name: Ticks.last_step(a) for a in agents}
     # no server: the workers do not need it
-    wait_until(lambda: all(Ticks.last_step(a) >= at_kill[a.name] + 15 for a in agents), 30,
-               "15 more steps on every node while the server is dead")
-    wait_until(lambda: all("server unreachable" in a.text() for a in agents), 15,
-               "every agent saying the server is unreachable")
+    wait_until(
+        lambda: all(Ticks.last_step(a) >= at_kill[a.name] + 15 for a in agents),
+        30,
+        "15 more steps on every node while the server is dead",
+    )
+    wait_until(
+        lambda: all("server unreachable" in a.text() for a in agents),
+        15,
+        "every agent saying the server is unreachable",
+    )
 
     server = fcluster.start_server_at(port, data, name="server-restarted")
     restarted = time.monotonic()
-    back = server.wait_job("restart", lambda v: len(v["nodes"]) == 3 and all(n["state"] == "running"
-                                                                              for n in v["nodes"]),
-                           HB_TIMEOUT + 6, "every node reconnected to the restarted server")
+    back = server.wait_job(
+        "restart",
+        lambda v: len(v["nodes"]) == 3 and all(n["state"] == "running" for n in v["nodes"]),
+        HB_TIMEOUT + 6,
+        "every node reconnected to the restarted server",
+    )
     assert back["round"] == 0 and back["restarts"] == 0, back
     assert _ranks(back) == _ranks(before), (before["nodes"], back["nodes"])
     assert (back["master_addr"], back["master_port"]) == (before["master_addr"], before["master_port"])
@@ -88,8 +106,12 @@ def test_kill9_mid_run_the_job_comes_back_and_workers_never_restart(fcluster: Fa
     # nobody is evicted, the round stays 0, everyone keeps training.
     views = []
     at_restart = {a.name: Ticks.last_step(a) for a in agents}
-    wait_until(lambda: views.append(server.job("restart")) or time.monotonic() - restarted > 1.5 * HB_TIMEOUT,
-               4 * HB_TIMEOUT, "1.5 heartbeat timeouts after the restart", interval=0.2)
+    wait_until(
+        lambda: views.append(server.job("restart")) or time.monotonic() - restarted > 1.5 * HB_TIMEOUT,
+        4 * HB_TIMEOUT,
+        "1.5 heartbeat timeouts after the restart",
+        interval=0.2,
+    )
     for v in views:
         assert (v["state"], v["round"], _ranks(v)) == ("running", 0, _ranks(before)), v
     assert all(Ticks.last_step(a) > at_restart[a.name] for a in agents)
@@ -102,15 +124,14 @@ def test_kill9_mid_run_the_job_comes_back_and_workers_never_restart(fcluster: Fa
     for a in agents:
         ticks = Ticks.of(a)
         assert {t.round for t in ticks} == {0}, f"{a.name} ran a round other than 0"
-        assert len({t.pid for t in ticks}) == 1, f"{a.name}'s worker was restarted: pids {({t.pid for t in ticks})}"
+        assert len({t.pid for t in ticks}) == 1, f"{a.name}'s worker was restarted: pids { ({t.pid for t in ticks}) }"
         steps = [t.step for t in ticks]
         assert steps == list(range(1, len(steps) + 1)), f"{a.name}'s worker skipped or repeated steps"
         assert "evicted" not in a.text() and "stopping workers" not in a.text(), a.text()[-3000:]
 
 
 @pytest.mark.timeout(90)
-def test_kill9_while_a_round_forms_the_round_completes_after_restart(fcluster: FaultCluster,
-                                                                      tmp_path: Path) -> None:
+def test_kill9_while_a_round_forms_the_round_completes_after_restart(fcluster: FaultCluster, tmp_path: Path) -> None:
     """1 of 2 agents has joined when the server is SIGKILLed. Started again, the
     server knows that node (saved at its join), the agent reconnects as the
     same node, the 2nd agent joins, round 0 completes and the job succeeds."""
@@ -127,8 +148,12 @@ def test_kill9_while_a_round_forms_the_round_completes_after_restart(fcluster: F
     view = server.job("forming")
     assert view is not None, "the restarted server forgot the job"
     assert (view["state"], view["round"], [n["node_id"] for n in view["nodes"]]) == ("waiting", 0, [first_id]), view
-    server.wait_job("forming", lambda v: v["nodes"] and v["nodes"][0]["state"] == "waiting", HB_TIMEOUT + 5,
-                    "the first agent back as the same, waiting node")
+    server.wait_job(
+        "forming",
+        lambda v: v["nodes"] and v["nodes"][0]["state"] == "waiting",
+        HB_TIMEOUT + 5,
+        "the first agent back as the same, waiting node",
+    )
 
     second = fcluster.start_ranks_agent(server.endpoint, "forming", "n1", stop, nnodes="2", flags=AGENT_FLAGS)
     _ticking([first, second], 0, 2, step=2)
@@ -169,8 +194,9 @@ def test_node_restored_disconnected_gets_its_assignment(fcluster: FaultCluster, 
 
 
 @pytest.mark.timeout(90)
-def test_worker_failure_right_after_restart_does_not_evict_nodes_still_reconnecting(fcluster: FaultCluster,
-                                                                                    tmp_path: Path) -> None:
+def test_worker_failure_right_after_restart_does_not_evict_nodes_still_reconnecting(
+    fcluster: FaultCluster, tmp_path: Path
+) -> None:
     """3 agents train (heartbeat timeout 10 s). The server is SIGKILLed and
     restarted while one agent is held (SIGSTOP), so it has not reconnected
     when a worker of another node is SIGKILLed. The held node is alive and
@@ -180,8 +206,12 @@ def test_worker_failure_right_after_restart_does_not_evict_nodes_still_reconnect
     port, data = free_port(), tmp_path / "data"
     server = fcluster.start_server_at(port, data, name="server")
     stop = tmp_path / "stop"
-    agents = [fcluster.start_ranks_agent(server.endpoint, "echo", f"n{i}", stop, nnodes="2:3", interval=0.05,
-                                         flags=("--heartbeat-timeout", "10")) for i in range(3)]
+    agents = [
+        fcluster.start_ranks_agent(
+            server.endpoint, "echo", f"n{i}", stop, nnodes="2:3", interval=0.05, flags=("--heartbeat-timeout", "10")
+        )
+        for i in range(3)
+    ]
     _ticking(agents, 0, 3, step=3)
     ids = [a.wait_log(r"node (\S+): joining", 5)[0].group(1) for a in agents]
     failing, held = agents[0], agents[2]
@@ -189,9 +219,15 @@ def test_worker_failure_right_after_restart_does_not_evict_nodes_still_reconnect
     try:
         fcluster.kill9(server)
         server = fcluster.start_server_at(port, data, name="server-restarted")
-        server.wait_job("echo", lambda v: {n["node_id"]: n["state"] for n in v["nodes"]}.get(ids[0]) == "running"
-                        and {n["node_id"]: n["state"] for n in v["nodes"]}.get(ids[1]) == "running", 10,
-                        "the two running agents reconnected")
+        server.wait_job(
+            "echo",
+            lambda v: (
+                {n["node_id"]: n["state"] for n in v["nodes"]}.get(ids[0]) == "running"
+                and {n["node_id"]: n["state"] for n in v["nodes"]}.get(ids[1]) == "running"
+            ),
+            10,
+            "the two running agents reconnected",
+        )
         os.kill(descendants(failing.pid)[0], signal.SIGKILL)
         opened = server.wait_job("echo", lambda v: v["round"] >= 1, 15, "round 1 opened")
     finally:
@@ -208,8 +244,11 @@ def test_worker_failure_right_after_restart_does_not_evict_nodes_still_reconnect
 
 def _digest(path: Path) -> dict[str, str]:
     # rdzv.lock is the server's lock on the dir (it holds a pid), not state
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())
-            if p.is_file() and p.name != "rdzv.lock"}
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.iterdir())
+        if p.is_file() and p.name != "rdzv.lock"
+    }
 
 
 @pytest.mark.timeout(60)
@@ -260,8 +299,12 @@ def _mount_tmpfs(where: Path, size: str) -> None:
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     where.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(where)],
-                       capture_output=True, text=True, timeout=20)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
 
@@ -296,8 +339,9 @@ def test_read_only_data_dir_refuses_to_start_and_keeps_the_database(fcluster: Fa
 
 
 @pytest.mark.timeout(60)
-def test_full_disk_at_start_refuses_without_calling_the_database_corrupt(fcluster: FaultCluster,
-                                                                          tmp_path: Path) -> None:
+def test_full_disk_at_start_refuses_without_calling_the_database_corrupt(
+    fcluster: FaultCluster, tmp_path: Path
+) -> None:
     """The disk is full when the server starts over a good database: it refuses
     to start and says the file system refused, and does not tell the
     operator to move the database away (it is not damaged); the database is
@@ -367,8 +411,12 @@ def test_full_disk_refuses_the_change_and_keeps_the_saved_state(fcluster: FaultC
         second = fcluster.start_ranks_agent(server.endpoint, "full", "n1", stop, nnodes="2", flags=AGENT_FLAGS)
         server.wait_log(r"cannot save state to .*rdzv\.db.*the change is refused", 30)
         views = []
-        wait_until(lambda: views.append(server.job("full")) or len(views) >= 20, 20, "views while the disk is full",
-                   interval=0.1)
+        wait_until(
+            lambda: views.append(server.job("full")) or len(views) >= 20,
+            20,
+            "views while the disk is full",
+            interval=0.1,
+        )
         assert all(v["state"] == "waiting" and v["round"] == 0 for v in views), [v["state"] for v in views]
         second.wait_log(r"unavailable.*cannot save state", 15)  # the refused agent is told why
         assert not Ticks.of(first, second), "a worker ran although the round could not be saved"
@@ -382,8 +430,12 @@ def test_full_disk_refuses_the_change_and_keeps_the_saved_state(fcluster: FaultC
             fcluster.kill9(server)
             filler.unlink()
             server = fcluster.start_server_at(port, data, "--min-free-disk", "0", name="server-restarted")
-            view = server.wait_job("full", lambda v: [n["state"] for n in v["nodes"]] == ["waiting"], HB_TIMEOUT + 5,
-                                   "the saved node back and reconnected")
+            view = server.wait_job(
+                "full",
+                lambda v: [n["state"] for n in v["nodes"]] == ["waiting"],
+                HB_TIMEOUT + 5,
+                "the saved node back and reconnected",
+            )
             assert (view["round"], view["nodes"][0]["node_id"]) == (0, first_id), view
         finally:
             os.kill(second.pid, signal.SIGCONT)

@@ -54,6 +54,7 @@ FAULT_SCRIPTS = ROOT / "tests" / "faults" / "scripts"
 RANKS = FAULT_SCRIPTS / "ranks.py"
 TRAIN = ROOT / "examples" / "train_ddp.py"
 
+
 @dataclass
 class Cluster:
     """Everything one test started; :meth:`close` kills it all."""
@@ -66,8 +67,9 @@ class Cluster:
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         return clean_env(self.tag, extra)
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None,
-              cls: type[Proc] = Proc, **fields: Any) -> Any:
+    def start(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None, cls: type[Proc] = Proc, **fields: Any
+    ) -> Any:
         """Start ``argv`` (logged to ``tmp/NAME.log``, tagged, in a session of
         its own), register it for teardown and return it as a ``cls``."""
         proc = cls(name, self._spawn(name, argv, self.env(env)), self.tmp / f"{name}.log", **fields)
@@ -78,10 +80,28 @@ class Cluster:
         """``argv`` logged to ``tmp/NAME.log``, not registered (:meth:`start` does both)."""
         return spawn(argv, self.tmp / f"{name}.log", env, self.tmp)
 
-    def _server(self, name: str, port: int, data_dir: Path | str, flags: tuple[str, ...], host: str = "127.0.0.1",
-                netns: str | None = None, cls: type[Server] = Server) -> Server:
-        argv = [sys.executable, "-m", "rdzv_server", "--host", host, "--port", str(port),
-                "--data-dir", str(data_dir), *flags]
+    def _server(
+        self,
+        name: str,
+        port: int,
+        data_dir: Path | str,
+        flags: tuple[str, ...],
+        host: str = "127.0.0.1",
+        netns: str | None = None,
+        cls: type[Server] = Server,
+    ) -> Server:
+        argv = [
+            sys.executable,
+            "-m",
+            "rdzv_server",
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+            *flags,
+        ]
         if netns:
             argv = ["ip", "netns", "exec", netns, *argv]
         return self.start(name, argv, cls=cls, port=port)
@@ -89,22 +109,48 @@ class Cluster:
     def start_server(self, *flags: str, timeout: float = 20.0, data_dir: Path | str | None = None) -> Server:
         """A real rdzv-server on a free loopback port (its data in ``data_dir``,
         default ``tmp/server-data``); returns once /healthz answers."""
-        return start_server(self.tmp, *flags, data_dir=data_dir or self.tmp / "server-data", env=self.env(),
-                            timeout=timeout, started=self.procs)
+        return start_server(
+            self.tmp,
+            *flags,
+            data_dir=data_dir or self.tmp / "server-data",
+            env=self.env(),
+            timeout=timeout,
+            started=self.procs,
+        )
 
     @staticmethod
-    def agent_argv(endpoint: str | None, job_id: str, nnodes: str, nproc: int = 1,
-                   flags: tuple[str, ...] = ()) -> list[str]:
+    def agent_argv(
+        endpoint: str | None, job_id: str, nnodes: str, nproc: int = 1, flags: tuple[str, ...] = ()
+    ) -> list[str]:
         """``python -m rdzv_client.agent`` with the flags every test agent has, up to its script."""
         argv = [sys.executable, "-m", "rdzv_client.agent"]
         if endpoint is not None:
             argv += ["--endpoint", endpoint, "--job-id", job_id]
-        return [*argv, "--local-addr", "127.0.0.1", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
-                "--stop-timeout", "3", *flags]
+        return [
+            *argv,
+            "--local-addr",
+            "127.0.0.1",
+            "--nnodes",
+            nnodes,
+            "--nproc-per-node",
+            str(nproc),
+            "--stop-timeout",
+            "3",
+            *flags,
+        ]
 
-    def start_agent(self, server: Server | None, job_id: str, script: str | Path, *script_args: str,
-                    nnodes: str = "2", nproc: int = 1, flags: tuple[str, ...] = (),
-                    env: dict[str, str] | None = None, name: str | None = None) -> Proc:
+    def start_agent(
+        self,
+        server: Server | None,
+        job_id: str,
+        script: str | Path,
+        *script_args: str,
+        nnodes: str = "2",
+        nproc: int = 1,
+        flags: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        name: str | None = None,
+    ) -> Proc:
         """A real rdzv-agent running ``script`` (a path, or a name in tests/e2e/scripts)."""
         self._n += 1
         name = name or f"agent{self._n}"
@@ -112,12 +158,20 @@ class Cluster:
         argv = self.agent_argv(server.endpoint if server is not None else None, job_id, nnodes, nproc, flags)
         return self.start(name, [*argv, str(script_path), *script_args], env)
 
-    def run_module(self, module: str, *argv: str, env: dict[str, str] | None = None,
-                   timeout: float = 30.0) -> subprocess.CompletedProcess:
+    def run_module(
+        self, module: str, *argv: str, env: dict[str, str] | None = None, timeout: float = 30.0
+    ) -> subprocess.CompletedProcess:
         """Run ``python -m MODULE ARGV`` to its end, output captured (usage errors, refusals)."""
-        proc = subprocess.Popen([sys.executable, "-m", module, *argv], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env(env),
-                                cwd=self.tmp, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=self.env(env),
+            cwd=self.tmp,
+            start_new_session=True,
+        )
         self.procs.append(Proc(f"run {module}", proc, self.tmp / f"run-{module}.log"))
         try:
             out, err = proc.communicate(timeout=timeout)
@@ -127,8 +181,12 @@ class Cluster:
             raise AssertionError(f"{module} {argv} did not exit within {timeout:g}s:\n{out}\n{err}") from None
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
-    def run_agent(self, *argv: str, env: dict[str, str] | None = None, timeout: float = 30.0,
-                  ) -> subprocess.CompletedProcess:
+    def run_agent(
+        self,
+        *argv: str,
+        env: dict[str, str] | None = None,
+        timeout: float = 30.0,
+    ) -> subprocess.CompletedProcess:
         """Run ``python -m rdzv_client.agent ARGV`` to its end (usage errors)."""
         return self.run_module("rdzv_client.agent", *argv, env=env, timeout=timeout)
 
@@ -240,9 +298,18 @@ def assigned_ranks(*agents: Proc) -> dict[tuple[int, int], set[str]]:
 class FaultCluster(Cluster):
     """The e2e Cluster, plus servers on fixed ports (restartable) and agents in namespaces."""
 
-    def start_server_at(self, port: int, data_dir: Path | str, *flags: str, host: str = "127.0.0.1",
-                        name: str | None = None, netns: str | None = None, url_host: str | None = None,
-                        request_via=None, timeout: float = 20.0) -> Server:
+    def start_server_at(
+        self,
+        port: int,
+        data_dir: Path | str,
+        *flags: str,
+        host: str = "127.0.0.1",
+        name: str | None = None,
+        netns: str | None = None,
+        url_host: str | None = None,
+        request_via=None,
+        timeout: float = 20.0,
+    ) -> Server:
         """``rdzv-server --host H --port PORT --data-dir DATA_DIR``; returns once /healthz answers.
         Fails (with its log) if it exits first."""
         name = name or f"server{sum(isinstance(p, Server) for p in self.procs)}"
@@ -251,8 +318,9 @@ class FaultCluster(Cluster):
             server.host, server.via = url_host or host, request_via
         if wait_healthy(server, timeout):
             return server
-        raise AssertionError(f"server {name} did not come up on port {port} (exit {server.popen.poll()}):\n"
-                             f"{server.text()[-3000:]}")
+        raise AssertionError(
+            f"server {name} did not come up on port {port} (exit {server.popen.poll()}):\n{server.text()[-3000:]}"
+        )
 
     def kill9(self, proc: Proc, timeout: float = 10.0) -> None:
         os.kill(proc.pid, signal.SIGKILL)
@@ -262,22 +330,54 @@ class FaultCluster(Cluster):
         """``python -m rdzv_server ARGV`` to its end (refusals)."""
         return self.run_module("rdzv_server", *argv, timeout=timeout)
 
-    def start_ranks_agent(self, server_endpoint: str, job_id: str, node: str, stop_file: Path, *,
-                          nnodes: str = "2", interval: float = 0.1, flags: tuple[str, ...] = (),
-                          netns: str | None = None, env: dict[str, str] | None = None,
-                          worker_args: tuple[str, ...] = ()) -> Proc:
+    def start_ranks_agent(
+        self,
+        server_endpoint: str,
+        job_id: str,
+        node: str,
+        stop_file: Path,
+        *,
+        nnodes: str = "2",
+        interval: float = 0.1,
+        flags: tuple[str, ...] = (),
+        netns: str | None = None,
+        env: dict[str, str] | None = None,
+        worker_args: tuple[str, ...] = (),
+    ) -> Proc:
         """An agent whose one worker runs scripts/ranks.py, labelled ``node``."""
-        argv = [*self.agent_argv(server_endpoint, job_id, nnodes, 1, flags), str(RANKS), "--label", node,
-                "--stop-file", str(stop_file), "--interval", str(interval), *worker_args]
+        argv = [
+            *self.agent_argv(server_endpoint, job_id, nnodes, 1, flags),
+            str(RANKS),
+            "--label",
+            node,
+            "--stop-file",
+            str(stop_file),
+            "--interval",
+            str(interval),
+            *worker_args,
+        ]
         if netns:
             argv = ["ip", "netns", "exec", netns, *argv]
         return self.start(node, argv, env)
 
-    def start_train_agent(self, endpoint: str, job_id: str, name: str, ckpt_dir: Path, *train_args: str,
-                          nnodes: str, flags: tuple[str, ...] = ()) -> Proc:
+    def start_train_agent(
+        self,
+        endpoint: str,
+        job_id: str,
+        name: str,
+        ckpt_dir: Path,
+        *train_args: str,
+        nnodes: str,
+        flags: tuple[str, ...] = (),
+    ) -> Proc:
         """An agent whose one worker runs examples/train_ddp.py."""
-        argv = [*self.agent_argv(endpoint, job_id, nnodes, 1, flags), str(TRAIN), "--ckpt-dir", str(ckpt_dir),
-                *train_args]
+        argv = [
+            *self.agent_argv(endpoint, job_id, nnodes, 1, flags),
+            str(TRAIN),
+            "--ckpt-dir",
+            str(ckpt_dir),
+            *train_args,
+        ]
         return self.start(name, argv)
 
 

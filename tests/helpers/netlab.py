@@ -89,8 +89,7 @@ class NetLab:
             _ip("-n", self.hub, "link", "set", hub_side, "up")
             _ip("-n", ns, "addr", "add", f"{self.node_addr(i)}/24", "dev", "rzeth")
             _ip("-n", ns, "link", "set", "rzeth", "up")
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="in-hub", initializer=_enter_netns,
-                                        initargs=(self.hub,))
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="in-hub", initializer=_enter_netns, initargs=(self.hub,))
 
     def cut(self, i: int) -> None:
         """Node i's cable is pulled: silent loss, no RST, no ICMP."""

@@ -29,9 +29,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 POLL_S = 0.05
@@ -40,8 +41,18 @@ TAG_VAR = "RDZV_E2E_TAG"
 # Variables of the test runner's own environment that would change what an
 # agent or a worker does; agents start without them unless a test sets them.
 _SCRUB_PREFIXES = ("SLURM_", "PET_", "RDZV_", "TORCHELASTIC_", "MASTER_", "TORCH_NCCL_")
-_SCRUB_NAMES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "OMP_NUM_THREADS"}
+_SCRUB_NAMES = {
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "OMP_NUM_THREADS",
+}
 
 STEP_RE = re.compile(r"^\[(\d+)\]: step (\d+) rank (\d+) world (\d+) restart (\d+) pid (\d+)$", re.M)
 
@@ -83,7 +94,7 @@ def _ppid(pid: int) -> int | None:
     except OSError:
         return None
     # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-    return int(stat[stat.rfind(")") + 2:].split()[1])
+    return int(stat[stat.rfind(")") + 2 :].split()[1])
 
 
 def descendants(pid: int) -> list[int]:
@@ -161,8 +172,15 @@ def spawn(argv: list[str], log_path: Path, env: dict[str, str], cwd: Path) -> su
     """``argv`` in a session of its own (its process group is its pid), stdout
     and stderr into ``log_path``."""
     with open(log_path, "wb") as log:
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env=env, cwd=cwd, start_new_session=True)
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+        )
 
 
 @dataclass
@@ -200,8 +218,9 @@ class Proc:
         try:
             return self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{self.name} did not exit within {timeout:g}s\n--- log tail ---\n"
-                                 f"{self.text()[-3000:]}") from None
+            raise AssertionError(
+                f"{self.name} did not exit within {timeout:g}s\n--- log tail ---\n{self.text()[-3000:]}"
+            ) from None
 
     def stop(self, timeout: float = 5.0) -> int:
         """SIGTERM, then SIGKILL if it has not exited after ``timeout`` seconds; its exit code."""
@@ -233,8 +252,12 @@ class Server(Proc):
 
     def request(self, method: str, path: str, timeout: float = 5.0, token: str | None = None) -> tuple[int, Any]:
         """One REST call (with ``token`` as the bearer token): (HTTP status, decoded JSON body)."""
-        req = urllib.request.Request(self.url + path, method=method, data=b"" if method == "POST" else None,
-                                     headers={"Authorization": f"Bearer {token}"} if token else {})
+        req = urllib.request.Request(
+            self.url + path,
+            method=method,
+            data=b"" if method == "POST" else None,
+            headers={"Authorization": f"Bearer {token}"} if token else {},
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, json.loads(r.read())
@@ -281,8 +304,14 @@ class Server(Proc):
             return False
 
 
-def start_server(tmp: Path, *flags: str, data_dir: Path | str = "none", env: dict[str, str] | None = None,
-                 timeout: float = 20.0, started: list[Proc] | None = None) -> Server:
+def start_server(
+    tmp: Path,
+    *flags: str,
+    data_dir: Path | str = "none",
+    env: dict[str, str] | None = None,
+    timeout: float = 20.0,
+    started: list[Proc] | None = None,
+) -> Server:
     """A real rdzv-server on a free loopback port, in ``tmp`` (its log
     ``tmp/server.log``; ``--data-dir none``: memory only, by default);
     returns once /healthz answers. A server that exits first most likely lost
@@ -291,11 +320,20 @@ def start_server(tmp: Path, *flags: str, data_dir: Path | str = "none", env: dic
     for attempt in range(3):
         name = f"server{attempt}" if attempt else "server"
         port = free_port()
-        argv = [sys.executable, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(port),
-                "--data-dir", str(data_dir), *flags]
+        argv = [
+            sys.executable,
+            "-m",
+            "rdzv_server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+            *flags,
+        ]
         log_path = tmp / f"{name}.log"
-        server = Server(name, spawn(argv, log_path, env if env is not None else clean_env(), tmp), log_path,
-                        port=port)
+        server = Server(name, spawn(argv, log_path, env if env is not None else clean_env(), tmp), log_path, port=port)
         if started is not None:
             started.append(server)
         if wait_healthy(server, timeout):
@@ -313,5 +351,6 @@ def wait_healthy(server: Server, timeout: float) -> bool:
         time.sleep(POLL_S)
     if server.popen.poll() is not None:
         return False
-    raise AssertionError(f"server {server.name} did not answer /healthz on port {server.port} in {timeout:g}s:\n"
-                         f"{server.text()[-3000:]}")
+    raise AssertionError(
+        f"server {server.name} did not answer /healthz on port {server.port} in {timeout:g}s:\n{server.text()[-3000:]}"
+    )

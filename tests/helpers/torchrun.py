@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .cluster import E2E_SCRIPTS, Cluster
 from .procs import Proc, Server
@@ -63,14 +64,32 @@ class Rig(Cluster):
         assert self.server is not None
         return self.server.wait_job(job_id, pred, timeout, what)
 
-    def torchrun(self, name: str, job_id: str, nnodes: str, *worker_args: str, conf: str = "",
-                 script: Path = WORKER, max_restarts: int = 3, env: dict[str, str] | None = None) -> TorchrunProc:
+    def torchrun(
+        self,
+        name: str,
+        job_id: str,
+        nnodes: str,
+        *worker_args: str,
+        conf: str = "",
+        script: Path = WORKER,
+        max_restarts: int = 3,
+        env: dict[str, str] | None = None,
+    ) -> TorchrunProc:
         """``python -m torch.distributed.run --rdzv-backend=rdzv ... SCRIPT WORKER_ARGS``, one worker
         (the default script gets ``--on-collective-error exit`` first)."""
-        argv = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=rdzv",
-                f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={job_id}", f"--nnodes={nnodes}",
-                "--nproc-per-node=1", f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
-                "--local-addr=127.0.0.1"]
+        argv = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--rdzv-backend=rdzv",
+            f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-id={job_id}",
+            f"--nnodes={nnodes}",
+            "--nproc-per-node=1",
+            f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.1",
+            "--local-addr=127.0.0.1",
+        ]
         if conf:
             argv.append(f"--rdzv-conf={conf}")
         if script == WORKER:

@@ -32,7 +32,7 @@ def _assert_aligned(lines: list[str], starts: list[int]) -> None:
     start is a space and the one at it is not (a cell is never empty)."""
     for line in lines:
         for s in starts[1:]:
-            assert line[s - 2:s] == "  " and line[s] != " ", f"misaligned at {s}: {line!r}"
+            assert line[s - 2 : s] == "  " and line[s] != " ", f"misaligned at {s}: {line!r}"
 
 
 def _section(text: str, first_header: str) -> list[str]:
@@ -47,22 +47,49 @@ def _section(text: str, first_header: str) -> list[str]:
     return out
 
 
-def _node(node_id: str, rank: int | None, state: str = "running", host: str = "node1", addr: str = "10.0.0.1",
-          nproc: int = 8, seen: float = 0.25) -> NodeView:
-    return NodeView(node_id=node_id, host=host, addr=addr, state=state, group_rank=rank, local_world_size=nproc,
-                    last_seen_s=seen)
+def _node(
+    node_id: str,
+    rank: int | None,
+    state: str = "running",
+    host: str = "node1",
+    addr: str = "10.0.0.1",
+    nproc: int = 8,
+    seen: float = 0.25,
+) -> NodeView:
+    return NodeView(
+        node_id=node_id, host=host, addr=addr, state=state, group_rank=rank, local_world_size=nproc, last_seen_s=seen
+    )
 
 
 def _round(n: int, reason: str, started: float, formed_ms: float | None, world: int | None) -> RoundView:
-    return RoundView(round=n, reason=reason, started_at=started,
-                     completed_at=None if formed_ms is None else started + formed_ms / 1000,
-                     world_size=world, nodes=None if world is None else world // 8)
+    return RoundView(
+        round=n,
+        reason=reason,
+        started_at=started,
+        completed_at=None if formed_ms is None else started + formed_ms / 1000,
+        world_size=world,
+        nodes=None if world is None else world // 8,
+    )
 
 
 def _job(**kw) -> JobView:
-    base = dict(job_id="exp1", state=JobState.RUNNING, round=0, min_nodes=2, max_nodes=4, world_size=16,
-                restarts=0, max_restarts=3, master_addr="10.0.0.1", master_port=29501, nodes=[], spares=[],
-                waiting_for=None, root_cause=None, history=[])
+    base = dict(
+        job_id="exp1",
+        state=JobState.RUNNING,
+        round=0,
+        min_nodes=2,
+        max_nodes=4,
+        world_size=16,
+        restarts=0,
+        max_restarts=3,
+        master_addr="10.0.0.1",
+        master_port=29501,
+        nodes=[],
+        spares=[],
+        waiting_for=None,
+        root_cause=None,
+        history=[],
+    )
     base.update(kw)
     return JobView(**base)
 
@@ -75,14 +102,43 @@ def test_render_jobs_no_jobs() -> None:
 
 
 def test_render_jobs_one_aligned_row_per_job() -> None:
-    jobs = JobList(jobs=[
-        JobSummary(job_id="exp1", state=JobState.RUNNING, round=2, min_nodes=2, max_nodes=8, nodes=3,
-                   world_size=24, restarts=1, max_restarts=3),
-        JobSummary(job_id="a-much-longer-job-id.v2", state=JobState.WAITING, round=0, min_nodes=4, max_nodes=4,
-                   nodes=1, world_size=0, restarts=0, max_restarts=1000000),
-        JobSummary(job_id="j", state=JobState.SUCCEEDED, round=11, min_nodes=1, max_nodes=1, nodes=0,
-                   world_size=1, restarts=10, max_restarts=10),
-    ])
+    jobs = JobList(
+        jobs=[
+            JobSummary(
+                job_id="exp1",
+                state=JobState.RUNNING,
+                round=2,
+                min_nodes=2,
+                max_nodes=8,
+                nodes=3,
+                world_size=24,
+                restarts=1,
+                max_restarts=3,
+            ),
+            JobSummary(
+                job_id="a-much-longer-job-id.v2",
+                state=JobState.WAITING,
+                round=0,
+                min_nodes=4,
+                max_nodes=4,
+                nodes=1,
+                world_size=0,
+                restarts=0,
+                max_restarts=1000000,
+            ),
+            JobSummary(
+                job_id="j",
+                state=JobState.SUCCEEDED,
+                round=11,
+                min_nodes=1,
+                max_nodes=1,
+                nodes=0,
+                world_size=1,
+                restarts=10,
+                max_restarts=10,
+            ),
+        ]
+    )
     lines = cli.render_jobs(jobs).splitlines()
     assert len(lines) == 4
     names = ["JOB", "STATE", "ROUND", "NODES", "MIN:MAX", "WORLD", "RESTARTS"]
@@ -104,11 +160,15 @@ def test_render_jobs_one_aligned_row_per_job() -> None:
 
 def test_render_job_running_with_nodes_spares_and_history() -> None:
     job = _job(
-        round=1, world_size=16, restarts=1,
-        nodes=[_node("node1-100-aaaaaa", 0, seen=0.04).model_copy(update={"step": 1200, "steps_per_s": 4.5,
-                                                                          "since_progress_s": 0.7,
-                                                                          "straggler": True}),
-               _node("node10-7-bbbbbb", 1, host="node10", addr="10.0.0.10", seen=12.345)],
+        round=1,
+        world_size=16,
+        restarts=1,
+        nodes=[
+            _node("node1-100-aaaaaa", 0, seen=0.04).model_copy(
+                update={"step": 1200, "steps_per_s": 4.5, "since_progress_s": 0.7, "straggler": True}
+            ),
+            _node("node10-7-bbbbbb", 1, host="node10", addr="10.0.0.10", seen=12.345),
+        ],
         spares=[_node("node3-9-cccccc", None, state="spare", host="node3", addr="10.0.0.3", nproc=4, seen=1.0)],
         history=[
             _round(0, "job created", T0, 1234.4, 24),
@@ -146,13 +206,26 @@ def test_render_job_running_with_nodes_spares_and_history() -> None:
 
 
 def test_render_job_forming_shows_what_it_waits_for() -> None:
-    waiting = WaitingInfo(text="1 more node to reach min 2; previous members not back: node2-5-dddddd", joined=1,
-                          min_nodes=2, max_nodes=4, missing=["node2-5-dddddd"])
+    waiting = WaitingInfo(
+        text="1 more node to reach min 2; previous members not back: node2-5-dddddd",
+        joined=1,
+        min_nodes=2,
+        max_nodes=4,
+        missing=["node2-5-dddddd"],
+    )
     job = _job(
-        state=JobState.WAITING, round=2, world_size=0, master_addr=None, master_port=None, waiting_for=waiting,
+        state=JobState.WAITING,
+        round=2,
+        world_size=0,
+        master_addr=None,
+        master_port=None,
+        waiting_for=waiting,
         nodes=[_node("node1-100-aaaaaa", None, state="waiting")],
-        history=[_round(0, "job created", T0, 5.0, 16), _round(1, "scale-up: 1 new node(s) x", T0 + 1, 2.0, 24),
-                 _round(2, "worker failure: ...", T0 + 2, None, None)],
+        history=[
+            _round(0, "job created", T0, 5.0, 16),
+            _round(1, "scale-up: 1 new node(s) x", T0 + 1, 2.0, 24),
+            _round(2, "worker failure: ...", T0 + 2, None, None),
+        ],
     )
     text = cli.render_job(job)
     lines = text.splitlines()
@@ -171,8 +244,14 @@ def test_render_job_forming_shows_what_it_waits_for() -> None:
 
 def test_render_job_failed_names_the_root_cause_and_no_nodes() -> None:
     cause = "node node2-5-dddddd (node2) rank 9 (local rank 1, pid 77) failed with signal SIGKILL (out of memory?)"
-    job = _job(state=JobState.FAILED, restarts=3, root_cause=cause, master_addr=None, master_port=None,
-               history=[_round(0, "job created", T0, 1.0, 16)])
+    job = _job(
+        state=JobState.FAILED,
+        restarts=3,
+        root_cause=cause,
+        master_addr=None,
+        master_port=None,
+        history=[_round(0, "job created", T0, 1.0, 16)],
+    )
     text = cli.render_job(job)
     assert f"root cause: {cause}" in text.splitlines()
     assert "no nodes" in text.splitlines()
@@ -194,8 +273,7 @@ def test_parser_defaults_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.delenv("RDZV_ENDPOINT", raising=False)
     monkeypatch.delenv("RDZV_TOKEN", raising=False)
     args = cli.build_parser().parse_args(["status"])
-    assert (args.endpoint, args.token, args.job, args.json, args.watch) == ("127.0.0.1:29400", None, None, False,
-                                                                            False)
+    assert (args.endpoint, args.token, args.job, args.json, args.watch) == ("127.0.0.1:29400", None, None, False, False)
     monkeypatch.setenv("RDZV_ENDPOINT", "head:1234")
     monkeypatch.setenv("RDZV_TOKEN", "t0k")
     args = cli.build_parser().parse_args(["status", "exp1", "--watch", "--interval", "0.5"])
@@ -217,8 +295,11 @@ def test_a_job_id_that_is_no_id_is_refused_before_any_request(job: str, capsys) 
     """The id goes into the URL path: ``x/close`` or ``a?b`` would name
     another resource. Refused with exit 2, no server needed (port 1)."""
     with pytest.raises(SystemExit) as e:
-        cli.main(["--endpoint", "127.0.0.1:1", "status", job] if job != "-x" else
-                 ["--endpoint", "127.0.0.1:1", "close", "--", job])
+        cli.main(
+            ["--endpoint", "127.0.0.1:1", "status", job]
+            if job != "-x"
+            else ["--endpoint", "127.0.0.1:1", "close", "--", job]
+        )
     err = capsys.readouterr().err
     assert e.value.code == 2, err
     assert err.count("\n") == 1 and "is not a job id" in err

@@ -116,11 +116,19 @@ def test_rdzv_conf_spellings(flag: str) -> None:
     assert (cfg.spec().join_timeout_s, cfg.spec().last_call_s) == (77.0, 3.0)
 
 
-@pytest.mark.parametrize("argv", [
-    ["--rdzv-backend", "c10d"], ["--rdzv_backend", "static"], ["--rdzv-backend", "rdzv"],
-    ["--monitor-interval", "5"], ["--monitor_interval", "5"], ["--start-method", "spawn"],
-    ["--start_method", "fork"], ["--role", "trainer"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--rdzv-backend", "c10d"],
+        ["--rdzv_backend", "static"],
+        ["--rdzv-backend", "rdzv"],
+        ["--monitor-interval", "5"],
+        ["--monitor_interval", "5"],
+        ["--start-method", "spawn"],
+        ["--start_method", "fork"],
+        ["--role", "trainer"],
+    ],
+)
 def test_torchrun_flags_that_mean_nothing_here_are_accepted(argv: list[str]) -> None:
     assert cfg_of(*BASE, *argv).job_id == "j"
 
@@ -132,11 +140,32 @@ def test_another_backend_is_refused(flag: str) -> None:
 
 
 def test_job_settings_flags() -> None:
-    cfg = cfg_of(*BASE, "--nnodes", "2:4", "--last-call", "2", "--heartbeat-timeout", "9", "--join-timeout", "99",
-                 "--scale-up-window", "4", "--stop-timeout", "5", "--server-timeout", "60")
+    cfg = cfg_of(
+        *BASE,
+        "--nnodes",
+        "2:4",
+        "--last-call",
+        "2",
+        "--heartbeat-timeout",
+        "9",
+        "--join-timeout",
+        "99",
+        "--scale-up-window",
+        "4",
+        "--stop-timeout",
+        "5",
+        "--server-timeout",
+        "60",
+    )
     spec = cfg.spec()
-    assert (spec.min_nodes, spec.max_nodes, spec.last_call_s, spec.heartbeat_timeout_s, spec.join_timeout_s,
-            spec.scale_up_window_s) == (2, 4, 2.0, 9.0, 99.0, 4.0)
+    assert (
+        spec.min_nodes,
+        spec.max_nodes,
+        spec.last_call_s,
+        spec.heartbeat_timeout_s,
+        spec.join_timeout_s,
+        spec.scale_up_window_s,
+    ) == (2, 4, 2.0, 9.0, 99.0, 4.0)
     assert (cfg.stop_timeout_s, cfg.server_timeout_s) == (5.0, 60.0)
 
 
@@ -147,20 +176,24 @@ def test_standalone_is_one_node_with_its_own_server() -> None:
 
 # -- the environment: torchrun's PET_* variables (Kubernetes operators set them), then ours
 
-@pytest.mark.parametrize("name, value, field, expected", [
-    ("PET_RDZV_ENDPOINT", "pet:5", "endpoint", "pet:5"),
-    ("RDZV_ENDPOINT", "ours:6", "endpoint", "ours:6"),
-    ("PET_RDZV_ID", "pet-job", "job_id", "pet-job"),
-    ("SLURM_JOB_ID", "12345", "job_id", "12345"),
-    ("PET_NPROC_PER_NODE", "4", "nproc", 4),
-    ("PET_MAX_RESTARTS", "9", "max_restarts", 9),
-    ("PET_NODE_RANK", "1", "node_rank", 1),
-    ("PET_LOCAL_ADDR", "10.9.8.7", "local_addr", "10.9.8.7"),
-    ("PET_LOCAL_RANKS_FILTER", "0", "local_ranks_filter", {0}),
-    ("RDZV_TOKEN", "tok", "token", "tok"),
-    ("RDZV_JOB_SECRET", "sec", "job_secret", "sec"),
-    ("RDZV_SERVER_TIMEOUT", "42", "server_timeout_s", 42.0),
-])
+
+@pytest.mark.parametrize(
+    "name, value, field, expected",
+    [
+        ("PET_RDZV_ENDPOINT", "pet:5", "endpoint", "pet:5"),
+        ("RDZV_ENDPOINT", "ours:6", "endpoint", "ours:6"),
+        ("PET_RDZV_ID", "pet-job", "job_id", "pet-job"),
+        ("SLURM_JOB_ID", "12345", "job_id", "12345"),
+        ("PET_NPROC_PER_NODE", "4", "nproc", 4),
+        ("PET_MAX_RESTARTS", "9", "max_restarts", 9),
+        ("PET_NODE_RANK", "1", "node_rank", 1),
+        ("PET_LOCAL_ADDR", "10.9.8.7", "local_addr", "10.9.8.7"),
+        ("PET_LOCAL_RANKS_FILTER", "0", "local_ranks_filter", {0}),
+        ("RDZV_TOKEN", "tok", "token", "tok"),
+        ("RDZV_JOB_SECRET", "sec", "job_secret", "sec"),
+        ("RDZV_SERVER_TIMEOUT", "42", "server_timeout_s", 42.0),
+    ],
+)
 def test_environment(monkeypatch: pytest.MonkeyPatch, name: str, value: str, field: str, expected) -> None:
     monkeypatch.setenv(name, value)
     argv = [] if field in ("endpoint", "job_id") else BASE
@@ -201,18 +234,21 @@ def test_rdzv_endpoint_beats_pet(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg_of("--job-id", "j").endpoint == "ours:6"
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--job-id", "j"], "no server"),
-    (["--endpoint", "h:1"], "no job id"),
-    ([*BASE, "--nnodes", "3:2"], "MIN <= MAX"),
-    ([*BASE, "--nnodes", "x"], "expected N or MIN:MAX"),
-    ([*BASE, "--nproc-per-node", "0"], "at least 1"),
-    ([*BASE, "--nproc-per-node", "many"], "expected N, gpu, cpu or auto"),
-    ([*BASE, "-m", "--no-python"], "do not go together"),
-    ([*BASE, "--rdzv-conf", "oops"], "expected key=value"),
-    ([*BASE, "--server-timeout", "0"], "positive number"),
-    (["--endpoint", "h:1", "--job-id", "a/b"], "--job-id"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--job-id", "j"], "no server"),
+        (["--endpoint", "h:1"], "no job id"),
+        ([*BASE, "--nnodes", "3:2"], "MIN <= MAX"),
+        ([*BASE, "--nnodes", "x"], "expected N or MIN:MAX"),
+        ([*BASE, "--nproc-per-node", "0"], "at least 1"),
+        ([*BASE, "--nproc-per-node", "many"], "expected N, gpu, cpu or auto"),
+        ([*BASE, "-m", "--no-python"], "do not go together"),
+        ([*BASE, "--rdzv-conf", "oops"], "expected key=value"),
+        ([*BASE, "--server-timeout", "0"], "positive number"),
+        (["--endpoint", "h:1", "--job-id", "a/b"], "--job-id"),
+    ],
+)
 def test_bad_flags_are_usage_errors(argv: list[str], match: str) -> None:
     with pytest.raises(UsageError, match=match):
         cfg_of(*argv)

@@ -40,8 +40,10 @@ def test_clock_check_against_an_unreachable_server() -> None:
 
 
 def test_module_runs_without_torch_and_says_one_line(tmp_path: Path) -> None:
-    code = ("import sys; sys.modules['torch'] = None; sys.argv = ['h', '--log-dir', %r, '--min-free-disk', '1'];"
-            "import runpy; runpy.run_module('rdzv_client.health', run_name='__main__')" % str(tmp_path))
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.argv = ['h', '--log-dir', %r, '--min-free-disk', '1'];"
+        "import runpy; runpy.run_module('rdzv_client.health', run_name='__main__')" % str(tmp_path)
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "health check passed", out
     code = code.replace("'1']", "str(2**62)]")

@@ -35,14 +35,17 @@ def test_spec_refuses_min_above_max():
         JobSpec(min_nodes=5, max_nodes=2)
 
 
-@pytest.mark.parametrize("frame", [
-    '{"op":"join"}',
-    '{"op":"nope"}',
-    '{"op":"hb","extra":1}',
-    '{"op":"failed","round":-1,"failures":[]}',
-    '[]',
-    'not json',
-])
+@pytest.mark.parametrize(
+    "frame",
+    [
+        '{"op":"join"}',
+        '{"op":"nope"}',
+        '{"op":"hb","extra":1}',
+        '{"op":"failed","round":-1,"failures":[]}',
+        "[]",
+        "not json",
+    ],
+)
 def test_bad_agent_frames_are_refused(frame):
     """Unknown ops, unknown fields, negative rounds and junk do not parse."""
     with pytest.raises(ValidationError):
@@ -76,10 +79,17 @@ def test_error_tree_names_every_error_class_and_protocol_reexports_them():
 
     from rdzv_server import errors, protocol, store
 
-    classes = {c for m in (errors, store) for _, c in inspect.getmembers(m, inspect.isclass)
-               if issubclass(c, errors.RdzvError)}
-    assert {c.__name__ for c in classes} >= {"RdzvError", "RequestError", "JobNotFinishedError",
-                                             "NodeSecretMismatchError", "JobSecretMismatchError", "DataDirError"}
+    classes = {
+        c for m in (errors, store) for _, c in inspect.getmembers(m, inspect.isclass) if issubclass(c, errors.RdzvError)
+    }
+    assert {c.__name__ for c in classes} >= {
+        "RdzvError",
+        "RequestError",
+        "JobNotFinishedError",
+        "NodeSecretMismatchError",
+        "JobSecretMismatchError",
+        "DataDirError",
+    }
     tree = errors.__doc__.split("::", 1)[1]
     for c in classes:
         assert f"+-- {c.__name__} " in tree or tree.lstrip().startswith(c.__name__ + " "), c.__name__

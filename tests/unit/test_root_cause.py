@@ -59,14 +59,23 @@ def test_lines_after_the_traceback_do_not_hide_it() -> None:
 
 def test_traceback_whose_header_scrolled_out_of_the_tail() -> None:
     # only the last frames of a deep traceback are kept
-    lines = ['  File "x.py", line 7, in f7', "    f8()", '  File "x.py", line 8, in f8',
-             "    raise KeyError('lr')", "KeyError: 'lr'"]
+    lines = [
+        '  File "x.py", line 7, in f7',
+        "    f8()",
+        '  File "x.py", line 8, in f8',
+        "    raise KeyError('lr')",
+        "KeyError: 'lr'",
+    ]
     assert root_cause_line(lines) == "KeyError: 'lr'"
 
 
 def test_multi_line_exception_message_gives_its_first_line() -> None:
-    lines = ["Traceback (most recent call last):", '  File "t.py", line 1, in <module>',
-             "ValueError: first line", "second line of the message"]
+    lines = [
+        "Traceback (most recent call last):",
+        '  File "t.py", line 1, in <module>',
+        "ValueError: first line",
+        "second line of the message",
+    ]
     assert root_cause_line(lines) == "ValueError: first line"
 
 
@@ -76,8 +85,19 @@ def test_no_traceback_gives_the_last_line() -> None:
 
 
 def _group(code: str, tmp_path: Path) -> WorkerGroup:
-    a = Assignment(job_id="job1", round=0, group_rank=0, group_world_size=1, local_world_size=1, rank_offset=0,
-                   world_size=1, master_addr="127.0.0.1", master_port=29555, max_restarts=0, restarts=0)
+    a = Assignment(
+        job_id="job1",
+        round=0,
+        group_rank=0,
+        group_world_size=1,
+        local_world_size=1,
+        rank_offset=0,
+        world_size=1,
+        master_addr="127.0.0.1",
+        master_port=29555,
+        max_restarts=0,
+        restarts=0,
+    )
     env = worker_env(os.environ, a, 0, "job1", str(error_file_path(tmp_path / "errors", 0, 0)))
     env["CODE"] = textwrap.dedent(code)
     env["PYTHONWARNINGS"] = "default"
@@ -107,6 +127,7 @@ async def test_real_worker_traceback_reaches_the_exit_record_as_the_error(tmp_pa
     assert info.message.splitlines()[0] == "ValueError: bad lr", info.message
     assert "Traceback (most recent call last):" in info.message  # the tail is still there
     assert describe(info).endswith(": ValueError: bad lr")
-    rec = ExitRecord(local_rank=0, rank=0, pid=info.pid, exit_code=info.exit_code, message=info.message,
-                     timestamp=time.time())
+    rec = ExitRecord(
+        local_rank=0, rank=0, pid=info.pid, exit_code=info.exit_code, message=info.message, timestamp=time.time()
+    )
     assert rec.describe().endswith("failed with exit code 1: ValueError: bad lr"), rec.describe()

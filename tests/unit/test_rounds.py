@@ -24,8 +24,15 @@ from rdzv_server.protocol import (
     StaleRoundError,
 )
 
-BASE = dict(min_nodes=2, max_nodes=4, max_restarts=2, last_call_s=1.0, heartbeat_timeout_s=6.0,
-            join_timeout_s=60.0, scale_up_window_s=0.5)
+BASE = dict(
+    min_nodes=2,
+    max_nodes=4,
+    max_restarts=2,
+    last_call_s=1.0,
+    heartbeat_timeout_s=6.0,
+    join_timeout_s=60.0,
+    scale_up_window_s=0.5,
+)
 EXIT = ExitRecord(local_rank=1, rank=3, pid=4242, exit_code=7, message="boom")
 
 
@@ -33,11 +40,28 @@ def spec(**kw) -> JobSpec:
     return JobSpec(**{**BASE, **kw})
 
 
-def join_msg(node_id: str, host: str | None = None, *, sp: JobSpec | None = None, lws: int = 1,
-             rank: int | None = None, resume: int | None = None, port: int = 29500) -> JoinMsg:
+def join_msg(
+    node_id: str,
+    host: str | None = None,
+    *,
+    sp: JobSpec | None = None,
+    lws: int = 1,
+    rank: int | None = None,
+    resume: int | None = None,
+    port: int = 29500,
+) -> JoinMsg:
     host = host or node_id
-    return JoinMsg(job_id="j", node_id=node_id, host=host, addr=f"{host}.addr", local_world_size=lws,
-                   master_port=port, spec=sp or spec(), requested_rank=rank, resume_round=resume)
+    return JoinMsg(
+        job_id="j",
+        node_id=node_id,
+        host=host,
+        addr=f"{host}.addr",
+        local_world_size=lws,
+        master_port=port,
+        spec=sp or spec(),
+        requested_rank=rank,
+        resume_round=resume,
+    )
 
 
 def sent(fx: rounds.Effects, kind: type) -> dict:
@@ -141,11 +165,14 @@ def test_nodes_beyond_max_are_spares():
 # --------------------------------------------------------------- stable ranks
 
 
-@pytest.mark.parametrize("joins, expected", [
-    ([("x", "node10"), ("y", "node2"), ("z", "node1")], ["z", "y", "x"]),
-    ([("b", "h1"), ("a", "h1"), ("c", "h0")], ["c", "a", "b"]),
-    ([("n1", "Rack2-Node10"), ("n2", "rack2-node9"), ("n3", "rack10-node1")], ["n2", "n1", "n3"]),
-])
+@pytest.mark.parametrize(
+    "joins, expected",
+    [
+        ([("x", "node10"), ("y", "node2"), ("z", "node1")], ["z", "y", "x"]),
+        ([("b", "h1"), ("a", "h1"), ("c", "h0")], ["c", "a", "b"]),
+        ([("n1", "Rack2-Node10"), ("n2", "rack2-node9"), ("n3", "rack10-node1")], ["n2", "n1", "n3"]),
+    ],
+)
 def test_new_nodes_get_natural_host_order_then_node_id(joins, expected):
     """New nodes are ranked by natural host order (node2 before node10), then node id."""
     sp = spec(min_nodes=1, max_nodes=len(joins))
@@ -156,13 +183,16 @@ def test_new_nodes_get_natural_host_order_then_node_id(joins, expected):
     assert [job.nodes[n].group_rank for n in expected] == list(range(len(expected)))
 
 
-@pytest.mark.parametrize("requests, expected", [
-    ({"c": 0}, ["c", "a", "b"]),
-    ({"a": 2}, ["b", "c", "a"]),
-    ({"c": 3}, ["a", "b", "c"]),  # not smaller than the world: ignored
-    ({"b": 0, "c": 0}, ["b", "a", "c"]),  # taken: the second one falls back to order
-    ({"a": 1, "b": 0}, ["b", "a", "c"]),
-])
+@pytest.mark.parametrize(
+    "requests, expected",
+    [
+        ({"c": 0}, ["c", "a", "b"]),
+        ({"a": 2}, ["b", "c", "a"]),
+        ({"c": 3}, ["a", "b", "c"]),  # not smaller than the world: ignored
+        ({"b": 0, "c": 0}, ["b", "a", "c"]),  # taken: the second one falls back to order
+        ({"a": 1, "b": 0}, ["b", "a", "c"]),
+    ],
+)
 def test_requested_rank_is_honoured_when_free_and_below_world(requests, expected):
     """A requested rank is given when free and < world; the others fill the gaps in order."""
     sp = spec(min_nodes=1, max_nodes=3)
@@ -204,10 +234,14 @@ def test_ranks_and_prefix_sums_for_heterogeneous_local_world_sizes():
     for nid, lws in [("node1", 8), ("node2", 2), ("node3", 4)]:
         fx.merge(rounds.join(job, join_msg(nid, sp=sp, lws=lws, port=30000 + lws), 0.0))
     got = {nid: m.assignment for nid, m in sent(fx, AssignedMsg).items()}
-    assert [(got[n].group_rank, got[n].rank_offset, got[n].local_world_size) for n in ["node1", "node2", "node3"]] \
-        == [(0, 0, 8), (1, 8, 2), (2, 10, 4)]
-    assert {(a.world_size, a.group_world_size, a.master_addr, a.master_port) for a in got.values()} \
-        == {(14, 3, "node1.addr", 30008)}
+    assert [(got[n].group_rank, got[n].rank_offset, got[n].local_world_size) for n in ["node1", "node2", "node3"]] == [
+        (0, 0, 8),
+        (1, 8, 2),
+        (2, 10, 4),
+    ]
+    assert {(a.world_size, a.group_world_size, a.master_addr, a.master_port) for a in got.values()} == {
+        (14, 3, "node1.addr", 30008)
+    }
 
 
 # ----------------------------------------------------------- re-formed rounds
@@ -289,11 +323,16 @@ def test_scale_up_batches_arrivals_into_one_round():
 # ------------------------------------------------------------ restart budget
 
 
-@pytest.mark.parametrize("record_, words", [
-    (EXIT, ["node b (b)", "rank 3", "exit code 7", "boom"]),
-    (ExitRecord(local_rank=0, rank=1, pid=9, signal="SIGKILL"), ["node b (b)", "rank 1", "signal SIGKILL",
-                                                                  "out of memory?"]),
-])
+@pytest.mark.parametrize(
+    "record_, words",
+    [
+        (EXIT, ["node b (b)", "rank 3", "exit code 7", "boom"]),
+        (
+            ExitRecord(local_rank=0, rank=1, pid=9, signal="SIGKILL"),
+            ["node b (b)", "rank 1", "signal SIGKILL", "out of memory?"],
+        ),
+    ],
+)
 def test_failures_spend_the_restart_budget_then_fail_the_job(record_, words):
     """Each failure costs a restart; the one after max_restarts fails the job naming the root cause."""
     job = form(["a", "b"], spec(min_nodes=1, max_restarts=2))
@@ -407,8 +446,9 @@ def test_job_succeeds_when_every_member_succeeded():
         assert job.state == JobState.RUNNING and not fx.sends
     fx = rounds.succeed(job, "d", 1, 3.0)
     assert job.state == JobState.SUCCEEDED
-    assert sent(fx, DoneMsg) == {n: DoneMsg(state="succeeded", reason="all 4 nodes of round 1 succeeded")
-                                 for n in ["a", "b", "c", "d"]}
+    assert sent(fx, DoneMsg) == {
+        n: DoneMsg(state="succeeded", reason="all 4 nodes of round 1 succeeded") for n in ["a", "b", "c", "d"]
+    }
 
 
 def test_a_succeeded_node_that_goes_away_opens_no_round():
@@ -428,6 +468,7 @@ def test_a_succeeded_node_that_goes_away_opens_no_round():
 @pytest.mark.parametrize("op", ["fail", "succeed"])
 def test_stale_reports_are_refused_and_change_nothing(op):
     """A failure or success report naming an old round (or a forming one) is refused, changing nothing."""
+
     def report(job, round_no):
         if op == "fail":
             return rounds.fail(job, "a", round_no, [EXIT], 5.0)

@@ -8,14 +8,22 @@ from rdzv_server import rounds
 from rdzv_server.hosts import HostRules, Hosts
 from rdzv_server.protocol import AssignedMsg, ExitRecord, JobSpec, JoinMsg, RestartMsg, SpareMsg
 
-SPEC = JobSpec(min_nodes=2, max_nodes=2, max_restarts=5, last_call_s=1.0, heartbeat_timeout_s=6.0,
-               join_timeout_s=60.0, scale_up_window_s=0.5)
+SPEC = JobSpec(
+    min_nodes=2,
+    max_nodes=2,
+    max_restarts=5,
+    last_call_s=1.0,
+    heartbeat_timeout_s=6.0,
+    join_timeout_s=60.0,
+    scale_up_window_s=0.5,
+)
 EXIT = [ExitRecord(local_rank=0, rank=0, pid=1, exit_code=1, message="boom")]
 
 
 def join(node_id: str, spec: JobSpec = SPEC) -> JoinMsg:
-    return JoinMsg(job_id="j", node_id=node_id, host=node_id, addr="10.0.0.1", local_world_size=1,
-                   master_port=29500, spec=spec)
+    return JoinMsg(
+        job_id="j", node_id=node_id, host=node_id, addr="10.0.0.1", local_world_size=1, master_port=29500, spec=spec
+    )
 
 
 def job_with(hosts: Hosts, spec: JobSpec = SPEC) -> rounds.Job:

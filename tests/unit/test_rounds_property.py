@@ -25,7 +25,18 @@ from rdzv_server.protocol import (
 # requested ranks clash.
 NODES = {f"n{i}": host for i, host in enumerate(["node10", "node2", "node1", "node2", "gpu-a", "node03"])}
 NODE_IDS = sorted(NODES)
-STEPS = [0.05, 0.3, 0.3, 1.0, 1.0, 1.0, 2.5, 2.5, 7.0, 40.0]  # mostly small; 7 s loses silent nodes, 40 s times joins out
+STEPS = [
+    0.05,
+    0.3,
+    0.3,
+    1.0,
+    1.0,
+    1.0,
+    2.5,
+    2.5,
+    7.0,
+    40.0,
+]  # mostly small; 7 s loses silent nodes, 40 s times joins out
 
 node_ids = st.sampled_from(NODE_IDS)
 exit_records = st.builds(
@@ -48,8 +59,15 @@ class RoundsMachine(RuleBasedStateMachine):
 
     @initialize(min_nodes=st.integers(1, 3), extra=st.integers(0, 2), max_restarts=st.integers(0, 5))
     def create(self, min_nodes, extra, max_restarts):
-        self.spec = JobSpec(min_nodes=min_nodes, max_nodes=min_nodes + extra, max_restarts=max_restarts,
-                            last_call_s=1.0, heartbeat_timeout_s=6.0, join_timeout_s=30.0, scale_up_window_s=0.5)
+        self.spec = JobSpec(
+            min_nodes=min_nodes,
+            max_nodes=min_nodes + extra,
+            max_restarts=max_restarts,
+            last_call_s=1.0,
+            heartbeat_timeout_s=6.0,
+            join_timeout_s=30.0,
+            scale_up_window_s=0.5,
+        )
         self.now = 0.0
         self._new_job()
 
@@ -87,26 +105,51 @@ class RoundsMachine(RuleBasedStateMachine):
             return self.job.order[pick % len(self.job.order)]
         return NODE_IDS[pick % len(NODE_IDS)]
 
-    @rule(joins=st.lists(st.tuples(node_ids, st.sampled_from([1, 2, 8]), st.one_of(st.none(), st.integers(0, 4)),
-                                   st.sampled_from([None] * 4 + [0, -1])), min_size=1, max_size=4))
+    @rule(
+        joins=st.lists(
+            st.tuples(
+                node_ids,
+                st.sampled_from([1, 2, 8]),
+                st.one_of(st.none(), st.integers(0, 4)),
+                st.sampled_from([None] * 4 + [0, -1]),
+            ),
+            min_size=1,
+            max_size=4,
+        )
+    )
     def join(self, joins):
         """One to four nodes join (or, with a resume round, reconnect)."""
         for nid, lws, rank, resume in joins:
             resume_round = None if resume is None else max(0, self.job.round + resume)
             host = NODES[nid]
-            msg = JoinMsg(job_id="j", node_id=nid, host=host, addr=f"{host}.addr", local_world_size=lws,
-                          master_port=20000 + NODE_IDS.index(nid), spec=self.spec, requested_rank=rank,
-                          resume_round=resume_round)
+            msg = JoinMsg(
+                job_id="j",
+                node_id=nid,
+                host=host,
+                addr=f"{host}.addr",
+                local_world_size=lws,
+                master_port=20000 + NODE_IDS.index(nid),
+                spec=self.spec,
+                requested_rank=rank,
+                resume_round=resume_round,
+            )
             self._apply(rounds.join, msg, self.now)
 
     @rule(keep_rank=st.booleans(), resume=st.booleans())
     def rejoin_after_restart(self, keep_rank, resume):
         """Agents told to restart rejoin, as real agents do at once (plainly, or by resuming their old round)."""
         for node in [n for n in self.job.nodes.values() if n.state == rounds.REJOINING]:
-            msg = JoinMsg(job_id="j", node_id=node.node_id, host=node.host, addr=node.addr,
-                          local_world_size=node.local_world_size, master_port=node.master_port, spec=self.spec,
-                          requested_rank=node.requested_rank if keep_rank else None,
-                          resume_round=self.job.round - 1 if resume else None)
+            msg = JoinMsg(
+                job_id="j",
+                node_id=node.node_id,
+                host=node.host,
+                addr=node.addr,
+                local_world_size=node.local_world_size,
+                master_port=node.master_port,
+                spec=self.spec,
+                requested_rank=node.requested_rank if keep_rank else None,
+                resume_round=self.job.round - 1 if resume else None,
+            )
             self._apply(rounds.join, msg, self.now)
 
     @rule(nid=node_ids, grace_s=st.sampled_from([0.5, 3.0]), coin=st.integers(0, 2))
@@ -131,8 +174,12 @@ class RoundsMachine(RuleBasedStateMachine):
     tick_more = tick
     rejoin_more = rejoin_after_restart
 
-    @rule(pick=st.integers(0, 9), offset=st.sampled_from([0, 0, -1, 1]),
-          failures=st.lists(exit_records, min_size=1, max_size=3), coin=st.integers(0, 2))
+    @rule(
+        pick=st.integers(0, 9),
+        offset=st.sampled_from([0, 0, -1, 1]),
+        failures=st.lists(exit_records, min_size=1, max_size=3),
+        coin=st.integers(0, 2),
+    )
     def fail(self, pick, offset, failures, coin):
         if coin == 1:
             self._apply(rounds.fail, self._pick(pick), max(0, self.job.round + offset), failures, self.now)
@@ -230,8 +277,9 @@ class RoundsMachine(RuleBasedStateMachine):
         assert _count(job, rounds.REJOINING) == 0, "a running job still waits for a previous member"
         # A member that succeeded and left may come back under the same id as a
         # new node: members are the nodes that run or succeeded.
-        members = sorted((n for n in job.nodes.values() if n.state in (rounds.RUNNING, rounds.SUCCEEDED)),
-                         key=lambda n: n.group_rank)
+        members = sorted(
+            (n for n in job.nodes.values() if n.state in (rounds.RUNNING, rounds.SUCCEEDED)), key=lambda n: n.group_rank
+        )
         for m in members:
             assert job.order[m.group_rank] == m.node_id, f"{m.node_id} holds rank {m.group_rank} of {job.order}"
         for n in job.nodes.values():
@@ -278,8 +326,14 @@ def _count(job: rounds.Job, state: str) -> int:
 # No "explain" phase: its line tracing makes shrinking a 40-step failure take
 # minutes; the shrunk steps and the seed are what one needs.
 PHASES = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink]
-RoundsMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None,
-                                           derandomize=False, phases=PHASES, report_multiple_bugs=False)
+RoundsMachine.TestCase.settings = settings(
+    max_examples=200,
+    stateful_step_count=40,
+    deadline=None,
+    derandomize=False,
+    phases=PHASES,
+    report_multiple_bugs=False,
+)
 # Passing takes seconds; a failure's shrinking may take a minute or two.
 TestRounds = pytest.mark.timeout(300)(RoundsMachine.TestCase)
 
@@ -288,14 +342,18 @@ TestRounds = pytest.mark.timeout(300)(RoundsMachine.TestCase)
 
 
 def _node(nid: str, host: str, rank: int | None) -> rounds.Node:
-    return rounds.Node(node_id=nid, host=host, addr=host, local_world_size=1, master_port=1,
-                       requested_rank=rank, last_seen=0.0)
+    return rounds.Node(
+        node_id=nid, host=host, addr=host, local_world_size=1, master_port=1, requested_rank=rank, last_seen=0.0
+    )
 
 
 @settings(max_examples=200, deadline=None, phases=PHASES)
 @given(
-    pool=st.lists(st.tuples(st.sampled_from(["node1", "node2", "node10", "gpu3"]), st.one_of(st.none(), st.integers(0, 6))),
-                  min_size=1, max_size=8),
+    pool=st.lists(
+        st.tuples(st.sampled_from(["node1", "node2", "node10", "gpu3"]), st.one_of(st.none(), st.integers(0, 6))),
+        min_size=1,
+        max_size=8,
+    ),
     prev_size=st.integers(0, 8),
     world=st.integers(1, 8),
 )

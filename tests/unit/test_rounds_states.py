@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from test_rounds import form, join_msg, live_counts, record, sent, spec
 
 from rdzv_server import rounds
 from rdzv_server.protocol import (
@@ -22,8 +23,6 @@ from rdzv_server.protocol import (
 )
 from rdzv_server.rounds import NodeState
 
-from test_rounds import form, join_msg, live_counts, record, sent, spec
-
 EXIT = ExitRecord(local_rank=0, rank=0, pid=1, exit_code=1)
 OLD_RECORDS = Path(__file__).parent / "data" / "rounds_records_v0.json"
 
@@ -34,12 +33,13 @@ OLD_RECORDS = Path(__file__).parent / "data" / "rounds_records_v0.json"
 def test_state_values_are_the_strings_records_store():
     """Persisted records hold the state as a string: the enum's values are those strings."""
     assert [s.value for s in NodeState] == ["waiting", "rejoining", "running", "succeeded", "spare"]
-    assert (rounds.WAITING, rounds.REJOINING, rounds.RUNNING, rounds.SUCCEEDED, rounds.SPARE) == tuple(NodeState)
+    assert tuple(NodeState) == (rounds.WAITING, rounds.REJOINING, rounds.RUNNING, rounds.SUCCEEDED, rounds.SPARE)
 
 
 def _pair(job: rounds.Job, state: NodeState | None) -> rounds.Node:
-    node = rounds.Node(node_id="x", host="x", addr="x", local_world_size=1, master_port=1, requested_rank=None,
-                       last_seen=0.0)
+    node = rounds.Node(
+        node_id="x", host="x", addr="x", local_world_size=1, master_port=1, requested_rank=None, last_seen=0.0
+    )
     job.nodes["x"] = node
     if state is not None:  # set up directly: the path there is not under test
         node.state, job.counts[state] = state, 1
@@ -57,8 +57,12 @@ def test_every_allowed_transition_keeps_counts(frm, to):
         assert node.state is to and live_counts(job) == {to: 1}
 
 
-ILLEGAL = [(f, t) for f in [None, *NodeState] for t in [*NodeState, None]
-           if t not in rounds.TRANSITIONS.get(f, ()) and not (f is None and t is None)]
+ILLEGAL = [
+    (f, t)
+    for f in [None, *NodeState]
+    for t in [*NodeState, None]
+    if t not in rounds.TRANSITIONS.get(f, ()) and not (f is None and t is None)
+]
 
 
 def test_the_table_forbids_what_the_machine_never_does():
@@ -170,8 +174,11 @@ def test_a_record_saved_by_the_old_code_loads(index):
     old = json.loads(OLD_RECORDS.read_text())[index]
     job = rounds.from_record(old)
     assert all(type(n.state) is NodeState for n in job.nodes.values())
-    assert live_counts(job) == {s: sum(1 for n in old["nodes"] if n["state"] == s.value) for s in NodeState
-                                if any(n["state"] == s.value for n in old["nodes"])}
+    assert live_counts(job) == {
+        s: sum(1 for n in old["nodes"] if n["state"] == s.value)
+        for s in NodeState
+        if any(n["state"] == s.value for n in old["nodes"])
+    }
     assert record(job) == old
     rounds.view(job, 200.0)
     rounds.tick(job, 101.0)  # and the machine runs on from it

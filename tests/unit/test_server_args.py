@@ -8,10 +8,22 @@ import pytest
 from rdzv_server.__main__ import UsageError, auth_note, bind_host, build_parser, is_loopback
 
 
-@pytest.mark.parametrize("host, loopback", [
-    ("127.0.0.1", True), ("127.1.2.3", True), ("::1", True), ("localhost", True), ("LOCALHOST", True),
-    ("0.0.0.0", False), ("::", False), ("", False), ("10.0.0.1", False), ("head", False), ("fe80::1%eth0", False),
-])
+@pytest.mark.parametrize(
+    "host, loopback",
+    [
+        ("127.0.0.1", True),
+        ("127.1.2.3", True),
+        ("::1", True),
+        ("localhost", True),
+        ("LOCALHOST", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("", False),
+        ("10.0.0.1", False),
+        ("head", False),
+        ("fe80::1%eth0", False),
+    ],
+)
 def test_is_loopback(host, loopback):
     assert is_loopback(host) is loopback
 

@@ -12,8 +12,19 @@ import pytest
 from rdzv_client.session import OUTAGE_LOG_EVERY_S, NodeSession, OutageWatch, host_label, new_node_id
 from rdzv_server.protocol import Assignment, ExitRecord, FailedMsg, JobSpec, JoinMsg, LeaveMsg, SucceededMsg
 
-A = Assignment(job_id="j", round=3, group_rank=0, group_world_size=1, local_world_size=2, rank_offset=0,
-               world_size=2, master_addr="127.0.0.1", master_port=29555, max_restarts=3, restarts=0)
+A = Assignment(
+    job_id="j",
+    round=3,
+    group_rank=0,
+    group_world_size=1,
+    local_world_size=2,
+    rank_offset=0,
+    world_size=2,
+    master_addr="127.0.0.1",
+    master_port=29555,
+    max_restarts=3,
+    restarts=0,
+)
 
 
 class RecordingLink:
@@ -36,8 +47,15 @@ class RecordingLink:
 
 @pytest.fixture
 def session() -> NodeSession:
-    s = NodeSession(job_id="j", host="host a", nproc=2, spec=JobSpec(min_nodes=1, max_nodes=2), addr="127.0.0.1",
-                    job_secret="s3cret", requested_rank=1)
+    s = NodeSession(
+        job_id="j",
+        host="host a",
+        nproc=2,
+        spec=JobSpec(min_nodes=1, max_nodes=2),
+        addr="127.0.0.1",
+        job_secret="s3cret",
+        requested_rank=1,
+    )
     s.link = RecordingLink()
     return s
 
@@ -45,16 +63,21 @@ def session() -> NodeSession:
 def test_join_builds_a_fresh_join_and_forgets_the_round(session: NodeSession) -> None:
     session.assignment = A
     session.join()
-    (msg, send), = session.link.intents
+    ((msg, send),) = session.link.intents
     assert send is True and session.assignment is None
     assert (msg.job_id, msg.node_id, msg.host, msg.local_world_size, msg.requested_rank) == (
-        "j", session.node_id, "host-a", 2, 1)
+        "j",
+        session.node_id,
+        "host-a",
+        2,
+        1,
+    )
     assert msg.resume_round is None and msg.job_secret == "s3cret" and 0 < msg.master_port < 65536
 
 
 def test_resume_keeps_the_round_and_its_master_port_without_sending(session: NodeSession) -> None:
     session.resume(A)
-    (msg, send), = session.link.intents
+    ((msg, send),) = session.link.intents
     assert send is False and session.assignment is A
     assert (msg.resume_round, msg.master_port) == (3, 29555)
 
@@ -64,7 +87,7 @@ def test_eviction_is_a_new_node_whose_old_reports_are_dropped(session: NodeSessi
     session.report_succeeded(3)
     session.evicted()
     assert session.node_id != old and session.link.cleared == 1 and session.link.reports == []
-    (msg, send), = session.link.intents
+    ((msg, send),) = session.link.intents
     assert msg.node_id == session.node_id and msg.node_secret is None and send is True
 
 

@@ -25,8 +25,9 @@ class Recorder:
 
 
 def join(job_id: str, node_id: str, spec: JobSpec) -> JoinMsg:
-    return JoinMsg(job_id=job_id, node_id=node_id, host=node_id, addr="10.0.0.1", local_world_size=1,
-                   master_port=29500, spec=spec)
+    return JoinMsg(
+        job_id=job_id, node_id=node_id, host=node_id, addr="10.0.0.1", local_world_size=1, master_port=29500, spec=spec
+    )
 
 
 def make_store(clock: list[float]) -> Store:

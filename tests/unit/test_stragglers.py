@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from test_rounds import form
+
 from rdzv_server import rounds
 from rdzv_server.rounds.progress import STRAGGLER_WINDOW_S
 from rdzv_server.rounds.views import view
-
-from test_rounds import form
 
 
 def _beat(job: rounds.Job, rates: dict[str, float], now: float) -> list[str]:

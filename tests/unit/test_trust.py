@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_rounds import EXIT, form, join_msg, record, sent, spec
 
 from rdzv_server import rounds
 from rdzv_server.protocol import (
@@ -18,8 +19,6 @@ from rdzv_server.protocol import (
     SpecMismatchError,
     StaleRoundError,
 )
-
-from test_rounds import EXIT, form, join_msg, record, sent, spec
 
 
 def _join(job, node_id, now, *, issue=None, **kw):
@@ -95,8 +94,13 @@ def test_a_node_without_a_secret_hash_is_not_checked():
 # --------------------------------------------------------------- job spec
 
 
-SPEC_CHANGES = {"max_restarts": 0, "last_call_s": 30.0, "heartbeat_timeout_s": 15.0, "join_timeout_s": 5.0,
-                "scale_up_window_s": 2.0}
+SPEC_CHANGES = {
+    "max_restarts": 0,
+    "last_call_s": 30.0,
+    "heartbeat_timeout_s": 15.0,
+    "join_timeout_s": 5.0,
+    "scale_up_window_s": 2.0,
+}
 
 
 @pytest.mark.parametrize(("field", "value"), SPEC_CHANGES.items(), ids=SPEC_CHANGES.keys())
@@ -222,17 +226,22 @@ def test_a_failure_signal_and_message_reach_logs_and_root_cause_escaped():
         _one_line(line)
 
 
-
 # ------------------------------------------------------------- the agent side
 
 
 def test_worker_env_withholds_the_agents_credentials():
     """RDZV_TOKEN and RDZV_JOB_SECRET in the agent's environment never reach a worker's."""
-    from rdzv_client.workers import worker_env
     from test_workers import assignment
 
-    env = worker_env({"RDZV_TOKEN": "t", "RDZV_JOB_SECRET": "s", "RDZV_ENDPOINT": "h:1", "HOME": "/h"},
-                     assignment(), 0, "job1", "/tmp/err.json")
+    from rdzv_client.workers import worker_env
+
+    env = worker_env(
+        {"RDZV_TOKEN": "t", "RDZV_JOB_SECRET": "s", "RDZV_ENDPOINT": "h:1", "HOME": "/h"},
+        assignment(),
+        0,
+        "job1",
+        "/tmp/err.json",
+    )
     assert "RDZV_TOKEN" not in env and "RDZV_JOB_SECRET" not in env
     assert (env["RDZV_ENDPOINT"], env["HOME"]) == ("h:1", "/h")  # the rest is kept
 

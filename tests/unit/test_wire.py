@@ -72,10 +72,26 @@ def test_a_refused_spec_names_the_field() -> None:
 def test_join_fields_is_joinmsg_field_for_field() -> None:
     spec = check_spec(min_nodes=1, max_nodes=4, max_restarts=0, last_call_s=2, join_timeout_s=30)
     for extra in ({}, {"requested_rank": 3, "resume_round": 7, "node_secret": "n s", "job_secret": "j"}):
-        plain = join_fields(job_id="job-1", node_id="h-1-abc", host="h", addr="127.0.0.1", local_world_size=8,
-                            master_port=29500, spec=spec, **extra)
-        model = JoinMsg(job_id="job-1", node_id="h-1-abc", host="h", addr="127.0.0.1", local_world_size=8,
-                        master_port=29500, spec=JobSpec(**spec), **extra)
+        plain = join_fields(
+            job_id="job-1",
+            node_id="h-1-abc",
+            host="h",
+            addr="127.0.0.1",
+            local_world_size=8,
+            master_port=29500,
+            spec=spec,
+            **extra,
+        )
+        model = JoinMsg(
+            job_id="job-1",
+            node_id="h-1-abc",
+            host="h",
+            addr="127.0.0.1",
+            local_world_size=8,
+            master_port=29500,
+            spec=JobSpec(**spec),
+            **extra,
+        )
         # the same bytes as pydantic writes, and the server reads it back as the same message
         assert json.dumps(plain, separators=(",", ":"), ensure_ascii=False) == model.model_dump_json()
         assert JoinMsg.model_validate_json(json.dumps(plain)) == model
@@ -83,11 +99,36 @@ def test_join_fields_is_joinmsg_field_for_field() -> None:
 
 def test_the_agents_first_join_is_a_valid_joinmsg() -> None:
     """From flags to the frame: what the agent sends is what JoinMsg takes."""
-    cfg = config_from_args(build_parser().parse_args(
-        ["--endpoint", "127.0.0.1:1", "--job-id", "j", "--nnodes", "1:3", "--max-restarts", "2",
-         "--last-call", "0.25", "--node-rank", "1", "--job-secret", "sec", "true"]))
-    s = NodeSession(job_id=cfg.job_id, host="my host", nproc=cfg.nproc, spec=cfg.spec_fields(), addr="127.0.0.1",
-                    job_secret=cfg.job_secret, requested_rank=cfg.node_rank)
+    cfg = config_from_args(
+        build_parser().parse_args(
+            [
+                "--endpoint",
+                "127.0.0.1:1",
+                "--job-id",
+                "j",
+                "--nnodes",
+                "1:3",
+                "--max-restarts",
+                "2",
+                "--last-call",
+                "0.25",
+                "--node-rank",
+                "1",
+                "--job-secret",
+                "sec",
+                "true",
+            ]
+        )
+    )
+    s = NodeSession(
+        job_id=cfg.job_id,
+        host="my host",
+        nproc=cfg.nproc,
+        spec=cfg.spec_fields(),
+        addr="127.0.0.1",
+        job_secret=cfg.job_secret,
+        requested_rank=cfg.node_rank,
+    )
     msg = JoinMsg.model_validate_json(json.dumps(s.join_msg()))
     assert msg.spec == cfg.spec() == JobSpec(min_nodes=1, max_nodes=3, max_restarts=2, last_call_s=0.25)
     assert (msg.host, msg.requested_rank, msg.job_secret, msg.resume_round) == ("my-host", 1, "sec", None)
@@ -96,14 +137,16 @@ def test_the_agents_first_join_is_a_valid_joinmsg() -> None:
 def test_the_agent_imports_neither_pydantic_nor_aiohttp_before_its_join(tmp_path) -> None:
     """Everything the agent runs up to its first join frame: the agent module
     (flags, config, session, link, WebSocket client), the config and the join."""
-    code = ("import sys, json\n"
-            "from rdzv_client.agent import build_parser, config_from_args, Agent\n"
-            "from rdzv_client.client import AgentLink\n"
-            "cfg = config_from_args(build_parser().parse_args(['--endpoint', '127.0.0.1:1', '--job-id', 'j', "
-            f"'--log-dir', {str(tmp_path)!r}, 'true']))\n"
-            "a = Agent(cfg); a.session.addr = '127.0.0.1'\n"
-            "json.dumps(a.session.join_msg()); AgentLink(cfg.endpoint)\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pydantic', 'aiohttp', 'yarl', 'multidict')"
-            " or m == 'rdzv_server.protocol'))\n")
+    code = (
+        "import sys, json\n"
+        "from rdzv_client.agent import build_parser, config_from_args, Agent\n"
+        "from rdzv_client.client import AgentLink\n"
+        "cfg = config_from_args(build_parser().parse_args(['--endpoint', '127.0.0.1:1', '--job-id', 'j', "
+        f"'--log-dir', {str(tmp_path)!r}, 'true']))\n"
+        "a = Agent(cfg); a.session.addr = '127.0.0.1'\n"
+        "json.dumps(a.session.join_msg()); AgentLink(cfg.endpoint)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pydantic', 'aiohttp', 'yarl', 'multidict')"
+        " or m == 'rdzv_server.protocol'))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]", out.stdout

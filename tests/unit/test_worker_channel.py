@@ -28,8 +28,10 @@ def _run(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 
 
 def test_worker_module_imports_only_the_standard_library() -> None:
-    r = _run("import sys, rdzv_client.worker\n"
-             "print(sorted(m for m in ('aiohttp', 'pydantic', 'torch', 'rdzv_server') if m in sys.modules))")
+    r = _run(
+        "import sys, rdzv_client.worker\n"
+        "print(sorted(m for m in ('aiohttp', 'pydantic', 'torch', 'rdzv_server') if m in sys.modules))"
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
 
@@ -38,15 +40,18 @@ def test_progress_without_an_agent_does_nothing() -> None:
     r = _run("from rdzv_client.worker import progress\nfor i in range(1000): progress(i)\nprogress()\nprint('ok')")
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
     # an agent socket that is not there: still nothing, never an error
-    r = _run("from rdzv_client.worker import progress\nprogress(1)\nprint('ok')",
-             {"RDZV_AGENT_SOCKET": "/nonexistent/sock"})
+    r = _run(
+        "from rdzv_client.worker import progress\nprogress(1)\nprint('ok')", {"RDZV_AGENT_SOCKET": "/nonexistent/sock"}
+    )
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
 def test_sigusr1_dumps_every_thread_stack_to_stderr() -> None:
-    r = _run("import os, signal, threading, time, rdzv_client.worker\n"
-             "threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n"
-             "os.kill(os.getpid(), signal.SIGUSR1)\nprint('alive')")
+    r = _run(
+        "import os, signal, threading, time, rdzv_client.worker\n"
+        "threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\nprint('alive')"
+    )
     assert r.returncode == 0 and r.stdout.strip() == "alive", r.stderr
     assert r.stderr.count("most recent call first") >= 2, r.stderr
 
@@ -64,12 +69,17 @@ async def test_agent_sees_each_ranks_last_step_from_real_workers() -> None:
     try:
         assert stat.S_IMODE(os.stat(ch.dir).st_mode) == 0o700
         ch.new_round(3)
-        code = ("import time\nfrom rdzv_client.worker import progress\n"
-                "for s in range(1, 6):\n    progress(s)\n    time.sleep(0.06)\n")
+        code = (
+            "import time\nfrom rdzv_client.worker import progress\n"
+            "for s in range(1, 6):\n    progress(s)\n    time.sleep(0.06)\n"
+        )
         env = {"RDZV_AGENT_SOCKET": ch.path, "TORCHELASTIC_RESTART_COUNT": "3"}
-        procs = [await asyncio.create_subprocess_exec(
-            sys.executable, "-c", code, env={**os.environ, "PYTHONPATH": str(ROOT), **env, "LOCAL_RANK": str(lr)})
-            for lr in range(2)]
+        procs = [
+            await asyncio.create_subprocess_exec(
+                sys.executable, "-c", code, env={**os.environ, "PYTHONPATH": str(ROOT), **env, "LOCAL_RANK": str(lr)}
+            )
+            for lr in range(2)
+        ]
         for p in procs:
             assert await asyncio.wait_for(p.wait(), 60) == 0
         await _until(lambda: {lr: rp.step for lr, rp in ch.ranks.items()} == {0: 5, 1: 5})
@@ -96,8 +106,12 @@ def test_progress_heartbeat_form_is_validated_and_the_plain_frame_unchanged() ->
     assert HeartbeatMsg().model_dump_json() == HEARTBEAT_FRAME
     msg = AGENT_MESSAGE.validate_json(HeartbeatMsg(step=7, rate=2.5).model_dump_json())
     assert isinstance(msg, HeartbeatMsg) and msg.step == 7 and msg.rate == 2.5
-    for bad in ('{"op":"hb","step":-1}', '{"op":"hb","rate":"fast"}', '{"op":"hb","step":1,"x":1}',
-                '{"op":"hb","rate":1e400}'):
+    for bad in (
+        '{"op":"hb","step":-1}',
+        '{"op":"hb","rate":"fast"}',
+        '{"op":"hb","step":1,"x":1}',
+        '{"op":"hb","rate":1e400}',
+    ):
         with pytest.raises(ValueError):
             AGENT_MESSAGE.validate_json(bad)
 
@@ -111,17 +125,19 @@ async def test_file_timer_pipe_reads_torch_requests_and_kills_only_our_workers(t
     killed: list[tuple[int, str]] = []
     victim = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; time.sleep(60)")
     bystander = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; time.sleep(60)")
-    srv = FileTimerServer(str(tmp_path / "timer"), allowed=lambda: [victim.pid],
-                          on_expired=lambda pid, scope: killed.append((pid, scope)))
+    srv = FileTimerServer(
+        str(tmp_path / "timer"), allowed=lambda: [victim.pid], on_expired=lambda pid, scope: killed.append((pid, scope))
+    )
     srv.start()
     try:
         assert stat.S_IMODE(os.stat(srv.path).st_mode) == 0o600
         fd = os.open(srv.path, os.O_WRONLY | os.O_NONBLOCK)
         past = time.time() - 1
-        lines = [{"version": 1, "pid": victim.pid, "scope_id": "a", "expiration_time": past, "signal": 9},
-                 {"version": 1, "pid": bystander.pid, "scope_id": "b", "expiration_time": past, "signal": 9},
-                 {"version": 1, "pid": victim.pid, "scope_id": "c", "expiration_time": time.time() + 600,
-                  "signal": 9}]
+        lines = [
+            {"version": 1, "pid": victim.pid, "scope_id": "a", "expiration_time": past, "signal": 9},
+            {"version": 1, "pid": bystander.pid, "scope_id": "b", "expiration_time": past, "signal": 9},
+            {"version": 1, "pid": victim.pid, "scope_id": "c", "expiration_time": time.time() + 600, "signal": 9},
+        ]
         os.write(fd, b"".join(json.dumps(x).encode() + b"\n" for x in lines) + b"not json\n")
         os.close(fd)
         await _until(lambda: len(srv.timers) == 3 and srv.dropped == 1)

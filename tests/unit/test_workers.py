@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from rdzv_client import workers
 from rdzv_client.workers import (
     ExitInfo,
     LaunchConfig,
@@ -24,7 +25,6 @@ from rdzv_client.workers import (
     read_error_file,
     worker_env,
 )
-from rdzv_client import workers
 from rdzv_server.protocol import Assignment
 
 WAIT_S = 15.0
@@ -425,7 +425,10 @@ def test_error_message_is_trimmed(tmp_path: Path) -> None:
 
 async def test_log_files_per_attempt(tmp_path: Path) -> None:
     """Redirected streams go to attempt_N/<local_rank>/{stdout,stderr}.log and not to the console."""
-    code = "import os, sys; print('out', os.environ['LOCAL_RANK']); print('err', os.environ['LOCAL_RANK'], file=sys.stderr)"
+    code = (
+        "import os, sys; print('out', os.environ['LOCAL_RANK']); "
+        "print('err', os.environ['LOCAL_RANK'], file=sys.stderr)"
+    )
     console = Console()
     log_dir = tmp_path / "logs"
     for attempt in (0, 3):
@@ -458,9 +461,7 @@ async def test_tee_and_redirect_per_rank(tmp_path: Path) -> None:
     await group.start()
     await asyncio.wait_for(group.wait(), WAIT_S)
     await group.stop()
-    assert sorted(console.lines()) == sorted(
-        ["[8]: out 0", "[8]: err 0", "[9]: out 1", "[10]: out 2", "[10]: err 2"]
-    )
+    assert sorted(console.lines()) == sorted(["[8]: out 0", "[8]: err 0", "[9]: out 1", "[10]: out 2", "[10]: err 2"])
     d = log_dir / "attempt_0"
     assert (d / "0" / "stdout.log").read_text() == "out 0\n"
     assert not (d / "0" / "stderr.log").exists()
@@ -474,9 +475,7 @@ async def test_local_ranks_filter(tmp_path: Path) -> None:
     code = "import os; print('hello', os.environ['LOCAL_RANK'])"
     console = Console()
     log_dir = tmp_path / "logs"
-    group = make_group(
-        [code, code], tmp_path, console=console, log_dir=log_dir, tee=Std.ALL, local_ranks_filter={1}
-    )
+    group = make_group([code, code], tmp_path, console=console, log_dir=log_dir, tee=Std.ALL, local_ranks_filter={1})
     await group.start()
     await asyncio.wait_for(group.wait(), WAIT_S)
     await group.stop()
