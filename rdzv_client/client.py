@@ -259,6 +259,11 @@ class AgentLink:
                 self.last_error = f"cannot reach {self.url}: {e or type(e).__name__}"
                 await asyncio.sleep(next(delays))
                 continue
+            except Exception as e:  # never let the link die: retry like any failed connect
+                log.warning("link to %s: connect failed: %s", self.url, printable(repr(e), 300), exc_info=True)
+                self.last_error = f"cannot reach {self.url}: {printable(type(e).__name__, 100)}"
+                await asyncio.sleep(next(delays))
+                continue
             self._ws = ws
             self.connected.set()
             self.down_since = None
@@ -305,6 +310,9 @@ class AgentLink:
                     self.last_error = f"connection lost: {printable(why, 300)}"
             except (ConnectionError, RuntimeError, OSError, asyncio.TimeoutError) as e:
                 self.last_error = f"connection lost: {e or type(e).__name__}"
+            except Exception as e:  # a bug while handling this connection must not end the link
+                log.warning("link to %s: %s; reconnecting", self.url, printable(repr(e), 300), exc_info=True)
+                self.last_error = f"link error: {printable(type(e).__name__, 100)}"
             finally:
                 self.connected.clear()
                 self.down_since = time.monotonic()

@@ -402,3 +402,31 @@ async def test_the_link_leaves_a_frozen_server_and_rejoins(monkeypatch: pytest.M
             await asyncio.wait_for(_until(lambda: link.last_error and "no pong" in link.last_error), T)
         finally:
             await link.close()
+
+
+async def test_a_bug_in_handling_a_message_does_not_end_the_link(client, monkeypatch, caplog) -> None:
+    """Seen once in a full run: an agent's link stopped for good after a scale-up join and showed
+    'server unreachable (no answer)' until --server-timeout. Whatever goes wrong while one connection
+    is handled, the link says so once and reconnects: here the first `joined` makes it raise."""
+    link = AgentLink(f"127.0.0.1:{client.server.port}", heartbeat_s=1.0)
+    real = link._learn_secret
+    calls = []
+
+    def flaky(node_id: str, secret: str) -> None:
+        calls.append(node_id)
+        if len(calls) == 1:
+            raise ValueError("a bug while handling a message")
+        real(node_id, secret)
+
+    monkeypatch.setattr(link, "_learn_secret", flaky)
+    await link.start()
+    try:
+        link.set_intent(json.loads(join_msg("wsbug", "n1", (1, 1)).model_dump_json()))
+        got = []
+        while not any(type(m).__name__ == "AssignedMsg" for m in got):
+            got.append(await asyncio.wait_for(link.recv(), T))
+        assert link.connected.is_set()
+        assert len(calls) >= 1
+        assert any("a bug while handling a message" in r.getMessage() for r in caplog.records)
+    finally:
+        await link.close()
