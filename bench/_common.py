@@ -272,3 +272,26 @@ def md_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def server_argv(port: int, data_dir: Path, python: str = sys.executable) -> list[str]:
+    """An rdzv-server on loopback with its state in ``data_dir``: how every bench starts one."""
+    return [python, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data_dir)]
+
+
+class BenchServer:
+    """A real rdzv-server process, healthy once constructed; ``stop()`` ends it."""
+
+    def __init__(self, tmp: Path, python: str = sys.executable):
+        self.data = tmp / "data"
+        self.log = tmp / "server.log"
+        self.port = free_port()
+        self.proc = Proc("server", server_argv(self.port, self.data, python), self.log, cwd=ROOT)
+        self.url = f"http://127.0.0.1:{self.port}"
+        if not wait_until(lambda: http_get(self.url + "/healthz", 1.0) or self.proc.poll() is not None, 20):
+            raise RuntimeError("server did not start:\n" + self.proc.text()[-2000:])
+        if self.proc.poll() is not None:
+            raise RuntimeError("server exited:\n" + self.proc.text()[-2000:])
+
+    def stop(self) -> None:
+        self.proc.stop(5)

@@ -121,17 +121,7 @@ class Cluster:
     def _start_server(self) -> None:
         self.server = C.Proc(
             "server",
-            [
-                sys.executable,
-                "-m",
-                "rdzv_server",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--data-dir",
-                str(self.dir / "data"),
-            ],
+            C.server_argv(self.port, self.dir / "data"),
             self.dir / "server.log",
             env=self.env,
             cwd=C.ROOT,

@@ -45,34 +45,7 @@ TARGET_CPU = 0.02  # of one core
 TARGET_P99_S = 0.050
 
 
-class Server:
-    def __init__(self, tmp: Path, python: str = sys.executable):
-        self.log = tmp / "server.log"
-        self.port = C.free_port()
-        self.proc = C.Proc(
-            "server",
-            [
-                python,
-                "-m",
-                "rdzv_server",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--data-dir",
-                str(tmp / "data"),
-            ],
-            self.log,
-            cwd=C.ROOT,
-        )
-        self.url = f"http://127.0.0.1:{self.port}"
-        if not C.wait_until(lambda: C.http_get(self.url + "/healthz", 1.0) or self.proc.poll() is not None, 20):
-            raise RuntimeError("server did not start:\n" + self.proc.text()[-2000:])
-        if self.proc.poll() is not None:
-            raise RuntimeError("server exited:\n" + self.proc.text()[-2000:])
-
-    def stop(self) -> None:
-        self.proc.stop(5)
+Server = C.BenchServer
 
 
 async def _make_jobs(url: str, n: int, concurrency: int, tag: str, waiting: bool = False) -> dict:

@@ -48,33 +48,7 @@ from .simagents import ASSIGN_TIMEOUT_S, Clients, node_specs
 JOB_NODES = 1000  # nodes per job in the live test
 
 
-class Server:
-    def __init__(self, tmp: Path, python: str = sys.executable):
-        self.data = tmp / "data"
-        self.log = tmp / "server.log"
-        self.port = C.free_port()
-        self.proc = C.Proc(
-            "server",
-            [
-                python,
-                "-m",
-                "rdzv_server",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--data-dir",
-                str(self.data),
-            ],
-            self.log,
-            cwd=C.ROOT,
-        )
-        self.url = f"http://127.0.0.1:{self.port}"
-        if not C.wait_until(lambda: C.http_get(self.url + "/healthz", 1.0) or self.proc.poll() is not None, 20):
-            raise RuntimeError("server did not start:\n" + self.proc.text()[-2000:])
-        if self.proc.poll() is not None:
-            raise RuntimeError("server exited:\n" + self.proc.text()[-2000:])
-
+class Server(C.BenchServer):
     @property
     def pid(self) -> int:
         return self.proc.pid
@@ -102,9 +76,6 @@ class Server:
 
     def close_job(self, job_id: str) -> None:
         C.http_post(f"{self.url}/v1/jobs/{job_id}/close", 30)
-
-    def stop(self) -> None:
-        self.proc.stop(5)
 
 
 def _merge(answers: list[dict], key: str) -> list:
