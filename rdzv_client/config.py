@@ -25,7 +25,9 @@ from rdzv_server.wire import (  # not protocol: no pydantic before the first joi
     DEFAULT_JOIN_TIMEOUT_S,
     DEFAULT_LAST_CALL_S,
     DEFAULT_MAX_RESTARTS,
+    DEFAULT_MIN_ROUND_S,
     DEFAULT_SCALE_UP_WINDOW_S,
+    DEFAULT_STORM_RESTARTS,
     HOST_PATTERN,
     MAX_SECRET_LEN,
     SECRET_PATTERN,
@@ -76,6 +78,8 @@ class AgentConfig:
     standalone: bool = False
     host: str = field(default_factory=socket.gethostname)
     hang_timeout_s: float | None = None
+    storm_restarts: int = DEFAULT_STORM_RESTARTS
+    min_round_s: float = DEFAULT_MIN_ROUND_S
     health_check: str | None = None  # shell command run before every join; non-zero: this round is skipped
     health_check_timeout_s: float = 60.0
 
@@ -90,6 +94,8 @@ class AgentConfig:
             join_timeout_s=self.join_timeout_s,
             scale_up_window_s=self.scale_up_window_s,
             hang_timeout_s=self.hang_timeout_s,
+            storm_restarts=self.storm_restarts,
+            min_round_s=self.min_round_s,
         )
 
     def spec(self) -> JobSpec:
@@ -250,6 +256,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a worker that called rdzv_client.worker.progress() and then goes this many seconds without "
         "another call is hung: its stacks are dumped and the round restarts (default: off; part of the job spec)",
+    )
+    a(
+        "--storm-restarts",
+        type=int,
+        default=DEFAULT_STORM_RESTARTS,
+        help="the job fails (agents exit 4, do not requeue) after this many restarts in a row without progress: "
+        "no rank's progress() step beyond the highest seen when the round began, and no round lasting "
+        "--min-round-s; 0: off; --max-restarts stays the hard budget (part of the job spec)",
+    )
+    a(
+        "--min-round-s",
+        type=float,
+        default=DEFAULT_MIN_ROUND_S,
+        help="a round that ran this many seconds made progress, for restart storms (part of the job spec)",
     )
     a(
         "--stop-timeout",
@@ -416,6 +436,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
             join_timeout_s=join_timeout,
             scale_up_window_s=args.scale_up_window,
             hang_timeout_s=args.hang_timeout,
+            storm_restarts=args.storm_restarts,
+            min_round_s=args.min_round_s,
         )
     except ValueError as e:
         raise UsageError(f"bad job settings: {e}") from None
@@ -449,6 +471,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         server_timeout_s=server_timeout,
         standalone=standalone,
         hang_timeout_s=spec_check["hang_timeout_s"],
+        storm_restarts=spec_check["storm_restarts"],
+        min_round_s=spec_check["min_round_s"],
         **_host_options(args),
     )
 

@@ -32,6 +32,8 @@ log = logging.getLogger("rdzv_agent")
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_GAVE_UP = 3
+# the job failed in a restart storm (no progress in N restarts): do not requeue
+EXIT_NO_PROGRESS = 4
 FATAL_CODES = {
     ErrorCode.SPEC_MISMATCH,
     ErrorCode.JOB_FINISHED,
@@ -157,7 +159,7 @@ class ServerReactions:
             if msg.root_cause and msg.root_cause not in msg.reason:
                 text += f"\n[rdzv-agent] root cause: {printable(msg.root_cause)}"
             print(text, file=sys.stderr, flush=True)
-            return EXIT_FAILED
+            return EXIT_NO_PROGRESS if msg.stop == "no_progress" else EXIT_FAILED
         elif isinstance(msg, AckMsg):
             self.link.clear_reports()
             if msg.of == "succeeded":

@@ -60,6 +60,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from rdzv_server.protocol import (
+    DEFAULT_MIN_ROUND_S,
     MAX_RESTARTS,
     MAX_SECRET_LEN,
     SECRET_PATTERN,
@@ -132,6 +133,10 @@ class RdzvRendezvousHandler(RendezvousHandler):
             max_restarts=int(params.get("max_restarts", MAX_RESTARTS)),
             last_call_s=float(params.get("last_call_timeout", 1.0)),
             join_timeout_s=self.join_timeout_s,
+            # restart storms: off unless --rdzv-conf storm_restarts=N (torchrun keeps its own budget,
+            # and its exit code cannot say "no progress")
+            storm_restarts=int(params.get("storm_restarts", 0)),
+            min_round_s=float(params.get("min_round_s", DEFAULT_MIN_ROUND_S)),
         )
         self.nproc = _torchrun_nproc()
         self.session = NodeSession(

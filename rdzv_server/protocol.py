@@ -83,7 +83,9 @@ from .wire import (  # noqa: F401  (re-exported: the wire contract is one import
     DEFAULT_JOIN_TIMEOUT_S,
     DEFAULT_LAST_CALL_S,
     DEFAULT_MAX_RESTARTS,
+    DEFAULT_MIN_ROUND_S,
     DEFAULT_SCALE_UP_WINDOW_S,
+    DEFAULT_STORM_RESTARTS,
     HEARTBEAT_FRAME,
     HOST_PATTERN,
     ID_PATTERN,
@@ -140,6 +142,12 @@ class JobSpec(_Strict):
     # a worker that called rdzv_client.worker.progress() and then goes this long
     # without another call is hung (see design.md "Hangs"); None: no hang detection
     hang_timeout_s: Seconds | None = None
+    # restart storms (design.md "Restart storms"): the job fails, with stop
+    # "no_progress", when this many restarts in a row brought no progress (no step
+    # beyond the highest seen when the round started, and the round ran less than
+    # min_round_s); 0: off. --max-restarts stays the hard budget.
+    storm_restarts: int = Field(default=DEFAULT_STORM_RESTARTS, ge=0, le=MAX_RESTARTS)
+    min_round_s: Seconds = DEFAULT_MIN_ROUND_S
 
     @model_validator(mode="after")
     def _min_le_max(self) -> JobSpec:
@@ -358,6 +366,9 @@ class DoneMsg(_Strict):
     state: Literal["succeeded", "failed", "closed"]
     reason: str
     root_cause: str | None = None
+    # why a failed job was stopped, when the agent should say so in its exit code:
+    # "no_progress" (a restart storm; the agent exits EXIT_NO_PROGRESS). None: as before
+    stop: Literal["no_progress"] | None = None
 
 
 class AckMsg(_Strict):

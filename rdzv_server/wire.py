@@ -45,6 +45,8 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 6.0
 DEFAULT_JOIN_TIMEOUT_S = 600.0
 DEFAULT_SCALE_UP_WINDOW_S = 0.5
 DEFAULT_MAX_RESTARTS = 3
+DEFAULT_STORM_RESTARTS = 3  # restarts in a row without progress that stop a job (0: off)
+DEFAULT_MIN_ROUND_S = 60.0  # a round that ran this long made progress (scripts that never call progress())
 
 SPEC_SECONDS = ("last_call_s", "heartbeat_timeout_s", "join_timeout_s", "scale_up_window_s")
 
@@ -86,6 +88,8 @@ def check_spec(
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
     scale_up_window_s: float = DEFAULT_SCALE_UP_WINDOW_S,
     hang_timeout_s: float | None = None,
+    storm_restarts: int = DEFAULT_STORM_RESTARTS,
+    min_round_s: float = DEFAULT_MIN_ROUND_S,
 ) -> dict[str, Any]:
     """A job spec as the plain JSON object ``JobSpec`` serializes to, or
     ValueError naming the field: the same rules as ``JobSpec``, without pydantic."""
@@ -94,6 +98,7 @@ def check_spec(
         ("min_nodes", min_nodes, 1, MAX_NODES),
         ("max_nodes", max_nodes, 1, MAX_NODES),
         ("max_restarts", max_restarts, 0, MAX_RESTARTS),
+        ("storm_restarts", storm_restarts, 0, MAX_RESTARTS),
     ):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{name}: must be an integer, got {value!r}")
@@ -106,8 +111,9 @@ def check_spec(
         join_timeout_s,
         scale_up_window_s,
         hang_timeout_s,
+        min_round_s,
     )
-    for name, secs in zip((*SPEC_SECONDS, "hang_timeout_s"), seconds, strict=True):
+    for name, secs in zip((*SPEC_SECONDS, "hang_timeout_s", "min_round_s"), seconds, strict=True):
         if name == "hang_timeout_s" and secs is None:  # optional: off
             out[name] = None
             continue
@@ -118,6 +124,8 @@ def check_spec(
         out[name] = float(secs)
     if min_nodes > max_nodes:
         raise ValueError(f"min_nodes ({min_nodes}) is greater than max_nodes ({max_nodes})")
+    for name in ("storm_restarts", "min_round_s"):
+        out[name] = out.pop(name)  # in JobSpec's order, last
     return out
 
 

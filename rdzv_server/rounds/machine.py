@@ -15,7 +15,7 @@ Life of a job::
        |                                    |  scale-up: round r+1 opens
        +------------------------------------+
     running --all members succeeded--> succeeded
-    any --budget spent / join timeout--> failed;  any --close--> closed
+    any --budget spent / join timeout / restart storm--> failed;  any --close--> closed
 
 Node states: ``waiting`` (joined the forming round, or queued for a scale-up),
 ``rejoining`` (member of the previous round, alive, stopping its workers),
@@ -141,9 +141,38 @@ def fail(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], now:
         return fx.merge(
             _end(job, JobState.FAILED, f"restart budget of {job.spec.max_restarts} spent; first failure: {cause}", now)
         )
+    if storm(job, now):  # (no root_cause: the job view shows this reason, the failure in it)
+        return fx.merge(
+            _end(
+                job,
+                JobState.FAILED,
+                f"no progress in {job.no_progress} restarts; last failure: {cause}",
+                now,
+                stop="no_progress",
+            )
+        )
     job.restarts += 1
     fx.restarts += 1
     return fx.merge(_open_round(job, f"worker failure: {cause} (restart {job.restarts}/{job.spec.max_restarts})", now))
+
+
+def storm(job: Job, now: float) -> bool:
+    """A worker failure ends the running round: count it as a restart without
+    progress unless a node reported a step beyond the highest seen when the round
+    began, or the round ran ``min_round_s`` (scripts that never call progress()).
+    True: ``storm_restarts`` restarts in a row brought none, the job must stop."""
+    if not job.spec.storm_restarts:
+        return False  # off
+    began = job.history[-1].completed_at if job.history else None
+    moved = job.max_step is not None and (job.round_step is None or job.max_step > job.round_step)
+    lasted = began is not None and now - began >= job.spec.min_round_s
+    if moved or lasted:
+        job.no_progress = 0
+        return False
+    if job.spec.storm_restarts and job.no_progress >= job.spec.storm_restarts:
+        return True
+    job.no_progress += 1
+    return False
 
 
 def succeed(job: Job, node_id: str, round_no: int, now: float) -> Effects:
@@ -412,6 +441,7 @@ def _complete(job: Job, now: float) -> Effects:
     job.last_call_deadline = job.join_deadline = job.scale_up_deadline = None
     rec = job.history[-1]
     rec.completed_at, rec.world_size, rec.nodes = now, job.world_size, len(members)
+    job.round_step = job.max_step  # progress in this round: a step beyond it (see storm)
     fx = Effects(persist=True, rounds_completed=1).merge(held)
     offset = 0
     for rank, node in enumerate(members):
@@ -453,13 +483,13 @@ def _assignment(job: Job, node: Node) -> Assignment:
     )
 
 
-def _end(job: Job, state: JobState, reason: str, now: float) -> Effects:
+def _end(job: Job, state: JobState, reason: str, now: float, stop: Literal["no_progress"] | None = None) -> Effects:
     job.state = state
     job.end_reason = reason
     job.ended_at = now
     job.last_call_deadline = job.join_deadline = job.scale_up_deadline = None
     fx = Effects(persist=True)
-    msg = DoneMsg(state=_DONE_STATE[state], reason=reason, root_cause=job.root_cause)
+    msg = DoneMsg(state=_DONE_STATE[state], reason=reason, root_cause=job.root_cause, stop=stop)
     for node_id in job.nodes:
         fx.send(node_id, msg)
     fx.logs.append(f"job {job.job_id} round {job.round}: {state.value}: {reason}")

@@ -124,6 +124,11 @@ class Job:
     graced_at: float | None = None  # when a stall last extended the job's own deadlines
     secret_hash: str | None = None  # the job secret's hash (see job_secret_hash); None: no job secret
     stragglers_at: float = 0.0  # when stragglers were last looked for (at most every STRAGGLER_CHECK_S)
+    # restart storms (machine.fail): restarts in a row that brought no progress; the
+    # highest step any node reported (heartbeats); that step when the running round began
+    no_progress: int = 0
+    max_step: int | None = None
+    round_step: int | None = None
     gate: HostGate | None = field(default=None, repr=False, compare=False)  # set by the store; not saved
 
     @property

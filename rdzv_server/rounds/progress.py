@@ -33,6 +33,8 @@ def heartbeat(job: Job, node_id: str, now: float, step: int | None = None, rate:
     if node.step is None or step != node.step or node.progress_at is None:
         node.progress_at = now
     node.step = step
+    if job.max_step is None or step > job.max_step:
+        job.max_step = step  # restart storms: progress is a step beyond the round's start
     node.step_rate = rate
     if now - job.stragglers_at < STRAGGLER_CHECK_S:
         return []

@@ -8,12 +8,24 @@ from __future__ import annotations
 from typing import Any
 
 from ..protocol import JobSpec, JobState
+from ..wire import DEFAULT_MIN_ROUND_S, DEFAULT_STORM_RESTARTS
 from .model import Job, Node, NodeState, RoundRecord
 
 # Progress that agents send with heartbeats is not saved: the next heartbeat
 # brings it back (and records stay what older code wrote and reads).
 _NOT_SAVED_NODE = frozenset({"step", "step_rate", "progress_at", "slow_since", "straggler"})
 _NOT_SAVED_JOB = frozenset({"spec", "nodes", "history", "state", "counts", "stragglers_at", "gate"})
+
+
+# Restart-storm spec fields (JobSpec) and job counters (Job) at their defaults:
+# left out of the record, so a job that never used them saves what older code wrote.
+_STORM_DEFAULTS: dict[str, Any] = {
+    "storm_restarts": DEFAULT_STORM_RESTARTS,
+    "min_round_s": DEFAULT_MIN_ROUND_S,
+    "no_progress": 0,
+    "max_step": None,
+    "round_step": None,
+}
 
 
 def _known(state: NodeState | None) -> NodeState:
@@ -27,6 +39,11 @@ def to_record(job: Job) -> dict[str, Any]:
     d["spec"] = job.spec.model_dump()
     if d["spec"].get("hang_timeout_s") is None:
         d["spec"].pop("hang_timeout_s", None)  # off: the record older code wrote
+    for name, default in _STORM_DEFAULTS.items():  # at their defaults: the record older code wrote
+        if d["spec"].get(name) == default:
+            d["spec"].pop(name, None)
+        if d.get(name) == default:
+            d.pop(name, None)
     d["state"] = job.state.value
     d["nodes"] = [_node_record(n) for n in job.nodes.values()]
     d["history"] = [vars(r).copy() for r in job.history]

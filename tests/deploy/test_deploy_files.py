@@ -953,6 +953,7 @@ def test_k8s_pod_failure_policy_follows_the_exit_codes():
     assert by_code.get(codes["EXIT_FAILED"]) == "FailJob", by_code
     assert by_code.get(codes["EXIT_USAGE"], "Count") == "Count", by_code
     assert by_code.get(codes["EXIT_GAVE_UP"], "Count") == "Count", by_code
+    assert by_code.get(codes["EXIT_NO_PROGRESS"]) == "FailJob", by_code  # a restart storm: do not retry
     assert set(by_code) <= set(codes.values()), f"a rule names an exit code the agent does not have: {by_code}"
     for name, code in codes.items():
         assert documented[str(code)] == by_code.get(code, "Count"), (name, code, documented, by_code)

@@ -268,3 +268,16 @@ def test_hang_timeout_is_off_by_default_and_part_of_the_spec() -> None:
     for bad in ("0", "-1", "inf", "nan"):
         with pytest.raises(UsageError, match="hang_timeout_s"):
             cfg_of(*BASE, "--hang-timeout", bad)
+
+
+def test_storm_flags_have_defaults_and_are_part_of_the_spec() -> None:
+    spec = cfg_of(*BASE).spec()
+    assert spec.storm_restarts == 3 and spec.min_round_s == 60.0
+    cfg = cfg_of(*BASE, "--storm-restarts", "0", "--min-round-s", "5")
+    assert (cfg.storm_restarts, cfg.min_round_s) == (0, 5.0)
+    assert (cfg.spec().storm_restarts, cfg.spec().min_round_s) == (0, 5.0)
+    with pytest.raises(UsageError, match="storm_restarts"):
+        cfg_of(*BASE, "--storm-restarts", "-1")
+    for bad in ("0", "-3", "inf", "nan"):
+        with pytest.raises(UsageError, match="min_round_s"):
+            cfg_of(*BASE, "--min-round-s", bad)
