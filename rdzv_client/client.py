@@ -25,7 +25,7 @@ import logging
 import random
 import ssl
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
@@ -334,6 +334,15 @@ class AgentLink:
             pass
 
 
+async def _walk(fetch: Callable[[str | None], Awaitable[Any]], max_pages: int) -> list[Any]:
+    """Pages of a paged REST list, first to last (at most ``max_pages``): the
+    one loop behind every ``all_*`` call."""
+    pages = [await fetch(None)]
+    while pages[-1].next_cursor and len(pages) < max_pages:
+        pages.append(await fetch(pages[-1].next_cursor))
+    return pages
+
+
 class RestClient:
     """The REST API: jobs, one job, close, health. Errors come back as the
     :class:`RdzvError` of their code; an unreachable server as UnavailableError."""
@@ -381,14 +390,8 @@ class RestClient:
         """Every job, ``page`` at a time; ``max_pages`` bounds the walk."""
         from rdzv_server.protocol import JobList
 
-        jobs, cursor = [], None
-        for _ in range(max_pages):
-            page_ = await self.jobs(state, page, cursor)
-            jobs.extend(page_.jobs)
-            cursor = page_.next_cursor
-            if not cursor:
-                break
-        return JobList(jobs=jobs, next_cursor=cursor)
+        pages = await _walk(lambda cursor: self.jobs(state, page, cursor), max_pages)
+        return JobList(jobs=[j for p in pages for j in p.jobs], next_cursor=pages[-1].next_cursor)
 
     async def job(self, job_id: str) -> JobView:
         from rdzv_server.protocol import JobView
@@ -421,14 +424,8 @@ class RestClient:
     async def all_hosts(self, page: int = 1000, max_pages: int = 100) -> Any:
         from rdzv_server.protocol import HostList
 
-        hosts, cursor = [], None
-        for _ in range(max_pages):
-            page_ = await self.hosts(page, cursor)
-            hosts.extend(page_.hosts)
-            cursor = page_.next_cursor
-            if not cursor:
-                break
-        return HostList(hosts=hosts, next_cursor=cursor)
+        pages = await _walk(lambda cursor: self.hosts(page, cursor), max_pages)
+        return HostList(hosts=[h for p in pages for h in p.hosts], next_cursor=pages[-1].next_cursor)
 
     async def host(self, host: str) -> Any:
         from rdzv_server.protocol import HostView
