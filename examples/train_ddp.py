@@ -144,6 +144,11 @@ def main() -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
     try:
         train(args, rank, world_size, local_rank, restart, ckpt_dir, device)
+        # Every rank leaves the last collective before any rank tears its group
+        # down: rank 0 still writing the checkpoint while a peer destroys gloo's
+        # pairs made the peer abort at exit now and then ("terminate called
+        # without an active exception", SIGABRT, seen in CI).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
