@@ -362,28 +362,50 @@ def build_parser() -> argparse.ArgumentParser:
     # torchrun's flags that rdzv does differently: accepted, so that a command line copied from torchrun
     # runs; each one given is named in a one-line note at start that says what rdzv does instead.
     t = p.add_argument_group("torchrun's flags that rdzv does differently (accepted; each prints a one-line note)")
-    t.add_argument("--rdzv-backend", "--rdzv_backend", default=_env("rdzv_backend"), help="rdzv or c10d or static")
-    t.add_argument("--monitor-interval", "--monitor_interval", default=_env("monitor_interval"), help="not polled")
+    t.add_argument(
+        "--rdzv-backend",
+        "--rdzv_backend",
+        default=_env("rdzv_backend"),
+        help="rdzv; c10d or static: the rdzv server is used all the same",
+    )
+    t.add_argument(
+        "--monitor-interval",
+        "--monitor_interval",
+        default=_env("monitor_interval"),
+        help="not used: worker exits are seen at once",
+    )
     t.add_argument(
         "--start-method",
         "--start_method",
         default=_env("start_method"),
         choices=("spawn", "fork", "forkserver"),
-        help="workers are always started with exec",
+        help="not used: workers are processes started with exec, as torchrun starts a script",
     )
-    t.add_argument("--event-log-handler", "--event_log_handler", default=_env("event_log_handler"), help="events")
-    t.add_argument("--master-addr", "--master_addr", default=_env("master_addr"), help="picked each round")
-    t.add_argument("--master-port", "--master_port", default=_env("master_port"), help="picked each round")
-    t.add_argument("--logs-specs", "--logs_specs", default=None, help="logs are laid out as torchrun's default")
+    t.add_argument(
+        "--event-log-handler",
+        "--event_log_handler",
+        default=_env("event_log_handler"),
+        help="not used: see rdzv status JOB",
+    )
+    t.add_argument("--master-addr", "--master_addr", default=_env("master_addr"), help="not used: rank 0 each round")
+    t.add_argument(
+        "--master-port", "--master_port", default=_env("master_port"), help="not used: a free port each round"
+    )
+    t.add_argument("--logs-specs", "--logs_specs", default=None, help="not used: torchrun's default layout")
     t.add_argument(
         "--numa-binding",
         "--numa_binding",
         default=None,
         choices=("node", "socket", "exclusive", "core-complex"),
-        help="not applied",
+        help="not applied: workers run without NUMA binding",
     )
-    t.add_argument("--duplicate-stdout-filters", "--duplicate_stdout_filters", default=_env("duplicate_stdout_filters"))
-    t.add_argument("--duplicate-stderr-filters", "--duplicate_stderr_filters", default=_env("duplicate_stderr_filters"))
+    for stream in ("stdout", "stderr"):
+        t.add_argument(
+            f"--duplicate-{stream}-filters",
+            f"--duplicate_{stream}_filters",
+            default=_env(f"duplicate_{stream}_filters"),
+            help="not used: --log-dir DIR --tee 3 keeps the whole output",
+        )
     a("script", help="training script (or module with -m, or executable with --no-python)")
     a("script_args", nargs=argparse.REMAINDER, help="its arguments")
     return p
