@@ -232,15 +232,22 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--standalone",
         action="store_true",
-        default=bool(_env("standalone")),
+        default=_env_flag("standalone"),
         help="single node: run an embedded server on a free localhost port",
     )
-    a("-m", "--module", action="store_true", help="run the script as a python module (python -m)")
+    a(
+        "-m",
+        "--module",
+        action="store_true",
+        default=_env_flag("module"),
+        help="run the script as a python module (python -m)",
+    )
     a(
         "--no-python",
         "--no_python",
         dest="no_python",
         action="store_true",
+        default=_env_flag("no_python"),
         help="run the script as an executable, not with python",
     )
     a(

@@ -339,6 +339,29 @@ def test_every_torchrun_flag_alone_is_accepted_and_said(tmp_path: Path) -> None:
         assert len(cfg.notes) == int(said), (opt, cfg.notes)
 
 
+def test_every_torchrun_variable_does_what_its_flag_does(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """torchrun reads PET_<DEST> for each flag that has an env or check_env
+    action; the same variable here gives the same config as the flag."""
+    checked = []
+    for action in _torchrun_parser()._actions:
+        if type(action).__name__ not in ("env", "check_env"):
+            continue
+        dest, switch = action.dest, action.nargs == 0
+        value = "1" if switch else _SAMPLES[dest].replace("LOGDIR", str(tmp_path))
+        base = ["--log-dir", str(tmp_path)]
+        if dest != "rdzv_endpoint":
+            base += ["--endpoint", "127.0.0.1:1"]
+        if dest != "rdzv_id":
+            base += ["--job-id", "j"]
+        by_flag = cfg_of(*base, action.option_strings[0], *([] if switch else [value]))
+        with monkeypatch.context() as m:
+            m.setenv(f"PET_{dest.upper()}", value)
+            by_env = cfg_of(*base)
+        assert by_env == by_flag, dest
+        checked.append(dest)
+    assert len(checked) > 20 and {"module", "no_python", "standalone", "role", "signals_to_handle"} <= set(checked)
+
+
 def test_a_whole_torchrun_line_with_every_flag(tmp_path: Path) -> None:
     argv = [*BASE]
     for opt, dest, switch in _torchrun_options():
@@ -437,6 +460,8 @@ def test_environment_nnodes_log_dir_redirects_tee(monkeypatch: pytest.MonkeyPatc
 def test_environment_standalone(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PET_STANDALONE", "1")
     assert cfg_of().standalone is True
+    monkeypatch.setenv("PET_STANDALONE", "0")  # torchrun's check_env: 0 is off
+    assert cfg_of(*BASE).standalone is False
 
 
 def test_a_flag_beats_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
