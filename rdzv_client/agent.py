@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 # Not rdzv_server.protocol (pydantic) here: the agent sends its first join
 # without it; the link imports the models right after, and the branches below
 # that need them import them then (a dictionary look-up by that time).
-from rdzv_server.wire import heartbeat_every, printable
+from rdzv_server.wire import DEFAULT_MAX_RESTARTS, heartbeat_every, printable
 
 from .client import AgentLink, parse_endpoint
 from .config import (  # noqa: F401 - build_parser, config_from_args, UsageError: the agent's public names
@@ -160,8 +160,9 @@ class Agent(ServerReactions):
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        # SIGHUP: a closed terminal or ssh session; torchrun treats it as SIGTERM
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        # SIGHUP: a closed terminal or ssh session; torchrun treats it as SIGTERM.
+        # cfg.signals: those three and the rest of --signals-to-handle (torchrun's default adds SIGQUIT)
+        for sig in self.cfg.signals:
             loop.add_signal_handler(sig, self.handle_signal, sig)
         server = None
         try:
@@ -190,13 +191,15 @@ class Agent(ServerReactions):
             await self._link.start()
             await self.watch.start(self._worker_pids)
             self._say(
-                "joining %s at %s (nnodes %d:%d, %d worker(s) here, address %s)",
+                "joining %s at %s (nnodes %d:%d, %d worker(s) here, address %s, max-restarts %d%s)",
                 self.cfg.endpoint,
                 time.strftime("%H:%M:%S"),
                 self.cfg.min_nodes,
                 self.cfg.max_nodes,
                 self.cfg.nproc,
                 self.addr,
+                self.cfg.max_restarts,
+                " (torchrun: 0)" if self.cfg.max_restarts == DEFAULT_MAX_RESTARTS else "",
             )
             if not await self._join_when_healthy(rejoining=False):
                 return await self._on_signal(self.signals.get_nowait())
@@ -344,7 +347,16 @@ class Agent(ServerReactions):
             ef.parent.mkdir(parents=True, exist_ok=True)
             if ef.exists():
                 ef.unlink()
-            env = worker_env(base, a, lr, cfg.job_id, str(ef))
+            env = worker_env(
+                base,
+                a,
+                lr,
+                cfg.job_id,
+                str(ef),
+                role=cfg.role,
+                signals_to_handle=cfg.signals_to_handle,
+                virtual_local_rank=cfg.virtual_local_rank,
+            )
             self.watch.add_env(env)
             envs.append(env)
         self.watch.new_round(a.round)
@@ -448,6 +460,8 @@ def main(argv: list[str] | None = None) -> None:
     except UsageError as e:
         print(f"rdzv-agent: error: {e}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE) from None
+    for note in cfg.notes:  # torchrun's flags that rdzv does differently, one line each
+        log.warning("note: %s", note)
     code = asyncio.run(Agent(cfg).run())
     raise SystemExit(code)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import socket
 import sys
 import tempfile
@@ -43,6 +44,11 @@ if TYPE_CHECKING:
 
 DEFAULT_SERVER_TIMEOUT_S = 300.0
 DEFAULT_STOP_TIMEOUT_S = 10.0
+# torchrun's --signals-to-handle default; the agent always handles SIGINT, SIGTERM and SIGHUP
+DEFAULT_SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+ALWAYS_HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# --rdzv-conf keys rdzv-agent reads; every other key is named in a note
+RDZV_CONF_KEYS = ("join_timeout", "last_call_timeout")
 
 
 class UsageError(Exception):
@@ -82,6 +88,11 @@ class AgentConfig:
     min_round_s: float = DEFAULT_MIN_ROUND_S
     health_check: str | None = None  # shell command run before every join; non-zero: this round is skipped
     health_check_timeout_s: float = 60.0
+    role: str = "default"  # the workers' ROLE_NAME (torchrun's --role)
+    signals_to_handle: str = DEFAULT_SIGNALS_TO_HANDLE  # as given; the workers' TORCHELASTIC_SIGNALS_TO_HANDLE
+    signals: tuple[int, ...] = ALWAYS_HANDLED  # what the agent handles: stop workers, leave, exit 128+N
+    virtual_local_rank: bool = False  # LOCAL_RANK=0, CUDA_VISIBLE_DEVICES one GPU (torchrun's --virtual-local-rank)
+    notes: list[str] = field(default_factory=list)  # one line each: a torchrun flag that rdzv does differently
 
     def spec_fields(self) -> dict[str, Any]:
         """The job spec as the plain JSON object of a join (no pydantic: the agent's start-up path)."""
@@ -114,6 +125,11 @@ def _env(name: str, default: _T) -> str | _T: ...
 def _env(name: str, default: object = None) -> object:
     """torchrun's PET_* variables (as Kubernetes operators set them), then ours."""
     return os.environ.get("PET_" + name.upper().replace("-", "_"), default)
+
+
+def _env_flag(name: str) -> bool:
+    """A torchrun switch's PET_* variable (its check_env): set and not 0."""
+    return (_env(name) or "0").strip() not in ("", "0")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -158,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--nproc_per_node",
         dest="nproc_per_node",
         default=_env("nproc_per_node", "1"),
-        help="workers on this node: N, gpu (one per GPU), cpu (one per core), auto (gpu if any, else cpu)",
+        help="workers on this node: N, gpu (one per GPU), xpu (one per XPU), cpu (one per core), "
+        "auto (gpu if any, else cpu)",
     )
     a(
         "--max-restarts",
@@ -166,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="max_restarts",
         type=int,
         default=int(_env("max_restarts", DEFAULT_MAX_RESTARTS)),
-        help="restarts after worker failures before the job fails",
+        help=f"restarts after worker failures before the job fails (default {DEFAULT_MAX_RESTARTS}; torchrun: 0)",
     )
     a(
         "--node-rank",
@@ -215,15 +232,22 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--standalone",
         action="store_true",
-        default=bool(_env("standalone")),
+        default=_env_flag("standalone"),
         help="single node: run an embedded server on a free localhost port",
     )
-    a("-m", "--module", action="store_true", help="run the script as a python module (python -m)")
+    a(
+        "-m",
+        "--module",
+        action="store_true",
+        default=_env_flag("module"),
+        help="run the script as a python module (python -m)",
+    )
     a(
         "--no-python",
         "--no_python",
         dest="no_python",
         action="store_true",
+        default=_env_flag("no_python"),
         help="run the script as an executable, not with python",
     )
     a(
@@ -273,9 +297,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a(
         "--stop-timeout",
+        "--shutdown-timeout",
+        "--shutdown_timeout",
+        dest="stop_timeout",
         type=float,
-        default=DEFAULT_STOP_TIMEOUT_S,
-        help="seconds workers get between SIGTERM and SIGKILL",
+        default=_env("shutdown_timeout", os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_STOP_TIMEOUT_S)),
+        help="seconds workers get between SIGTERM and SIGKILL (torchrun: --shutdown-timeout, default 30; "
+        f"default {DEFAULT_STOP_TIMEOUT_S:g}, or $TORCH_ELASTIC_SHUTDOWN_TIMEOUT)",
     )
     a(
         "--server-timeout",
@@ -307,12 +335,84 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds the health check may run",
     )
-    # torchrun flags that mean nothing here: accepted so command lines carry over.
-    a("--rdzv-backend", "--rdzv_backend", default=None, help=argparse.SUPPRESS)
-    a("--rdzv-conf", "--rdzv_conf", default="", help="torchrun's key=value,... (join_timeout, last_call_timeout)")
-    a("--monitor-interval", "--monitor_interval", default=None, help=argparse.SUPPRESS)
-    a("--start-method", "--start_method", default=None, help=argparse.SUPPRESS)
-    a("--role", default=None, help=argparse.SUPPRESS)
+    a(
+        "--rdzv-conf",
+        "--rdzv_conf",
+        default=_env("rdzv_conf", ""),
+        help="torchrun's key=value,... (join_timeout, last_call_timeout; other keys are named in a note)",
+    )
+    a("--role", default=_env("role", "default"), help="the workers' ROLE_NAME, as torchrun's --role")
+    a(
+        "--signals-to-handle",
+        "--signals_to_handle",
+        dest="signals_to_handle",
+        default=_env("signals_to_handle", DEFAULT_SIGNALS_TO_HANDLE),
+        help="signals that stop the workers and leave the job, exit 128+N (SIGINT, SIGTERM, SIGHUP always); "
+        "the workers see the list in TORCHELASTIC_SIGNALS_TO_HANDLE, as under torchrun",
+    )
+    a(
+        "--virtual-local-rank",
+        "--virtual_local_rank",
+        dest="virtual_local_rank",
+        action="store_true",
+        default=_env_flag("virtual_local_rank"),
+        help="every worker gets LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES set to its own GPU, as torchrun's",
+    )
+    a(
+        "--run-path",
+        "--run_path",
+        dest="run_path",
+        action="store_true",
+        default=_env_flag("run_path"),
+        help="run the script with python, as torchrun's runpy.run_path (overrides --no-python)",
+    )
+    # torchrun's flags that rdzv does differently: accepted, so that a command line copied from torchrun
+    # runs; each one given is named in a one-line note at start that says what rdzv does instead.
+    t = p.add_argument_group("torchrun's flags that rdzv does differently (accepted; each prints a one-line note)")
+    t.add_argument(
+        "--rdzv-backend",
+        "--rdzv_backend",
+        default=_env("rdzv_backend"),
+        help="rdzv; c10d or static: the rdzv server is used all the same",
+    )
+    t.add_argument(
+        "--monitor-interval",
+        "--monitor_interval",
+        default=_env("monitor_interval"),
+        help="not used: worker exits are seen at once",
+    )
+    t.add_argument(
+        "--start-method",
+        "--start_method",
+        default=_env("start_method"),
+        choices=("spawn", "fork", "forkserver"),
+        help="not used: workers are processes started with exec, as torchrun starts a script",
+    )
+    t.add_argument(
+        "--event-log-handler",
+        "--event_log_handler",
+        default=_env("event_log_handler"),
+        help="not used: see rdzv status JOB",
+    )
+    t.add_argument("--master-addr", "--master_addr", default=_env("master_addr"), help="not used: rank 0 each round")
+    t.add_argument(
+        "--master-port", "--master_port", default=_env("master_port"), help="not used: a free port each round"
+    )
+    t.add_argument("--logs-specs", "--logs_specs", default=None, help="not used: torchrun's default layout")
+    t.add_argument(
+        "--numa-binding",
+        "--numa_binding",
+        default=None,
+        choices=("node", "socket", "exclusive", "core-complex"),
+        help="not applied: workers run without NUMA binding",
+    )
+    for stream in ("stdout", "stderr"):
+        t.add_argument(
+            f"--duplicate-{stream}-filters",
+            f"--duplicate_{stream}_filters",
+            default=_env(f"duplicate_{stream}_filters"),
+            help="not used: --log-dir DIR --tee 3 keeps the whole output",
+        )
     a("script", help="training script (or module with -m, or executable with --no-python)")
     a("script_args", nargs=argparse.REMAINDER, help="its arguments")
     return p
@@ -341,6 +441,16 @@ def count_procs(value: str) -> int:
         return n
     if value == "cpu":
         return os.cpu_count() or 1
+    if value == "xpu":
+        try:
+            import torch
+
+            xpus = torch.xpu.device_count() if torch.xpu.is_available() else 0
+        except (ImportError, AttributeError):
+            xpus = 0
+        if not xpus:
+            raise UsageError("--nproc-per-node xpu: no XPU found on this node")
+        return int(xpus)
     if value in ("gpu", "auto"):
         try:
             import torch
@@ -353,7 +463,7 @@ def count_procs(value: str) -> int:
         if value == "gpu":
             raise UsageError("--nproc-per-node gpu: no CUDA GPU found on this node")
         return os.cpu_count() or 1
-    raise UsageError(f"--nproc-per-node {value!r}: expected N, gpu, cpu or auto")
+    raise UsageError(f"--nproc-per-node {value!r}: expected N, gpu, xpu, cpu or auto")
 
 
 def check_slurm() -> None:
@@ -386,6 +496,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         raise UsageError(f"--rdzv-conf: {e}") from None
     if args.rdzv_backend not in (None, "rdzv", "c10d", "static"):
         raise UsageError(f"--rdzv-backend {args.rdzv_backend!r}: rdzv-agent always uses an rdzv server")
+    notes = torchrun_notes(args, conf)
+    signals = parse_signals(str(args.signals_to_handle))
     standalone = args.standalone
     endpoint = args.endpoint
     if standalone:
@@ -403,14 +515,21 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     if not is_valid_id(job_id):
         raise UsageError(f"--job-id {job_id!r}: use 1-128 characters of letters, digits and ._:@+-")
     nproc = count_procs(str(args.nproc_per_node))
-    if args.module and args.no_python:
+    if args.module and args.no_python and not args.run_path:
         raise UsageError("-m and --no-python do not go together")
-    if args.no_python:
+    if args.run_path:  # torchrun: runpy.run_path in its worker process, before --no-python and -m
+        cmd = [sys.executable, "-u", args.script, *args.script_args]
+    elif args.no_python:
         cmd = [args.script, *args.script_args]
     elif args.module:
         cmd = [sys.executable, "-u", "-m", args.script, *args.script_args]
     else:
         cmd = [sys.executable, "-u", args.script, *args.script_args]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if args.virtual_local_rank and visible is not None and len(visible.split(",")) < nproc:
+        raise UsageError(
+            f"--virtual-local-rank with {nproc} workers: CUDA_VISIBLE_DEVICES={visible!r} names fewer GPUs"
+        )
     log_dir = Path(args.log_dir) if args.log_dir else None
     try:
         redirects = parse_std(str(args.redirects), nproc)
@@ -473,8 +592,83 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         hang_timeout_s=spec_check["hang_timeout_s"],
         storm_restarts=spec_check["storm_restarts"],
         min_round_s=spec_check["min_round_s"],
+        role=_role(str(args.role)),
+        signals_to_handle=str(args.signals_to_handle),
+        signals=signals,
+        virtual_local_rank=bool(args.virtual_local_rank),
+        notes=notes,
         **_host_options(args),
     )
+
+
+def _role(role: str) -> str:
+    if not 1 <= len(role) <= 128 or not role.isprintable():
+        raise UsageError(f"--role {role!r}: use 1-128 printable characters")
+    return role
+
+
+def parse_signals(text: str) -> tuple[int, ...]:
+    """--signals-to-handle: torchrun's comma-separated signal names (SIGUSR1 or
+    USR1); the agent handles those and, always, SIGINT, SIGTERM and SIGHUP."""
+    out = list(ALWAYS_HANDLED)
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name = item.upper() if item.upper().startswith("SIG") else "SIG" + item.upper()
+        try:
+            sig = signal.Signals[name]
+        except KeyError:
+            raise UsageError(f"--signals-to-handle: {item!r} is not a signal name (e.g. SIGTERM,SIGUSR1)") from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
+            raise UsageError(f"--signals-to-handle: {name} cannot be handled")
+        if sig not in out:
+            out.append(sig)
+    return tuple(int(x) for x in out)
+
+
+def torchrun_notes(args: argparse.Namespace, conf: dict[str, str]) -> list[str]:
+    """One line for each torchrun flag given (or PET_* variable set) that rdzv
+    does differently: what rdzv does instead."""
+    notes = []
+    if args.rdzv_backend in ("c10d", "static"):
+        notes.append(f"--rdzv-backend {args.rdzv_backend}: rdzv-agent always uses the rdzv server at --rdzv-endpoint")
+    if args.monitor_interval is not None:
+        notes.append("--monitor-interval: not used; rdzv-agent does not poll, it learns of a worker's exit at once")
+    if args.start_method is not None:
+        notes.append(
+            f"--start-method {args.start_method}: not used; each worker is a process of its own started with exec "
+            "(as torchrun starts a script: start methods apply to Python function entry points)"
+        )
+    if args.event_log_handler not in (None, "null"):
+        notes.append(
+            f"--event-log-handler {args.event_log_handler}: not used; the job's events are kept by the server "
+            "(rdzv status JOB, GET /v1/jobs/JOB)"
+        )
+    if args.master_addr is not None or args.master_port is not None:
+        notes.append(
+            "--master-addr/--master-port: not used; each round's rank 0 gives MASTER_ADDR (its address) "
+            "and a free MASTER_PORT to every node"
+        )
+    if args.logs_specs is not None:
+        notes.append(
+            f"--logs-specs {args.logs_specs}: not used; logs are laid out as torchrun's default "
+            "(--log-dir DIR/attempt_N/LOCAL_RANK/{stdout,stderr}.log)"
+        )
+    if args.numa_binding is not None:
+        notes.append(
+            f"--numa-binding {args.numa_binding}: not applied; workers run without NUMA binding "
+            "(wrap the script: --no-python numactl ... python train.py)"
+        )
+    for stream in ("stdout", "stderr"):
+        if getattr(args, f"duplicate_{stream}_filters", None):
+            notes.append(
+                f"--duplicate-{stream}-filters: not used; --log-dir DIR with --tee 3 keeps every worker's "
+                "whole output in DIR (grep it)"
+            )
+    if conf:
+        notes.append(
+            f"--rdzv-conf {','.join(sorted(conf))}: not used; rdzv-agent reads {', '.join(RDZV_CONF_KEYS)} "
+            "there, the other settings are flags (see --help)"
+        )
+    return notes
 
 
 def _host_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -139,12 +139,19 @@ def worker_env(
     local_rank: int,
     job_id: str,
     error_file: str,
+    role: str = "default",
+    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+    virtual_local_rank: bool = False,
 ) -> dict[str, str]:
     """Return ``base_env`` plus exactly the variables torchrun gives a worker,
     less the agent's credentials (``RDZV_TOKEN``, ``RDZV_JOB_SECRET``).
 
     See docs/design.md "The worker environment". ``TORCHELASTIC_RESTART_COUNT``
-    is the round number, the same on every node.
+    is the round number, the same on every node. ``role`` is torchrun's
+    --role, ``signals_to_handle`` its --signals-to-handle (as given), and
+    ``virtual_local_rank`` its --virtual-local-rank: LOCAL_RANK 0 for every
+    worker and CUDA_VISIBLE_DEVICES its own GPU (an entry of the agent's
+    CUDA_VISIBLE_DEVICES, or the local rank).
     """
     if not 0 <= local_rank < a.local_world_size:
         raise ValueError(f"local_rank {local_rank} outside 0..{a.local_world_size - 1}")
@@ -160,7 +167,7 @@ def worker_env(
             "GROUP_WORLD_SIZE": str(a.group_world_size),
             "ROLE_RANK": str(rank),
             "ROLE_WORLD_SIZE": str(a.world_size),
-            "ROLE_NAME": "default",
+            "ROLE_NAME": role,
             "MASTER_ADDR": a.master_addr,
             "MASTER_PORT": str(a.master_port),
             "TORCHELASTIC_RESTART_COUNT": str(a.round),
@@ -169,8 +176,16 @@ def worker_env(
             "TORCHELASTIC_USE_AGENT_STORE": "False",
             "TORCHELASTIC_ERROR_FILE": error_file,
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": base_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": signals_to_handle,
         }
     )
+    if virtual_local_rank:
+        env["LOCAL_RANK"] = "0"
+        visible = base_env.get("CUDA_VISIBLE_DEVICES")
+        gpus = [g.strip() for g in visible.split(",")] if visible is not None else None
+        if gpus is not None and local_rank >= len(gpus):
+            raise ValueError(f"local_rank {local_rank} exceeds the GPUs in CUDA_VISIBLE_DEVICES={visible}")
+        env["CUDA_VISIBLE_DEVICES"] = gpus[local_rank] if gpus is not None else str(local_rank)
     if "OMP_NUM_THREADS" not in base_env and a.local_world_size > 1:
         env["OMP_NUM_THREADS"] = "1"
     for name in WITHHELD_FROM_WORKERS:  # the agent's credentials are not the training script's

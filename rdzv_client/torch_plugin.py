@@ -3,7 +3,13 @@
     torchrun --rdzv-backend=rdzv --rdzv-endpoint=HOST:PORT --rdzv-id=JOB --nnodes=2:3 ... train.py
 
 torchrun finds this through the ``torchrun.handlers`` entry point; torch is not
-patched. The handler keeps one :class:`~rdzv_client.client.AgentLink` on a
+patched. So does ``accelerate launch --rdzv_backend rdzv``, which runs torchrun
+in its own process: ``--rdzv_conf job_id=NAME`` names the job there (accelerate
+has no --rdzv_id), ``--rdzv_conf server=HOST:PORT`` names the server when it is
+not at --main_process_ip:--main_process_port (or under --same_network), and the
+number of local workers comes from torch's WorkerSpec, not the command line.
+
+The handler keeps one :class:`~rdzv_client.client.AgentLink` on a
 background thread's event loop, so the server learns at once when this node
 dies and pushes round changes, which :meth:`num_nodes_waiting` reports to
 torchrun's monitor loop (it restarts the workers and calls
@@ -44,6 +50,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 from datetime import timedelta
+from types import FrameType
 from typing import Any, TypeVar
 
 # torch exports these without marking them as re-exported (no __all__ entry): mypy's strict mode says so
@@ -79,6 +86,7 @@ from rdzv_server.protocol import (
     SpareMsg,
     StatusMsg,
     heartbeat_interval,
+    is_valid_id,
     printable,
 )
 
@@ -107,9 +115,8 @@ class RdzvRendezvousHandler(RendezvousHandler):
 
     def __init__(self, params: RendezvousParameters) -> None:
         self.params = params
-        self.endpoint = params.endpoint
-        _, host, port = parse_endpoint(params.endpoint)
-        self.run_id = params.run_id
+        self.endpoint, self.run_id = _server_and_job(params)
+        _, host, port = parse_endpoint(self.endpoint)
         self.token = params.get("token") or os.environ.get("RDZV_TOKEN") or None
         self.job_secret = params.get("job_secret") or os.environ.get("RDZV_JOB_SECRET") or None
         if self.job_secret is not None and not re.fullmatch(SECRET_PATTERN, self.job_secret):
@@ -138,7 +145,8 @@ class RdzvRendezvousHandler(RendezvousHandler):
             storm_restarts=int(params.get("storm_restarts", 0)),
             min_round_s=float(params.get("min_round_s", DEFAULT_MIN_ROUND_S)),
         )
-        self.nproc = _torchrun_nproc()
+        self.nproc = _torchrun_nproc()  # until next_rendezvous finds torch's WorkerSpec (_spec_nproc)
+        self._nproc_known = False
         self.session = NodeSession(
             job_id=self.run_id,
             host=socket.gethostname(),
@@ -291,6 +299,16 @@ class RdzvRendezvousHandler(RendezvousHandler):
             raise RendezvousConnectionError(f"job {self.run_id}: {self._gave_up}")
         if self._closed:
             raise RendezvousClosedError(f"job {self.run_id} {self._closed_why}")
+        if not self._nproc_known:
+            self._nproc_known = True
+            nproc = _spec_nproc(self)
+            if nproc is None:
+                log.warning(
+                    "rdzv: no torch WorkerSpec calls this handler; %d local worker(s), from the command line",
+                    self.nproc,
+                )
+            else:
+                self.nproc = self.session.nproc = nproc
         self._ensure_started()
         a = self._call(self._next_round(), timeout=self.join_timeout_s + 30)
         self._assignment = a
@@ -427,9 +445,62 @@ class RdzvRendezvousHandler(RendezvousHandler):
         return True
 
 
+def _server_and_job(params: RendezvousParameters) -> tuple[str, str]:
+    """The server's HOST:PORT and the job id. ``--rdzv-conf server=HOST:PORT``
+    overrides torchrun's --rdzv-endpoint (accelerate builds that from
+    --main_process_ip/--main_process_port, or leaves it empty under
+    --same_network), then $RDZV_ENDPOINT fills an empty one.
+    ``--rdzv-conf job_id=NAME`` overrides --rdzv-id (accelerate has no such
+    flag), and torchrun's default ``none`` becomes $SLURM_JOB_ID under SLURM
+    (as rdzv-agent's default), else stays ``none`` with a warning."""
+    endpoint = str(params.get("server") or params.endpoint or os.environ.get("RDZV_ENDPOINT") or "")
+    if not endpoint:
+        raise ValueError(
+            "rdzv: no server: torchrun got an empty --rdzv-endpoint (accelerate's --same_network passes none); "
+            "pass --rdzv-conf server=HOST:PORT (accelerate: --rdzv_conf server=HOST:PORT) or set RDZV_ENDPOINT"
+        )
+    job_id = str(params.get("job_id") or params.run_id)
+    if job_id == "none" and not params.get("job_id"):
+        slurm = os.environ.get("SLURM_JOB_ID")
+        if slurm:
+            job_id = slurm
+        else:
+            log.warning(
+                "rdzv: job id is torchrun's default 'none', shared by every job on %s that gives none: "
+                "pass --rdzv-id NAME (accelerate: --rdzv_conf job_id=NAME, or PET_RDZV_ID=NAME)",
+                printable(endpoint),
+            )
+    if not is_valid_id(job_id):
+        raise ValueError(f"rdzv: job id {printable(job_id)!r}: use 1-128 characters of letters, digits and ._:@+-")
+    return endpoint, job_id
+
+
+def _spec_nproc(handler: RendezvousHandler) -> int | None:
+    """The local world size of the torch WorkerSpec whose rdzv_handler is
+    ``handler``. torch creates the handler before the spec and never tells it
+    the number of local workers (--nproc-per-node: accelerate derives it from
+    --num_processes / --num_machines); its agent calls next_rendezvous from
+    ``_rendezvous(worker_group)``, so the spec is in a caller's frame."""
+    from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerSpec
+
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(_FRAMES_SEARCHED):
+        if frame is None:
+            break
+        for value in list(frame.f_locals.values()):
+            spec = value.spec if isinstance(value, WorkerGroup) else value
+            if isinstance(spec, WorkerSpec) and spec.rdzv_handler is handler and spec.local_world_size > 0:
+                return int(spec.local_world_size)
+        frame = frame.f_back
+    return None
+
+
+_FRAMES_SEARCHED = 20
+
+
 def _torchrun_nproc() -> int:
-    """torchrun does not tell a rendezvous handler its --nproc-per-node; read it
-    from torchrun's command line so the server's view has the right world size."""
+    """--nproc-per-node from torchrun's command line: only where no torch
+    agent calls the handler (see _spec_nproc)."""
     argv = sys.argv
     value = os.environ.get("PET_NPROC_PER_NODE", "1")
     for i, arg in enumerate(argv):

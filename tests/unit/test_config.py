@@ -116,21 +116,264 @@ def test_rdzv_conf_spellings(flag: str) -> None:
     assert (cfg.spec().join_timeout_s, cfg.spec().last_call_s) == (77.0, 3.0)
 
 
+# -- torchrun's flags (issue 12, item 6): none refused, none ignored without a word
+
+
+def test_a_plain_line_has_no_notes() -> None:
+    cfg = cfg_of(*BASE, "--rdzv-backend", "rdzv", "--nnodes", "1:2", "--rdzv-conf", "join_timeout=9")
+    assert cfg.notes == []
+
+
 @pytest.mark.parametrize(
-    "argv",
+    "argv, note",
     [
-        ["--rdzv-backend", "c10d"],
-        ["--rdzv_backend", "static"],
-        ["--rdzv-backend", "rdzv"],
-        ["--monitor-interval", "5"],
-        ["--monitor_interval", "5"],
-        ["--start-method", "spawn"],
-        ["--start_method", "fork"],
-        ["--role", "trainer"],
+        (["--rdzv-backend", "c10d"], "--rdzv-backend c10d: rdzv-agent always uses the rdzv server"),
+        (["--rdzv_backend", "static"], "--rdzv-backend static: rdzv-agent always uses the rdzv server"),
+        (["--monitor-interval", "5"], "--monitor-interval: not used; rdzv-agent does not poll"),
+        (["--monitor_interval", "0.1"], "--monitor-interval: not used"),
+        (["--start-method", "spawn"], "--start-method spawn: not used; each worker is a process of its own"),
+        (["--start_method", "forkserver"], "--start-method forkserver: not used"),
+        (["--event-log-handler", "console"], "--event-log-handler console: not used; the job's events are kept"),
+        (["--event_log_handler", "console"], "--event-log-handler console: not used"),
+        (["--master-addr", "10.0.0.1"], "--master-addr/--master-port: not used; each round's rank 0"),
+        (["--master_addr", "10.0.0.1"], "--master-addr/--master-port: not used"),
+        (["--master-port", "29500"], "--master-addr/--master-port: not used"),
+        (["--master_port", "29500"], "--master-addr/--master-port: not used"),
+        (["--logs-specs", "mine"], "--logs-specs mine: not used; logs are laid out as torchrun's default"),
+        (["--logs_specs", "mine"], "--logs-specs mine: not used"),
+        (["--numa-binding", "node"], "--numa-binding node: not applied; workers run without NUMA binding"),
+        (["--numa_binding", "socket"], "--numa-binding socket: not applied"),
+        (["--duplicate-stdout-filters", "loss"], "--duplicate-stdout-filters: not used; --log-dir DIR with --tee 3"),
+        (["--duplicate_stdout_filters", "a,b"], "--duplicate-stdout-filters: not used"),
+        (["--duplicate-stderr-filters", "err"], "--duplicate-stderr-filters: not used"),
+        (["--duplicate_stderr_filters", "err"], "--duplicate-stderr-filters: not used"),
+        (["--rdzv-conf", "timeout=900,join_timeout=5"], "--rdzv-conf timeout: not used; rdzv-agent reads join_timeout"),
     ],
 )
-def test_torchrun_flags_that_mean_nothing_here_are_accepted(argv: list[str]) -> None:
-    assert cfg_of(*BASE, *argv).job_id == "j"
+def test_torchrun_flags_rdzv_does_differently_are_accepted_with_a_note(argv: list[str], note: str) -> None:
+    cfg = cfg_of(*BASE, *argv)
+    assert cfg.job_id == "j"
+    assert len(cfg.notes) == 1 and cfg.notes[0].startswith(note), cfg.notes
+    assert "\n" not in cfg.notes[0]
+
+
+@pytest.mark.parametrize("flag", ["--role"])
+def test_role(flag: str) -> None:
+    assert cfg_of(*BASE).role == "default"
+    cfg = cfg_of(*BASE, flag, "trainer")
+    assert cfg.role == "trainer" and cfg.notes == []
+    with pytest.raises(UsageError, match="--role"):
+        cfg_of(*BASE, flag, "")
+
+
+@pytest.mark.parametrize("flag", ["--signals-to-handle", "--signals_to_handle"])
+def test_signals_to_handle(flag: str) -> None:
+    import signal
+
+    default = cfg_of(*BASE)
+    assert default.signals_to_handle == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    assert set(default.signals) == {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
+    cfg = cfg_of(*BASE, flag, "SIGTERM,SIGUSR1,USR2")
+    assert cfg.signals_to_handle == "SIGTERM,SIGUSR1,USR2"  # the workers see it as given, as under torchrun
+    assert set(cfg.signals) == {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2}
+    with pytest.raises(UsageError, match="'SIGNOPE' is not a signal name"):
+        cfg_of(*BASE, flag, "SIGTERM,SIGNOPE")
+    with pytest.raises(UsageError, match="SIGKILL cannot be handled"):
+        cfg_of(*BASE, flag, "SIGKILL")
+
+
+@pytest.mark.parametrize("flag", ["--stop-timeout", "--shutdown-timeout", "--shutdown_timeout"])
+def test_shutdown_timeout_is_the_stop_timeout(flag: str) -> None:
+    assert cfg_of(*BASE, flag, "7").stop_timeout_s == 7.0
+
+
+def test_shutdown_timeout_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "20")
+    assert cfg_of(*BASE).stop_timeout_s == 20.0
+    monkeypatch.setenv("PET_SHUTDOWN_TIMEOUT", "25")
+    assert cfg_of(*BASE).stop_timeout_s == 25.0
+    assert cfg_of(*BASE, "--shutdown-timeout", "3").stop_timeout_s == 3.0
+
+
+@pytest.mark.parametrize("flag", ["--virtual-local-rank", "--virtual_local_rank"])
+def test_virtual_local_rank(flag: str) -> None:
+    assert cfg_of(*BASE).virtual_local_rank is False
+    assert cfg_of(*BASE, flag).virtual_local_rank is True
+
+
+def test_virtual_local_rank_needs_a_gpu_per_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(UsageError, match="CUDA_VISIBLE_DEVICES='3' names fewer GPUs"):
+        cfg_of(*BASE, "--virtual-local-rank", "--nproc-per-node", "2")
+    assert cfg_of(*BASE, "--virtual-local-rank").virtual_local_rank is True
+
+
+@pytest.mark.parametrize("flag", ["--run-path", "--run_path"])
+def test_run_path_runs_the_script_with_python(flag: str) -> None:
+    assert cfg_of(*BASE, flag).cmd == [sys.executable, "-u", "train.py", "--lr", "1"]
+    assert cfg_of(*BASE, flag, "--no-python").cmd == [sys.executable, "-u", "train.py", "--lr", "1"]
+
+
+@pytest.mark.parametrize(
+    "name, value, field, expected",
+    [
+        ("PET_ROLE", "trainer", "role", "trainer"),
+        ("PET_SIGNALS_TO_HANDLE", "SIGTERM", "signals_to_handle", "SIGTERM"),
+        ("PET_VIRTUAL_LOCAL_RANK", "1", "virtual_local_rank", True),
+        ("PET_VIRTUAL_LOCAL_RANK", "0", "virtual_local_rank", False),
+        ("PET_RUN_PATH", "1", "cmd", [sys.executable, "-u", "train.py", "--lr", "1"]),
+        ("PET_RDZV_CONF", "join_timeout=12", "join_timeout_s", 12.0),
+    ],
+)
+def test_torchrun_environment_for_the_new_flags(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str, field: str, expected
+) -> None:
+    monkeypatch.setenv(name, value)
+    assert getattr(cfg_of(*BASE), field) == expected
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("PET_MONITOR_INTERVAL", "5"),
+        ("PET_START_METHOD", "fork"),
+        ("PET_EVENT_LOG_HANDLER", "console"),
+        ("PET_MASTER_ADDR", "10.0.0.1"),
+        ("PET_MASTER_PORT", "29500"),
+        ("PET_DUPLICATE_STDOUT_FILTERS", "x"),
+        ("PET_DUPLICATE_STDERR_FILTERS", "x"),
+        ("PET_RDZV_BACKEND", "c10d"),
+    ],
+)
+def test_torchrun_environment_for_flags_rdzv_does_differently_gets_a_note(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    monkeypatch.setenv(name, value)
+    assert len(cfg_of(*BASE).notes) == 1
+
+
+def _torchrun_parser():
+    pytest.importorskip("torch")
+    from torch.distributed.run import get_args_parser
+
+    return get_args_parser()
+
+
+# A value each of torchrun's flags takes (by dest) in the comparison below.
+_SAMPLES = {
+    "nnodes": "1:2",
+    "nproc_per_node": "2",
+    "rdzv_backend": "c10d",
+    "rdzv_endpoint": "127.0.0.1:29400",
+    "rdzv_id": "j",
+    "rdzv_conf": "join_timeout=5",
+    "max_restarts": "2",
+    "monitor_interval": "1",
+    "start_method": "spawn",
+    "event_log_handler": "console",
+    "role": "trainer",
+    "log_dir": "LOGDIR",
+    "redirects": "3",
+    "tee": "1",
+    "local_ranks_filter": "0",
+    "duplicate_stdout_filters": "loss",
+    "duplicate_stderr_filters": "warn",
+    "node_rank": "1",
+    "master_addr": "127.0.0.1",
+    "master_port": "29500",
+    "local_addr": "127.0.0.1",
+    "logs_specs": "default",
+    "numa_binding": "node",
+    "signals_to_handle": "SIGTERM,SIGUSR1",
+    "shutdown_timeout": "5",
+}
+
+
+def _torchrun_options() -> list[tuple[str, str, int]]:
+    """(option string, dest, nargs==0) of every flag of the venv's torchrun."""
+    out = []
+    for action in _torchrun_parser()._actions:
+        for opt in action.option_strings:
+            if opt not in ("-h", "--help"):
+                out.append((opt, action.dest, action.nargs == 0))
+    return out
+
+
+def test_every_flag_of_torchrun_is_known_here() -> None:
+    """Compared with torch/distributed/run.py's own parser: each of its option
+    strings (dashes and underscores) is one of rdzv-agent's, and the samples
+    below cover every value-taking one."""
+    ours = {opt for action in build_parser()._actions for opt in action.option_strings}
+    options = _torchrun_options()
+    assert len(options) > 40
+    missing = sorted(opt for opt, _, _ in options if opt not in ours)
+    assert missing == [], f"torchrun flags rdzv-agent refuses: {missing}"
+    unsampled = sorted({dest for _, dest, switch in options if not switch and dest not in _SAMPLES})
+    assert unsampled == [], f"add a sample value for {unsampled}"
+
+
+def test_every_torchrun_flag_alone_is_accepted_and_said(tmp_path: Path) -> None:
+    """Each of torchrun's flags, with a value torchrun takes, gives a config;
+    the ones rdzv does differently say so in one note."""
+    for opt, dest, switch in _torchrun_options():
+        value = [] if switch else [_SAMPLES[dest].replace("LOGDIR", str(tmp_path))]
+        argv = [opt, *value] if dest in ("rdzv_endpoint", "rdzv_id") else [*BASE, opt, *value]
+        if dest == "rdzv_endpoint":
+            argv += ["--job-id", "j"]
+        elif dest == "rdzv_id":
+            argv += ["--endpoint", "127.0.0.1:1"]
+        cfg = cfg_of(*argv)
+        assert all("\n" not in n for n in cfg.notes), (opt, cfg.notes)
+        said = dest in (
+            "rdzv_backend",
+            "monitor_interval",
+            "start_method",
+            "event_log_handler",
+            "master_addr",
+            "master_port",
+            "logs_specs",
+            "numa_binding",
+            "duplicate_stdout_filters",
+            "duplicate_stderr_filters",
+        )
+        assert len(cfg.notes) == int(said), (opt, cfg.notes)
+
+
+def test_every_torchrun_variable_does_what_its_flag_does(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """torchrun reads PET_<DEST> for each flag that has an env or check_env
+    action; the same variable here gives the same config as the flag."""
+    checked = []
+    for action in _torchrun_parser()._actions:
+        if type(action).__name__ not in ("env", "check_env"):
+            continue
+        dest, switch = action.dest, action.nargs == 0
+        value = "1" if switch else _SAMPLES[dest].replace("LOGDIR", str(tmp_path))
+        base = ["--log-dir", str(tmp_path)]
+        if dest != "rdzv_endpoint":
+            base += ["--endpoint", "127.0.0.1:1"]
+        if dest != "rdzv_id":
+            base += ["--job-id", "j"]
+        by_flag = cfg_of(*base, action.option_strings[0], *([] if switch else [value]))
+        with monkeypatch.context() as m:
+            m.setenv(f"PET_{dest.upper()}", value)
+            by_env = cfg_of(*base)
+        assert by_env == by_flag, dest
+        checked.append(dest)
+    assert len(checked) > 20 and {"module", "no_python", "standalone", "role", "signals_to_handle"} <= set(checked)
+
+
+def test_a_whole_torchrun_line_with_every_flag(tmp_path: Path) -> None:
+    argv = [*BASE]
+    for opt, dest, switch in _torchrun_options():
+        if opt.startswith("--") and "_" not in opt[2:] and dest not in ("rdzv_endpoint", "rdzv_id", "standalone"):
+            if dest == "no_python" or dest == "module":
+                continue  # -m with --no-python is refused by torchrun too
+            argv += [opt] if switch else [opt, _SAMPLES[dest].replace("LOGDIR", str(tmp_path))]
+    cfg = cfg_of(*argv)
+    assert (cfg.role, cfg.nproc, cfg.max_restarts, cfg.stop_timeout_s) == ("trainer", 2, 2, 5.0)
+    assert cfg.virtual_local_rank is True and cfg.signals_to_handle == "SIGTERM,SIGUSR1"
+    assert cfg.cmd[:3] == [sys.executable, "-u", "train.py"]  # --run-path
+    assert len(cfg.notes) == 9, cfg.notes  # master-addr and master-port share one
 
 
 @pytest.mark.parametrize("flag", ["--rdzv-backend", "--rdzv_backend"])
@@ -217,6 +460,8 @@ def test_environment_nnodes_log_dir_redirects_tee(monkeypatch: pytest.MonkeyPatc
 def test_environment_standalone(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PET_STANDALONE", "1")
     assert cfg_of().standalone is True
+    monkeypatch.setenv("PET_STANDALONE", "0")  # torchrun's check_env: 0 is off
+    assert cfg_of(*BASE).standalone is False
 
 
 def test_a_flag_beats_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -242,7 +487,7 @@ def test_rdzv_endpoint_beats_pet(monkeypatch: pytest.MonkeyPatch) -> None:
         ([*BASE, "--nnodes", "3:2"], "MIN <= MAX"),
         ([*BASE, "--nnodes", "x"], "expected N or MIN:MAX"),
         ([*BASE, "--nproc-per-node", "0"], "at least 1"),
-        ([*BASE, "--nproc-per-node", "many"], "expected N, gpu, cpu or auto"),
+        ([*BASE, "--nproc-per-node", "many"], "expected N, gpu, xpu, cpu or auto"),
         ([*BASE, "-m", "--no-python"], "do not go together"),
         ([*BASE, "--rdzv-conf", "oops"], "expected key=value"),
         ([*BASE, "--server-timeout", "0"], "positive number"),
@@ -281,3 +526,9 @@ def test_storm_flags_have_defaults_and_are_part_of_the_spec() -> None:
     for bad in ("0", "-3", "inf", "nan"):
         with pytest.raises(UsageError, match="min_round_s"):
             cfg_of(*BASE, "--min-round-s", bad)
+
+
+def test_help_says_the_max_restarts_default_and_torchruns() -> None:
+    text = " ".join(build_parser().format_help().split())
+    assert "restarts after worker failures before the job fails (default 3; torchrun: 0)" in text
+    assert cfg_of(*BASE).max_restarts == 3

@@ -146,9 +146,35 @@ def test_worker_env_is_exactly_torchruns_table() -> None:
         "TORCHELASTIC_USE_AGENT_STORE": "False",
         "TORCHELASTIC_ERROR_FILE": "/logs/err.json",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
         "OMP_NUM_THREADS": "1",
     }
     assert base == {"PATH": "/bin", "HOME": "/root"}
+
+
+def test_worker_env_role_and_signals_as_torchrun_gives_them() -> None:
+    """--role trainer: ROLE_NAME=trainer; --signals-to-handle as given."""
+    env = worker_env({}, assignment(), 0, "j", "e", role="trainer", signals_to_handle="SIGTERM,SIGUSR1")
+    assert (env["ROLE_NAME"], env["TORCHELASTIC_SIGNALS_TO_HANDLE"]) == ("trainer", "SIGTERM,SIGUSR1")
+
+
+def test_worker_env_virtual_local_rank() -> None:
+    """torchrun's --virtual-local-rank: LOCAL_RANK 0 for all, each worker's own GPU
+    (through the agent's CUDA_VISIBLE_DEVICES when it has one); RANK unchanged."""
+    a = assignment(local_world_size=2)
+    plain = [worker_env({}, a, i, "j", "e", virtual_local_rank=True) for i in range(2)]
+    assert [(e["LOCAL_RANK"], e["CUDA_VISIBLE_DEVICES"], e["RANK"]) for e in plain] == [
+        ("0", "0", "8"),
+        ("0", "1", "9"),
+    ]
+    mapped = [worker_env({"CUDA_VISIBLE_DEVICES": "4, 6"}, a, i, "j", "e", virtual_local_rank=True) for i in range(2)]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in mapped] == ["4", "6"]
+    with pytest.raises(ValueError, match="exceeds the GPUs in CUDA_VISIBLE_DEVICES=3"):
+        worker_env({"CUDA_VISIBLE_DEVICES": "3"}, a, 1, "j", "e", virtual_local_rank=True)
+    assert (
+        "CUDA_VISIBLE_DEVICES" not in worker_env({}, a, 1, "j", "e")
+        and worker_env({}, a, 1, "j", "e")["LOCAL_RANK"] == "1"
+    )
 
 
 def test_worker_env_keeps_agent_values() -> None:

@@ -1,0 +1,99 @@
+"""How the torchrun handler reads its configuration (issue 12, item 2): the
+server, the job id and the number of local workers, from what torchrun (or
+accelerate, which runs torchrun in its own process) hands it. No server is
+contacted: a handler connects on its first next_rendezvous."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+pytest.importorskip("torch")
+
+from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerSpec
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from rdzv_client.torch_plugin import RdzvRendezvousHandler, _spec_nproc
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RDZV_ENDPOINT", "SLURM_JOB_ID", "RDZV_TOKEN", "RDZV_JOB_SECRET"):
+        monkeypatch.setenv(name, "x")  # restored after the test (the handler pops the credentials)
+        monkeypatch.delenv(name)
+
+
+def handler(endpoint: str = "127.0.0.1:29400", run_id: str = "exp1", **conf: str) -> RdzvRendezvousHandler:
+    params = RendezvousParameters(
+        backend="rdzv", endpoint=endpoint, run_id=run_id, min_nodes=1, max_nodes=2, local_addr="127.0.0.1", **conf
+    )
+    return RdzvRendezvousHandler(params)
+
+
+def test_torchruns_endpoint_and_id() -> None:
+    h = handler()
+    assert (h.endpoint, h.run_id) == ("127.0.0.1:29400", "exp1")
+
+
+def test_empty_endpoint_says_how_to_name_the_server() -> None:
+    """accelerate --same_network hands torchrun no endpoint (was: "endpoint '' has no host")."""
+    with pytest.raises(ValueError, match=r"no server: .*--rdzv-conf server=HOST:PORT.*RDZV_ENDPOINT"):
+        handler(endpoint="")
+
+
+def test_empty_endpoint_falls_back_to_rdzv_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RDZV_ENDPOINT", "127.0.0.1:29411")
+    assert handler(endpoint="").endpoint == "127.0.0.1:29411"
+
+
+def test_conf_server_overrides_the_endpoint() -> None:
+    """accelerate builds --rdzv-endpoint from --main_process_ip/port; server= wins."""
+    assert handler(endpoint="127.0.0.1:29500", server="127.0.0.1:29400").endpoint == "127.0.0.1:29400"
+
+
+def test_conf_server_is_checked() -> None:
+    with pytest.raises(ValueError, match="has no host"):
+        handler(server=":29400")
+
+
+def test_conf_job_id_overrides_torchruns_default() -> None:
+    assert handler(run_id="none", job_id="acc1").run_id == "acc1"
+
+
+def test_bad_job_id_is_refused_in_one_line() -> None:
+    with pytest.raises(ValueError, match=r"job id 'a b': use 1-128 characters"):
+        handler(job_id="a b")
+
+
+def test_default_none_under_slurm_is_the_slurm_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert handler(run_id="none").run_id == "4242"
+    assert handler(run_id="exp1").run_id == "exp1"
+
+
+def test_default_none_warns(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="rdzv_client.torch_plugin"):
+        h = handler(run_id="none")
+    assert h.run_id == "none"
+    assert "torchrun's default 'none'" in caplog.text and "--rdzv_conf job_id=NAME" in caplog.text
+
+
+def _spec(h: RdzvRendezvousHandler, nproc: int) -> WorkerSpec:
+    return WorkerSpec(role="trainer", local_world_size=nproc, rdzv_handler=h, entrypoint="python", args=())
+
+
+def test_local_workers_come_from_torchs_worker_spec() -> None:
+    """torch's agent calls next_rendezvous from _rendezvous(worker_group): the
+    spec whose rdzv_handler is this handler gives --nproc-per-node, whatever the
+    process's command line says (accelerate: --num_processes 8 --num_machines 2)."""
+    h, other = handler(), handler()
+
+    def _rendezvous(worker_group: WorkerGroup) -> int | None:  # as torch's agent holds it
+        spec = worker_group.spec
+        assert spec.rdzv_handler is h
+        return _spec_nproc(h)
+
+    assert _rendezvous(WorkerGroup(_spec(h, 4))) == 4
+    spec_of_other = _spec(other, 3)  # another handler's spec on the stack is not ours
+    assert spec_of_other.local_world_size == 3 and _spec_nproc(h) is None
