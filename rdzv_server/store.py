@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from . import rounds
+from . import logs, rounds
 from .cursors import decode_cursor, encode_cursor
 from .database import Database, DataDirError, free_bytes  # noqa: F401  (DataDirError: re-exported)
 from .hosts import HostRules, Hosts
@@ -411,7 +411,7 @@ class Store(HostsMixin, RetentionMixin):
             except sqlite3.Error as e:
                 self._rollback(job, created, e, requester)
         for line in fx.logs:
-            log.info("%s", printable(line))  # one event, one line, whatever a client sent
+            log.info("%s", printable(line), extra=logs.extra(line))  # one event, one line, whatever a client sent
         texts: dict[int, str] = {}  # a broadcast (restart, done, status) is serialized once
         for node_id, msg in fx.sends:
             chan = self.channels.get((job.job_id, node_id))
