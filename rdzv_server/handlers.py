@@ -186,7 +186,9 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    request.app[METRICS].set_progress(request.app[STORE].since_progress())
+    store = request.app[STORE]
+    request.app[METRICS].set_progress(store.since_progress())
+    request.app[METRICS].refresh(store.jobs.values(), store.hosts, store.clock())
     body = await request.app[METRICS].render_off_loop()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
