@@ -13,6 +13,7 @@ import ssl
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO, cast
 
 from aiohttp import web
 
@@ -355,7 +356,10 @@ async def serve(
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logs.setup(args.log_format, args.log_level, "%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stderr = sys.stderr
+    if args.log_format == "json":  # what is printed, not logged (refusals to start), is json too
+        sys.stderr = cast(TextIO, logs.JsonStream(stderr, level=logging.ERROR))
+    logs.setup(args.log_format, args.log_level, "%(asctime)s %(levelname)s %(name)s: %(message)s", stream=stderr)
     settings = settings_from_args(args)
     try:
         host = bind_host(getattr(args, "host", None), settings.token, args.insecure)

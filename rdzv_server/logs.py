@@ -156,14 +156,18 @@ class JsonFormatter(logging.Formatter):
 
 class JsonStream:
     """A text stream that writes every line written to it as a json log line
-    (level INFO, or ERROR for ``... error: ...`` lines; logger ``stderr``):
-    the agent's ``sys.stderr`` with ``--log-format json``, so that what it
-    prints directly (its status line, a job's end, a usage error) is json too."""
+    (logger ``stderr``; at ``level``, or else INFO, ERROR for ``... error: ...``
+    lines): ``sys.stderr`` with ``--log-format json``, so that what a program
+    prints directly (the agent's status line, a job's end, a usage error, a
+    refusal to start) is json too."""
 
-    def __init__(self, target: TextIO, context: Context | None = None, name: str = "stderr") -> None:
+    def __init__(
+        self, target: TextIO, context: Context | None = None, name: str = "stderr", level: int | None = None
+    ) -> None:
         self.target = target
         self.formatter = JsonFormatter(context)
         self.name = name
+        self.level = level
         self._pending = ""
         self._lock = threading.Lock()
 
@@ -182,7 +186,7 @@ class JsonStream:
         text = text.rstrip("\r")
         if not text.strip():
             return
-        level = logging.ERROR if "error: " in text[:80] else logging.INFO
+        level = self.level or (logging.ERROR if "error: " in text[:80] else logging.INFO)
         record = logging.LogRecord(self.name, level, "", 0, "%s", (text,), None)
         self.target.write(self.formatter.format(record) + "\n")
 

@@ -71,3 +71,27 @@ def test_json_logs_of_server_and_agents_parse_and_carry_the_jobs_events(cluster:
         assert mine, arows[-5:]
         assert {r["round"] for r in mine} >= {0, 1}, mine
         assert any("all 1 worker(s) exited 0" in r["message"] for r in mine), mine[-5:]
+
+
+def test_refusals_to_start_are_json_too(cluster: Cluster) -> None:
+    """What the programs print instead of log (a refusal to start, a usage error) is json with --log-format json."""
+    run = cluster.run_module(
+        "rdzv_server", "--log-format", "json", "--host", "10.1.2.3", "--port", "0", "--data-dir", "none"
+    )
+    assert run.returncode == 2, run
+    (row,) = [json.loads(line) for line in run.stderr.splitlines()]
+    assert row["level"] == "ERROR" and "refusing to listen on 10.1.2.3 without a token" in row["message"], row
+    run = cluster.run_agent("--log-format", "json", "--endpoint", "127.0.0.1:1", "--nnodes", "3:2", "x.py")
+    assert run.returncode == 2, run
+    rows = [json.loads(line) for line in run.stderr.splitlines()]
+    assert rows and rows[-1]["level"] == "ERROR" and "rdzv-agent: error:" in rows[-1]["message"], rows
+
+
+def test_text_stays_the_default(cluster: Cluster) -> None:
+    server = cluster.start_server()
+    assert server.request("GET", "/healthz")[0] == 200
+    server.stop()
+    lines = server.log_path.read_text().splitlines()
+    assert lines
+    for line in lines:
+        assert re.match(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (INFO|WARNING|ERROR) [\w.]+: ", line), line
