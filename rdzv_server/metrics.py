@@ -73,7 +73,7 @@ class Metrics:
             registry=r,
         )
         self.job_state = Gauge(
-            "rdzv_job_state", "1 for the job's state, 0 for the others", ["job_id", "state"], registry=r
+            "rdzv_job_state", "1, with the job's state as a label (one series per job)", ["job_id", "state"], registry=r
         )
         self.job_nodes = Gauge("rdzv_job_nodes", "The job's nodes by node state", ["job_id", "state"], registry=r)
         self.waiting = Gauge(
@@ -110,7 +110,8 @@ class Metrics:
             self.since_progress,
             self.waiting,
         )
-        self.per_job_state = ((self.job_state, _JOB_STATES), (self.job_nodes, [s.value for s in _NODE_STATES]))
+        # per job: what its gauges show now ((state, nodes per node state, nodes, round))
+        self._shown: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         self._rendering: asyncio.Future[bytes] | None = None
 
     def observe(self, job: Job, fx: Effects) -> None:
@@ -129,41 +130,53 @@ class Metrics:
                 self.formation.observe(max(0.0, rec.completed_at - rec.started_at))
         if j in self._finished:
             return  # (a finished job's series are final)
-        self.live_nodes.labels(j).set(len(job.nodes))
-        self.job_round.labels(j).set(job.round)
+        self._set_job(job)
         if job.finished:
-            self._set_job(job, 0.0)
-            try:
-                self.waiting.remove(j)
-            except KeyError:
-                pass
             self._finished[j] = None
             while len(self._finished) > self.max_finished_jobs:
                 old, _ = self._finished.popitem(last=False)
                 self._remove(old)
 
-    def _set_job(self, job: Job, now: float) -> None:
+    def _set_job(self, job: Job) -> None:
+        """The job's gauges, where they changed since they were last set (a
+        scrape or an effect costs a tuple comparison per unchanged job)."""
         j = job.job_id
-        for state in _JOB_STATES:
-            self.job_state.labels(j, state).set(1 if job.state.value == state else 0)
-        for node_state in _NODE_STATES:
-            self.job_nodes.labels(j, node_state.value).set(job.counts.get(node_state, 0))
-        if not job.finished:
-            rec = job.history[-1] if job.history else None
-            waited = now - rec.started_at if job.forming and rec is not None else 0.0
-            self.waiting.labels(j).set(round(max(0.0, waited), 3))
+        counts = tuple(job.counts.get(s, 0) for s in _NODE_STATES)
+        now = (job.state.value, counts, len(job.nodes), job.round)
+        was = self._shown.get(j)
+        if now == was:
+            return
+        self._shown[j] = now
+        if was is None or was[0] != job.state.value:
+            if was is not None:
+                self.job_state.remove(j, was[0])
+            self.job_state.labels(j, job.state.value).set(1)
+            if job.finished:
+                self._remove_series(self.waiting, j)
+            elif not job.forming:
+                self.waiting.labels(j).set(0)
+        for i, node_state in enumerate(_NODE_STATES):
+            if was is None or was[1][i] != counts[i]:
+                self.job_nodes.labels(j, node_state.value).set(counts[i])
+        self.live_nodes.labels(j).set(len(job.nodes))
+        self.job_round.labels(j).set(job.round)
 
     def refresh(self, jobs: Iterable[Job], hosts: Hosts, now: float) -> None:
-        """Set what changes with time or is not an effect (before a scrape, on
-        the event loop): per-job gauges of jobs that have not finished, jobs by
-        state, hosts cordoned and cooling down."""
+        """Before a scrape, on the event loop: what changes with time or is not
+        an effect: jobs by state, how long forming jobs have waited, the
+        gauges of jobs restored from disk, hosts cordoned and cooling down.
+        O(jobs) dictionary look-ups, plus label updates only where something changed."""
         counts = dict.fromkeys(_JOB_STATES, 0)
         for job in jobs:
             counts[job.state.value] += 1
-            if not job.finished:
-                self._set_job(job, now)
-                self.live_nodes.labels(job.job_id).set(len(job.nodes))
-                self.job_round.labels(job.job_id).set(job.round)
+            if job.finished:
+                continue
+            if job.job_id not in self._shown:
+                self._set_job(job)
+            if job.forming:
+                rec = job.history[-1] if job.history else None
+                waited = now - rec.started_at if rec is not None else 0.0
+                self.waiting.labels(job.job_id).set(round(max(0.0, waited), 3))
         for state, n in counts.items():
             self.jobs.labels(state).set(n)
         records = list(hosts.records.values())
@@ -175,18 +188,21 @@ class Metrics:
         self._finished.pop(job_id, None)
         self._remove(job_id)
 
+    @staticmethod
+    def _remove_series(metric: Gauge | Counter, *labels: str) -> None:
+        try:
+            metric.remove(*labels)
+        except KeyError:
+            pass
+
     def _remove(self, job_id: str) -> None:
+        self._shown.pop(job_id, None)
         for metric in self.per_job:
-            try:
-                metric.remove(job_id)
-            except KeyError:
-                pass
-        for metric, states in self.per_job_state:
-            for state in states:
-                try:
-                    metric.remove(job_id, state)
-                except KeyError:
-                    pass
+            self._remove_series(metric, job_id)
+        for job_state in _JOB_STATES:
+            self._remove_series(self.job_state, job_id, job_state)
+        for node_state in _NODE_STATES:
+            self._remove_series(self.job_nodes, job_id, node_state.value)
 
     def set_progress(self, since: dict[str, float]) -> None:
         for job_id, seconds in since.items():

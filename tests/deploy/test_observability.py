@@ -25,6 +25,8 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
 from rdzv_server.metrics import Metrics
+from rdzv_server.protocol import JobState
+from rdzv_server.rounds import NodeState
 from tests.helpers.cluster import Cluster, managed
 from tests.helpers.promlint import lint
 
@@ -67,6 +69,7 @@ def _declared_labels() -> dict[str, tuple[str, ...]]:
 
 
 DECLARED = _declared_labels()
+STATES = {s.value for s in JobState} | {s.value for s in NodeState}  # rdzv_job_state shows only the current one
 
 
 def _exprs_of_dashboard(dash: dict) -> list[str]:
@@ -208,6 +211,9 @@ def test_every_metric_and_label_used_is_in_a_real_servers_metrics(cluster: Clust
                     continue
                 if lab not in have:
                     problems.append(f"{where}: {name} has no label {lab}")
+                elif op == "=" and lab == "state":
+                    if val not in STATES:
+                        problems.append(f"{where}: {name}{{state={val!r}}}: no such state")
                 elif op == "=" and val not in have[lab]:
                     problems.append(f"{where}: {name}{{{lab}={val!r}}} has no series (values: {sorted(have[lab])})")
     assert not problems, "\n".join(problems)
