@@ -109,9 +109,12 @@ def _iso(created: float) -> str:
 
 
 def _plain(value: Any) -> Any:
-    """A field value json can write: numbers, strings, bools, None, lists and
-    dicts of them; anything else as its (escaped) str."""
-    if value is None or isinstance(value, bool | int | float | str):
+    """A field value json can write: numbers, strings (at most MAX_MESSAGE
+    characters), bools, None, lists and dicts of them; anything else as its
+    (escaped) str."""
+    if isinstance(value, str):
+        return value if len(value) <= MAX_MESSAGE else value[: MAX_MESSAGE - 3] + "..."
+    if value is None or isinstance(value, bool | int | float):
         return value
     if isinstance(value, list | tuple):
         return [_plain(v) for v in value]

@@ -73,6 +73,12 @@ def test_network_text_stays_one_ascii_line_and_cannot_forge_keys():
     assert "forged" not in {out["level"], out["message"]}
 
 
+def test_a_long_field_is_cut():
+    line = logs.Line("x", "node_failed", job="j", reason="r" * (3 * logs.MAX_MESSAGE))
+    out = _format("%s", line, extra=logs.extra(line))
+    assert len(out["reason"]) == logs.MAX_MESSAGE and out["reason"].endswith("...")
+
+
 def test_an_exception_is_one_field_of_the_same_line():
     out = _format("tick failed", exc=True)
     assert out["message"] == "tick failed"
