@@ -321,7 +321,7 @@ class Store(HostsMixin, RetentionMixin):
             if step is not None:
                 self.progress_jobs.add(job_id)
             for line in lines:
-                log.warning("%s", printable(line))
+                log.warning("%s", printable(line), extra={"rdzv": {"job": job_id, "round": job.round}})
 
     def since_progress(self) -> dict[str, float]:
         """Per job whose agents report progress: the most seconds any running
