@@ -126,9 +126,8 @@ def fail(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], now:
     # signal and message came over the network: one line, control characters escaped
     cause = printable(f"node {node.node_id} ({node.host}) {first.describe()}")
     fx = Effects()
-    fx.logs.append(
-        event_line(job, "node_failed", f"job {job.job_id} round {job.round}: worker failure on {cause}", node.node_id)
-    )
+    text = f"job {job.job_id} round {job.round}: worker failure on {cause}"
+    fx.logs.append(event_line(job, "node_failed", text, node.node_id, host=node.host, exit=first.model_dump()))
     # (nodes restored from disk and not back yet are not gone: they have a heartbeat timeout)
     gone = [n for n in job.order if n in job.nodes and job.nodes[n].state == RUNNING and job.nodes[n].dropped]
     if gone:
