@@ -370,7 +370,8 @@ def _open_round(job: Job, reason: str, now: float) -> Effects:
         f"waiting for {len(job.prev_order)} node(s) {', '.join(job.prev_order[:16]) or 'nobody'}"
         f"{' ...' if len(job.prev_order) > 16 else ''}"
     )
-    fx.logs.append(event_line(job, "round_opened", text, reason=reason, waiting_for=len(job.prev_order)))
+    waiting_for, restarts = len(job.prev_order), job.restarts
+    fx.logs.append(event_line(job, "round_opened", text, reason=reason, waiting_for=waiting_for, restarts=restarts))
     return fx.merge(_check_complete(job, now))
 
 

@@ -158,7 +158,7 @@ def test_round_machine_lines_carry_their_event_job_round_and_node():
     assert _events(fx) == [("node_failed", "j", 0, "b"), ("round_opened", "j", 1, None)]
     exit_record = _lines(fx)[0].fields["exit"]
     assert exit_record["rank"] == 1 and exit_record["exit_code"] == 3 and exit_record["message"] == "boom"
-    assert "restart 1/1" in _lines(fx)[1].fields["reason"]
+    assert "restart 1/1" in _lines(fx)[1].fields["reason"] and _lines(fx)[1].fields["restarts"] == 1
     fx = rejoin(job, ["a", "b"], 6.0)
     assert ("round_completed", "j", 1, None) in _events(fx)
     fx = rounds.succeed(job, "a", 1, 7.0)
