@@ -31,11 +31,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO, cast
 
 # Not rdzv_server.protocol (pydantic) here: the agent sends its first join
 # without it; the link imports the models right after, and the branches below
 # that need them import them then (a dictionary look-up by that time).
+from rdzv_server import logs
 from rdzv_server.wire import DEFAULT_MAX_RESTARTS, heartbeat_every, printable
 
 from .client import AgentLink, parse_endpoint
@@ -448,13 +449,27 @@ class Agent(ServerReactions):
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(
-        level=os.environ.get("RDZV_LOG_LEVEL", "INFO"),
-        format="[rdzv-agent %(asctime)s] %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-    )
     args = build_parser().parse_args(argv)
+    agent: Agent | None = None
+
+    def context() -> dict[str, object]:
+        if agent is None:
+            return {}
+        a = agent.assignment
+        return {"job": agent.cfg.job_id, "node": agent.node_id, "round": a.round if a is not None else None}
+
+    stderr = sys.stderr
+    if args.log_format == "json":
+        # stderr is the agent's log: what it prints there directly becomes json too
+        sys.stderr = cast(TextIO, logs.JsonStream(stderr, context))
+    logs.setup(
+        args.log_format,
+        os.environ.get("RDZV_LOG_LEVEL", "INFO"),
+        "[rdzv-agent %(asctime)s] %(message)s",
+        datefmt="%H:%M:%S",
+        context=context,
+        stream=stderr,
+    )
     try:
         cfg = config_from_args(args)
     except UsageError as e:
@@ -462,7 +477,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(EXIT_USAGE) from None
     for note in cfg.notes:  # torchrun's flags that rdzv does differently, one line each
         log.warning("note: %s", note)
-    code = asyncio.run(Agent(cfg).run())
+    agent = Agent(cfg)
+    if args.log_format == "json":
+        agent.status = StatusLine(sys.stderr)
+    code = asyncio.run(agent.run())
     raise SystemExit(code)
 
 

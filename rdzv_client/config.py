@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
-from rdzv_server import __version__
+from rdzv_server import __version__, logs
 from rdzv_server.wire import (  # not protocol: no pydantic before the first join is sent
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     DEFAULT_JOIN_TIMEOUT_S,
@@ -334,6 +334,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=60.0,
         help="seconds the health check may run",
+    )
+    a(
+        "--log-format",
+        dest="log_format",
+        default=logs.default_format(),
+        choices=logs.FORMATS,
+        help="text: for people; json: every line the agent writes to stderr is one object (time, level, job, "
+        "round, node, event, message); workers' output is not touched (default: $RDZV_LOG_FORMAT or text)",
     )
     a(
         "--rdzv-conf",

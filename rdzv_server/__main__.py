@@ -13,10 +13,11 @@ import ssl
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO, cast
 
 from aiohttp import web
 
-from . import __version__
+from . import __version__, logs
 from .app import DEFAULT_JOIN_DEADLINE_S, Settings, create_app
 from .conns import (
     DEFAULT_HEADER_TIMEOUT_S,
@@ -203,6 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--log-level", default=os.environ.get("RDZV_LOG_LEVEL", "INFO"), choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
+    p.add_argument(
+        "--log-format",
+        default=logs.default_format(),
+        choices=logs.FORMATS,
+        help="text: for people; json: one object per line (time, level, job, round, node, event, message) "
+        "for log pipelines (default: $RDZV_LOG_FORMAT or text)",
+    )
     return p
 
 
@@ -348,9 +356,10 @@ async def serve(
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    stderr = sys.stderr
+    if args.log_format == "json":  # what is printed, not logged (refusals to start), is json too
+        sys.stderr = cast(TextIO, logs.JsonStream(stderr, level=logging.ERROR))
+    logs.setup(args.log_format, args.log_level, "%(asctime)s %(levelname)s %(name)s: %(message)s", stream=stderr)
     settings = settings_from_args(args)
     try:
         host = bind_host(getattr(args, "host", None), settings.token, args.insecure)

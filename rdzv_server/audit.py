@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from .logs import extra
 from .protocol import printable
 
 PER_WINDOW = 10
@@ -54,7 +55,8 @@ class Audit:
         self._kinds: dict[str, _Window] = {}
 
     def event(self, kind: str, text: str) -> None:
-        """Log ``text`` (escaped, one line) unless ``kind`` used up its window."""
+        """Log ``text`` (escaped, one line) unless ``kind`` used up its window.
+        A :class:`~rdzv_server.logs.Line` keeps its fields in the json format."""
         now = self.clock()
         w = self._kinds.get(kind)
         if w is not None and now - w.start >= self.window_s:
@@ -69,7 +71,7 @@ class Audit:
             w = self._kinds[kind] = _Window(now)
         if w.logged < self.per_window:
             w.logged += 1
-            self.logger.log(self.level, "%s", printable(text, MAX_LINE))
+            self.logger.log(self.level, "%s", printable(text, MAX_LINE), extra=extra(text))
         else:
             w.suppressed += 1
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from .conns import LogLimiter
 from .keys import AUDIT, JOIN_DEADLINE, METRICS, OPENAPI, STORE
+from .logs import Line
 from .metrics import CONTENT_TYPE_LATEST
 from .protocol import (
     AGENT_MESSAGE,
@@ -152,11 +153,12 @@ async def cordon_host(request: web.Request) -> web.Response:
     req = await _body(request, CordonRequest)
     view = request.app[STORE].cordon(host, req.reason, req.ttl_s, req.drain)
     ttl = f" for {req.ttl_s:g}s" if req.ttl_s is not None else ""
-    request.app[AUDIT].event(
-        "cordon",
+    text = (
         f"host {printable(host)} cordoned{ttl}{' with drain' if req.drain else ''} "
-        f"on request from {printable(request.remote)}: {printable(req.reason)}",
+        f"on request from {printable(request.remote)}: {printable(req.reason)}"
     )
+    line = Line(text, "host_cordoned", host=host, reason=req.reason, ttl_s=req.ttl_s, drain=req.drain)
+    request.app[AUDIT].event("cordon", line)
     return _json(view)
 
 
@@ -167,9 +169,8 @@ async def uncordon_host(request: web.Request) -> web.Response:
         if body.strip() not in (b"", b"{}"):
             raise RequestError("uncordon takes no body (or an empty JSON object)", ErrorCode.VALIDATION_ERROR)
     view = request.app[STORE].uncordon(host)
-    request.app[AUDIT].event(
-        "uncordon", f"host {printable(host)} uncordoned on request from {printable(request.remote)}"
-    )
+    text = f"host {printable(host)} uncordoned on request from {printable(request.remote)}"
+    request.app[AUDIT].event("uncordon", Line(text, "host_uncordoned", host=host))
     return _json(view)
 
 
@@ -185,7 +186,9 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    request.app[METRICS].set_progress(request.app[STORE].since_progress())
+    store = request.app[STORE]
+    request.app[METRICS].set_progress(store.since_progress())
+    request.app[METRICS].refresh(store.jobs.values(), store.hosts, store.clock())
     body = await request.app[METRICS].render_off_loop()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -1,8 +1,21 @@
-"""Prometheus metrics of one server (its own registry, so apps never share)."""
+"""Prometheus metrics of one server (its own registry, so apps never share).
+
+Names follow Prometheus' conventions (base units, the unit last, ``_total``
+on counters, ``_info`` for the version), checked by tests/api/test_metrics.py
+(and ``promtool check metrics`` where installed); docs/design.md,
+"Observability", lists them. The ``job_id`` label set is bounded: every job
+that has not finished, and the last ``max_finished_jobs`` that finished; an
+older finished job's series go (its record stays in the REST API until
+--retain-finished). Per-job gauges of jobs that have not finished are set when
+/metrics is scraped (:meth:`Metrics.refresh`, on the event loop), so jobs
+restored from disk show at once.
+"""
 
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
+from collections.abc import Iterable
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,  # noqa: F401  (re-exported for the app)
@@ -10,15 +23,30 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
 )
 
-from .rounds import Effects, Job
+from . import __version__
+from .hosts import Hosts
+from .protocol import JobState
+from .rounds import Effects, Job, NodeState
+
+# no <name>_created series next to every counter and histogram: twice the series for a
+# timestamp nobody alerts on
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+DEFAULT_MAX_FINISHED_JOBS = 100
+FORMATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+_JOB_STATES = [s.value for s in JobState]
+_NODE_STATES = list(NodeState)
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, max_finished_jobs: int = DEFAULT_MAX_FINISHED_JOBS) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        self.max_finished_jobs = max_finished_jobs
+        self._finished: OrderedDict[str, None] = OrderedDict()  # finished jobs that keep series, oldest first
         self.joins = Counter("rdzv_joins", "Join messages accepted", ["job_id"], registry=r)
         self.rounds_opened = Counter("rdzv_rounds_opened", "Rounds opened after the first", ["job_id"], registry=r)
         self.rounds_completed = Counter(
@@ -39,11 +67,38 @@ class Metrics:
         )
         self.agent_messages = Counter("rdzv_agent_messages", "Agent channel messages received", ["op"], registry=r)
         self.since_progress = Gauge(
-            "rdzv_job_max_seconds_since_progress",
+            "rdzv_job_since_progress_seconds",
             "Most seconds any node's step has not advanced (jobs whose workers call rdzv_client.worker.progress)",
             ["job_id"],
             registry=r,
         )
+        self.job_state = Gauge(
+            "rdzv_job_state", "1, with the job's state as a label (one series per job)", ["job_id", "state"], registry=r
+        )
+        self.job_nodes = Gauge("rdzv_job_nodes", "The job's nodes by node state", ["job_id", "state"], registry=r)
+        self.waiting = Gauge(
+            "rdzv_job_waiting_seconds",
+            "Seconds the job's forming round has waited for nodes (0 while it runs)",
+            ["job_id"],
+            registry=r,
+        )
+        self.jobs = Gauge("rdzv_jobs", "Jobs on this server by state", ["state"], registry=r)
+        self.formation = Histogram(
+            "rdzv_round_formation_seconds",
+            "Seconds from a round's opening to its membership freezing (all jobs)",
+            registry=r,
+            buckets=FORMATION_BUCKETS,
+        )
+        self.hosts_cordoned = Gauge("rdzv_hosts_cordoned", "Hosts an operator cordoned", registry=r)
+        self.hosts_cooling = Gauge(
+            "rdzv_hosts_cooling_down", "Hosts cooled down after repeated failures (--host-failures)", registry=r
+        )
+        self.info = Gauge("rdzv_server_info", "The server's version", ["version"], registry=r)
+        self.info.labels(__version__).set(1)
+        for state in _JOB_STATES:
+            self.jobs.labels(state).set(0)
+        self.hosts_cordoned.set(0)
+        self.hosts_cooling.set(0)
         self.per_job = (
             self.joins,
             self.rounds_opened,
@@ -53,7 +108,10 @@ class Metrics:
             self.live_nodes,
             self.job_round,
             self.since_progress,
+            self.waiting,
         )
+        # per job: what its gauges show now ((state, nodes per node state, nodes, round))
+        self._shown: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         self._rendering: asyncio.Future[bytes] | None = None
 
     def observe(self, job: Job, fx: Effects) -> None:
@@ -66,16 +124,85 @@ class Metrics:
             self.evictions.labels(j).inc(len(fx.evicted))
         if fx.restarts:
             self.restarts.labels(j).inc(fx.restarts)
+        if fx.rounds_completed and job.history:
+            rec = job.history[-1]
+            if rec.completed_at is not None:
+                self.formation.observe(max(0.0, rec.completed_at - rec.started_at))
+        if j in self._finished:
+            return  # (a finished job's series are final)
+        self._set_job(job)
+        if job.finished:
+            self._finished[j] = None
+            while len(self._finished) > self.max_finished_jobs:
+                old, _ = self._finished.popitem(last=False)
+                self._remove(old)
+
+    def _set_job(self, job: Job) -> None:
+        """The job's gauges, where they changed since they were last set (a
+        scrape or an effect costs a tuple comparison per unchanged job)."""
+        j = job.job_id
+        counts = tuple(job.counts.get(s, 0) for s in _NODE_STATES)
+        now = (job.state.value, counts, len(job.nodes), job.round)
+        was = self._shown.get(j)
+        if now == was:
+            return
+        self._shown[j] = now
+        if was is None or was[0] != job.state.value:
+            if was is not None:
+                self.job_state.remove(j, was[0])
+            self.job_state.labels(j, job.state.value).set(1)
+            if job.finished:
+                self._remove_series(self.waiting, j)
+            elif not job.forming:
+                self.waiting.labels(j).set(0)
+        for i, node_state in enumerate(_NODE_STATES):
+            if was is None or was[1][i] != counts[i]:
+                self.job_nodes.labels(j, node_state.value).set(counts[i])
         self.live_nodes.labels(j).set(len(job.nodes))
         self.job_round.labels(j).set(job.round)
 
+    def refresh(self, jobs: Iterable[Job], hosts: Hosts, now: float) -> None:
+        """Before a scrape, on the event loop: what changes with time or is not
+        an effect: jobs by state, how long forming jobs have waited, the
+        gauges of jobs restored from disk, hosts cordoned and cooling down.
+        O(jobs) dictionary look-ups, plus label updates only where something changed."""
+        counts = dict.fromkeys(_JOB_STATES, 0)
+        for job in jobs:
+            counts[job.state.value] += 1
+            if job.finished:
+                continue
+            if job.job_id not in self._shown:
+                self._set_job(job)
+            if job.forming:
+                rec = job.history[-1] if job.history else None
+                waited = now - rec.started_at if rec is not None else 0.0
+                self.waiting.labels(job.job_id).set(round(max(0.0, waited), 3))
+        for state, n in counts.items():
+            self.jobs.labels(state).set(n)
+        records = list(hosts.records.values())
+        self.hosts_cordoned.set(sum(1 for rec in records if rec.cordon_active(now)))
+        self.hosts_cooling.set(sum(1 for rec in records if rec.cooling(now) and not rec.cordon_active(now)))
+
     def forget(self, job_id: str) -> None:
         """Remove a job's series (when the job itself is removed)."""
+        self._finished.pop(job_id, None)
+        self._remove(job_id)
+
+    @staticmethod
+    def _remove_series(metric: Gauge | Counter, *labels: str) -> None:
+        try:
+            metric.remove(*labels)
+        except KeyError:
+            pass
+
+    def _remove(self, job_id: str) -> None:
+        self._shown.pop(job_id, None)
         for metric in self.per_job:
-            try:
-                metric.remove(job_id)
-            except KeyError:
-                pass
+            self._remove_series(metric, job_id)
+        for job_state in _JOB_STATES:
+            self._remove_series(self.job_state, job_id, job_state)
+        for node_state in _NODE_STATES:
+            self._remove_series(self.job_nodes, job_id, node_state.value)
 
     def set_progress(self, since: dict[str, float]) -> None:
         for job_id, seconds in since.items():

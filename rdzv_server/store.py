@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from . import rounds
+from . import logs, rounds
 from .cursors import decode_cursor, encode_cursor
 from .database import Database, DataDirError, free_bytes  # noqa: F401  (DataDirError: re-exported)
 from .hosts import HostRules, Hosts
@@ -321,7 +321,7 @@ class Store(HostsMixin, RetentionMixin):
             if step is not None:
                 self.progress_jobs.add(job_id)
             for line in lines:
-                log.warning("%s", printable(line))
+                log.warning("%s", printable(line), extra={"rdzv": {"job": job_id, "round": job.round}})
 
     def since_progress(self) -> dict[str, float]:
         """Per job whose agents report progress: the most seconds any running
@@ -411,7 +411,7 @@ class Store(HostsMixin, RetentionMixin):
             except sqlite3.Error as e:
                 self._rollback(job, created, e, requester)
         for line in fx.logs:
-            log.info("%s", printable(line))  # one event, one line, whatever a client sent
+            log.info("%s", printable(line), extra=logs.extra(line))  # one event, one line, whatever a client sent
         texts: dict[int, str] = {}  # a broadcast (restart, done, status) is serialized once
         for node_id, msg in fx.sends:
             chan = self.channels.get((job.job_id, node_id))

@@ -78,7 +78,12 @@ class HostsMixin:
             return None
         self._save_hosts([rec], evicted)
         if cooled:
-            log.warning("host %s cooled down: %s", printable(host), printable(rec.cooled_reason))
+            log.warning(
+                "host %s cooled down: %s",
+                printable(host),
+                printable(rec.cooled_reason),
+                extra={"rdzv": {"host": host, "reason": rec.cooled_reason}},
+            )
             self._unblock_at = self.hosts.next_unblock(now)
             self._hosts_changed(now)
         return rec

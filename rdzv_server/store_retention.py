@@ -106,5 +106,5 @@ class RetentionMixin:
             raise UnavailableError(
                 f"the server cannot delete job {job_id!r} from its database ({e}); retry later", ErrorCode.UNAVAILABLE
             ) from e
-        log.info("job %s deleted by request (it had %s)", job_id, job.state.value)
+        log.info("job %s deleted by request (it had %s)", job_id, job.state.value, extra={"rdzv": {"job": job_id}})
         return job

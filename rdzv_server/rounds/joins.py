@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 
+from ..logs import event_line
 from ..protocol import (
     AssignedMsg,
     EvictedError,
@@ -142,7 +143,9 @@ def _reconnect(job: Job, node: Node, now: float) -> Effects:
     _heard(node, now)
     fx = Effects()
     fx.send(node.node_id, AssignedMsg(assignment=_assignment(job, node)))
-    fx.logs.append(f"job {job.job_id} round {job.round}: node {node.node_id} reconnected")
+    fx.logs.append(
+        event_line(job, None, f"job {job.job_id} round {job.round}: node {node.node_id} reconnected", node.node_id)
+    )
     return fx
 
 
@@ -224,14 +227,16 @@ def _enter(job: Job, node: Node, now: float, issued: str | None) -> Effects:
         move(job, node, WAITING)
         if job.scale_up_deadline is None:
             job.scale_up_deadline = now + spec.scale_up_window_s
-        fx.logs.append(
+        text = (
             f"job {job.job_id} round {job.round}: node {node.node_id} ({node.host}) arrived; "
             f"scale-up in {spec.scale_up_window_s:g}s"
         )
+        fx.logs.append(event_line(job, "node_joined", text, node.node_id, host=node.host, state="waiting"))
     else:
         move(job, node, SPARE)
         fx.send(node.node_id, SpareMsg(round=job.round))
-        fx.logs.append(f"job {job.job_id} round {job.round}: node {node.node_id} ({node.host}) is a spare")
+        text = f"job {job.job_id} round {job.round}: node {node.node_id} ({node.host}) is a spare"
+        fx.logs.append(event_line(job, "node_joined", text, node.node_id, host=node.host, state="spare"))
     return fx
 
 
@@ -248,7 +253,8 @@ def _hold(job: Job, node: Node, now: float, why: str, issued: str | None) -> Eff
     move(job, node, SPARE)
     fx.send(node.node_id, SpareMsg(round=job.round, reason=why))
     if node.note != why:
-        fx.logs.append(f"job {job.job_id} round {job.round}: node {node.node_id} waits as a spare: {why}")
+        text = f"job {job.job_id} round {job.round}: node {node.node_id} waits as a spare: {why}"
+        fx.logs.append(event_line(job, None, text, node.node_id, host=node.host, reason=why))
     node.note = why
     job.status_dirty = True
     if job.forming and was in (REJOINING, WAITING):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from ..logs import event_line
 from ..protocol import (
     AssignedMsg,
     Assignment,
@@ -125,7 +126,8 @@ def fail(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], now:
     # signal and message came over the network: one line, control characters escaped
     cause = printable(f"node {node.node_id} ({node.host}) {first.describe()}")
     fx = Effects()
-    fx.logs.append(f"job {job.job_id} round {job.round}: worker failure on {cause}")
+    text = f"job {job.job_id} round {job.round}: worker failure on {cause}"
+    fx.logs.append(event_line(job, "node_failed", text, node.node_id, host=node.host, exit=first.model_dump()))
     # (nodes restored from disk and not back yet are not gone: they have a heartbeat timeout)
     gone = [n for n in job.order if n in job.nodes and job.nodes[n].state == RUNNING and job.nodes[n].dropped]
     if gone:
@@ -185,7 +187,11 @@ def succeed(job: Job, node_id: str, round_no: int, now: float) -> Effects:
     node = _member(job, node_id, round_no, "success report")
     move(job, node, SUCCEEDED)
     fx = Effects(persist=True)
-    fx.logs.append(f"job {job.job_id} round {job.round}: node {node.node_id} succeeded")
+    fx.logs.append(
+        event_line(
+            job, "node_succeeded", f"job {job.job_id} round {job.round}: node {node.node_id} succeeded", node.node_id
+        )
+    )
     if count(job, RUNNING) == 0:  # members are running or succeeded: O(1), not a scan per report
         fx.merge(_end(job, JobState.SUCCEEDED, f"all {len(job.order)} nodes of round {job.round} succeeded", now))
     return fx
@@ -323,7 +329,8 @@ def _lose(job: Job, node_id: str, why: str, now: float, *, evict: bool) -> Effec
     if evict:
         fx.evicted.append(node_id)
         fx.send(node_id, EvictedMsg(reason=f"node {node_id} {why}"))
-    fx.logs.append(f"job {job.job_id} round {job.round}: node {node_id} ({node.host}) {why}")
+    text = f"job {job.job_id} round {job.round}: node {node_id} ({node.host}) {why}"
+    fx.logs.append(event_line(job, "node_evicted" if evict else "node_lost", text, node_id, host=node.host, reason=why))
     job.status_dirty = True
     if node.state == RUNNING and not job.forming:
         return fx.merge(_open_round(job, f"node {node_id} ({node.host}) {why}", now))
@@ -358,11 +365,13 @@ def _open_round(job: Job, reason: str, now: float) -> Effects:
         elif node.state == SPARE and blocked(job, node, now) is None:
             node.note = None
             move(job, node, WAITING)
-    fx.logs.append(
+    text = (
         f"job {job.job_id} round {job.round} opened: {reason}; "
         f"waiting for {len(job.prev_order)} node(s) {', '.join(job.prev_order[:16]) or 'nobody'}"
         f"{' ...' if len(job.prev_order) > 16 else ''}"
     )
+    waiting_for, restarts = len(job.prev_order), job.restarts
+    fx.logs.append(event_line(job, "round_opened", text, reason=reason, waiting_for=waiting_for, restarts=restarts))
     return fx.merge(_check_complete(job, now))
 
 
@@ -457,10 +466,14 @@ def _complete(job: Job, now: float) -> Effects:
         fx.send(node.node_id, spare)
     shown = ", ".join(f"{n.node_id}={n.group_rank}" for n in members[:16])
     more = f" (+{len(members) - 16} more)" if len(members) > 16 else ""
-    fx.logs.append(
+    text = (
         f"job {job.job_id} round {job.round} complete: {len(members)} nodes, world size "
         f"{job.world_size}, master {job.master_addr}:{job.master_port}, spares {len(spares)}; "
         f"ranks {shown}{more}"
+    )
+    formation = round(now - rec.started_at, 3)
+    fx.logs.append(
+        event_line(job, "round_completed", text, nodes=len(members), world_size=job.world_size, formation_s=formation)
     )
     return fx
 
@@ -492,5 +505,6 @@ def _end(job: Job, state: JobState, reason: str, now: float, stop: Literal["no_p
     msg = DoneMsg(state=_DONE_STATE[state], reason=reason, root_cause=job.root_cause, stop=stop)
     for node_id in job.nodes:
         fx.send(node_id, msg)
-    fx.logs.append(f"job {job.job_id} round {job.round}: {state.value}: {reason}")
+    text = f"job {job.job_id} round {job.round}: {state.value}: {reason}"
+    fx.logs.append(event_line(job, "job_state", text, state=state.value, reason=reason))
     return fx

@@ -36,7 +36,7 @@ async def test_progress_heartbeats_show_in_the_job_view_and_metrics(client, conn
     assert nodes["n0"]["since_progress_s"] >= 0
     assert nodes["n1"]["step"] is None
     text = await (await client.get("/metrics")).text()
-    assert 'rdzv_job_max_seconds_since_progress{job_id="p"}' in text
+    assert 'rdzv_job_since_progress_seconds{job_id="p"}' in text
     # one series per job, never per node
     assert "n0" not in "".join(ln for ln in text.splitlines() if "since_progress" in ln)
 

@@ -118,7 +118,7 @@ def test_agents_send_their_workers_progress_to_the_server(cluster: Cluster) -> N
     assert node["since_progress_s"] is not None and node["since_progress_s"] >= 0, node
     with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
         metrics = r.read().decode()
-    assert 'rdzv_job_max_seconds_since_progress{job_id="prog"}' in metrics
+    assert 'rdzv_job_since_progress_seconds{job_id="prog"}' in metrics
     # the step keeps advancing
     server.wait_job("prog", lambda v: (v["nodes"][0]["step"] or 0) > node["step"], 60, "a later step")
     server.close_job("prog")

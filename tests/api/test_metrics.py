@@ -1,0 +1,149 @@
+"""/metrics of the real app: it parses, passes the lint of tests/helpers/promlint
+(promtool check metrics when promtool is installed), and says what people
+alert on: job state, nodes by state, round formation times, time without
+progress, waiting time, hosts cordoned; the job label set stays bounded."""
+
+from __future__ import annotations
+
+import asyncio
+
+from rdzv_server import __version__
+from rdzv_server.app import Settings
+from rdzv_server.metrics import Metrics
+from rdzv_server.protocol import ExitRecord, FailedMsg, HeartbeatMsg, JobState
+from rdzv_server.rounds import new_job
+from tests.helpers.promlint import lint, series, value
+
+from .conftest import form, join_msg
+from .test_hosts import post_json
+
+JOB_STATES = [s.value for s in JobState]
+NODE_STATES = ["waiting", "rejoining", "running", "succeeded", "spare"]
+
+
+async def _metrics(client) -> str:
+    resp = await client.get("/metrics")
+    assert resp.status == 200
+    return await resp.text()
+
+
+async def _until(agent, op: str):
+    while (msg := await agent.recv()).op != op:
+        pass
+    return msg
+
+
+def _job_state(text: str, job_id: str) -> str:
+    on = [lab["state"] for lab, v in series(text)["rdzv_job_state"] if lab["job_id"] == job_id and v == 1]
+    assert len(on) == 1, on  # one state at a time
+    return on[0]
+
+
+async def test_an_empty_server_passes_the_lint_and_says_its_version(client) -> None:
+    text = await _metrics(client)
+    assert lint(text) == []
+    assert value(text, "rdzv_server_info", version=__version__) == 1
+    assert value(text, "rdzv_hosts_cordoned") == 0
+
+
+async def test_a_job_through_its_life_in_metrics(client, connect) -> None:
+    waiting = await connect()
+    await waiting.send(join_msg("m", "n0", (2, 2)))
+    await waiting.expect("joined")
+    text = await _metrics(client)
+    assert lint(text) == []
+    assert _job_state(text, "m") == "waiting"
+    assert value(text, "rdzv_job_nodes", job_id="m", state="waiting") == 1
+    assert value(text, "rdzv_job_waiting_seconds", job_id="m") >= 0
+    assert value(text, "rdzv_jobs", state="waiting") == 1
+
+    other = await connect()
+    await other.send(join_msg("m", "n1", (2, 2)))
+    await other.expect("joined")
+    a = (await waiting.expect("assigned")).assignment
+    await other.expect("assigned")
+    text = await _metrics(client)
+    assert lint(text) == []
+    assert _job_state(text, "m") == "running"
+    assert {s: value(text, "rdzv_job_nodes", job_id="m", state=s) for s in NODE_STATES} == {
+        "waiting": 0,
+        "rejoining": 0,
+        "running": 2,
+        "succeeded": 0,
+        "spare": 0,
+    }
+    assert value(text, "rdzv_job_waiting_seconds", job_id="m") == 0  # running: not waiting
+    assert value(text, "rdzv_round_formation_seconds_count") == 1
+    assert value(text, "rdzv_round_formation_seconds_bucket", le="+Inf") == 1
+    assert value(text, "rdzv_rounds_completed_total", job_id="m") == 1
+
+    # a worker failure: a restart is charged, a round opens and forms again
+    await waiting.send(FailedMsg(round=a.round, failures=[ExitRecord(local_rank=0, rank=0, pid=1, exit_code=1)]))
+    for agent, node in ((waiting, "n0"), (other, "n1")):
+        await _until(agent, "restart")
+        await agent.send(join_msg("m", node, (2, 2)))
+    for agent in (waiting, other):
+        await _until(agent, "assigned")
+    text = await _metrics(client)
+    assert value(text, "rdzv_restarts_total", job_id="m") == 1
+    assert value(text, "rdzv_rounds_opened_total", job_id="m") == 1
+    assert value(text, "rdzv_round_formation_seconds_count") == 2
+
+    await post_json(client, "/v1/jobs/m/close")
+    text = await _metrics(client)
+    assert lint(text) == []
+    assert _job_state(text, "m") == "closed"
+    assert value(text, "rdzv_jobs", state="closed") == 1 and value(text, "rdzv_jobs", state="running") == 0
+
+
+async def test_progress_metric_is_in_seconds_and_per_job(client, connect) -> None:
+    agents, _ = await form(connect, "p", ["n0", "n1"])
+    await agents[0].send(HeartbeatMsg(step=3, rate=1.0))
+    for _ in range(200):
+        text = await _metrics(client)
+        if value(text, "rdzv_job_since_progress_seconds", job_id="p") is not None:
+            break
+        await asyncio.sleep(0.01)
+    assert value(text, "rdzv_job_since_progress_seconds", job_id="p") >= 0
+    assert "rdzv_job_max_seconds_since_progress" not in text
+    assert lint(text) == []
+
+
+async def test_cordoned_hosts_are_counted(client) -> None:
+    await post_json(client, "/v1/hosts/gpu-1/cordon", {"reason": "bad DIMM"})
+    await post_json(client, "/v1/hosts/gpu-2/cordon", {"reason": "bad fan"})
+    text = await _metrics(client)
+    assert value(text, "rdzv_hosts_cordoned") == 2
+    await post_json(client, "/v1/hosts/gpu-1/uncordon")
+    assert value(await _metrics(client), "rdzv_hosts_cordoned") == 1
+
+
+async def test_cooling_down_hosts_are_counted(make_client) -> None:
+    from rdzv_server.hosts import HostRules
+
+    client = await make_client(Settings(host_rules=HostRules(failures=1)))
+    await post_json(client, "/v1/hosts/gpu-3/health", {"reason": "ecc errors"})
+    assert value(await _metrics(client), "rdzv_hosts_cooling_down") == 1
+
+
+def test_finished_jobs_beyond_the_bound_leave_metrics() -> None:
+    """Live jobs always have series; of finished ones only the last N do."""
+    from rdzv_server.hosts import Hosts
+    from rdzv_server.rounds import Effects
+    from tests.unit.test_rounds import spec
+
+    m = Metrics(max_finished_jobs=3)
+    live = new_job("live", spec(), 0.0)
+    jobs = [live]
+    for i in range(6):
+        job = new_job(f"done{i}", spec(), float(i))
+        m.observe(job, Effects(rounds_opened=1))
+        job.state = JobState.SUCCEEDED
+        m.observe(job, Effects())
+        jobs.append(job)
+    m.refresh(jobs, Hosts(), 10.0)
+    text = m.render().decode()
+    jobs = {lab["job_id"] for lab, _ in series(text)["rdzv_job_state"]}
+    assert jobs == {"live", "done3", "done4", "done5"}, jobs
+    assert all(lab.get("job_id") != "done0" for samples in series(text).values() for lab, _ in samples)
+    assert lint(text) == []

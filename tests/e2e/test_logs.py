@@ -1,0 +1,98 @@
+"""--log-format json with a real server, real agents and real gloo workers:
+every line either process writes is one json object, and the job's events
+are there with their job, round and node.
+
+No timed assertions: every wait has a generous deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from tests.helpers.cluster import Cluster
+
+
+def _rows(path: Path) -> list[dict]:
+    rows = []
+    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        assert line.isascii(), f"{path.name}:{n} is not ASCII: {line!r}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise AssertionError(f"{path.name}:{n} is not json: {line!r}") from None
+        assert isinstance(row, dict), f"{path.name}:{n}: {line!r}"
+        for key in ("time", "level", "logger", "job", "round", "node", "event", "message"):
+            assert key in row, f"{path.name}:{n} has no {key!r}: {line!r}"
+        assert re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$", row["time"]), row
+        rows.append(row)
+    assert rows, f"{path.name} is empty"
+    return rows
+
+
+def test_json_logs_of_server_and_agents_parse_and_carry_the_jobs_events(cluster: Cluster) -> None:
+    server = cluster.start_server("--log-format", "json")
+    marker = cluster.tmp / "failed-once"
+    flags = ("--log-format", "json", "--max-restarts", "2", "--redirects", "3", "--log-dir", str(cluster.tmp / "w"))
+    script_args = ("--steps", "6", "--fail-once", str(marker), "--fail-rank", "1")
+    agents = [
+        cluster.start_agent(server, "jl", "loop.py", *script_args, nnodes="2", flags=flags, name=f"node{i}")
+        for i in range(2)
+    ]
+    for agent in agents:
+        assert agent.wait_exit(120) == 0, agent.text()[-3000:]
+    server.wait_job("jl", lambda v: v["state"] == "succeeded", 30, "job jl succeeded")
+    server.stop()
+
+    rows = _rows(server.log_path)
+    events: dict[str, list[dict]] = {}
+    for row in rows:
+        if row["event"] is not None:
+            events.setdefault(row["event"], []).append(row)
+    assert all(row["job"] == "jl" for evs in events.values() for row in evs), events
+    # round 0 formed, a worker failed, round 1 opened and formed, both nodes succeeded, the job too
+    assert [r["round"] for r in events["round_completed"]] == [0, 1], events["round_completed"]
+    assert all(r["nodes"] == 2 and r["world_size"] == 2 for r in events["round_completed"])
+    assert all(r["formation_s"] >= 0 for r in events["round_completed"])
+    (failed,) = events["node_failed"]
+    assert failed["round"] == 0 and failed["node"] and "worker failure on" in failed["message"], failed
+    assert failed["exit"]["rank"] in (0, 1) and failed["exit"]["exit_code"] not in (None, 0), failed  # the exit record
+    (opened,) = events["round_opened"]
+    assert opened["round"] == 1 and "restart 1/2" in opened["reason"], opened
+    assert sorted(r["round"] for r in events["node_succeeded"]) == [1, 1]
+    assert len({r["node"] for r in events["node_succeeded"]}) == 2, events["node_succeeded"]
+    (state,) = events["job_state"]
+    assert state["state"] == "succeeded" and state["round"] == 1, state
+    assert any("listening on" in r["message"] for r in rows)
+
+    for agent in agents:
+        arows = _rows(agent.log_path)  # stdout and stderr: workers' output went to --log-dir
+        mine = [r for r in arows if r["job"] == "jl" and r["node"]]
+        assert mine, arows[-5:]
+        assert {r["round"] for r in mine} >= {0, 1}, mine
+        assert any("all 1 worker(s) exited 0" in r["message"] for r in mine), mine[-5:]
+
+
+def test_refusals_to_start_are_json_too(cluster: Cluster) -> None:
+    """What the programs print instead of log (a refusal to start, a usage error) is json with --log-format json."""
+    run = cluster.run_module(
+        "rdzv_server", "--log-format", "json", "--host", "10.1.2.3", "--port", "0", "--data-dir", "none"
+    )
+    assert run.returncode == 2, run
+    (row,) = [json.loads(line) for line in run.stderr.splitlines()]
+    assert row["level"] == "ERROR" and "refusing to listen on 10.1.2.3 without a token" in row["message"], row
+    run = cluster.run_agent("--log-format", "json", "--endpoint", "127.0.0.1:1", "--nnodes", "3:2", "x.py")
+    assert run.returncode == 2, run
+    rows = [json.loads(line) for line in run.stderr.splitlines()]
+    assert rows and rows[-1]["level"] == "ERROR" and "rdzv-agent: error:" in rows[-1]["message"], rows
+
+
+def test_text_stays_the_default(cluster: Cluster) -> None:
+    server = cluster.start_server()
+    assert server.request("GET", "/healthz")[0] == 200
+    server.stop()
+    lines = server.log_path.read_text().splitlines()
+    assert lines
+    for line in lines:
+        assert re.match(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (INFO|WARNING|ERROR) [\w.]+: ", line), line
