@@ -115,6 +115,11 @@ async function login(ev) {
   start();
 }
 
+function ready() {
+  document.body.dataset.ready = "1";
+  if (window.rdzvReadyMs === undefined) window.rdzvReadyMs = performance.now();  // for bench/ui_events.py
+}
+
 // ------------------------------------------------------------------ job list
 
 async function renderJobs() {
@@ -141,27 +146,29 @@ async function renderJobs() {
   $("jobs-body").replaceChildren(frag);
   $("jobs-count").textContent = list.jobs.length + " job(s)" + (list.next_cursor ? " (first 1000)" : "");
   $("jobs").hidden = false;
-  document.body.dataset.ready = "1";
+  ready();
 }
 
 // ------------------------------------------------------------------ one job
 
-function nodeRow(n, now) {
-  const tr = el("tr");
-  tr.dataset.node = n.node_id;
-  tr.appendChild(el("td", "num", n.group_rank === null ? "" : n.group_rank));
-  tr.appendChild(el("td", null, n.node_id));
-  tr.appendChild(el("td", null, n.host));
-  tr.appendChild(el("td", null, n.addr));
-  const st = el("td");
+function nodeRow(n) {
+  const row = el("div", "row");
+  row.setAttribute("role", "row");
+  row.dataset.node = n.node_id;
+  const cell = (cls, text) => row.appendChild(el("span", cls, text));
+  cell("num", n.group_rank === null ? "" : n.group_rank);
+  cell(null, n.node_id);
+  cell(null, n.host);
+  cell(null, n.addr);
+  const st = el("span");
   st.appendChild(el("span", "state " + n.state, n.state + (n.straggler ? " (straggler)" : "")));
   if (n.host_blocked) st.title = n.host_blocked;
-  tr.appendChild(st);
-  tr.appendChild(el("td", "num", n.local_world_size));
-  tr.appendChild(el("td", "num", fmtSecs(n.last_seen_s) + " ago"));
-  tr.appendChild(el("td", "num", n.step === null || n.step === undefined ? "" : n.step));
-  tr.appendChild(el("td", "num", n.steps_per_s === null || n.steps_per_s === undefined ? "" : n.steps_per_s.toFixed(2)));
-  return tr;
+  row.appendChild(st);
+  cell("num", n.local_world_size);
+  cell("num", fmtSecs(n.last_seen_s) + " ago");
+  cell("num", n.step === null || n.step === undefined ? "" : n.step);
+  cell("num", n.steps_per_s === null || n.steps_per_s === undefined ? "" : n.steps_per_s.toFixed(2));
+  return row;
 }
 
 function renderForming(v) {
@@ -247,15 +254,14 @@ async function renderJob(jobId) {
   $("root-cause").hidden = !v.root_cause;
   $("root-cause-text").textContent = v.root_cause || "";
   renderForming(v);
-  const now = Date.now() / 1000;
   const frag = document.createDocumentFragment();
-  for (const n of v.nodes) frag.appendChild(nodeRow(n, now));
-  for (const n of v.spares) frag.appendChild(nodeRow(n, now));
+  for (const n of v.nodes) frag.appendChild(nodeRow(n));
+  for (const n of v.spares) frag.appendChild(nodeRow(n));
   $("nodes-body").replaceChildren(frag);
   $("nodes-count").textContent = (v.nodes.length + v.spares.length) + (v.nodes_omitted ? " (+" + v.nodes_omitted + " not shown)" : "");
   renderHistory(v);
   $("job").hidden = false;
-  document.body.dataset.ready = "1";
+  ready();
 }
 
 async function closeJob(jobId) {
@@ -293,7 +299,11 @@ async function start() {
       document.title = "rdzv: " + jobId;
       render = () => renderJob(jobId);
       await renderJob(jobId);
-      listen("/v1/jobs/" + encodeURIComponent(jobId) + "/events?last_event_id=0", addEvent);
+      // the job's recent events for the list, then live ones from there (a replay would only redraw)
+      const path = "/v1/jobs/" + encodeURIComponent(jobId) + "/events";
+      const held = await api(path + "?since=0");
+      for (const ev of held.events.slice(-MAX_EVENTS_SHOWN)) addEvent(ev);
+      listen(path + "?last_event_id=" + held.last_id, addEvent);
     }
   } catch (e) {
     if (e instanceof AuthNeeded) { showLogin(); return; }

@@ -49,7 +49,7 @@ def test_a_job_forms_restarts_and_fails_live_on_its_page(cluster: Cluster, page,
     expect(progress).to_have_attribute("data-joined", "1", timeout=DEADLINE_MS)
     expect(progress).to_have_attribute("data-min", "2")
     expect(progress).to_have_attribute("data-max", "3")
-    expect(page.locator("#nodes-body tr")).to_have_count(1)
+    expect(page.locator("#nodes-body .row")).to_have_count(1)
     width1 = page.locator("#progress-fill").evaluate("e => e.getBoundingClientRect().width")
 
     agent(cluster, server, "live", "node-b", "2:3", *common, script_args=("--fail-file", str(fail)))
@@ -61,11 +61,11 @@ def test_a_job_forms_restarts_and_fails_live_on_its_page(cluster: Cluster, page,
     third = agent(cluster, server, "live", "node-c", "2:3", *common)
     expect(page.locator("#job-state")).to_have_text("running", timeout=DEADLINE_MS)  # max reached
     expect(page.locator("#forming")).to_be_hidden()
-    expect(page.locator("#nodes-body tr")).to_have_count(3)
+    expect(page.locator("#nodes-body .row")).to_have_count(3)
     expect(page.locator("#history li")).to_have_count(1)
     expect(page.locator("#history li").first).to_contain_text("world 3")
     # step/s once the workers report progress
-    expect(page.locator("#nodes-body tr").first.locator("td").nth(8)).to_have_text(
+    expect(page.locator("#nodes-body .row").first.locator(":scope > span").nth(8)).to_have_text(
         re.compile(r"\d+\.\d\d"), timeout=DEADLINE_MS
     )
 
@@ -75,7 +75,7 @@ def test_a_job_forms_restarts_and_fails_live_on_its_page(cluster: Cluster, page,
     expect(newest).to_contain_text("round 1")
     expect(newest).to_contain_text("node-c")
     expect(newest).to_contain_text("world 2", timeout=DEADLINE_MS)
-    expect(page.locator("#nodes-body tr")).to_have_count(2)
+    expect(page.locator("#nodes-body .row")).to_have_count(2)
     expect(page.locator("#events li[data-type=node_lost]")).to_have_count(1)
 
     fail.write_text("now")  # the workers exit 3; no restart is left: the job fails
