@@ -121,3 +121,23 @@ async def test_events_without_the_token_is_one_error_line(token_server) -> None:
         assert proc.returncode is None  # it streams (nothing happened on this server yet)
     finally:
         await _stop(proc)
+
+
+async def test_events_text_escapes_what_came_over_the_network(server) -> None:
+    import urllib.request
+
+    req = urllib.request.Request(
+        f"{server.url}/v1/hosts/evil-host/cordon",
+        method="POST",
+        data=json.dumps({"reason": "disk\x1b[2J\nfake line"}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    urllib.request.urlopen(req, timeout=5).close()
+    proc = await _start("--endpoint", server.endpoint, "events", "--since", "0")
+    try:
+        out = await _read_until(proc, b"host_cordoned")
+        out = await _read_until(proc, b"\n", out[out.index(b"host_cordoned") :])
+    finally:
+        await _stop(proc)
+    line = next(ln for ln in out.decode().splitlines() if "host_cordoned" in ln)
+    assert "\x1b" not in out.decode() and "reason=disk\\x1b[2J\\nfake line" in line, line

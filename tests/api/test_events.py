@@ -325,3 +325,25 @@ async def test_ui_files_need_no_token_but_data_does(make_client):
     assert (await client.get("/ui")).status == 200
     assert (await client.get("/ui/static/style.css")).status == 200
     assert (await client.get("/v1/jobs")).status == 401
+
+
+async def test_after_a_restart_ids_keep_increasing_and_an_old_id_gets_a_gap(make_client, connect, tmp_path):
+    """A server started again over the same data dir: its ids are higher than
+    the old server's, a Last-Event-ID of the old one gets the gap marker, and
+    the restored job's next step is not announced as a new job."""
+    first = await make_client(Settings(data_dir=tmp_path))
+    (a1, a2), _ = await form(lambda: connect(on=first), "ev9", ["node1", "node2"])
+    old_last = first.app[EVENTS].next_id - 1
+    await a1.close()
+    await a2.close()
+    await first.close()
+    second = await make_client(Settings(data_dir=tmp_path, disconnect_grace_s=0.1))
+    assert second.app[EVENTS].next_id > old_last
+    stream = await open_stream(second, "/v1/jobs/ev9/events", headers={"Last-Event-ID": str(old_last)})
+    gap = await stream.next()
+    assert gap["event"] == "gap" and gap["data"]["after"] == old_last
+    again = await connect(on=second)
+    await again.send(join_msg("ev9", "node3", (2, 2)))  # a newcomer to the restored job
+    got = await stream.until("node_joined")
+    assert types(got) == ["node_joined"] and int(got[0]["id"]) > old_last
+    stream.close()
