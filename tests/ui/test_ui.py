@@ -82,7 +82,8 @@ def test_a_job_forms_restarts_and_fails_live_on_its_page(cluster: Cluster, page,
     expect(page.locator("#job-state")).to_have_text("failed", timeout=DEADLINE_MS)
     expect(page.locator("#root-cause")).to_be_visible()
     expect(page.locator("#root-cause-text")).to_contain_text("exit code 3")
-    expect(page.locator("#root-cause-text")).to_contain_text("loss is nan")
+    expect(page.locator("#root-cause-text")).to_contain_text("loss is nan <b>(ui test)</b>")  # text, not markup
+    expect(page.locator("#root-cause-text b")).to_have_count(0)
     expect(page.locator("#close-btn")).to_be_disabled()
 
     # the job list shows it, filtered by state

@@ -17,6 +17,6 @@ while True:
     step += 1
     progress(step)
     if args.fail_file and os.path.exists(args.fail_file):
-        print("ValueError: loss is nan (ui test)", file=sys.stderr, flush=True)
+        print("ValueError: loss is nan <b>(ui test)</b>", file=sys.stderr, flush=True)
         sys.exit(3)
     time.sleep(0.2)
