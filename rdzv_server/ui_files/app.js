@@ -157,15 +157,15 @@ function nodeRow(n) {
   row.dataset.node = n.node_id;
   const cell = (cls, text) => row.appendChild(el("span", cls, text));
   cell("num", n.group_rank === null ? "" : n.group_rank);
-  cell(null, n.node_id);
-  cell(null, n.host);
+  cell(null, n.node_id).title = n.node_id;  // (a clipped cell shows all of it on hover)
+  cell(null, n.host).title = n.host;
   cell(null, n.addr);
   const st = el("span");
   st.appendChild(el("span", "state " + n.state, n.state + (n.straggler ? " (straggler)" : "")));
   if (n.host_blocked) st.title = n.host_blocked;
   row.appendChild(st);
   cell("num", n.local_world_size);
-  cell("num", fmtSecs(n.last_seen_s) + " ago");
+  cell("num", (n.last_seen_s < 60 ? n.last_seen_s.toFixed(1) + " s" : fmtSecs(n.last_seen_s)) + " ago");
   cell("num", n.step === null || n.step === undefined ? "" : n.step);
   cell("num", n.steps_per_s === null || n.steps_per_s === undefined ? "" : n.steps_per_s.toFixed(2));
   return row;
