@@ -18,8 +18,10 @@ def cluster(tmp_path: Path, request: pytest.FixtureRequest):
     yield from managed(Cluster(tmp=tmp_path), request)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
+    """Per module, not per session: Playwright's sync API runs an event loop of
+    its own while it is open, and the async tests of later folders need none."""
     if not chromium.available():
         pytest.skip(chromium.HOW_TO_GET)
     from playwright.sync_api import sync_playwright
