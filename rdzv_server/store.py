@@ -270,10 +270,12 @@ class Store(HostsMixin, RetentionMixin):
         node = job.nodes.get(msg.node_id)
         joined = None
         if issued is not None and node is not None:
+            joined_as = "spare" if node.state == rounds.SPARE else "waiting"
             joined = (
                 "node_joined",
                 msg.node_id,
-                {"host": node.host, "addr": node.addr, "nproc": node.local_world_size, "state": str(node.state)},
+                # as it joined: waiting, or spare (a round it completed at once is the next event)
+                {"host": node.host, "addr": node.addr, "nproc": node.local_world_size, "state": joined_as},
             )
         if created:
             self.jobs[job.job_id] = job

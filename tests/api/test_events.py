@@ -77,6 +77,7 @@ async def test_a_forming_round_streams_joins_completion_and_state(client, connec
     assert created["state"] == "waiting" and created["reason"] == "job created" and created["job"] == "ev1"
     assert {j1["node"], j2["node"]} == {"node1", "node2"}
     assert j1["host"] == j1["node"] and j1["nproc"] == 1 and j1["state"] == "waiting"
+    assert j2["state"] == "waiting"  # as it joined, though its join completed the round (the next event)
     assert completed["round"] == 0 and completed["world_size"] == 2 and completed["nodes"] == 2
     assert completed["formation_s"] >= 0
     assert running["state"] == "running" and running["previous"] == "waiting"
