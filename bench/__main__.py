@@ -3,7 +3,7 @@
 rdzv against torchrun (torch's c10d rendezvous) on this machine, printed as
 one markdown table; see bench/compare.py for what each row measures and
 bench/server_scale.py and bench/finished_jobs.py for the rdzv-only server
-rows (8, 9). The whole benchmark runs
+rows (8, 9), bench/ui_events.py for the event stream and /ui rows (11, 12). The whole benchmark runs
 in a private network namespace with only loopback when it can (root and
 ``unshare -n``): torch's TCPStore listens on every interface.
 """
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from . import _common as C
-from . import compare, finished_jobs, progress_cost, server_scale
+from . import compare, finished_jobs, progress_cost, server_scale, ui_events
 
 
 def server_rows(res: dict) -> list[list[str]]:
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         help="comma-separated row keys (join_sent, rdzv_n2, wall_n2, elastic_2_4, "
         "node_loss, host_loss, scale_up, worker_crash, footprint)",
     )
-    p.add_argument("--no-server-scale", action="store_true", help="skip rows 8 and 9")
+    p.add_argument("--no-server-scale", action="store_true", help="skip rows 8, 9, 11 and 12")
     p.add_argument("--smoke", action="store_true", help="rdzv only, one tiny row and a tiny server scale run")
     a = p.parse_args(argv)
     C.reexec_in_netns("bench", argv)
@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
             finished = finished_jobs.run(10_000, 20.0, 500, waiting=1000, log=log)
 
     progress = progress_cost.run(*((20_000, 1) if a.smoke else (200_000, 3) if a.quick else (1_000_000, 5)))
+    ui = None if a.no_server_scale else ui_events.run(*((10, 3, 50, 1) if a.smoke else (100, 50, 1000, 5)))
 
     text = compare.table(rows, results)
     if scale:
@@ -164,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     if finished:
         text += "\n" + "\n".join("| " + " | ".join(r) + " |" for r in finished_rows(finished))
     text += "\n" + "\n".join("| " + " | ".join(r) + " |" for r in progress_cost.rows(progress))
+    if ui:
+        text += "\n" + "\n".join("| " + " | ".join(r) + " |" for r in ui_events.rows(ui))
     print(text)
     notes = compare.info_lines(results)
     print()
@@ -182,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
                     "server_scale": scale,
                     "finished_jobs": finished,
                     "progress_cost": progress,
+                    "ui_events": ui,
                     "runs": runs,
                     "slow_runs": slow_runs,
                     "load_start": load0,

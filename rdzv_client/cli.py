@@ -2,7 +2,8 @@
 
     rdzv status              every job, one line each
     rdzv status JOB          the job, its nodes and its round history
-    rdzv status JOB --watch  the same, refreshed in place (waits for a job that does not exist yet)
+    rdzv status JOB --watch  the same, redrawn in place on each of its events (waits for a job that does not exist yet)
+    rdzv events [JOB]        print events as they happen (every job's, or one job's); --json: one object a line
     rdzv close JOB           stop a job: its agents stop their workers and exit
     rdzv delete JOB          forget a finished job (close it first if it still runs)
     rdzv hosts [HOST]        host records: failures, cool-downs, cordons
@@ -157,8 +158,18 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("job", nargs="?", help="job id")
     st.add_argument("--state", choices=[s.value for s in JobState], default=None, help="list only jobs in this state")
     st.add_argument("--json", action="store_true", help="print the raw JSON")
-    st.add_argument("--watch", action="store_true", help="refresh in place until interrupted")
-    st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
+    st.add_argument(
+        "--watch", action="store_true", help="redraw in place on every event (the event stream) until interrupted"
+    )
+    st.add_argument(
+        "--interval", type=float, default=5.0, help="with --watch: redraw at least this often (seconds; ages move)"
+    )
+    ev = sub.add_parser("events", help="print events as they happen: every job's, or one job's", parents=[common])
+    ev.add_argument("job", nargs="?", help="job id (it may not exist yet)")
+    ev.add_argument("--json", action="store_true", help="one JSON object per line, as the server sent it")
+    ev.add_argument(
+        "--since", type=int, default=None, metavar="ID", help="first the held events after ID (0: all held)"
+    )
     cl = sub.add_parser("close", help="close a job: its agents stop their workers and exit", parents=[common])
     cl.add_argument("job", help="job id")
     de = sub.add_parser(
@@ -275,6 +286,53 @@ async def _status_text(
     return _json(jobs, compact) if as_json else render_jobs(jobs)
 
 
+_EVENT_SKIP = frozenset({"id", "time", "type", "job", "round", "node", "failures"})
+
+
+def render_event(ev: dict[str, object]) -> str:
+    """One event, one line: time, job, round, type, node, then its fields (printable)."""
+    t = ev.get("time")
+    when = _when(float(t)) if isinstance(t, (int, float)) else "-"
+    rnd = ev.get("round")
+    fields = [f"{k}={printable(v, 300)}" for k, v in ev.items() if k not in _EVENT_SKIP and v is not None and v != ""]
+    head = [
+        when,
+        printable(ev.get("job") or "-", 128),
+        f"r{rnd}" if isinstance(rnd, int) else "-",
+        printable(ev.get("type"), 40),
+        printable(ev.get("node") or "-", 128),
+    ]
+    return "  ".join(head + fields)
+
+
+async def _events_command(client: RestClient, args: argparse.Namespace) -> int:
+    said = False
+
+    def retry(why: str) -> None:
+        nonlocal said
+        if not said:
+            print(f"rdzv: event stream interrupted ({why}); reconnecting", file=sys.stderr, flush=True)
+            said = True
+
+    async for ev in client.events(args.job, last_id=args.since, on_retry=retry):
+        said = False
+        line = json.dumps(ev, separators=(",", ":")) if args.json else render_event(ev)
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+    return 0
+
+
+async def _watch_events(client: RestClient, job: str | None, changed: asyncio.Event) -> None:
+    """Set ``changed`` on each event of ``job`` (or of any job), and when the
+    stream (re)opens (what happened before is in the next draw); the watch
+    redraws then. A server without an event stream leaves --interval redraws."""
+    try:
+        async for _ in client.events(job, on_open=changed.set):
+            changed.set()
+    except RdzvError:
+        return
+
+
 async def _run(args: argparse.Namespace) -> int:
     try:
         client = RestClient(args.endpoint, args.token)
@@ -295,9 +353,30 @@ async def _run(args: argparse.Namespace) -> int:
         deleted = await client.delete_job(args.job)
         print(f"job {deleted.job_id}: deleted (it had {deleted.state.value})")
         return 0
+    if args.command == "events":
+        return await _events_command(client, args)
     if not args.watch:
         print(await _status_text(client, args.job, args.json, args.state))
         return 0
+    changed = asyncio.Event()
+    watcher = asyncio.create_task(_watch_events(client, args.job, changed))
+    try:
+        return await _watch(client, args, changed)
+    finally:
+        watcher.cancel()
+
+
+async def _redraw_wait(changed: asyncio.Event, interval: float) -> None:
+    """Until an event arrived (then a moment more, so a burst is one redraw) or ``interval`` passed."""
+    try:
+        await asyncio.wait_for(changed.wait(), max(0.1, interval))
+        await asyncio.sleep(0.05)
+    except asyncio.TimeoutError:
+        pass
+    changed.clear()
+
+
+async def _watch(client: RestClient, args: argparse.Namespace, changed: asyncio.Event) -> int:
     tty = sys.stdout.isatty()
     missing_said = False
     while True:
@@ -309,20 +388,20 @@ async def _run(args: argparse.Namespace) -> int:
                 if not missing_said:
                     print(f"rdzv: job {args.job} does not exist yet; waiting for it", file=sys.stderr, flush=True)
                     missing_said = True
-                await asyncio.sleep(max(0.1, args.interval))
+                await _redraw_wait(changed, args.interval)
                 continue
             text = f"job {args.job} does not exist yet; waiting for it"
         if args.json:
             # one document per line: a stream that jq and head can read
             sys.stdout.write(text + "\n")
             sys.stdout.flush()
-            await asyncio.sleep(max(0.1, args.interval))
+            await _redraw_wait(changed, args.interval)
             continue
         if tty:
             sys.stdout.write("\x1b[H\x1b[2J")
         sys.stdout.write(f"{time.strftime('%H:%M:%S')}  rdzv status {args.job or ''}\n\n{text}\n")
         sys.stdout.flush()
-        await asyncio.sleep(max(0.1, args.interval))
+        await _redraw_wait(changed, args.interval)
 
 
 def main(argv: list[str] | None = None) -> None:

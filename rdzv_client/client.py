@@ -25,7 +25,7 @@ import logging
 import random
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
@@ -53,6 +53,9 @@ WS_PING_S = 15.0
 # backoff over. One the server closes sooner (it refused us) keeps backing off.
 STABLE_S = 2.0
 MAX_MSG_BYTES = 4 * 1024 * 1024
+# An event stream that sent nothing (not even its keep-alive comment, every 15 s) this long is dead: reconnect.
+STREAM_READ_TIMEOUT_S = 45.0
+MAX_EVENT_BYTES = 1024 * 1024
 
 
 def _dump(msg: dict[str, Any]) -> str:
@@ -453,3 +456,73 @@ class RestClient:
         if job_id is not None:
             body["job_id"] = job_id
         return HostView.model_validate_json(await self._send_json(f"/v1/hosts/{quote(host, safe='')}/health", body))
+
+    async def events(
+        self,
+        job_id: str | None = None,
+        last_id: int | None = None,
+        on_retry: Callable[[str], None] | None = None,
+        on_open: Callable[[], None] | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The server's event stream (one job's, or every event) as dicts, for
+        as long as the caller iterates: reconnects with backoff and
+        ``Last-Event-ID`` when the connection drops (``on_retry`` hears why).
+        ``last_id``: start with the held events after it (0: all held);
+        ``on_open`` is called each time the stream is open. A
+        refusal (token, a bad job id) raises its :class:`RdzvError`."""
+        import aiohttp
+
+        path = f"/v1/jobs/{quote(job_id, safe='')}/events" if job_id else "/v1/events"
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout.total, sock_read=STREAM_READ_TIMEOUT_S)
+        delays = backoff_delays(cap=BACKOFF_MAX_S)
+        while True:
+            headers = dict(self.headers)
+            if last_id is not None:
+                headers["Last-Event-ID"] = str(last_id)
+            try:
+                async with aiohttp.ClientSession(timeout=timeout, read_bufsize=MAX_EVENT_BYTES) as s:  # noqa: SIM117
+                    async with s.get(self.base + path, headers=headers, ssl=self.ssl) as r:
+                        if r.status >= 400:
+                            body = await r.read()
+                            try:
+                                data = json.loads(body)
+                                err = error_from_body(data["code"], data["message"])
+                            except (ValueError, KeyError, TypeError):
+                                err = RdzvError(f"HTTP {r.status} from {self.base}{path}")
+                            if not isinstance(err, UnavailableError):  # a stream cap: retry like a drop
+                                raise err
+                            raise aiohttp.ClientError(err.message)
+                        delays = backoff_delays(cap=BACKOFF_MAX_S)
+                        if on_open is not None:
+                            on_open()
+                        async for event in _sse(r.content):
+                            if isinstance(event.get("id"), int):
+                                last_id = event["id"]
+                            yield event
+                why = "the server ended the stream"
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as e:
+                why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            if on_retry is not None:
+                on_retry(printable(why, 300))
+            await asyncio.sleep(next(delays))
+
+
+async def _sse(content: Any) -> AsyncIterator[dict[str, Any]]:
+    """Parse Server-Sent Events (``data`` lines of JSON objects); comments and
+    ``retry`` lines are skipped, as are events whose data is not a JSON object."""
+    data: list[str] = []
+    async for raw in content:
+        line = raw.decode("utf-8", "replace").rstrip("\r\n")
+        if line:
+            field, _, value = line.partition(":")
+            if field == "data":
+                data.append(value[1:] if value.startswith(" ") else value)
+            continue
+        if data:
+            try:
+                obj = json.loads("\n".join(data))
+            except ValueError:
+                obj = None
+            data = []
+            if isinstance(obj, dict):
+                yield obj

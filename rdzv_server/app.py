@@ -15,11 +15,12 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from pydantic.json_schema import models_json_schema
 
-from . import __version__, handlers
+from . import __version__, handlers, sse, ui
 from .audit import Audit
 from .cursors import MAX_CURSOR_LEN
+from .events import DEFAULT_MAX_STREAMS, DEFAULT_QUEUE, DEFAULT_RING, EventLog
 from .hosts import HostRules
-from .keys import AUDIT, JOIN_DEADLINE, METRICS, OPENAPI, STORE, TOKEN
+from .keys import AUDIT, EVENTS, EVENTS_KEEPALIVE, JOIN_DEADLINE, METRICS, OPENAPI, STORE, TOKEN
 from .metrics import Metrics
 from .protocol import (
     AGENT_PATH,
@@ -69,6 +70,10 @@ class Settings:
     max_waiting_jobs: int = DEFAULT_MAX_WAITING_JOBS
     min_free_disk: int = DEFAULT_MIN_FREE_DISK
     host_rules: HostRules = field(default_factory=HostRules)
+    event_ring: int = DEFAULT_RING  # events kept for Last-Event-ID replay
+    event_queue: int = DEFAULT_QUEUE  # events queued per stream; a stream that falls this far behind is dropped
+    max_event_streams: int = DEFAULT_MAX_STREAMS  # event streams open at once
+    event_keepalive_s: float = 15.0  # a comment line on a quiet stream this often
     store_settings: StoreSettings = field(init=False)
 
     def __post_init__(self) -> None:
@@ -121,14 +126,32 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """An optional bearer token guards everything but /healthz."""
+    """An optional bearer token guards everything but /healthz and the /ui
+    page's own files; the /ui session cookie counts as the token (see
+    :mod:`rdzv_server.ui`). A request that changes something from another
+    site's page is refused, token or not."""
+    if ui.cross_site(request):
+        return _error(
+            ErrorCode.FORBIDDEN,
+            f"cross-site request refused: Origin {printable(request.headers.get('Origin'), 100)} is not this server",
+            403,
+        )
     token = request.app[TOKEN]
-    if token and request.path != "/healthz":
+    if token and request.path != "/healthz" and not ui.public(request.path):
         given = request.headers.get("Authorization", "")
         scheme, _, value = given.partition(" ")
         # surrogateescape: a header that is not UTF-8 is simply wrong, not a crash
         given_token = value.strip().encode("utf-8", "surrogateescape")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given_token, token.encode()):
+        bearer = scheme.lower() == "bearer" and hmac.compare_digest(given_token, token.encode())
+        if not bearer and ui.cookie_ok(request, token):
+            if request.method not in ui.SAFE_METHODS and request.headers.get(ui.UI_HEADER) != "1":
+                return _error(
+                    ErrorCode.FORBIDDEN,
+                    f"a change made with the /ui cookie needs the header {ui.UI_HEADER}: 1",
+                    403,
+                )
+            return await handler(request)
+        if not bearer:
             request.app[AUDIT].event(
                 "token",
                 f"token rejected: {request.method} {printable(request.path, 200)} from {printable(request.remote)}",
@@ -336,11 +359,15 @@ def create_app(settings: Settings | None = None) -> web.Application:
     )
     metrics = Metrics()
     app[METRICS] = metrics
-    app[STORE] = Store(settings.store_settings, metrics=metrics)
+    events = EventLog(ring=settings.event_ring, queue=settings.event_queue, max_streams=settings.max_event_streams)
+    app[STORE] = Store(settings.store_settings, metrics=metrics, events=events)
     app[TOKEN] = settings.token or ""
     app[JOIN_DEADLINE] = settings.join_deadline_s
     app[OPENAPI] = openapi_document()
     app[AUDIT] = Audit()
+    app[EVENTS] = events
+    app[EVENTS_KEEPALIVE] = settings.event_keepalive_s
+    app.on_shutdown.append(_end_streams)
     app.cleanup_ctx.append(_store_ctx)
     app.cleanup_ctx.append(_audit_ctx)
     app.router.add_get("/v1/jobs", handlers.list_jobs)
@@ -356,7 +383,21 @@ def create_app(settings: Settings | None = None) -> web.Application:
     app.router.add_get("/metrics", handlers.metrics)
     app.router.add_get("/openapi.json", handlers.openapi)
     app.router.add_get(AGENT_PATH, handlers.agent_channel)
+    app.router.add_get("/v1/events", sse.events)
+    app.router.add_get("/v1/jobs/{job_id}/events", sse.events)
+    app.router.add_get("/", ui.root)
+    app.router.add_get("/ui", ui.page)
+    app.router.add_get("/ui/", ui.page)
+    app.router.add_get("/ui/jobs/{job_id}", ui.page)
+    app.router.add_get("/ui/static/{name}", ui.static)
+    app.router.add_post("/ui/login", ui.login)
+    app.router.add_post("/ui/logout", ui.logout)
     return app
+
+
+async def _end_streams(app: web.Application) -> None:
+    """Shutdown: event streams end now instead of holding the server for its shutdown timeout."""
+    app[EVENTS].close_all()
 
 
 async def _store_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -55,6 +55,7 @@ class ErrorCode(str, Enum):
     JOB_NOT_FINISHED = "job_not_finished"
     NODE_SECRET_MISMATCH = "node_secret_mismatch"
     JOB_SECRET_MISMATCH = "job_secret_mismatch"
+    FORBIDDEN = "forbidden"  # a cross-site request (its Origin is not the server's), or one without X-Rdzv-UI
 
 
 ERROR_STATUS: dict[ErrorCode, int] = {
@@ -75,6 +76,7 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.JOB_NOT_FINISHED: 409,
     ErrorCode.NODE_SECRET_MISMATCH: 403,
     ErrorCode.JOB_SECRET_MISMATCH: 403,
+    ErrorCode.FORBIDDEN: 403,
 }
 
 
@@ -168,6 +170,7 @@ ERROR_CLASSES: dict[ErrorCode, type[RdzvError]] = {
     ErrorCode.JOB_NOT_FINISHED: JobNotFinishedError,
     ErrorCode.NODE_SECRET_MISMATCH: NodeSecretMismatchError,
     ErrorCode.JOB_SECRET_MISMATCH: JobSecretMismatchError,
+    ErrorCode.FORBIDDEN: RequestError,
 }
 
 

@@ -3,6 +3,7 @@
 from aiohttp import web
 
 from .audit import Audit
+from .events import EventLog
 from .metrics import Metrics
 from .store import Store
 
@@ -12,3 +13,5 @@ OPENAPI = web.AppKey("openapi", dict)
 TOKEN = web.AppKey("token", str)
 JOIN_DEADLINE = web.AppKey("join_deadline", float)  # seconds a new agent WebSocket has to join
 AUDIT = web.AppKey("audit", Audit)
+EVENTS = web.AppKey("events", EventLog)  # the event log behind /v1/events
+EVENTS_KEEPALIVE = web.AppKey("events_keepalive", float)  # seconds between keep-alive comments on a quiet stream

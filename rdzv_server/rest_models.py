@@ -70,6 +70,7 @@ class JobSummary(BaseModel):
     world_size: int
     restarts: int
     max_restarts: int
+    created_at: float | None = Field(default=None, description="unix time the job was created")
 
 
 MAX_PAGE = 1000

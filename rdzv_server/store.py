@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Protocol
 from . import logs, rounds
 from .cursors import decode_cursor, encode_cursor
 from .database import Database, DataDirError, free_bytes  # noqa: F401  (DataDirError: re-exported)
+from .events import EventLog, failure_fields
 from .hosts import HostRules, Hosts
 from .protocol import (
     ErrorCode,
@@ -99,9 +100,14 @@ class Store(HostsMixin, RetentionMixin):
     removal of finished jobs :class:`~rdzv_server.store_retention.RetentionMixin`."""
 
     def __init__(
-        self, settings: StoreSettings, clock: Callable[[], float] = time.time, metrics: Metrics | None = None
+        self,
+        settings: StoreSettings,
+        clock: Callable[[], float] = time.time,
+        metrics: Metrics | None = None,
+        events: EventLog | None = None,
     ) -> None:
         self.settings = settings
+        self.events = events or EventLog()  # what happened, for /v1/events (rdzv_server.events)
         self.clock = clock
         self.progress_jobs: set[str] = set()  # jobs whose agents sent progress (a subset of jobs)
         self.metrics = metrics
@@ -140,6 +146,7 @@ class Store(HostsMixin, RetentionMixin):
             self._order.append((job.created_at, job.job_id))
             if not job.finished:
                 rounds.restored(job, now)
+                self.events.mark(job)
                 self.active.add(job.job_id)
                 if job.forming:
                     self.waiting.add(job.job_id)
@@ -260,6 +267,16 @@ class Store(HostsMixin, RetentionMixin):
         # a node this join creates gets a fresh secret; only its own connection hears it
         issued = None if msg.node_id in job.nodes else secrets.token_urlsafe(24)
         fx = rounds.join(job, msg, now, node_secret=issued)  # raises before changing anything
+        node = job.nodes.get(msg.node_id)
+        joined = None
+        if issued is not None and node is not None:
+            joined_as = "spare" if node.state == rounds.SPARE else "waiting"
+            joined = (
+                "node_joined",
+                msg.node_id,
+                # as it joined: waiting, or spare (a round it completed at once is the next event)
+                {"host": node.host, "addr": node.addr, "nproc": node.local_world_size, "state": joined_as},
+            )
         if created:
             self.jobs[job.job_id] = job
             self.active.add(job.job_id)
@@ -277,7 +294,7 @@ class Store(HostsMixin, RetentionMixin):
             old.drop()
         if self.metrics:
             self.metrics.joins.labels(job.job_id).inc()
-        self._apply(job, fx, now, created=created, requester=chan)
+        self._apply(job, fx, now, created=created, requester=chan, event=joined)
 
     def _check_room(self, job_id: str, chan: Channel) -> None:
         """Refuse a new job (unavailable: its agent retries later) when too many
@@ -338,17 +355,22 @@ class Store(HostsMixin, RetentionMixin):
 
     def fail(self, job_id: str, node_id: str, round_no: int, failures: list[ExitRecord]) -> None:
         job, now = self._job(job_id), self.clock()
-        self._apply(job, rounds.fail(job, node_id, round_no, failures, now), now)
+        fx = rounds.fail(job, node_id, round_no, failures, now)
+        self._apply(job, fx, now, event=("node_failed", node_id, failure_fields(failures)))
 
     def succeed(self, job_id: str, node_id: str, round_no: int) -> None:
         job, now = self._job(job_id), self.clock()
-        self._apply(job, rounds.succeed(job, node_id, round_no, now), now)
+        node = job.nodes.get(node_id)
+        again = node is not None and node.state == rounds.SUCCEEDED and round_no == job.round  # a lost ack
+        fx = rounds.succeed(job, node_id, round_no, now)
+        self._apply(job, fx, now, event=None if again else ("node_succeeded", node_id, {}))
 
     def leave(self, job_id: str, node_id: str, reason: str, chan: Channel) -> None:
         job, now = self._job(job_id), self.clock()
         if self.channels.get((job_id, node_id)) is chan:
             del self.channels[(job_id, node_id)]
-        self._apply(job, rounds.leave(job, node_id, reason, now), now)
+        gone = None if job.finished or node_id not in job.nodes else (node_id, f"left ({reason})")
+        self._apply(job, rounds.leave(job, node_id, reason, now), now, lost=gone)
 
     def disconnected(self, job_id: str, node_id: str, chan: Channel) -> None:
         """A connection closed. Ignored if the node already has a newer one."""
@@ -403,13 +425,26 @@ class Store(HostsMixin, RetentionMixin):
     # --------------------------------------------------------------- effects
 
     def _apply(
-        self, job: Job, fx: Effects, now: float, created: bool = False, requester: Channel | None = None
+        self,
+        job: Job,
+        fx: Effects,
+        now: float,
+        created: bool = False,
+        requester: Channel | None = None,
+        event: tuple[str, str, dict[str, object]] | None = None,
+        lost: tuple[str, str] | None = None,
     ) -> None:
+        """``event`` (type, node id, fields): the join or report that caused the
+        step; ``lost`` (node id, reason): a node that left. Both for the event log."""
         if fx.persist and self.db is not None:
             try:
                 self.db.save(job, now)
             except sqlite3.Error as e:
                 self._rollback(job, created, e, requester)
+        try:  # persisted: now it may be published
+            self.events.observe(job, fx, now, node=event, lost=lost, created=created)
+        except Exception:  # a bug here must not undo or block the step
+            log.exception("job %s: deriving events failed", job.job_id)
         for line in fx.logs:
             log.info("%s", printable(line), extra=logs.extra(line))  # one event, one line, whatever a client sent
         texts: dict[int, str] = {}  # a broadcast (restart, done, status) is serialized once

@@ -28,6 +28,7 @@ from .protocol import (
 
 if TYPE_CHECKING:
     from .database import Database
+    from .events import EventLog
     from .rounds import Effects, Job
 
 log = logging.getLogger("rdzv_server.store")  # the store's log, as before the split
@@ -43,6 +44,7 @@ class HostsMixin:
     jobs: dict[str, Job]
     active: set[str]
     _unblock_at: float | None
+    events: EventLog
 
     if TYPE_CHECKING:
 
@@ -163,6 +165,7 @@ class HostsMixin:
             )
         self._save_hosts([rec], evicted)
         self._unblock_at = self.hosts.next_unblock(now)
+        self.events.emit("host_cordoned", None, host=host, reason=reason, ttl_s=ttl_s, drain=drain)
         self._hosts_changed(now, drain={host} if drain else None)
         return self._host_view(rec, now)
 
@@ -173,5 +176,6 @@ class HostsMixin:
             raise RequestError(f"no record of host {host!r}: it is not cordoned", ErrorCode.NOT_FOUND)
         self._save_hosts([rec], [])
         self._unblock_at = self.hosts.next_unblock(now)
+        self.events.emit("host_uncordoned", None, host=host)
         self._hosts_changed(now)
         return self._host_view(rec, now)

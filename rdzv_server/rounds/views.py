@@ -119,4 +119,5 @@ def summary(job: Job) -> JobSummary:
         world_size=job.world_size,
         restarts=job.restarts,
         max_restarts=job.spec.max_restarts,
+        created_at=job.created_at,
     )

@@ -345,7 +345,7 @@ async def test_wrong_methods_are_405(client, world, method, path):
 @pytest.mark.parametrize(
     "path",
     [
-        "/",
+        "/ui/nope",  # ("/" redirects to the dashboard, /ui)
         "/v2/jobs",
         "/v1",
         "/v1/job",

@@ -1,0 +1,161 @@
+"""The /ui page in headless Chromium against a real server and real agents:
+a job forming with its progress bar moving as agents join, the round history
+growing when a node is killed, the root cause after a failure, close from the
+button, and with --token: the page works after login and refuses without it.
+
+Every wait is Playwright's expect with a deadline; nothing is timed."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import expect
+
+from tests.helpers.cluster import Cluster
+from tests.helpers.procs import wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+WORKER = Path(__file__).parent / "scripts" / "worker.py"
+DEADLINE_MS = 30_000
+TOKEN = "ui-s3cret"
+
+
+def agent(cluster: Cluster, server, job: str, host: str, nnodes: str, *flags: str, script_args: tuple = ()):
+    return cluster.start_agent(
+        server,
+        job,
+        WORKER,
+        *script_args,
+        nnodes=nnodes,
+        flags=("--host-name", host, "--heartbeat-timeout", "10", *flags),
+        name=host,
+    )
+
+
+def test_a_job_forms_restarts_and_fails_live_on_its_page(cluster: Cluster, page, tmp_path: Path) -> None:
+    server = cluster.start_server("--disconnect-grace", "0.5")
+    fail = tmp_path / "fail-now"
+    common = ("--last-call", "600", "--max-restarts", "0")
+    page.goto(f"{server.url}/ui/jobs/live")  # before the job exists: it appears with its first event
+    expect(page.locator("#job-title")).to_have_text("live")
+
+    agent(cluster, server, "live", "node-a", "2:3", *common, script_args=("--fail-file", str(fail)))
+    progress = page.locator("#progress")
+    expect(page.locator("#forming")).to_be_visible(timeout=DEADLINE_MS)
+    expect(page.locator("#job-state")).to_have_text("waiting")
+    expect(progress).to_have_attribute("data-joined", "1", timeout=DEADLINE_MS)
+    expect(progress).to_have_attribute("data-min", "2")
+    expect(progress).to_have_attribute("data-max", "3")
+    expect(page.locator("#nodes-body .row")).to_have_count(1)
+    width1 = page.locator("#progress-fill").evaluate("e => e.getBoundingClientRect().width")
+
+    agent(cluster, server, "live", "node-b", "2:3", *common, script_args=("--fail-file", str(fail)))
+    expect(progress).to_have_attribute("data-joined", "2", timeout=DEADLINE_MS)  # min reached: last call
+    expect(page.locator("#forming-text")).to_contain_text("last call")
+    width2 = page.locator("#progress-fill").evaluate("e => e.getBoundingClientRect().width")
+    assert width2 > width1 > 0
+
+    third = agent(cluster, server, "live", "node-c", "2:3", *common)
+    expect(page.locator("#job-state")).to_have_text("running", timeout=DEADLINE_MS)  # max reached
+    expect(page.locator("#forming")).to_be_hidden()
+    expect(page.locator("#nodes-body .row")).to_have_count(3)
+    expect(page.locator("#history li")).to_have_count(1)
+    expect(page.locator("#history li").first).to_contain_text("world 3")
+    # step/s once the workers report progress
+    expect(page.locator("#nodes-body .row").first.locator(":scope > span").nth(8)).to_have_text(
+        re.compile(r"\d+\.\d\d"), timeout=DEADLINE_MS
+    )
+
+    cluster.kill_node(third)  # lost: a new round (not charged), re-formed by the other two
+    expect(page.locator("#history li")).to_have_count(2, timeout=DEADLINE_MS)
+    newest = page.locator("#history li").first
+    expect(newest).to_contain_text("round 1")
+    expect(newest).to_contain_text("node-c")
+    expect(newest).to_contain_text("world 2", timeout=DEADLINE_MS)
+    expect(page.locator("#nodes-body .row")).to_have_count(2)
+    expect(page.locator("#events li[data-type=node_lost]")).to_have_count(1)
+
+    fail.write_text("now")  # the workers exit 3; no restart is left: the job fails
+    expect(page.locator("#job-state")).to_have_text("failed", timeout=DEADLINE_MS)
+    expect(page.locator("#root-cause")).to_be_visible()
+    expect(page.locator("#root-cause-text")).to_contain_text("exit code 3")
+    expect(page.locator("#root-cause-text")).to_contain_text("loss is nan <b>(ui test)</b>")  # text, not markup
+    expect(page.locator("#root-cause-text b")).to_have_count(0)
+    expect(page.locator("#close-btn")).to_be_disabled()
+
+    # the job list shows it, filtered by state
+    page.goto(f"{server.url}/")
+    expect(page).to_have_url(f"{server.url}/ui")
+    row = page.locator("#jobs-body tr[data-job=live]")
+    expect(row).to_contain_text("failed")
+    expect(row.locator("td").nth(4)).to_have_text("2:3")
+    page.select_option("#state-filter", "running")
+    expect(page.locator("#jobs-body tr")).to_have_count(0)
+    page.select_option("#state-filter", "failed")
+    expect(page.locator("#jobs-body tr")).to_have_count(1)
+
+
+def test_close_from_the_button_after_confirmation(cluster: Cluster, page) -> None:
+    server = cluster.start_server()
+    node = agent(cluster, server, "closeme", "node-x", "1")
+    server.wait_job("closeme", lambda v: v["state"] == "running", 30, "the job runs")
+    page.goto(f"{server.url}/ui/jobs/closeme")
+    expect(page.locator("#job-state")).to_have_text("running")
+    page.click("#close-btn")
+    expect(page.locator("#close-confirm")).to_be_visible()
+    page.click("#close-no")  # changed its mind: nothing happens
+    expect(page.locator("#close-confirm")).to_be_hidden()
+    assert server.job("closeme")["state"] == "running"
+    page.click("#close-btn")
+    page.click("#close-yes")
+    expect(page.locator("#job-state")).to_have_text("closed", timeout=DEADLINE_MS)
+    assert server.job("closeme")["state"] == "closed"
+    wait_until(lambda: node.popen.poll() is not None, 30, "the agent exits after the close")
+
+
+def test_with_a_token_the_page_works_after_login_and_refuses_without(cluster: Cluster, browser, page) -> None:
+    server = cluster.start_server("--token", TOKEN)
+    agent(cluster, server, "secured", "node-t", "1", "--token", TOKEN)
+    wait_until(
+        lambda: server.request("GET", "/v1/jobs/secured", token=TOKEN)[1].get("state") == "running",
+        30,
+        "the job runs",
+    )
+    page.goto(f"{server.url}/ui")
+    expect(page.locator("#login")).to_be_visible()
+    expect(page.locator("#jobs")).to_be_hidden()
+    page.fill("#token", "wrong")
+    page.click("#login-form button")
+    expect(page.locator("#login-error")).to_have_text("wrong token")
+    expect(page.locator("#jobs")).to_be_hidden()
+    page.fill("#token", TOKEN)
+    page.click("#login-form button")
+    expect(page.locator("#jobs-body tr[data-job=secured]")).to_contain_text("running")
+    expect(page.locator("#live")).to_have_text("live")  # the event stream is open: the cookie authorizes it
+    cookie = next(c for c in page.context.cookies() if c["name"] == "rdzv_session")
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and TOKEN not in cookie["value"]
+    assert page.evaluate("document.cookie") == ""  # HttpOnly: the page's scripts cannot read it
+
+    # the job page, live, and close with the cookie
+    page.goto(f"{server.url}/ui/jobs/secured")
+    expect(page.locator("#job-state")).to_have_text("running")
+    page.click("#close-btn")
+    page.click("#close-yes")
+    expect(page.locator("#job-state")).to_have_text("closed", timeout=DEADLINE_MS)
+
+    # another browser (no cookie): the login form, and the API refuses
+    other = browser.new_context()
+    try:
+        p2 = other.new_page()
+        p2.goto(f"{server.url}/ui/jobs/secured")
+        expect(p2.locator("#login")).to_be_visible()
+        expect(p2.locator("#job")).to_be_hidden()
+        status = p2.evaluate("fetch('/v1/jobs/secured').then(r => r.status)")
+        assert status == 401
+        status = p2.evaluate("fetch('/v1/events?since=0').then(r => r.status)")
+        assert status == 401
+    finally:
+        other.close()
