@@ -66,11 +66,7 @@ async def test_a_slow_node_is_flagged_straggler_in_the_view_and_the_log(client, 
     monkeypatch.setattr(progress, "STRAGGLER_CHECK_S", 0.0)
     spec = JobSpec(min_nodes=3, max_nodes=3, straggler_window_s=0.001)  # flag on the second slow check
     agents = await _form_spec(connect, "s", ["n0", "n1", "n2"], spec)
-    for agent, rate in zip(agents, (10.0, 10.0, 1.0)):
-        await agent.send(HeartbeatMsg(step=100, rate=rate))
-    await agents[0].send(HeartbeatMsg(step=101, rate=10.0))  # a check after all three rates are in
-    await asyncio.sleep(0.01)
-    await agents[0].send(HeartbeatMsg(step=102, rate=10.0))  # and one after the window
+    await _slow_n2(client, "s", agents, 100)
 
     for _ in range(200):
         nodes = {n["node_id"]: n for n in (await _view(client, "s"))["nodes"]}
@@ -109,12 +105,19 @@ async def _form_spec(connect, job_id: str, node_ids: list[str], spec: JobSpec) -
     return agents
 
 
-async def _slow_n2(agents: list, steps: int) -> None:
-    """n0 and n1 at 10 steps/s, n2 at 1; then a heartbeat from n0 after the window."""
+async def _slow_n2(client, job_id: str, agents: list, steps: int) -> None:
+    """n0 and n1 at 10 steps/s, n2 at 1; once the server has all three rates
+    (three connections: any order), heartbeats from n0 for the checks after
+    the window (the first slow check starts it)."""
     for agent, rate in zip(agents, (10.0, 10.0, 1.0)):
         await agent.send(HeartbeatMsg(step=steps, rate=rate))
-    await asyncio.sleep(0.01)
-    await agents[0].send(HeartbeatMsg(step=steps + 1, rate=10.0))
+    for _ in range(500):
+        if all(n["steps_per_s"] is not None for n in (await _view(client, job_id))["nodes"]):
+            break
+        await asyncio.sleep(0.01)
+    for i in range(1, 3):
+        await agents[0].send(HeartbeatMsg(step=steps + i, rate=10.0))
+        await asyncio.sleep(0.01)
 
 
 async def test_straggler_policy_replace_a_waiting_spare_takes_the_stragglers_place(
@@ -129,7 +132,7 @@ async def test_straggler_policy_replace_a_waiting_spare_takes_the_stragglers_pla
     await spare.send(join_msg("r", "n3", spec=spec))
     await spare.expect("joined")
     await spare.expect("spare")
-    await _slow_n2(agents, 100)
+    await _slow_n2(client, "r", agents, 100)
     for agent in agents:  # a new round opens at once, and says why
         restart = await agent.expect("restart")
         assert restart.round == 1 and "straggler: node(s) n2 (n2) replaced by a spare" in restart.reason
@@ -159,7 +162,7 @@ async def test_straggler_policy_replace_without_a_spare_flags_only_and_says_so(
     monkeypatch.setattr(progress, "STRAGGLER_CHECK_S", 0.0)
     spec = JobSpec(min_nodes=3, max_nodes=3, straggler_policy="replace", straggler_window_s=0.001)
     agents = await _form_spec(connect, "w", ["n0", "n1", "n2"], spec)
-    await _slow_n2(agents, 100)
+    await _slow_n2(client, "w", agents, 100)
     for _ in range(200):
         nodes = {n["node_id"]: n for n in (await _view(client, "w"))["nodes"]}
         if nodes["n2"]["straggler"]:
