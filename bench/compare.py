@@ -132,7 +132,16 @@ class Cluster:
         if self.server.poll() is not None:
             raise RuntimeError("rdzv-server exited:\n" + self.server.text()[-2000:])
 
-    def launch(self, nnodes: str, cmd: list[str], no_python: bool = False, is_host: bool | None = None) -> C.Proc:
+    def launch(
+        self,
+        nnodes: str,
+        cmd: list[str],
+        no_python: bool = False,
+        is_host: bool | None = None,
+        rdzv_flags: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> C.Proc:
+        """An agent; ``rdzv_flags`` go to rdzv-agent only, ``env`` is added to this agent's."""
         i = len(self.agents)
         is_host = i == 0 if is_host is None else is_host
         if self.launcher == "rdzv":
@@ -160,10 +169,12 @@ class Cluster:
                 "127.0.0.1",
             ]
         argv += ["--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", "3"]
+        if self.launcher == "rdzv":
+            argv += rdzv_flags
         if no_python:
             argv.append("--no-python")
         argv += cmd
-        p = C.Proc(f"agent{i}", argv, self.dir / f"agent{i}.log", env=self.env, cwd=self.dir)
+        p = C.Proc(f"agent{i}", argv, self.dir / f"agent{i}.log", env={**self.env, **(env or {})}, cwd=self.dir)
         self.agents.append(p)
         return p
 

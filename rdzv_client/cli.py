@@ -273,7 +273,8 @@ def _progress_cell(n: NodeView) -> str:
         return "-"
     rate = f" {n.steps_per_s:g}/s" if n.steps_per_s is not None else ""
     since = f" {n.since_progress_s:.0f}s ago" if n.since_progress_s is not None else ""
-    return f"step {n.step}{rate}{since}" + (" STRAGGLER" if n.straggler else "")
+    mark = " STRAGGLER" + (" (no spare to replace it)" if n.straggler_note else "") if n.straggler else ""
+    return f"step {n.step}{rate}{since}{mark}"
 
 
 async def _status_text(

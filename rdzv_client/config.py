@@ -29,9 +29,13 @@ from rdzv_server.wire import (  # not protocol: no pydantic before the first joi
     DEFAULT_MIN_ROUND_S,
     DEFAULT_SCALE_UP_WINDOW_S,
     DEFAULT_STORM_RESTARTS,
+    DEFAULT_STRAGGLER_FRACTION,
+    DEFAULT_STRAGGLER_POLICY,
+    DEFAULT_STRAGGLER_WINDOW_S,
     HOST_PATTERN,
     MAX_SECRET_LEN,
     SECRET_PATTERN,
+    STRAGGLER_POLICIES,
     check_spec,
     is_valid_id,
 )
@@ -86,6 +90,9 @@ class AgentConfig:
     hang_timeout_s: float | None = None
     storm_restarts: int = DEFAULT_STORM_RESTARTS
     min_round_s: float = DEFAULT_MIN_ROUND_S
+    straggler_policy: str = DEFAULT_STRAGGLER_POLICY
+    straggler_fraction: float = DEFAULT_STRAGGLER_FRACTION
+    straggler_window_s: float = DEFAULT_STRAGGLER_WINDOW_S
     health_check: str | None = None  # shell command run before every join; non-zero: this round is skipped
     health_check_timeout_s: float = 60.0
     role: str = "default"  # the workers' ROLE_NAME (torchrun's --role)
@@ -107,6 +114,9 @@ class AgentConfig:
             hang_timeout_s=self.hang_timeout_s,
             storm_restarts=self.storm_restarts,
             min_round_s=self.min_round_s,
+            straggler_policy=self.straggler_policy,
+            straggler_fraction=self.straggler_fraction,
+            straggler_window_s=self.straggler_window_s,
         )
 
     def spec(self) -> JobSpec:
@@ -294,6 +304,26 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_MIN_ROUND_S,
         help="a round that ran this many seconds made progress, for restart storms (part of the job spec)",
+    )
+    a(
+        "--straggler-policy",
+        choices=STRAGGLER_POLICIES,
+        default=DEFAULT_STRAGGLER_POLICY,
+        help="what the server does with a straggler (a node below --straggler-fraction of the job's median "
+        "progress() steps/s for --straggler-window-s): warn (flag it) or replace (a waiting spare takes its "
+        "place in a new round at once; with no spare it is flagged only); part of the job spec",
+    )
+    a(
+        "--straggler-fraction",
+        type=float,
+        default=DEFAULT_STRAGGLER_FRACTION,
+        help="a node below this fraction of the job's median steps/s may be a straggler (part of the job spec)",
+    )
+    a(
+        "--straggler-window-s",
+        type=float,
+        default=DEFAULT_STRAGGLER_WINDOW_S,
+        help="seconds a node must stay below the fraction to be a straggler (part of the job spec)",
     )
     a(
         "--stop-timeout",
@@ -565,6 +595,9 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
             hang_timeout_s=args.hang_timeout,
             storm_restarts=args.storm_restarts,
             min_round_s=args.min_round_s,
+            straggler_policy=args.straggler_policy,
+            straggler_fraction=args.straggler_fraction,
+            straggler_window_s=args.straggler_window_s,
         )
     except ValueError as e:
         raise UsageError(f"bad job settings: {e}") from None
@@ -600,6 +633,9 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         hang_timeout_s=spec_check["hang_timeout_s"],
         storm_restarts=spec_check["storm_restarts"],
         min_round_s=spec_check["min_round_s"],
+        straggler_policy=spec_check["straggler_policy"],
+        straggler_fraction=spec_check["straggler_fraction"],
+        straggler_window_s=spec_check["straggler_window_s"],
         role=_role(str(args.role)),
         signals_to_handle=str(args.signals_to_handle),
         signals=signals,

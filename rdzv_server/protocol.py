@@ -86,6 +86,9 @@ from .wire import (  # noqa: F401  (re-exported: the wire contract is one import
     DEFAULT_MIN_ROUND_S,
     DEFAULT_SCALE_UP_WINDOW_S,
     DEFAULT_STORM_RESTARTS,
+    DEFAULT_STRAGGLER_FRACTION,
+    DEFAULT_STRAGGLER_POLICY,
+    DEFAULT_STRAGGLER_WINDOW_S,
     HEARTBEAT_FRAME,
     HOST_PATTERN,
     ID_PATTERN,
@@ -148,6 +151,13 @@ class JobSpec(_Strict):
     # min_round_s); 0: off. --max-restarts stays the hard budget.
     storm_restarts: int = Field(default=DEFAULT_STORM_RESTARTS, ge=0, le=MAX_RESTARTS)
     min_round_s: Seconds = DEFAULT_MIN_ROUND_S
+    # stragglers (design.md "Hangs and progress"): a running node below
+    # straggler_fraction x the job's median steps/s for straggler_window_s is
+    # flagged; "replace": a waiting spare takes its place in a new round at once
+    # (no spare: flagged only). Left out of records at their defaults.
+    straggler_policy: Literal["warn", "replace"] = DEFAULT_STRAGGLER_POLICY
+    straggler_fraction: float = Field(default=DEFAULT_STRAGGLER_FRACTION, gt=0, le=1, allow_inf_nan=False)
+    straggler_window_s: Seconds = DEFAULT_STRAGGLER_WINDOW_S
 
     @model_validator(mode="after")
     def _min_le_max(self) -> JobSpec:

@@ -44,7 +44,14 @@ class NodeView(BaseModel):
     )
     steps_per_s: float | None = Field(default=None, description="that rank's recent steps per second")
     since_progress_s: float | None = Field(default=None, description="seconds since its step last advanced")
-    straggler: bool = Field(default=False, description="its steps/s stayed below half the job's median for 30 s")
+    straggler: bool = Field(
+        default=False,
+        description="its steps/s stayed below the job's straggler fraction (default half) of the job's median "
+        "for its straggler window (default 30 s)",
+    )
+    straggler_note: str | None = Field(
+        default=None, description="what the straggler policy did not do about it (replace: no spare waits)"
+    )
     host_blocked: str | None = Field(
         default=None, description="why this spare waits: its host is cordoned or cooled down"
     )

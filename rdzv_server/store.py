@@ -334,11 +334,15 @@ class Store(HostsMixin, RetentionMixin):
     def heartbeat(self, job_id: str, node_id: str, step: int | None = None, rate: float | None = None) -> None:
         job = self.jobs.get(job_id)
         if job is not None:
-            lines = rounds.heartbeat(job, node_id, self.clock(), step, rate)
+            now = self.clock()
+            fx = rounds.heartbeat(job, node_id, now, step, rate)
             if step is not None:
                 self.progress_jobs.add(job_id)
-            for line in lines:
+            for line in fx.logs:  # stragglers: warnings
                 log.warning("%s", printable(line), extra={"rdzv": {"job": job_id, "round": job.round}})
+            if fx.persist or fx.sends:  # straggler_policy replace opened a round
+                fx.logs = []
+                self._apply(job, fx, now)
 
     def since_progress(self) -> dict[str, float]:
         """Per job whose agents report progress: the most seconds any running

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import Any, Final
 
 from .errors import MAX_ERROR_MESSAGE  # noqa: F401 - one import for the wire's limits
 
@@ -47,6 +47,13 @@ DEFAULT_SCALE_UP_WINDOW_S = 0.5
 DEFAULT_MAX_RESTARTS = 3
 DEFAULT_STORM_RESTARTS = 3  # restarts in a row without progress that stop a job (0: off)
 DEFAULT_MIN_ROUND_S = 60.0  # a round that ran this long made progress (scripts that never call progress())
+# A running node whose steps/s stays below STRAGGLER_FRACTION x the job's median for
+# STRAGGLER_WINDOW_S is a straggler; the policy says what then: "warn" (flag only) or
+# "replace" (a waiting spare takes its place in a new round).
+STRAGGLER_POLICIES = ("warn", "replace")
+DEFAULT_STRAGGLER_POLICY: Final = "warn"
+DEFAULT_STRAGGLER_FRACTION = 0.5
+DEFAULT_STRAGGLER_WINDOW_S = 30.0
 
 SPEC_SECONDS = ("last_call_s", "heartbeat_timeout_s", "join_timeout_s", "scale_up_window_s")
 
@@ -90,6 +97,9 @@ def check_spec(
     hang_timeout_s: float | None = None,
     storm_restarts: int = DEFAULT_STORM_RESTARTS,
     min_round_s: float = DEFAULT_MIN_ROUND_S,
+    straggler_policy: str = DEFAULT_STRAGGLER_POLICY,
+    straggler_fraction: float = DEFAULT_STRAGGLER_FRACTION,
+    straggler_window_s: float = DEFAULT_STRAGGLER_WINDOW_S,
 ) -> dict[str, Any]:
     """A job spec as the plain JSON object ``JobSpec`` serializes to, or
     ValueError naming the field: the same rules as ``JobSpec``, without pydantic."""
@@ -112,8 +122,10 @@ def check_spec(
         scale_up_window_s,
         hang_timeout_s,
         min_round_s,
+        straggler_window_s,
     )
-    for name, secs in zip((*SPEC_SECONDS, "hang_timeout_s", "min_round_s"), seconds, strict=True):
+    names = (*SPEC_SECONDS, "hang_timeout_s", "min_round_s", "straggler_window_s")
+    for name, secs in zip(names, seconds, strict=True):
         if name == "hang_timeout_s" and secs is None:  # optional: off
             out[name] = None
             continue
@@ -124,7 +136,14 @@ def check_spec(
         out[name] = float(secs)
     if min_nodes > max_nodes:
         raise ValueError(f"min_nodes ({min_nodes}) is greater than max_nodes ({max_nodes})")
-    for name in ("storm_restarts", "min_round_s"):
+    if straggler_policy not in STRAGGLER_POLICIES:
+        raise ValueError(f"straggler_policy: must be one of {', '.join(STRAGGLER_POLICIES)}, got {straggler_policy!r}")
+    out["straggler_policy"] = straggler_policy
+    f = straggler_fraction
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or not 0 < f <= 1:
+        raise ValueError(f"straggler_fraction: must be more than 0 and at most 1, got {f!r}")
+    out["straggler_fraction"] = float(f)
+    for name in ("storm_restarts", "min_round_s", "straggler_policy", "straggler_fraction", "straggler_window_s"):
         out[name] = out.pop(name)  # in JobSpec's order, last
     return out
 

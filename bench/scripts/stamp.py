@@ -1,6 +1,7 @@
 """The benchmark's worker: stamps its start time before anything else.
 
     stamp.py OUT [--sleep S] [--loop] [--fail-once MARKER --fail-rank R]
+             [--progress] [--fail-if-env NAME]
 
 First thing (before importing torch): append ``start RANK WORLD RESTART TIME
 PID`` to OUT (O_APPEND: one write per line, so lines from many workers never
@@ -11,7 +12,12 @@ interleave). Then:
   collective append ``step1 RANK WORLD RESTART TIME PID``; when a collective
   fails (a peer died) exit 1 at once;
 * ``--fail-once MARKER --fail-rank R``: rank R appends ``crash ...`` and exits
-  1 after its first collective, once (the first attempt that finds no MARKER).
+  1 after its first collective, once (the first attempt that finds no MARKER);
+* ``--progress``: call ``rdzv_client.worker.progress(step)`` after every
+  collective (a no-op outside rdzv-agent, so torchrun runs it unchanged);
+* ``--fail-if-env NAME``: a worker whose environment names a file in NAME
+  appends ``crash ...`` and exits 1 once that file exists: at start, in every
+  attempt, or in the loop (a host that goes bad and fails on every join).
 
 Both launchers run this same file with the same arguments.
 """
@@ -44,6 +50,10 @@ def main():
     def opt(name, default=None):
         return args[args.index(name) + 1] if name in args else default
 
+    bad = _env.get(opt("--fail-if-env", ""), "")
+    if bad and os.path.exists(bad):
+        stamp(out, "crash", time.time())
+        return 1
     if "--loop" not in args:
         time.sleep(float(opt("--sleep", "0")))
         return 0
@@ -56,6 +66,9 @@ def main():
     rank = dist.get_rank()
     marker = opt("--fail-once")
     fail_rank = int(opt("--fail-rank", "-1"))
+    progress = None
+    if "--progress" in args:
+        from rdzv_client.worker import progress
     step = 0
     while True:
         t = torch.ones(1)
@@ -64,6 +77,11 @@ def main():
         except RuntimeError:
             os._exit(1)  # a peer is gone: fail fast, as a real job would after its timeout
         step += 1
+        if progress is not None:
+            progress(step)
+        if bad and os.path.exists(bad):
+            stamp(out, "crash", time.time())
+            os._exit(1)
         if step == 1:
             stamp(out, "step1", time.time())
             if marker and rank == fail_rank and not os.path.exists(marker):

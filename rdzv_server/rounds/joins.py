@@ -202,6 +202,11 @@ def _enter(job: Job, node: Node, now: float, issued: str | None) -> Effects:
     why = blocked(job, node, now)
     if why is not None:
         return _hold(job, node, now, why, issued)
+    if node.replaced is not None:  # a straggler replaced by a spare (straggler_policy replace)
+        why, node.replaced = node.replaced, None
+        fx = _hold(job, node, now, why, issued)
+        node.note = None  # a spare like any other from now on: its host is not blocked
+        return fx
     node.note = None
     if job.forming:
         move(job, node, WAITING)

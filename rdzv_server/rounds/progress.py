@@ -3,33 +3,35 @@
 A heartbeat's second form carries the step and steps/s its node's workers
 reported; :func:`heartbeat` keeps them on the node and, at most every
 ``STRAGGLER_CHECK_S`` per job, :func:`check_stragglers` flags or unflags
-running members (it returns log lines; nothing is persisted or sent).
+running members by the job's ``straggler_fraction`` and ``straggler_window_s``
+(log lines, nothing persisted or sent) and, under ``straggler_policy``
+"replace", opens a round in which a waiting spare takes a straggler's place.
 """
 
 from __future__ import annotations
 
-from .model import RUNNING, Job
+from .machine import _open_round
+from .model import RUNNING, SPARE, Effects, Job, Node, blocked
 
-# A running member whose steps/s stays below STRAGGLER_FRACTION of the job's
-# median (over members that report a rate) for STRAGGLER_WINDOW_S is a
-# straggler; looked for at most every STRAGGLER_CHECK_S per job, on progress heartbeats.
-STRAGGLER_FRACTION = 0.5
-STRAGGLER_WINDOW_S = 30.0
+# A running member whose steps/s stays below the job's straggler_fraction of its
+# median (over members that report a rate) for straggler_window_s is a straggler
+# (JobSpec); looked for at most every STRAGGLER_CHECK_S per job, on progress heartbeats.
 STRAGGLER_CHECK_S = 1.0
 
 
-def heartbeat(job: Job, node_id: str, now: float, step: int | None = None, rate: float | None = None) -> list[str]:
+def heartbeat(job: Job, node_id: str, now: float, step: int | None = None, rate: float | None = None) -> Effects:
     """The fast path: a node is alive. Unknown nodes are ignored (their
     connection is told on their next real message). ``step``/``rate``: the
-    progress its workers reported (the heartbeat's second form). Returns log
-    lines (a node became, or stopped being, a straggler)."""
+    progress its workers reported (the heartbeat's second form). The effects
+    are log lines (a node became, or stopped being, a straggler) and, under
+    straggler_policy "replace", a new round without a straggler."""
     node = job.nodes.get(node_id)
     if node is None:
-        return []
+        return Effects()
     node.last_seen = now
     node.graced = False
     if step is None:
-        return []
+        return Effects()
     if node.step is None or step != node.step or node.progress_at is None:
         node.progress_at = now
     node.step = step
@@ -37,38 +39,71 @@ def heartbeat(job: Job, node_id: str, now: float, step: int | None = None, rate:
         job.max_step = step  # restart storms: progress is a step beyond the round's start
     node.step_rate = rate
     if now - job.stragglers_at < STRAGGLER_CHECK_S:
-        return []
+        return Effects()
     job.stragglers_at = now
     return check_stragglers(job, now)
 
 
-def check_stragglers(job: Job, now: float) -> list[str]:
-    """Flag running members whose rate stayed below STRAGGLER_FRACTION of the
-    median for STRAGGLER_WINDOW_S; unflag those back above it. O(n log n)."""
+def check_stragglers(job: Job, now: float) -> Effects:
+    """Flag running members whose rate stayed below the job's straggler
+    fraction of the median for its straggler window; unflag those back above
+    it; then apply the straggler policy. O(n log n)."""
+    fx = Effects()
+    spec = job.spec
     members = [job.nodes[n] for n in job.order if n in job.nodes and job.nodes[n].state == RUNNING]
     rated = [n for n in members if n.step_rate is not None]
     if len(rated) < 2:
-        return []
+        return fx
     rates = sorted(n.step_rate for n in rated if n.step_rate is not None)
     mid = len(rates) // 2
     median = rates[mid] if len(rates) % 2 else (rates[mid - 1] + rates[mid]) / 2
-    lines = []
     for n in rated:
         assert n.step_rate is not None
-        if median > 0 and n.step_rate < STRAGGLER_FRACTION * median:
+        if median > 0 and n.step_rate < spec.straggler_fraction * median:
             n.slow_since = now if n.slow_since is None else n.slow_since
-            if not n.straggler and now - n.slow_since >= STRAGGLER_WINDOW_S:
+            if not n.straggler and now - n.slow_since >= spec.straggler_window_s:
                 n.straggler = True
-                lines.append(
+                fx.logs.append(
                     f"job {job.job_id}: node {n.node_id} ({n.host}) is a straggler: {n.step_rate:g} "
-                    f"steps/s for {now - n.slow_since:.0f}s, job median {median:g}"
+                    f"steps/s for {now - n.slow_since:.0f}s, job median {median:g} "
+                    f"(straggler policy {spec.straggler_policy})"
                 )
         else:
             n.slow_since = None
+            n.straggler_note = None
             if n.straggler:
                 n.straggler = False
-                lines.append(
+                fx.logs.append(
                     f"job {job.job_id}: node {n.node_id} ({n.host}) is no longer a straggler: "
                     f"{n.step_rate:g} steps/s, job median {median:g}"
                 )
-    return lines
+    if spec.straggler_policy == "replace":
+        fx.merge(_replace(job, [n for n in rated if n.straggler], median, now))
+    return fx
+
+
+def _replace(job: Job, stragglers: list[Node], median: float, now: float) -> Effects:
+    """straggler_policy "replace": as many stragglers as spares wait (connected,
+    host not blocked) are replaced: a round opens at once, the spares are in it,
+    and each replaced node is told why when it rejoins (it waits as a spare).
+    The others are flagged only, said once: the job never shrinks to drop one."""
+    fx = Effects()
+    if not stragglers:
+        return fx
+    spares = [n for n in job.nodes.values() if n.state == SPARE and n.connected and blocked(job, n, now) is None]
+    out, kept = stragglers[: len(spares)], stragglers[len(spares) :]
+    for n in kept:
+        if n.straggler_note is None:
+            n.straggler_note = "no spare waits to replace it: flagged only (straggler policy replace)"
+            fx.logs.append(f"job {job.job_id}: straggler node {n.node_id} ({n.host}) is kept: {n.straggler_note}")
+    if not out:
+        return fx
+    spec = job.spec
+    for n in out:
+        n.replaced = (
+            f"replaced as a straggler: {n.step_rate:g} steps/s, below {spec.straggler_fraction:g} x the job's "
+            f"median {median:g} for {spec.straggler_window_s:g}s; waiting as a spare"
+        )
+        n.straggler, n.slow_since, n.straggler_note = False, None, None
+    names = ", ".join(f"{n.node_id} ({n.host})" for n in out[:8])
+    return fx.merge(_open_round(job, f"straggler: node(s) {names} replaced by a spare", now))

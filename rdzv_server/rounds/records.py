@@ -8,12 +8,18 @@ from __future__ import annotations
 from typing import Any
 
 from ..protocol import JobSpec, JobState
-from ..wire import DEFAULT_MIN_ROUND_S, DEFAULT_STORM_RESTARTS
+from ..wire import (
+    DEFAULT_MIN_ROUND_S,
+    DEFAULT_STORM_RESTARTS,
+    DEFAULT_STRAGGLER_FRACTION,
+    DEFAULT_STRAGGLER_POLICY,
+    DEFAULT_STRAGGLER_WINDOW_S,
+)
 from .model import Job, Node, NodeState, RoundRecord
 
 # Progress that agents send with heartbeats is not saved: the next heartbeat
 # brings it back (and records stay what older code wrote and reads).
-_NOT_SAVED_NODE = frozenset({"step", "step_rate", "progress_at", "slow_since", "straggler"})
+_NOT_SAVED_NODE = frozenset({"step", "step_rate", "progress_at", "slow_since", "straggler", "straggler_note"})
 _NOT_SAVED_JOB = frozenset({"spec", "nodes", "history", "state", "counts", "stragglers_at", "gate"})
 
 
@@ -25,6 +31,10 @@ _STORM_DEFAULTS: dict[str, Any] = {
     "no_progress": 0,
     "max_step": None,
     "round_step": None,
+    # stragglers (JobSpec): left out at their defaults as well
+    "straggler_policy": DEFAULT_STRAGGLER_POLICY,
+    "straggler_fraction": DEFAULT_STRAGGLER_FRACTION,
+    "straggler_window_s": DEFAULT_STRAGGLER_WINDOW_S,
 }
 
 
@@ -54,6 +64,8 @@ def _node_record(node: Node) -> dict[str, Any]:
     d = {**{k: v for k, v in vars(node).items() if k not in _NOT_SAVED_NODE}, "state": _known(node.state).value}
     if d["note"] is None:  # only spares held off by their host have one: records stay as they were
         del d["note"]
+    if d["replaced"] is None:  # only a straggler replaced under straggler_policy "replace"
+        del d["replaced"]
     return d
 
 

@@ -59,6 +59,7 @@ def _node_view(node: Node, now: float, job_state: JobState | None = None) -> Nod
         step=node.step,
         steps_per_s=node.step_rate,
         straggler=node.straggler,
+        straggler_note=node.straggler_note if node.straggler else None,
         since_progress_s=(round(max(0.0, now - node.progress_at), 3) if node.progress_at is not None else None),
         host_blocked=node.note if node.state == SPARE else None,
     )

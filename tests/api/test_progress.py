@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
-from rdzv_server.protocol import HeartbeatMsg
+import pytest
 
-from .conftest import form
+from rdzv_server.protocol import HeartbeatMsg, JobSpec
+
+from .conftest import form, join_msg
 
 
 async def _view(client, job_id: str) -> dict:
@@ -61,12 +63,10 @@ async def test_invalid_progress_heartbeat_is_refused_and_changes_nothing(client,
 async def test_a_slow_node_is_flagged_straggler_in_the_view_and_the_log(client, connect, monkeypatch, caplog) -> None:
     from rdzv_server.rounds import progress
 
-    monkeypatch.setattr(progress, "STRAGGLER_WINDOW_S", 0.0)  # flag on the first slow check
     monkeypatch.setattr(progress, "STRAGGLER_CHECK_S", 0.0)
-    agents, _ = await form(connect, "s", ["n0", "n1", "n2"])
-    for agent, rate in zip(agents, (10.0, 10.0, 1.0)):
-        await agent.send(HeartbeatMsg(step=100, rate=rate))
-    await agents[0].send(HeartbeatMsg(step=101, rate=10.0))  # a check after all three rates are in
+    spec = JobSpec(min_nodes=3, max_nodes=3, straggler_window_s=0.001)  # flag on the second slow check
+    agents = await _form_spec(connect, "s", ["n0", "n1", "n2"], spec)
+    await _slow_n2(client, "s", agents, 100)
 
     for _ in range(200):
         nodes = {n["node_id"]: n for n in (await _view(client, "s"))["nodes"]}
@@ -92,3 +92,102 @@ async def test_a_join_with_another_hang_timeout_is_refused_naming_the_field(clie
     assert err.code.value == "spec_mismatch" and "hang_timeout_s" in err.message, err
     view = await _view(client, "h")
     assert [n["node_id"] for n in view["nodes"]] == ["n0"]
+
+
+async def _form_spec(connect, job_id: str, node_ids: list[str], spec: JobSpec) -> list:
+    """Join ``node_ids`` with ``spec`` and wait until each is assigned."""
+    agents = [await connect() for _ in node_ids]
+    for agent, node_id in zip(agents, node_ids):
+        await agent.send(join_msg(job_id, node_id, spec=spec))
+    for agent in agents:
+        await agent.expect("joined")
+        await agent.expect("assigned")
+    return agents
+
+
+async def _slow_n2(client, job_id: str, agents: list, steps: int) -> None:
+    """n0 and n1 at 10 steps/s, n2 at 1; once the server has all three rates
+    (three connections: any order), heartbeats from n0 for the checks after
+    the window (the first slow check starts it)."""
+    for agent, rate in zip(agents, (10.0, 10.0, 1.0)):
+        await agent.send(HeartbeatMsg(step=steps, rate=rate))
+    for _ in range(500):
+        if all(n["steps_per_s"] is not None for n in (await _view(client, job_id))["nodes"]):
+            break
+        await asyncio.sleep(0.01)
+    for i in range(1, 3):
+        await agents[0].send(HeartbeatMsg(step=steps + i, rate=10.0))
+        await asyncio.sleep(0.01)
+
+
+async def test_straggler_policy_replace_a_waiting_spare_takes_the_stragglers_place(
+    client, connect, monkeypatch, caplog
+) -> None:
+    from rdzv_server.rounds import progress
+
+    monkeypatch.setattr(progress, "STRAGGLER_CHECK_S", 0.0)
+    spec = JobSpec(min_nodes=3, max_nodes=3, straggler_policy="replace", straggler_window_s=0.001)
+    agents = await _form_spec(connect, "r", ["n0", "n1", "n2"], spec)
+    spare = await connect()
+    await spare.send(join_msg("r", "n3", spec=spec))
+    await spare.expect("joined")
+    await spare.expect("spare")
+    await _slow_n2(client, "r", agents, 100)
+    for agent in agents:  # a new round opens at once, and says why
+        restart = await agent.expect("restart")
+        assert restart.round == 1 and "straggler: node(s) n2 (n2) replaced by a spare" in restart.reason
+    await agents[2].send(join_msg("r", "n2", spec=spec))  # the straggler rejoins: a spare, told why
+    await agents[2].expect("joined")
+    told = await agents[2].expect("spare")
+    assert told.reason is not None and "replaced as a straggler: 1 steps/s" in told.reason
+    for agent, node_id in zip(agents[:2], ("n0", "n1")):
+        await agent.send(join_msg("r", node_id, spec=spec))
+    for agent in agents[:2]:
+        await agent.expect("joined")
+        assert (await agent.expect("assigned")).assignment.round == 1
+    assert (await spare.expect("assigned")).assignment.round == 1
+    view = await _view(client, "r")
+    assert view["round"] == 1 and view["restarts"] == 0 and view["state"] == "running"
+    assert sorted(n["node_id"] for n in view["nodes"]) == ["n0", "n1", "n3"]
+    assert [n["node_id"] for n in view["spares"]] == ["n2"]
+    assert "straggler" in view["history"][-1]["reason"]
+    assert any("is a straggler: 1 steps/s" in r.getMessage() for r in caplog.records)
+
+
+async def test_straggler_policy_replace_without_a_spare_flags_only_and_says_so(
+    client, connect, monkeypatch, caplog
+) -> None:
+    from rdzv_server.rounds import progress
+
+    monkeypatch.setattr(progress, "STRAGGLER_CHECK_S", 0.0)
+    spec = JobSpec(min_nodes=3, max_nodes=3, straggler_policy="replace", straggler_window_s=0.001)
+    agents = await _form_spec(connect, "w", ["n0", "n1", "n2"], spec)
+    await _slow_n2(client, "w", agents, 100)
+    for _ in range(200):
+        nodes = {n["node_id"]: n for n in (await _view(client, "w"))["nodes"]}
+        if nodes["n2"]["straggler"]:
+            break
+        await asyncio.sleep(0.01)
+    assert nodes["n2"]["straggler"] and "no spare waits" in (nodes["n2"]["straggler_note"] or ""), nodes
+    view = await _view(client, "w")
+    assert view["round"] == 0 and view["state"] == "running" and len(view["nodes"]) == 3
+    assert any("is kept: no spare waits" in r.getMessage() for r in caplog.records)
+    with pytest.raises(asyncio.TimeoutError):  # nobody is told to restart
+        await agents[2].recv(timeout=0.5)
+
+
+async def test_a_join_with_another_straggler_policy_is_refused_and_changes_nothing(client, connect) -> None:
+    spec = JobSpec(min_nodes=2, max_nodes=2, straggler_policy="replace")
+    await _form_spec(connect, "m", ["n0", "n1"], spec)
+    other = await connect()
+    await other.send(join_msg("m", "n2", spec=JobSpec(min_nodes=2, max_nodes=2)))
+    err = await other.expect("error")
+    assert err.code.value == "spec_mismatch" and "straggler_policy replace" in err.message
+    await other.send(
+        '{"op":"join","job_id":"m","node_id":"n3","host":"h","addr":"a","local_world_size":1,"master_port":1,'
+        '"spec":{"min_nodes":2,"max_nodes":2,"straggler_policy":"evict"}}'
+    )
+    err = await other.expect("error")
+    assert err.code.value == "validation_error" and "\n" not in err.message
+    view = await _view(client, "m")
+    assert view["round"] == 0 and len(view["nodes"]) == 2 and view["spares"] == []

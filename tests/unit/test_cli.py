@@ -310,3 +310,17 @@ def test_a_bad_endpoint_is_a_usage_error(capsys) -> None:
         cli.main(["--endpoint", "ftp://x", "status"])
     assert e.value.code == 2
     assert capsys.readouterr().err == "rdzv: endpoint 'ftp://x': scheme must be http or https\n"
+
+
+def test_render_job_says_when_a_straggler_is_kept_for_want_of_a_spare() -> None:
+    note = "no spare waits to replace it: flagged only (straggler policy replace)"
+    slow = {"step": 10, "steps_per_s": 0.5, "since_progress_s": 0.2, "straggler": True}
+    job = _job(
+        nodes=[
+            _node("node1-100-aaaaaa", 0).model_copy(update={**slow, "straggler_note": note}),
+            _node("node10-7-bbbbbb", 1, host="node10", addr="10.0.0.10").model_copy(update=slow),
+        ]
+    )
+    rows = _section(cli.render_job(job), "RANK")
+    assert rows[1].endswith("step 10 0.5/s 0s ago STRAGGLER (no spare to replace it)")
+    assert rows[2].endswith("step 10 0.5/s 0s ago STRAGGLER")

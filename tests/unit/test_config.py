@@ -532,3 +532,22 @@ def test_help_says_the_max_restarts_default_and_torchruns() -> None:
     text = " ".join(build_parser().format_help().split())
     assert "restarts after worker failures before the job fails (default 3; torchrun: 0)" in text
     assert cfg_of(*BASE).max_restarts == 3
+
+
+def test_straggler_flags_have_defaults_and_are_part_of_the_spec() -> None:
+    spec = cfg_of(*BASE).spec()
+    assert (spec.straggler_policy, spec.straggler_fraction, spec.straggler_window_s) == ("warn", 0.5, 30.0)
+    cfg = cfg_of(*BASE, "--straggler-policy", "replace", "--straggler-fraction", "0.3", "--straggler-window-s", "10")
+    assert (cfg.spec().straggler_policy, cfg.spec().straggler_fraction, cfg.spec().straggler_window_s) == (
+        "replace",
+        0.3,
+        10.0,
+    )
+    for bad in ("0", "1.5", "nan", "inf"):
+        with pytest.raises(UsageError, match="straggler_fraction"):
+            cfg_of(*BASE, "--straggler-fraction", bad)
+    for bad in ("0", "-1", "inf"):
+        with pytest.raises(UsageError, match="straggler_window_s"):
+            cfg_of(*BASE, "--straggler-window-s", bad)
+    with pytest.raises(SystemExit):  # argparse: not one of warn, replace
+        cfg_of(*BASE, "--straggler-policy", "evict")

@@ -62,6 +62,19 @@ def test_check_spec_seconds_as_jobspec(field: str, value) -> None:
         assert plain == json.loads(model.model_dump_json())
 
 
+@pytest.mark.parametrize(
+    "field,value",
+    [("straggler_window_s", v) for v in SECONDS]
+    + [("straggler_fraction", v) for v in (0, 0.0, 0.1, 0.5, 1, 1.0, 1.01, -0.5, math.inf, math.nan, True, "0.5", None)]
+    + [("straggler_policy", v) for v in ("warn", "replace", "evict", "", "WARN", 1, None)],
+)
+def test_check_spec_straggler_fields_as_jobspec(field: str, value) -> None:
+    plain, model = _both(min_nodes=1, max_nodes=2, **{field: value})
+    assert (plain is None) == (model is None), (field, value, plain, model)
+    if model is not None:
+        assert plain == json.loads(model.model_dump_json())
+
+
 def test_a_refused_spec_names_the_field() -> None:
     with pytest.raises(ValueError, match="heartbeat_timeout_s"):
         check_spec(min_nodes=1, max_nodes=1, heartbeat_timeout_s=math.inf)

@@ -4,6 +4,10 @@ does (the tests parse it and SIGSTOP a worker by its pid).
 
 * ``--stop-self-at S``: in the first attempt (restart 0), the worker of
   ``--stop-rank`` stops itself (SIGSTOP) after step S, as a frozen process.
+* ``--sync-every N``: the all_reduce runs every N steps (default 1; 0: only a
+  barrier at the end), so that ranks can progress at their own pace.
+* ``E2E_STEP_INTERVAL`` in the environment overrides ``--interval`` (one slow
+  node: stragglers).
 """
 
 from __future__ import annotations
@@ -27,21 +31,26 @@ def main() -> None:
     p.add_argument("--interval", type=float, default=0.1)
     p.add_argument("--stop-self-at", type=int, default=0)
     p.add_argument("--stop-rank", type=int, default=0)
+    p.add_argument("--sync-every", type=int, default=1)
     args = p.parse_args()
+    interval = float(os.environ.get("E2E_STEP_INTERVAL", args.interval))
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
     for step in range(1, args.steps + 1):
         t = torch.ones(1)
-        dist.all_reduce(t)  # ALL_REDUCE_LINE
+        if args.sync_every and step % args.sync_every == 0:
+            dist.all_reduce(t)  # ALL_REDUCE_LINE
         print(f"step {step} rank {rank} world {world} restart {restart} pid {os.getpid()}", flush=True)
         progress(step)
         if step == args.stop_self_at and restart == "0" and rank == args.stop_rank:
             os.kill(os.getpid(), signal.SIGSTOP)
-        time.sleep(args.interval)
+        time.sleep(interval)
     finished()  # teardown is not a hang
     print(f"done rank {rank} world {world} restart {restart}", flush=True)
+    if not args.sync_every:
+        dist.barrier()  # nobody tears gloo down while a slower peer still runs
     dist.destroy_process_group()
 
 
