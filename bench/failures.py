@@ -7,7 +7,7 @@ run; torchrun with its c10d rendezvous; one worker per agent, all on this
 host over loopback; workers are ``bench/scripts/stamp.py``, the same file for
 both launchers; runs interleave the launchers).
 
-11. Worker hangs: 2 nodes (``--nnodes 2``) train (gloo all_reduce every 0.1 s,
+13. Worker hangs: 2 nodes (``--nnodes 2``) train (gloo all_reduce every 0.1 s,
     ``progress()`` after each; torchrun: a no-op); rank 1's worker is
     SIGSTOPped 1 s into training. Measured: SIGSTOP -> every worker of the
     next round has reported progress. rdzv (``--hang-timeout``): from the REST
@@ -18,7 +18,7 @@ both launchers; runs interleave the launchers).
     timeout (60 s), it exits 1 and torchrun restarts the group. Bound: a side
     that has not recovered within it prints "> BOUND s (not recovered)".
 
-12. A host that fails on every join: 2 nodes + 1 spare (``--nnodes 2:2``,
+14. A host that fails on every join: 2 nodes + 1 spare (``--nnodes 2:2``,
     three agents), the first agent's worker exits 1 at start in every
     attempt. Measured: the first failure -> both workers of a round without
     that host did their first all_reduce; and the rounds that took. rdzv: the
@@ -194,7 +194,7 @@ def plan(bound: float, hang_timeout: float, smoke: bool = False) -> list[Row]:
     return [
         Row(
             "hang",
-            f"11. Worker hangs (rank 1 of 2 SIGSTOPped mid-training; rdzv `--hang-timeout {hang_timeout:g}`, "
+            f"13. Worker hangs (rank 1 of 2 SIGSTOPped mid-training; rdzv `--hang-timeout {hang_timeout:g}`, "
             f"torchrun: the script's 60 s gloo timeout) -> every worker of the next round reported progress "
             f"(bound {bound:g} s)",
             lambda cl: row_hang(cl, bound, hang_timeout),
@@ -202,7 +202,7 @@ def plan(bound: float, hang_timeout: float, smoke: bool = False) -> list[Row]:
         ),
         Row(
             "bad_host",
-            f"12. A host whose worker fails at every start, 2 nodes + 1 spare: first failure -> a round "
+            f"14. A host whose worker fails at every start, 2 nodes + 1 spare: first failure -> a round "
             f"without it trains (bound {bound:g} s)",
             lambda cl: row_bad_host(cl, bound),
             launchers=("rdzv",) if smoke else LAUNCHERS,

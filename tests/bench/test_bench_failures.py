@@ -33,7 +33,7 @@ def _run(tmp_path: Path, only: str) -> tuple[str, dict]:
 
 def test_hang_row_smoke(tmp_path: Path) -> None:
     table, data = _run(tmp_path, "hang")
-    assert "11. Worker hangs" in table
+    assert "13. Worker hangs" in table
     (rdzv,) = data["hang"]["rdzv"]
     assert rdzv["failure"] is None and rdzv["value"] > 0, rdzv
     assert rdzv["info"]["hang_reported_s"] > 0 and rdzv["info"]["stop_to_first_step"] > 0, rdzv
@@ -41,7 +41,7 @@ def test_hang_row_smoke(tmp_path: Path) -> None:
 
 def test_bad_host_row_smoke(tmp_path: Path) -> None:
     table, data = _run(tmp_path, "bad_host")
-    assert "12. A host whose worker fails at every start" in table
+    assert "14. A host whose worker fails at every start" in table
     (rdzv,) = data["bad_host"]["rdzv"]
     assert rdzv["failure"] is None and rdzv["value"] > 0, rdzv
     assert rdzv["info"]["bad_host_state"] == "cooled_down" and rdzv["info"]["failures"] >= 1, rdzv
