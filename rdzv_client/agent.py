@@ -56,7 +56,7 @@ from .reactions import (  # noqa: F401 - Phase and the exit codes: the agent's p
     ServerReactions,
 )
 from .session import NodeSession, OutageWatch, route_addr
-from .status import StatusLine
+from .status import FreshLineHandler, StatusLine
 from .watch import WorkerWatch
 from .workers import ExitInfo, LaunchConfig, WorkerGroup, describe, error_file_path, worker_env
 
@@ -355,8 +355,11 @@ class Agent(ServerReactions):
             redirects=cfg.redirects,
             tee=cfg.tee,
             local_ranks_filter=cfg.local_ranks_filter,
+            share_console=not cfg.line_prefix,
         )
         self.group = WorkerGroup(launch, envs, attempt=a.round)
+        # workers that write to this terminal own it: no status line over their progress bars
+        self.status.hold = launch.shares_console()
         try:
             await self.group.start()
         except OSError as e:
@@ -380,6 +383,7 @@ class Agent(ServerReactions):
 
     async def _stop_workers(self, timeout: float | None = None, sig: int = signal.SIGTERM) -> None:
         group, self.group = self.group, None
+        self.status.hold = False
         if self.phase is Phase.RUNNING:
             self.phase = Phase.STOPPING
         if group is not None:
@@ -440,7 +444,7 @@ def main(argv: list[str] | None = None) -> None:
         level=os.environ.get("RDZV_LOG_LEVEL", "INFO"),
         format="[rdzv-agent %(asctime)s] %(message)s",
         datefmt="%H:%M:%S",
-        stream=sys.stderr,
+        handlers=[FreshLineHandler(sys.stderr)],
     )
     args = build_parser().parse_args(argv)
     try:

@@ -69,6 +69,7 @@ class AgentConfig:
     redirects: dict[int, Std] | Std = Std.NONE
     tee: dict[int, Std] | Std = Std.NONE
     local_ranks_filter: set[int] | None = None
+    line_prefix: bool = False  # worker output through the agent, "[RANK]: " on each line
     last_call_s: float = DEFAULT_LAST_CALL_S
     heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
@@ -211,6 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
         dest="local_ranks_filter",
         default=_env("local_ranks_filter", ""),
         help="show only these local ranks on the console, e.g. 0 or 0,2",
+    )
+    a(
+        "--line-prefix",
+        dest="line_prefix",
+        action="store_true",
+        help="copy worker output through the agent with '[RANK]: ' before each line (as --tee does); "
+        "default: workers write to the agent's stdout and stderr, a terminal stays a terminal, as under "
+        "torchrun",
     )
     a(
         "--standalone",
@@ -463,6 +472,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         redirects=redirects,
         tee=tee,
         local_ranks_filter=ranks_filter,
+        line_prefix=args.line_prefix,
         last_call_s=spec_check["last_call_s"],
         heartbeat_timeout_s=spec_check["heartbeat_timeout_s"],
         join_timeout_s=spec_check["join_timeout_s"],

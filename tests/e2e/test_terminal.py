@@ -1,0 +1,114 @@
+"""Workers' output under rdzv-agent against stock torchrun on the same script
+(issue 12 items 4 and 5): in a pseudo-terminal the workers see a terminal and
+a tqdm bar arrives intact, with no ``[RANK]: `` prefix unless asked for; on a
+failure under ``@record`` the agent prints torchrun's summary block with the
+traceback from the error file, which stays under ``--log-dir``."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import select
+import struct
+import subprocess
+import sys
+import termios
+import time
+
+import pytest
+
+from tests.helpers.cluster import E2E_SCRIPTS, Cluster
+from tests.helpers.procs import Proc
+
+pytestmark = pytest.mark.e2e
+
+SCRIPT = str(E2E_SCRIPTS / "tty_bar.py")
+AGENT = [sys.executable, "-m", "rdzv_client.agent", "--standalone", "--nproc-per-node", "1"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+FRAME_RE = re.compile(r"^bar0: +(\d+)%\|[^|]*\| (\d+)/(\d+) \[[^\]]*\]$")
+
+
+def run_in_pty(cluster: Cluster, name: str, argv: list[str], timeout: float = 90.0) -> tuple[int, str]:
+    """Run ``argv`` with a fresh pseudo-terminal (100x30) as its stdin, stdout
+    and stderr, to its end; its exit status and everything it wrote there."""
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    log_path = cluster.tmp / f"{name}.log"
+    try:
+        popen = subprocess.Popen(
+            argv, stdin=slave, stdout=slave, stderr=slave, env=cluster.env(), cwd=cluster.tmp, start_new_session=True
+        )
+    finally:
+        os.close(slave)
+    cluster.procs.append(Proc(name, popen, log_path))  # teardown kills it and its workers
+    out = bytearray()
+    deadline = time.monotonic() + timeout
+    exited_at: float | None = None
+    try:
+        with open(log_path, "wb") as log:
+            while True:
+                now = time.monotonic()
+                if now > deadline:
+                    raise AssertionError(f"{name} did not finish within {timeout:g}s:\n{out.decode(errors='replace')}")
+                if popen.poll() is not None:
+                    exited_at = exited_at or now
+                    if now - exited_at > 10:  # something still holds the terminal
+                        break
+                ready, _, _ = select.select([master], [], [], 0.1)
+                if not ready:
+                    continue
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # EIO: every end of the terminal is closed
+                    data = b""
+                if not data:
+                    break
+                out += data
+                log.write(data)
+                log.flush()
+    finally:
+        os.close(master)
+    return popen.wait(10), out.decode(errors="replace").replace("\r\n", "\n")
+
+
+def bar_frames(text: str) -> list[str]:
+    """Every frame tqdm drew for rank 0: what lies between carriage returns and newlines."""
+    return [seg for seg in re.split(r"[\r\n]", text) if "bar0" in seg]
+
+
+def counts(frames: list[str]) -> list[int]:
+    out = []
+    for f in frames:
+        m = FRAME_RE.match(f)
+        assert m, f"a torn progress-bar frame: {f!r}"
+        out.append(int(m.group(2)))
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_workers_get_the_terminal_and_tqdm_draws_as_under_torchrun(cluster: Cluster) -> None:
+    """In a pty, a worker's stdout and stderr are terminals under rdzv-agent as
+    under torchrun, no line gets a prefix, and tqdm's carriage-return frames
+    arrive whole and the same ones as under torchrun."""
+    rc, agent = run_in_pty(cluster, "agent-pty", [*AGENT, SCRIPT])
+    assert rc == 0, agent
+    rc_t, torchrun = run_in_pty(cluster, "torchrun-pty", [*TORCHRUN, SCRIPT])
+    assert rc_t == 0, torchrun
+    for text in (agent, torchrun):
+        assert "isatty stdout=True stderr=True rank=0\n" in text, text
+        assert "bar done rank=0\n" in text, text
+    assert "[0]:" not in agent, agent
+    agent_counts, torchrun_counts = counts(bar_frames(agent)), counts(bar_frames(torchrun))
+    assert agent_counts == torchrun_counts, (agent, torchrun)
+    assert agent_counts[0] == 0 and agent_counts[-1] == 8 and set(agent_counts) == set(range(9)), agent_counts
+
+
+@pytest.mark.timeout(120)
+def test_line_prefix_copies_output_with_rank_prefixes(cluster: Cluster) -> None:
+    """--line-prefix: output goes through the agent, every line prefixed with
+    ``[RANK]: `` (workers then write to pipes, not the terminal)."""
+    rc, agent = run_in_pty(cluster, "agent-prefix", [*AGENT, "--line-prefix", SCRIPT, "--steps", "2"])
+    assert rc == 0, agent
+    assert "[0]: isatty stdout=False stderr=False rank=0\n" in agent, agent
+    assert "[0]: bar done rank=0\n" in agent, agent
