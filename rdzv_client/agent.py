@@ -24,13 +24,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 # Not rdzv_server.protocol (pydantic) here: the agent sends its first join
@@ -57,6 +54,7 @@ from .reactions import (  # noqa: F401 - Phase and the exit codes: the agent's p
 )
 from .session import NodeSession, OutageWatch, route_addr
 from .status import FreshLineHandler, StatusLine
+from .tmpdirs import open_agent_dir
 from .watch import WorkerWatch
 from .workers import ExitInfo, LaunchConfig, WorkerGroup, describe, error_file_path, worker_env
 
@@ -89,9 +87,12 @@ class Agent(ServerReactions):
         self.signals: asyncio.Queue[int] = asyncio.Queue()
         self.sigint_count = 0
         self.status = StatusLine()
-        self._err_dir = Path(tempfile.mkdtemp(prefix="rdzv-err-")) if cfg.log_dir is None else None
+        # this agent's private directory: the worker channel, error files without --log-dir;
+        # a SIGKILLed agent's is removed by the next agent on the node (tmpdirs.py)
+        self._dir = open_agent_dir()
+        self._err_dir = self._dir.path / "err" if cfg.log_dir is None else None
         self.outage = OutageWatch(cfg.server_timeout_s)
-        self.watch = WorkerWatch(cfg, self._say)  # hangs, progress heartbeats, torch FileTimers
+        self.watch = WorkerWatch(cfg, self._say, self._dir.path)  # hangs, progress heartbeats, torch FileTimers
         self._held_for: str | None = None  # why the server holds this node as a spare (its host's block)
 
     @property
@@ -209,9 +210,8 @@ class Agent(ServerReactions):
             self.watch.close()
             if server is not None:
                 await server[0].cleanup()
-            if self._err_dir is not None:
-                # our private error-file directory: its messages were read when workers ended
-                shutil.rmtree(self._err_dir, ignore_errors=True)
+            # our private directory: the error files' messages were read when workers ended
+            self._dir.close()
             self.status.done()
 
     async def _loop(self) -> int:
