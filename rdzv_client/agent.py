@@ -43,6 +43,7 @@ from .config import (  # noqa: F401 - build_parser, config_from_args, UsageError
     build_parser,
     config_from_args,
 )
+from .exits import entrypoint_name, failure_summary
 from .health import wait_healthy
 from .reactions import (  # noqa: F401 - Phase and the exit codes: the agent's public names
     EXIT_FAILED,
@@ -94,6 +95,7 @@ class Agent(ServerReactions):
         self.outage = OutageWatch(cfg.server_timeout_s)
         self.watch = WorkerWatch(cfg, self._say, self._dir.path)  # hangs, progress heartbeats, torch FileTimers
         self._held_for: str | None = None  # why the server holds this node as a spare (its host's block)
+        self.failure_summary: tuple[int, str] | None = None  # (round, torchrun's block) of this node's last failure
 
     @property
     def link(self) -> AgentLink:
@@ -408,8 +410,7 @@ class Agent(ServerReactions):
         from rdzv_server.protocol import ExitRecord
 
         failed = [i for i in infos if not i.ok]
-        for i in failed:
-            self._say("round %d: %s", a.round, describe(i, a.rank_offset + i.local_rank))
+        self._note_failures(a, failed)
         await self._stop_workers()
         records = [
             ExitRecord(
@@ -427,6 +428,27 @@ class Agent(ServerReactions):
         self.phase = Phase.REPORTED
         self.session.report_failed(a.round, records)
         return None
+
+    def _note_failures(self, a: Assignment, failed: list[ExitInfo]) -> None:
+        """Say each failure (with its error file when --log-dir keeps it) and keep
+        torchrun's summary block, printed if the job fails with this round; the
+        error files are read now: without --log-dir they go when the agent exits."""
+        err_root = self.cfg.log_dir or self._err_dir
+        assert err_root is not None
+        error_files = {i.local_rank: str(error_file_path(err_root, a.round, i.local_rank)) for i in failed}
+        for i in failed:
+            kept = self.cfg.log_dir is not None and os.path.isfile(error_files[i.local_rank])
+            where = f"; error file {error_files[i.local_rank]}" if kept else ""
+            self._say("round %d: %s%s", a.round, describe(i, a.rank_offset + i.local_rank), where)
+        self.failure_summary = (
+            a.round,
+            failure_summary(
+                entrypoint_name(self.cfg.cmd, sys.executable),
+                [(a.rank_offset + i.local_rank, i, error_files[i.local_rank]) for i in failed],
+                socket.getfqdn(),
+                show_paths=self.cfg.log_dir is not None,
+            ),
+        )
 
     async def _on_signal(self, signum: int) -> int:
         name = signal.Signals(signum).name

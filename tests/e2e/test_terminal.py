@@ -15,6 +15,7 @@ import subprocess
 import sys
 import termios
 import time
+from pathlib import Path
 
 import pytest
 
@@ -112,3 +113,56 @@ def test_line_prefix_copies_output_with_rank_prefixes(cluster: Cluster) -> None:
     assert rc == 0, agent
     assert "[0]: isatty stdout=False stderr=False rank=0\n" in agent, agent
     assert "[0]: bar done rank=0\n" in agent, agent
+
+
+BLOCK_RE = re.compile(
+    r"^(?P<border>=+)\n(?P<title>\S+ FAILED)\n-+\nFailures:\n(?P<others>.*?)\n-+\n"
+    r"Root Cause \(first observed failure\):\n(?P<root>\[0\]:\n.*?)\n(?P=border)$",
+    re.S | re.M,
+)
+FIELD_RE = re.compile(r"^  (time|host|rank|exitcode|error_file|traceback)\s*: ?(.*)$")
+
+
+def summary(text: str) -> dict[str, str]:
+    """torchrun's failure summary block in ``text``, as its fields."""
+    m = BLOCK_RE.search(text)
+    assert m, f"no failure summary block in:\n{text[-4000:]}"
+    fields = {"title": m["title"], "others": m["others"], "border": m["border"]}
+    key = ""
+    for line in m["root"].splitlines()[1:]:
+        f = FIELD_RE.match(line)
+        if f and key != "traceback":
+            key = f.group(1)
+            fields[key] = f.group(2)
+        else:
+            fields[key] += "\n" + line
+    return fields
+
+
+@pytest.mark.timeout(240)
+def test_a_failure_prints_torchruns_summary_block_and_keeps_the_error_file(cluster: Cluster) -> None:
+    """A worker raising under @record: the agent prints torchrun's summary
+    block (root cause, rank, host, time, exit code, error file, traceback from
+    the error file), field for field as torchrun does on the same script; the
+    error file stays under --log-dir and its path is printed."""
+    agent_logs, torchrun_logs = cluster.tmp / "agent-logs", cluster.tmp / "torchrun-logs"
+    flags = ["--max-restarts", "0"]
+    agent = cluster.start(
+        "agent-fail", [*AGENT, *flags, "--log-dir", str(agent_logs), SCRIPT, "--steps", "1", "--fail"]
+    )
+    assert agent.wait_exit(90) == 1, agent.text()
+    torchrun = cluster.start(
+        "torchrun-fail", [*TORCHRUN, *flags, "--log-dir", str(torchrun_logs), SCRIPT, "--steps", "1", "--fail"]
+    )
+    assert torchrun.wait_exit(90) == 1, torchrun.text()
+    ours, theirs = summary(agent.text()), summary(torchrun.text())
+    for key in ("border", "title", "others", "host", "rank"):
+        assert ours[key] == theirs[key], (key, ours, theirs)
+    assert ours["traceback"] == theirs["traceback"], (ours, theirs)
+    assert "ValueError: tty_bar failed on rank 0" in ours["traceback"]
+    assert re.fullmatch(r"1 \(pid: \d+\) ", ours["exitcode"]) and re.fullmatch(r"1 \(pid: \d+\) ", theirs["exitcode"])
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d:\d\d:\d\d", ours["time"]), ours
+    error_file = Path(ours["error_file"])
+    assert error_file.is_file() and error_file.is_relative_to(agent_logs), ours
+    assert "tty_bar failed on rank 0" in error_file.read_text()
+    assert Path(theirs["error_file"]).is_file()
