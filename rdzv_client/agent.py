@@ -27,7 +27,9 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 # Not rdzv_server.protocol (pydantic) here: the agent sends its first join
@@ -92,6 +94,12 @@ class Agent(ServerReactions):
         # a SIGKILLed agent's is removed by the next agent on the node (tmpdirs.py)
         self._dir = open_agent_dir()
         self._err_dir = self._dir.path / "err" if cfg.log_dir is None else None
+        # torchrun's layout: LOG_DIR/<job id>_<random>/attempt_N/..., one run directory per agent,
+        # so a re-run with the same --log-dir never replaces the last run's logs and error files
+        self.log_dir: Path | None = None
+        if cfg.log_dir is not None:
+            cfg.log_dir.mkdir(parents=True, exist_ok=True)
+            self.log_dir = Path(tempfile.mkdtemp(prefix=f"{cfg.job_id}_", dir=cfg.log_dir))
         self.outage = OutageWatch(cfg.server_timeout_s)
         self.watch = WorkerWatch(cfg, self._say, self._dir.path)  # hangs, progress heartbeats, torch FileTimers
         self._held_for: str | None = None  # why the server holds this node as a spare (its host's block)
@@ -201,6 +209,8 @@ class Agent(ServerReactions):
                 self.cfg.nproc,
                 self.addr,
             )
+            if self.log_dir is not None:
+                self._say("log directory set to: %s", self.log_dir)  # torchrun's words
             if not await self._join_when_healthy(rejoining=False):
                 return await self._on_signal(self.signals.get_nowait())
             return await self._loop()
@@ -338,7 +348,7 @@ class Agent(ServerReactions):
             )
             self._say("asked for node rank %d, got %d (%s)", cfg.node_rank, a.group_rank, why)
         base = dict(os.environ)
-        err_root = cfg.log_dir or self._err_dir
+        err_root = self.log_dir or self._err_dir
         assert err_root is not None  # _err_dir is made when there is no log_dir
         envs = []
         for lr in range(cfg.nproc):
@@ -353,7 +363,7 @@ class Agent(ServerReactions):
         launch = LaunchConfig(
             cmd=cfg.cmd,
             local_world_size=cfg.nproc,
-            log_dir=cfg.log_dir,
+            log_dir=self.log_dir,
             redirects=cfg.redirects,
             tee=cfg.tee,
             local_ranks_filter=cfg.local_ranks_filter,
@@ -433,11 +443,11 @@ class Agent(ServerReactions):
         """Say each failure (with its error file when --log-dir keeps it) and keep
         torchrun's summary block, printed if the job fails with this round; the
         error files are read now: without --log-dir they go when the agent exits."""
-        err_root = self.cfg.log_dir or self._err_dir
+        err_root = self.log_dir or self._err_dir
         assert err_root is not None
         error_files = {i.local_rank: str(error_file_path(err_root, a.round, i.local_rank)) for i in failed}
         for i in failed:
-            kept = self.cfg.log_dir is not None and os.path.isfile(error_files[i.local_rank])
+            kept = self.log_dir is not None and os.path.isfile(error_files[i.local_rank])
             where = f"; error file {error_files[i.local_rank]}" if kept else ""
             self._say("round %d: %s%s", a.round, describe(i, a.rank_offset + i.local_rank), where)
         self.failure_summary = (
@@ -446,7 +456,7 @@ class Agent(ServerReactions):
                 entrypoint_name(self.cfg.cmd, sys.executable),
                 [(a.rank_offset + i.local_rank, i, error_files[i.local_rank]) for i in failed],
                 socket.getfqdn(),
-                show_paths=self.cfg.log_dir is not None,
+                show_paths=self.log_dir is not None,
             ),
         )
 
@@ -474,7 +484,12 @@ def main(argv: list[str] | None = None) -> None:
     except UsageError as e:
         print(f"rdzv-agent: error: {e}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE) from None
-    code = asyncio.run(Agent(cfg).run())
+    try:
+        agent = Agent(cfg)
+    except OSError as e:  # --log-dir or the temporary directory cannot be written
+        print(f"rdzv-agent: error: cannot make the log or temporary directory: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
+    code = asyncio.run(agent.run())
     raise SystemExit(code)
 
 

@@ -197,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--log_dir",
         dest="log_dir",
         default=_env("log_dir"),
-        help="per-attempt worker logs: DIR/attempt_ROUND/LOCAL_RANK/{stdout,stderr}.log",
+        help="keep worker logs and error files, as torchrun: DIR/JOB_RANDOM/attempt_ROUND/LOCAL_RANK/"
+        "{stdout,stderr}.log,error.json (one run directory per agent)",
     )
     a(
         "--redirects",

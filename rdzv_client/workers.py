@@ -10,7 +10,8 @@ every signal goes to the whole group: grandchildren (data loader workers,
 ``subprocess`` calls) get it too. A worker's end is a value, :class:`ExitInfo`,
 never an exception.
 
-Log layout, as torchrun's::
+Log layout, as torchrun's (the agent's ``log_dir`` is torchrun's run
+directory, ``--log-dir``/``<job id>_<random>``)::
 
     {log_dir}/attempt_{attempt}/{local_rank}/stdout.log
                                             /stderr.log

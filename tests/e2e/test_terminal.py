@@ -166,3 +166,7 @@ def test_a_failure_prints_torchruns_summary_block_and_keeps_the_error_file(clust
     assert error_file.is_file() and error_file.is_relative_to(agent_logs), ours
     assert "tty_bar failed on rank 0" in error_file.read_text()
     assert Path(theirs["error_file"]).is_file()
+    # torchrun's layout, LOG_DIR/<run id>_<random>/attempt_N/LOCAL_RANK/error.json: a re-run never replaces it
+    ours_rel, theirs_rel = error_file.relative_to(agent_logs), Path(theirs["error_file"]).relative_to(torchrun_logs)
+    assert ours_rel.parts[1:] == theirs_rel.parts[1:] == ("attempt_0", "0", "error.json"), (ours_rel, theirs_rel)
+    assert ours_rel.parts[0].startswith("standalone_"), ours_rel
