@@ -100,6 +100,11 @@ class Agent(ServerReactions):
         if cfg.log_dir is not None:
             cfg.log_dir.mkdir(parents=True, exist_ok=True)
             self.log_dir = Path(tempfile.mkdtemp(prefix=f"{cfg.job_id}_", dir=cfg.log_dir))
+        elif any(v for s in (cfg.redirects, cfg.tee) for v in (s.values() if isinstance(s, dict) else [s])):
+            # --redirects/--tee without --log-dir: in this agent's directory, kept after it exits
+            # until the next agent on the node starts (torchrun's /tmp/torchelastic_* stay for ever)
+            self.log_dir = self._dir.path / "logs"
+            self.log_dir.mkdir()
         self.outage = OutageWatch(cfg.server_timeout_s)
         self.watch = WorkerWatch(cfg, self._say, self._dir.path)  # hangs, progress heartbeats, torch FileTimers
         self._held_for: str | None = None  # why the server holds this node as a spare (its host's block)
@@ -223,7 +228,10 @@ class Agent(ServerReactions):
             if server is not None:
                 await server[0].cleanup()
             # our private directory: the error files' messages were read when workers ended
-            self._dir.close()
+            keep = self.log_dir is not None and self.log_dir.parent == self._dir.path
+            self._dir.close(keep=("logs",) if keep else ())
+            if keep:
+                self._say("worker logs in %s kept until the next rdzv-agent starts on this node", self.log_dir)
             self.status.done()
 
     async def _loop(self) -> int:

@@ -14,7 +14,6 @@ import os
 import re
 import socket
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, overload
@@ -428,8 +427,6 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         ranks_filter = {int(x) for x in str(args.local_ranks_filter).split(",") if x.strip()} or None
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if (any(redirects.values()) or any(tee.values())) and log_dir is None:
-        log_dir = Path(tempfile.mkdtemp(prefix=f"rdzv-{job_id}-"))
     node_rank = int(args.node_rank) if args.node_rank is not None else None
     job_secret = args.job_secret if args.job_secret is not None else os.environ.get("RDZV_JOB_SECRET") or None
     if job_secret is not None and not re.fullmatch(SECRET_PATTERN, job_secret):

@@ -43,7 +43,17 @@ class AgentDir:
         self._lock_path = lock_path
         self._lock_fd = lock_fd
 
-    def close(self) -> None:
+    def close(self, keep: tuple[str, ...] = ()) -> None:
+        """Remove it, or all but the entries named in ``keep``: then it stays,
+        unlocked, until the next agent's sweep (a private mkdtemp one: for good)."""
+        if keep:
+            for entry in self.path.iterdir():
+                if entry.name not in keep:
+                    shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)  # the next agent's sweep removes it
+                self._lock_fd = None
+            return
         shutil.rmtree(self.path, ignore_errors=True)
         if self._lock_fd is not None:
             assert self._lock_path is not None

@@ -48,3 +48,23 @@ def test_a_sigkilled_agents_directory_is_removed_by_the_next_agent(cluster: Clus
         live.popen.send_signal(signal.SIGTERM)
         assert live.wait_exit(30) == 128 + signal.SIGTERM, live.text()
     assert _left(tmpdir) == [], "agents that exit remove what they made"
+
+
+@pytest.mark.timeout(180)
+def test_tee_without_log_dir_keeps_logs_until_the_next_agent(cluster: Cluster, tmp_path: Path) -> None:
+    """--tee without --log-dir: the logs stay in the agent's directory after it
+    exits (it says where), and the next agent on the node removes them."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = {"TMPDIR": str(tmpdir)}
+    first = cluster.start_agent(
+        None, "", "tty_bar.py", "--steps", "1", nnodes="1", flags=("--standalone", "--tee", "3"), env=env
+    )
+    assert first.wait_exit(60) == 0, first.text()
+    [where] = first.wait_log(r"log directory set to: (\S+)", 5)
+    logs = Path(where.group(1))
+    assert logs.is_relative_to(tmpdir) and (logs / "attempt_0" / "0" / "stdout.log").is_file(), _left(tmpdir)
+    assert "kept until the next rdzv-agent" in first.text(), first.text()
+    second = cluster.start_agent(None, "", "tty_bar.py", "--steps", "1", nnodes="1", flags=("--standalone",), env=env)
+    assert second.wait_exit(60) == 0, second.text()
+    assert _left(tmpdir) == [], _left(tmpdir)
