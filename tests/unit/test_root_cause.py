@@ -159,7 +159,7 @@ def test_failure_summary_is_torchruns_block(tmp_path: Path) -> None:
             boom()
     finally:
         del os.environ["TORCHELASTIC_ERROR_FILE"]
-    time.sleep(1.1)  # error files carry whole seconds: the root cause is the earliest
+    # error files carry whole seconds: on a tie both pick the first failure, the error file's
     theirs = {
         4: ProcessFailure(local_rank=0, pid=101, exitcode=1, error_file=str(error_file)),
         5: ProcessFailure(local_rank=1, pid=102, exitcode=-9, error_file=str(tmp_path / "none.json")),
