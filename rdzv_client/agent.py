@@ -428,7 +428,11 @@ class Agent(ServerReactions):
         from rdzv_server.protocol import ExitRecord
 
         failed = [i for i in infos if not i.ok]
-        self._note_failures(a, failed)
+        try:  # torchrun's "host" (its fully qualified name); a slow resolver must not stall the loop
+            host = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, socket.getfqdn), 2.0)
+        except asyncio.TimeoutError:
+            host = self.cfg.host
+        self._note_failures(a, failed, host)
         await self._stop_workers()
         records = [
             ExitRecord(
@@ -447,7 +451,7 @@ class Agent(ServerReactions):
         self.session.report_failed(a.round, records)
         return None
 
-    def _note_failures(self, a: Assignment, failed: list[ExitInfo]) -> None:
+    def _note_failures(self, a: Assignment, failed: list[ExitInfo], host: str) -> None:
         """Say each failure (with its error file when --log-dir keeps it) and keep
         torchrun's summary block, printed if the job fails with this round; the
         error files are read now: without --log-dir they go when the agent exits."""
@@ -463,7 +467,7 @@ class Agent(ServerReactions):
             failure_summary(
                 entrypoint_name(self.cfg.cmd, sys.executable),
                 [(a.rank_offset + i.local_rank, i, error_files[i.local_rank]) for i in failed],
-                socket.getfqdn(),
+                host,
                 show_paths=self.log_dir is not None,
             ),
         )
