@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from string import Template
 from typing import TYPE_CHECKING
 
 # Not rdzv_server.protocol (pydantic) here: the agent sends its first join
@@ -377,7 +378,14 @@ class Agent(ServerReactions):
             local_ranks_filter=cfg.local_ranks_filter,
             share_console=not cfg.line_prefix,
         )
-        self.group = WorkerGroup(launch, envs, attempt=a.round)
+        template = os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
+
+        def prefix(lr: int) -> str:  # torchrun's template for prefixed lines
+            return Template(template or "").safe_substitute(
+                role_name=envs[lr].get("ROLE_NAME", "default"), rank=a.rank_offset + lr, local_rank=lr
+            )
+
+        self.group = WorkerGroup(launch, envs, attempt=a.round, prefix_fn=prefix if template else None)
         # workers that write to this terminal own it: no status line over their progress bars
         self.status.hold = launch.shares_console()
         try:

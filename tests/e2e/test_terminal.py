@@ -30,7 +30,9 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 FRAME_RE = re.compile(r"^bar0: +(\d+)%\|[^|]*\| (\d+)/(\d+) \[[^\]]*\]$")
 
 
-def run_in_pty(cluster: Cluster, name: str, argv: list[str], timeout: float = 90.0) -> tuple[int, str]:
+def run_in_pty(
+    cluster: Cluster, name: str, argv: list[str], timeout: float = 90.0, env: dict[str, str] | None = None
+) -> tuple[int, str]:
     """Run ``argv`` with a fresh pseudo-terminal (100x30) as its stdin, stdout
     and stderr, to its end; its exit status and everything it wrote there."""
     master, slave = os.openpty()
@@ -38,7 +40,7 @@ def run_in_pty(cluster: Cluster, name: str, argv: list[str], timeout: float = 90
     log_path = cluster.tmp / f"{name}.log"
     try:
         popen = subprocess.Popen(
-            argv, stdin=slave, stdout=slave, stderr=slave, env=cluster.env(), cwd=cluster.tmp, start_new_session=True
+            argv, stdin=slave, stdout=slave, stderr=slave, env=cluster.env(env), cwd=cluster.tmp, start_new_session=True
         )
     finally:
         os.close(slave)
@@ -108,11 +110,17 @@ def test_workers_get_the_terminal_and_tqdm_draws_as_under_torchrun(cluster: Clus
 @pytest.mark.timeout(120)
 def test_line_prefix_copies_output_with_rank_prefixes(cluster: Cluster) -> None:
     """--line-prefix: output goes through the agent, every line prefixed with
-    ``[RANK]: `` (workers then write to pipes, not the terminal)."""
+    ``[RANK]: `` (workers then write to pipes, not the terminal), or with
+    torchrun's ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``."""
     rc, agent = run_in_pty(cluster, "agent-prefix", [*AGENT, "--line-prefix", SCRIPT, "--steps", "2"])
     assert rc == 0, agent
     assert "[0]: isatty stdout=False stderr=False rank=0\n" in agent, agent
     assert "[0]: bar done rank=0\n" in agent, agent
+    # torchrun's template for prefixed lines
+    template = {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "<${role_name}:${rank}/${local_rank}> "}
+    rc, agent = run_in_pty(cluster, "agent-template", [*AGENT, "--line-prefix", SCRIPT, "--steps", "2"], env=template)
+    assert rc == 0, agent
+    assert "<default:0/0> bar done rank=0\n" in agent, agent
 
 
 BLOCK_RE = re.compile(
