@@ -18,11 +18,14 @@ directory, ``--log-dir``/``<job id>_<random>``)::
                                             /error.json   (TORCHELASTIC_ERROR_FILE)
 
 Output: with ``LaunchConfig.share_console`` and nothing redirected, tee'd or
-filtered, workers write to the agent's stdout themselves and their stderr is
-copied byte for byte, through a pseudo-terminal when the agent's stderr is a
-terminal (torchrun's default: ``isatty()`` is True, progress bars draw as
-usual; the copy keeps the tail that explains a failure). Otherwise output goes
-through the agent line by line, each line prefixed with ``[RANK]: ``.
+filtered, workers' output reaches the agent's stdout and stderr unchanged, as
+under torchrun. Where those are one file (a terminal, ``> log 2>&1``) both of
+a worker's streams go through one channel, in order; elsewhere stdout is the
+agent's own and stderr is copied. A channel that ends on a terminal is a
+pseudo-terminal (``isatty()`` is True, progress bars draw as usual, the window
+size is the agent's at start); the copy keeps the tail that explains a
+failure. Otherwise output goes through the agent line by line, each line
+prefixed with ``[RANK]: `` (or ``prefix_fn``).
 
 This module must stay importable without torch: the agent never imports it.
 """
@@ -115,8 +118,9 @@ class WorkerGroup:
     ``envs[i]`` is the whole environment of local rank ``i`` (see
     :func:`worker_env`). ``console`` receives every shown line prefixed with
     ``prefix_fn(local_rank)`` (default ``"[{RANK}]: "``); None shows nothing.
-    When the config shares the console, workers inherit the agent's stdout and
-    their stderr is copied unchanged to ``stderr`` (default ``sys.stderr``).
+    When the config shares the console, output goes unchanged to ``console``
+    (``sys.stdout`` if None) and ``stderr`` (default ``sys.stderr``), as the
+    module docstring says.
     Always finish with :meth:`stop`: it is cheap when every worker has exited,
     and it kills what they left behind in their process groups.
     """
@@ -448,6 +452,7 @@ async def _pass_through(stream: asyncio.StreamReader, out: TextIO, tail: collect
     carriage returns included), keeping its last lines in ``tail``."""
     buffer = getattr(out, "buffer", None)
     pending = b""
+    broken = False
     try:
         while True:
             try:
@@ -458,12 +463,18 @@ async def _pass_through(stream: asyncio.StreamReader, out: TextIO, tail: collect
                 break
             if not chunk:
                 break
-            if buffer is not None:
-                buffer.write(chunk)
-                buffer.flush()
-            else:
-                out.write(chunk.decode("utf-8", errors="replace"))
-                out.flush()
+            try:
+                if broken:
+                    pass
+                elif buffer is not None:
+                    buffer.write(chunk)
+                    buffer.flush()
+                else:
+                    out.write(chunk.decode("utf-8", errors="replace"))
+                    out.flush()
+            except (OSError, ValueError) as e:  # a closed pipe (`| head`): keep draining, or the worker blocks
+                broken = True
+                log.warning("cannot copy worker output any more: %s", e)
             data = pending + chunk
             cut = data.rfind(b"\n") + 1
             pending = data[cut:][-_MAX_LINE_BYTES:]

@@ -436,6 +436,26 @@ async def test_shared_console_stdout_is_the_agents_own(tmp_path: Path, capfd: py
     assert "[8]: out 1" in console.lines() and "[8]: fatal: disk full" in console.lines()
 
 
+async def test_shared_console_closed_output_does_not_block_workers(tmp_path: Path) -> None:
+    """The agent's stderr is a pipe whose reader went away (``| head``): the
+    copy keeps draining, so a worker writing a lot still ends, and its tail
+    still explains the failure."""
+    r, w = os.pipe()
+    os.close(r)
+    code = (
+        "import sys; sys.stderr.write('x' * 100 + '\\n'); [sys.stderr.write('y' * 1000 + '\\n') for _ in range(2000)]; "
+    )
+    code += "print('fatal: after the flood', file=sys.stderr); sys.exit(3)"
+    with os.fdopen(w, "w") as err:
+        group = make_group(code, tmp_path, stderr=err, share_console=True)
+        await group.start()
+        [info] = await asyncio.wait_for(group.wait(), WAIT_S)
+        await group.stop()
+        with pytest.raises(BrokenPipeError):
+            err.close()  # what it could not write
+    assert info.exit_code == 3 and info.message.splitlines()[0] == "fatal: after the flood", info
+
+
 async def test_stderr_tail_from_redirected_file(tmp_path: Path) -> None:
     """When stderr is redirected to its log file, the message comes from that file."""
     code = "import sys; print('fatal: from file', file=sys.stderr); sys.exit(4)"
