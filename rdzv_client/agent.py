@@ -24,13 +24,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
 import signal
 import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
+from string import Template
 from typing import TYPE_CHECKING, TextIO, cast
 
 # Not rdzv_server.protocol (pydantic) here: the agent sends its first join
@@ -47,6 +47,7 @@ from .config import (  # noqa: F401 - build_parser, config_from_args, UsageError
     build_parser,
     config_from_args,
 )
+from .exits import entrypoint_name, failure_summary
 from .health import wait_healthy
 from .reactions import (  # noqa: F401 - Phase and the exit codes: the agent's public names
     EXIT_FAILED,
@@ -57,7 +58,8 @@ from .reactions import (  # noqa: F401 - Phase and the exit codes: the agent's p
     ServerReactions,
 )
 from .session import NodeSession, OutageWatch, route_addr
-from .status import StatusLine
+from .status import FreshLineHandler, StatusLine
+from .tmpdirs import open_agent_dir
 from .watch import WorkerWatch
 from .workers import ExitInfo, LaunchConfig, WorkerGroup, describe, error_file_path, worker_env
 
@@ -90,10 +92,25 @@ class Agent(ServerReactions):
         self.signals: asyncio.Queue[int] = asyncio.Queue()
         self.sigint_count = 0
         self.status = StatusLine()
-        self._err_dir = Path(tempfile.mkdtemp(prefix="rdzv-err-")) if cfg.log_dir is None else None
+        # this agent's private directory: the worker channel, error files without --log-dir;
+        # a SIGKILLed agent's is removed by the next agent on the node (tmpdirs.py)
+        self._dir = open_agent_dir()
+        self._err_dir = self._dir.path / "err" if cfg.log_dir is None else None
+        # torchrun's layout: LOG_DIR/<job id>_<random>/attempt_N/..., one run directory per agent,
+        # so a re-run with the same --log-dir never replaces the last run's logs and error files
+        self.log_dir: Path | None = None
+        if cfg.log_dir is not None:
+            cfg.log_dir.mkdir(parents=True, exist_ok=True)
+            self.log_dir = Path(tempfile.mkdtemp(prefix=f"{cfg.job_id}_", dir=cfg.log_dir))
+        elif any(v for s in (cfg.redirects, cfg.tee) for v in (s.values() if isinstance(s, dict) else [s])):
+            # --redirects/--tee without --log-dir: in this agent's directory, kept after it exits
+            # until the next agent on the node starts (torchrun's /tmp/torchelastic_* stay for ever)
+            self.log_dir = self._dir.path / "logs"
+            self.log_dir.mkdir()
         self.outage = OutageWatch(cfg.server_timeout_s)
-        self.watch = WorkerWatch(cfg, self._say)  # hangs, progress heartbeats, torch FileTimers
+        self.watch = WorkerWatch(cfg, self._say, self._dir.path)  # hangs, progress heartbeats, torch FileTimers
         self._held_for: str | None = None  # why the server holds this node as a spare (its host's block)
+        self.failure_summary: tuple[int, str] | None = None  # (round, torchrun's block) of this node's last failure
 
     @property
     def link(self) -> AgentLink:
@@ -202,6 +219,8 @@ class Agent(ServerReactions):
                 self.cfg.max_restarts,
                 " (torchrun: 0)" if self.cfg.max_restarts == DEFAULT_MAX_RESTARTS else "",
             )
+            if self.log_dir is not None:
+                self._say("log directory set to: %s", self.log_dir)  # torchrun's words
             if not await self._join_when_healthy(rejoining=False):
                 return await self._on_signal(self.signals.get_nowait())
             return await self._loop()
@@ -213,9 +232,11 @@ class Agent(ServerReactions):
             self.watch.close()
             if server is not None:
                 await server[0].cleanup()
-            if self._err_dir is not None:
-                # our private error-file directory: its messages were read when workers ended
-                shutil.rmtree(self._err_dir, ignore_errors=True)
+            # our private directory: the error files' messages were read when workers ended
+            keep = self.log_dir is not None and self.log_dir.parent == self._dir.path
+            self._dir.close(keep=("logs",) if keep else ())
+            if keep:
+                self._say("worker logs in %s kept until the next rdzv-agent starts on this node", self.log_dir)
             self.status.done()
 
     async def _loop(self) -> int:
@@ -340,7 +361,7 @@ class Agent(ServerReactions):
             )
             self._say("asked for node rank %d, got %d (%s)", cfg.node_rank, a.group_rank, why)
         base = dict(os.environ)
-        err_root = cfg.log_dir or self._err_dir
+        err_root = self.log_dir or self._err_dir
         assert err_root is not None  # _err_dir is made when there is no log_dir
         envs = []
         for lr in range(cfg.nproc):
@@ -364,12 +385,22 @@ class Agent(ServerReactions):
         launch = LaunchConfig(
             cmd=cfg.cmd,
             local_world_size=cfg.nproc,
-            log_dir=cfg.log_dir,
+            log_dir=self.log_dir,
             redirects=cfg.redirects,
             tee=cfg.tee,
             local_ranks_filter=cfg.local_ranks_filter,
+            share_console=not cfg.line_prefix,
         )
-        self.group = WorkerGroup(launch, envs, attempt=a.round)
+        template = os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
+
+        def prefix(lr: int) -> str:  # torchrun's template for prefixed lines
+            return Template(template or "").safe_substitute(
+                role_name=envs[lr].get("ROLE_NAME", "default"), rank=a.rank_offset + lr, local_rank=lr
+            )
+
+        self.group = WorkerGroup(launch, envs, attempt=a.round, prefix_fn=prefix if template else None)
+        # workers that write to this terminal own it: no status line over their progress bars
+        self.status.hold = launch.shares_console()
         try:
             await self.group.start()
         except OSError as e:
@@ -393,6 +424,7 @@ class Agent(ServerReactions):
 
     async def _stop_workers(self, timeout: float | None = None, sig: int = signal.SIGTERM) -> None:
         group, self.group = self.group, None
+        self.status.hold = False
         if self.phase is Phase.RUNNING:
             self.phase = Phase.STOPPING
         if group is not None:
@@ -417,8 +449,11 @@ class Agent(ServerReactions):
         from rdzv_server.protocol import ExitRecord
 
         failed = [i for i in infos if not i.ok]
-        for i in failed:
-            self._say("round %d: %s", a.round, describe(i, a.rank_offset + i.local_rank))
+        try:  # torchrun's "host" (its fully qualified name); a slow resolver must not stall the loop
+            host = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, socket.getfqdn), 2.0)
+        except asyncio.TimeoutError:
+            host = self.cfg.host
+        self._note_failures(a, failed, host)
         await self._stop_workers()
         records = [
             ExitRecord(
@@ -436,6 +471,27 @@ class Agent(ServerReactions):
         self.phase = Phase.REPORTED
         self.session.report_failed(a.round, records)
         return None
+
+    def _note_failures(self, a: Assignment, failed: list[ExitInfo], host: str) -> None:
+        """Say each failure (with its error file when --log-dir keeps it) and keep
+        torchrun's summary block, printed if the job fails with this round; the
+        error files are read now: without --log-dir they go when the agent exits."""
+        err_root = self.log_dir or self._err_dir
+        assert err_root is not None
+        error_files = {i.local_rank: str(error_file_path(err_root, a.round, i.local_rank)) for i in failed}
+        for i in failed:
+            kept = self.log_dir is not None and os.path.isfile(error_files[i.local_rank])
+            where = f"; error file {error_files[i.local_rank]}" if kept else ""
+            self._say("round %d: %s%s", a.round, describe(i, a.rank_offset + i.local_rank), where)
+        self.failure_summary = (
+            a.round,
+            failure_summary(
+                entrypoint_name(self.cfg.cmd, sys.executable),
+                [(a.rank_offset + i.local_rank, i, error_files[i.local_rank]) for i in failed],
+                host,
+                show_paths=self.log_dir is not None,
+            ),
+        )
 
     async def _on_signal(self, signum: int) -> int:
         name = signal.Signals(signum).name
@@ -462,14 +518,20 @@ def main(argv: list[str] | None = None) -> None:
     if args.log_format == "json":
         # stderr is the agent's log: what it prints there directly becomes json too
         sys.stderr = cast(TextIO, logs.JsonStream(stderr, context))
-    logs.setup(
-        args.log_format,
-        os.environ.get("RDZV_LOG_LEVEL", "INFO"),
-        "[rdzv-agent %(asctime)s] %(message)s",
-        datefmt="%H:%M:%S",
-        context=context,
-        stream=stderr,
-    )
+    if args.log_format == "text":
+        # on a terminal each line starts on a cleared line: never inside a worker's progress bar
+        handler = FreshLineHandler(stderr)
+        handler.setFormatter(logging.Formatter("[rdzv-agent %(asctime)s] %(message)s", datefmt="%H:%M:%S"))
+        logging.basicConfig(level=os.environ.get("RDZV_LOG_LEVEL", "INFO"), handlers=[handler])
+    else:
+        logs.setup(
+            args.log_format,
+            os.environ.get("RDZV_LOG_LEVEL", "INFO"),
+            "[rdzv-agent %(asctime)s] %(message)s",
+            datefmt="%H:%M:%S",
+            context=context,
+            stream=stderr,
+        )
     try:
         cfg = config_from_args(args)
     except UsageError as e:
@@ -477,7 +539,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(EXIT_USAGE) from None
     for note in cfg.notes:  # torchrun's flags that rdzv does differently, one line each
         log.warning("note: %s", note)
-    agent = Agent(cfg)
+    try:
+        agent = Agent(cfg)
+    except OSError as e:  # --log-dir or the temporary directory cannot be written
+        print(f"rdzv-agent: error: cannot make the log or temporary directory: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
     if args.log_format == "json":
         agent.status = StatusLine(sys.stderr)
     code = asyncio.run(agent.run())

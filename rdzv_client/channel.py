@@ -69,9 +69,11 @@ class _Protocol(asyncio.DatagramProtocol):
 class WorkerChannel:
     """The socket workers report progress on, and what they reported."""
 
-    def __init__(self, nproc: int) -> None:
+    def __init__(self, nproc: int, dir: Path | None = None) -> None:
+        """``dir``: a private (0700) directory its owner removes; None: one of its own."""
         self.nproc = nproc
-        self.dir = Path(tempfile.mkdtemp(prefix="rdzv-agent-"))  # 0700: mkdtemp's mode
+        self._own_dir = dir is None
+        self.dir = Path(tempfile.mkdtemp(prefix="rdzv-agent-")) if dir is None else dir  # 0700: mkdtemp's mode
         os.chmod(self.dir, stat.S_IRWXU)
         self.path = str(self.dir / "sock")
         self.round: int | None = None
@@ -91,7 +93,8 @@ class WorkerChannel:
         if self._transport is not None:
             self._transport.close()
             self._transport = None
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def new_round(self, round_no: int | None) -> None:
         """Workers of ``round_no`` start now (None: none run): forget the last ones."""

@@ -15,7 +15,6 @@ import re
 import signal
 import socket
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, overload
@@ -79,6 +78,7 @@ class AgentConfig:
     redirects: dict[int, Std] | Std = Std.NONE
     tee: dict[int, Std] | Std = Std.NONE
     local_ranks_filter: set[int] | None = None
+    line_prefix: bool = False  # worker output through the agent, "[RANK]: " on each line
     last_call_s: float = DEFAULT_LAST_CALL_S
     heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
@@ -223,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--log_dir",
         dest="log_dir",
         default=_env("log_dir"),
-        help="per-attempt worker logs: DIR/attempt_ROUND/LOCAL_RANK/{stdout,stderr}.log",
+        help="keep worker logs and error files, as torchrun: DIR/JOB_RANDOM/attempt_ROUND/LOCAL_RANK/"
+        "{stdout,stderr}.log,error.json (one run directory per agent)",
     )
     a(
         "--redirects",
@@ -238,6 +239,14 @@ def build_parser() -> argparse.ArgumentParser:
         dest="local_ranks_filter",
         default=_env("local_ranks_filter", ""),
         help="show only these local ranks on the console, e.g. 0 or 0,2",
+    )
+    a(
+        "--line-prefix",
+        dest="line_prefix",
+        action="store_true",
+        help="copy worker output through the agent with '[RANK]: ' before each line (as --tee does); "
+        "default: workers write to the agent's stdout and stderr, a terminal stays a terminal, as under "
+        "torchrun",
     )
     a(
         "--standalone",
@@ -575,8 +584,6 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         ranks_filter = {int(x) for x in str(args.local_ranks_filter).split(",") if x.strip()} or None
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if (any(redirects.values()) or any(tee.values())) and log_dir is None:
-        log_dir = Path(tempfile.mkdtemp(prefix=f"rdzv-{job_id}-"))
     node_rank = int(args.node_rank) if args.node_rank is not None else None
     job_secret = args.job_secret if args.job_secret is not None else os.environ.get("RDZV_JOB_SECRET") or None
     if job_secret is not None and not re.fullmatch(SECRET_PATTERN, job_secret):
@@ -623,6 +630,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         redirects=redirects,
         tee=tee,
         local_ranks_filter=ranks_filter,
+        line_prefix=args.line_prefix,
         last_call_s=spec_check["last_call_s"],
         heartbeat_timeout_s=spec_check["heartbeat_timeout_s"],
         join_timeout_s=spec_check["join_timeout_s"],

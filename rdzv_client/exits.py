@@ -1,7 +1,8 @@
 """How a worker ended, as a value (:class:`ExitInfo`), and the words for it:
 :func:`describe`, the error file torch's ``@record`` writes
-(:func:`read_error_file`), and the root-cause line of a traceback
-(:func:`root_cause_line`).
+(:func:`read_error_file`), the root-cause line of a traceback
+(:func:`root_cause_line`), and torchrun's failure summary block
+(:func:`failure_summary`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 import os
 import signal
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from rdzv_server.errors import MAX_ERROR_MESSAGE
@@ -151,3 +153,103 @@ def _file_tail_lines(path: Path, n: int = _STDERR_TAIL_LINES, max_bytes: int = 8
     if size > max_bytes and lines:
         lines = lines[1:]  # the first one is probably cut
     return [ln for ln in lines if ln.strip()][-n:]
+
+
+# ------------------------------------------------------- torchrun's summary block
+
+_NOT_AVAILABLE = "<N/A>"
+_FAILURE_TEMPLATE = """[{idx}]:
+  time      : {time}
+  host      : {host}
+  rank      : {rank} (local_rank: {local_rank})
+  exitcode  : {exitcode} (pid: {pid}) {signal_name}
+  error_file: {error_file}
+  traceback : {message}"""
+_SUMMARY_TEMPLATE = """{border}
+{title}
+{section}
+Failures:
+{others}
+{section}
+Root Cause (first observed failure):
+{root}
+{border}"""
+
+
+def entrypoint_name(cmd: list[str], python: str) -> str:
+    """What torchrun calls the workers' program: the script (or module) when
+    run with ``python``, else the executable."""
+    if cmd and cmd[0] == python:
+        return next((arg for arg in cmd[1:] if not arg.startswith("-")), "")
+    return cmd[0] if cmd else ""
+
+
+def _error_file_data(path: str | None) -> tuple[str, int | None]:
+    """(the traceback torchrun prints, the error's timestamp) from torch's error file."""
+    if not path or not os.path.isfile(path):
+        return "", None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fp:
+            data = json.load(fp)
+        message = data["message"]
+        if isinstance(message, str):
+            return message, int(data.get("timestamp", 0))
+        stack = message.get("extraInfo", {}).get("py_callstack", message.get("message", _NOT_AVAILABLE))
+        return str(stack).replace("\n", "\n  "), int(message["extraInfo"]["timestamp"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"unreadable error file {path}: {e}", None
+
+
+def failure_summary(
+    name: str, failures: list[tuple[int, ExitInfo, str | None]], host: str, show_paths: bool = True
+) -> str:
+    """torchrun's block (``ChildFailedError.format_msg``, titled "NAME FAILED") for this node's failed
+    workers, given as (global rank, record, error file). The traceback comes
+    from the error file, as torchrun's does; without one, from the record's
+    message (the end of its stderr). ``show_paths`` False: the error files are
+    not kept, the block says ``<N/A>`` for them."""
+    if not failures:
+        raise ValueError("failure_summary needs at least one failure")
+    title = f"{name} FAILED"
+    formatted: list[tuple[int, str]] = []
+    for idx, (rank, info, error_file) in enumerate(failures):
+        message, ts = _error_file_data(error_file)
+        if info.signal is not None:
+            num = getattr(signal.Signals, info.signal, None)
+            exitcode = -int(num) if num is not None else _NOT_AVAILABLE
+            signal_name = f" ({info.signal})"
+            message = message or f"Signal {str(exitcode).lstrip('-')} ({info.signal}) received by PID {info.pid}"
+        else:
+            exitcode, signal_name = str(info.exit_code), ""
+            message = message or info.message.replace("\n", "\n  ").strip()
+            message = message or "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+        stamp = ts if ts is not None else int(info.timestamp)
+        formatted.append(
+            (
+                stamp,
+                _FAILURE_TEMPLATE.format(
+                    idx=idx,
+                    time=datetime.fromtimestamp(stamp).isoformat(sep="_"),
+                    host=host,
+                    rank=rank,
+                    local_rank=info.local_rank,
+                    exitcode=exitcode,
+                    pid=info.pid,
+                    signal_name=signal_name,
+                    error_file=error_file
+                    if show_paths and error_file and os.path.isfile(error_file)
+                    else _NOT_AVAILABLE,
+                    message=message,
+                ),
+            )
+        )
+    root = min(range(len(formatted)), key=lambda i: formatted[i][0])
+    width = min(max(len(title), *(len(ln) for _, f in formatted for ln in f.split("\n"))), 60)
+    others = [f for i, (_, f) in enumerate(formatted) if i != root]
+    return _SUMMARY_TEMPLATE.format(
+        border="=" * width,
+        title=title,
+        section="-" * width,
+        others="\n".join(others or ["  <NO_OTHER_FAILURES>"]),
+        root=formatted[root][1],
+    )

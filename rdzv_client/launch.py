@@ -82,7 +82,11 @@ class LaunchConfig:
     in it is replaced per worker, as torchrun does. ``redirects`` sends a stream
     to its log file only, ``tee`` to the file and the console;
     ``local_ranks_filter`` limits what reaches the console, never the files.
-    Files need ``log_dir``.
+    Files need ``log_dir``. ``share_console``: when nothing is redirected,
+    tee'd or filtered, workers write to the agent's own stdout and stderr, as
+    under torchrun (a terminal stays a terminal, no ``[RANK]: `` prefix);
+    otherwise, and without it, output is copied through the agent line by line
+    with the prefix.
     """
 
     cmd: list[str]
@@ -91,6 +95,7 @@ class LaunchConfig:
     redirects: dict[int, Std] | Std = Std.NONE
     tee: dict[int, Std] | Std = Std.NONE
     local_ranks_filter: set[int] | None = None
+    share_console: bool = False
 
     def __post_init__(self) -> None:
         if not self.cmd:
@@ -116,6 +121,18 @@ class LaunchConfig:
         to_console = (Std.ALL & ~to_file) | tee
         shown = self.local_ranks_filter is None or local_rank in self.local_ranks_filter
         return Std(to_file), Std(to_console if shown else Std.NONE), shown
+
+    def shares_console(self) -> bool:
+        """Whether workers write to the agent's own stdout and stderr (see ``share_console``)."""
+        return (
+            self.share_console
+            and self.local_ranks_filter is None
+            and not any(
+                _to_map(s, self.local_world_size)[r]
+                for s in (self.redirects, self.tee)
+                for r in range(self.local_world_size)
+            )
+        )
 
     def attempt_dir(self, attempt: int) -> Path | None:
         return None if self.log_dir is None else Path(self.log_dir) / f"attempt_{attempt}"

@@ -68,6 +68,7 @@ class ServerReactions:
     status: StatusLine
     group: WorkerGroup | None
     _held_for: str | None
+    failure_summary: tuple[int, str] | None  # (round, torchrun's block) of this node's last failure
 
     if TYPE_CHECKING:  # the agent's own, used here
 
@@ -155,6 +156,8 @@ class ServerReactions:
                 self._say("job succeeded")
                 return 0
             self.status.done()
+            if self.failure_summary and self.assignment and self.failure_summary[0] == self.assignment.round:
+                print(self.failure_summary[1], file=sys.stderr, flush=True)  # torchrun's, for log scrapers
             text = f"[rdzv-agent] job {cfg.job_id} {msg.state}: {printable(msg.reason)}"
             if msg.root_cause and msg.root_cause not in msg.reason:
                 text += f"\n[rdzv-agent] root cause: {printable(msg.root_cause)}"

@@ -3,6 +3,7 @@ in place, and the first line of a (possibly multi-line) reason."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from typing import TextIO
@@ -10,7 +11,9 @@ from typing import TextIO
 
 class StatusLine:
     """One line that updates in place on a terminal; elsewhere, a line when
-    the text changes, not more than every few seconds."""
+    the text changes, not more than every few seconds. While ``hold`` is set
+    (workers write to the same terminal: their progress bars own it) it shows
+    nothing; what happens is said by the agent's log lines."""
 
     def __init__(self, stream: TextIO = sys.stderr) -> None:
         self.stream = stream
@@ -18,10 +21,11 @@ class StatusLine:
         self.last = ""
         self.last_at = 0.0
         self.open = False
+        self.hold = False
 
     def show(self, text: str) -> None:
         now = time.monotonic()
-        if text == self.last:
+        if text == self.last or (self.hold and self.tty):
             return
         if self.tty:
             self.stream.write("\r\x1b[2K" + text)
@@ -40,6 +44,18 @@ class StatusLine:
             self.stream.flush()
             self.open = False
         self.last = ""
+
+
+class FreshLineHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The agent's log lines: on a terminal each starts with a carriage return
+    and erase-line, as tqdm's ``write`` does, so a line lands on a line of its
+    own and never inside a worker's progress bar (which redraws on its next
+    refresh)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        isatty = getattr(self.stream, "isatty", None)
+        return "\r\x1b[2K" + text if isatty is not None and isatty() else text
 
 
 def first_line(text: str) -> str:

@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 # Not rdzv_server.protocol (pydantic) at import: the agent imports this before its first join.
@@ -36,11 +37,11 @@ STACK_DUMP_WAIT_S = 1.0
 class WorkerWatch:
     """Hang checks, progress heartbeats and torch FileTimers for one agent."""
 
-    def __init__(self, cfg: AgentConfig, say: Callable[..., None]) -> None:
+    def __init__(self, cfg: AgentConfig, say: Callable[..., None], dir: Path | None = None) -> None:
         self.cfg = cfg
         self._say = say
         # the worker channel: progress() datagrams, and torch's FileTimer pipe when enabled
-        self.channel = WorkerChannel(cfg.nproc)
+        self.channel = WorkerChannel(cfg.nproc, dir)
         self.timer: FileTimerServer | None = None
         self._timer_killed: dict[int, str] = {}  # worker pid -> the expired timer's scope
         self._progress_sent_at = 0.0

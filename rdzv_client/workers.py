@@ -10,11 +10,22 @@ every signal goes to the whole group: grandchildren (data loader workers,
 ``subprocess`` calls) get it too. A worker's end is a value, :class:`ExitInfo`,
 never an exception.
 
-Log layout, as torchrun's::
+Log layout, as torchrun's (the agent's ``log_dir`` is torchrun's run
+directory, ``--log-dir``/``<job id>_<random>``)::
 
     {log_dir}/attempt_{attempt}/{local_rank}/stdout.log
                                             /stderr.log
                                             /error.json   (TORCHELASTIC_ERROR_FILE)
+
+Output: with ``LaunchConfig.share_console`` and nothing redirected, tee'd or
+filtered, workers' output reaches the agent's stdout and stderr unchanged, as
+under torchrun. Where those are one file (a terminal, ``> log 2>&1``) both of
+a worker's streams go through one channel, in order; elsewhere stdout is the
+agent's own and stderr is copied. A channel that ends on a terminal is a
+pseudo-terminal (``isatty()`` is True, progress bars draw as usual, the window
+size is the agent's at start); the copy keeps the tail that explains a
+failure. Otherwise output goes through the agent line by line, each line
+prefixed with ``[RANK]: `` (or ``prefix_fn``).
 
 This module must stay importable without torch: the agent never imports it.
 """
@@ -23,11 +34,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
+import fcntl
+import io
 import logging
 import os
 import shutil
 import signal
 import sys
+import termios
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -94,6 +109,7 @@ class _Worker:
     monitor: asyncio.Task[ExitInfo] | None = None
     stderr_tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=_STDERR_TAIL_LINES))
     stderr_file: Path | None = None
+    transports: list[asyncio.BaseTransport] = field(default_factory=list)  # pseudo-terminal readers
 
 
 class WorkerGroup:
@@ -102,6 +118,9 @@ class WorkerGroup:
     ``envs[i]`` is the whole environment of local rank ``i`` (see
     :func:`worker_env`). ``console`` receives every shown line prefixed with
     ``prefix_fn(local_rank)`` (default ``"[{RANK}]: "``); None shows nothing.
+    When the config shares the console, output goes unchanged to ``console``
+    (``sys.stdout`` if None) and ``stderr`` (default ``sys.stderr``), as the
+    module docstring says.
     Always finish with :meth:`stop`: it is cheap when every worker has exited,
     and it kills what they left behind in their process groups.
     """
@@ -113,12 +132,14 @@ class WorkerGroup:
         attempt: int,
         console: TextIO | None = sys.stdout,
         prefix_fn: Callable[[int], str] | None = None,
+        stderr: TextIO | None = None,
     ) -> None:
         if len(envs) != config.local_world_size:
             raise ValueError(f"got {len(envs)} worker environments for local_world_size {config.local_world_size}")
         self.config = config
         self.attempt = attempt
         self.console = console
+        self.stderr = stderr if stderr is not None else sys.stderr
         self.pids: list[int] = []
         self._workers = [
             _Worker(
@@ -172,9 +193,26 @@ class WorkerGroup:
             argv = [_SETPRIV, "--pdeathsig", "KILL", "--", *argv]
         console = self.console
         opened: list[BinaryIO] = []
-        # per stream: what the child gets (a file, PIPE or DEVNULL), the file a pipe is copied to, the console
-        plans: list[tuple[BinaryIO | int, BinaryIO | None, TextIO | None]] = []
-        for std, name in ((Std.OUT, "stdout"), (Std.ERR, "stderr")):
+        # per stream: what the child gets (a file, PIPE, DEVNULL, None: the agent's own), the
+        # file a pipe is copied to, the console
+        plans: list[tuple[BinaryIO | int | None, BinaryIO | None, TextIO | None]] = []
+        shared = self.config.shares_console()
+        # torchrun's default, with stderr's tail kept (it explains a failure): where the
+        # agent's stdout and stderr are one file (a terminal, `> log 2>&1`), both of a
+        # worker's streams go through one channel, in order, to the agent's stdout;
+        # elsewhere stdout is the agent's own and stderr is copied. A channel is a
+        # pseudo-terminal when it ends on a terminal, else a pipe.
+        out = console if console is not None else sys.stdout
+        merged = shared and _same_file(out, self.stderr)
+        copy_to = out if merged else self.stderr
+        pty = _open_pty_like(copy_to) if shared else None
+        if shared:
+            channel: int = pty[1] if pty else asyncio.subprocess.PIPE
+            plans = [
+                (channel if merged else None, None, None),
+                (asyncio.subprocess.STDOUT if merged and not pty else channel, None, None),
+            ]
+        for std, name in () if shared else ((Std.OUT, "stdout"), (Std.ERR, "stderr")):
             path = rank_dir / f"{name}.log" if rank_dir is not None and to_file & std else None
             shown = bool(to_console & std) and console is not None
             if std is Std.ERR and path is not None:
@@ -204,12 +242,29 @@ class WorkerGroup:
             for _, sink, _ in plans:
                 if sink is not None:
                     sink.close()
+            if pty is not None:
+                os.close(pty[0])
             raise
         finally:
             for f in opened:
                 f.close()
+            if pty is not None:
+                os.close(pty[1])  # the worker holds its end
         w.proc = proc
         self.pids.append(proc.pid)
+        if shared:
+            err_stream = proc.stdout if merged else proc.stderr
+            if pty is not None:
+                err_stream = asyncio.StreamReader()
+                protocol = asyncio.StreamReaderProtocol(err_stream)
+                master = os.fdopen(pty[0], "rb", buffering=0)  # the transport closes it
+                transport, _ = await asyncio.get_running_loop().connect_read_pipe(lambda: protocol, master)
+                w.transports.append(transport)
+            assert err_stream is not None
+            w.readers.append(asyncio.create_task(_pass_through(err_stream, copy_to, w.stderr_tail)))
+            w.monitor = asyncio.create_task(self._monitor(w))
+            log.debug("started local rank %d pid %d: %s", w.local_rank, proc.pid, argv)
+            return
         for stream, (_, sink, out), is_err in (
             (proc.stdout, plans[0], False),
             (proc.stderr, plans[1], True),
@@ -345,6 +400,8 @@ class WorkerGroup:
             transport = getattr(w.proc, "_transport", None)
             if transport is not None and pending:
                 transport.close()
+            for t in w.transports:
+                t.close()
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -356,6 +413,84 @@ def _killpg(pgid: int, sig: int) -> None:
         pass
     except PermissionError:
         log.warning("not allowed to signal process group %d", pgid)
+
+
+def _same_file(a: TextIO, b: TextIO) -> bool:
+    """Whether two streams write to one file (one terminal, one pipe, one log)."""
+    try:
+        sa, sb = os.fstat(a.fileno()), os.fstat(b.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):
+        return a is b
+    return (sa.st_dev, sa.st_ino, sa.st_rdev) == (sb.st_dev, sb.st_ino, sb.st_rdev)
+
+
+def _open_pty_like(stream: TextIO) -> tuple[int, int] | None:
+    """(master, slave) of a new pseudo-terminal when ``stream`` is a terminal,
+    with its window size and without output processing (bytes pass unchanged); else None."""
+    try:
+        fd = stream.fileno()
+        if not os.isatty(fd):
+            return None
+        master, slave = os.openpty()
+    except (OSError, ValueError, io.UnsupportedOperation):
+        return None
+    try:
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, fcntl.ioctl(fd, termios.TIOCGWINSZ, b"\0" * 8))
+    except OSError:
+        pass  # no size: programs fall back to 80 columns
+    try:
+        attrs = termios.tcgetattr(slave)
+        attrs[1] &= ~termios.OPOST  # no "\n" -> "\r\n": the agent's terminal does that
+        termios.tcsetattr(slave, termios.TCSANOW, attrs)
+    except termios.error:
+        pass
+    return master, slave
+
+
+async def _pass_through(stream: asyncio.StreamReader, out: TextIO, tail: collections.deque[str]) -> None:
+    """Copy a worker's stderr to ``out`` unchanged, as it comes (a progress bar's
+    carriage returns included), keeping its last lines in ``tail``."""
+    buffer = getattr(out, "buffer", None)
+    pending = b""
+    broken = False
+    try:
+        while True:
+            try:
+                chunk = await stream.read(_READ_CHUNK)
+            except OSError as e:
+                if e.errno != errno.EIO:  # EIO: a pseudo-terminal whose every worker end closed
+                    raise
+                break
+            if not chunk:
+                break
+            try:
+                if broken:
+                    pass
+                elif buffer is not None:
+                    buffer.write(chunk)
+                    buffer.flush()
+                else:
+                    out.write(chunk.decode("utf-8", errors="replace"))
+                    out.flush()
+            except (OSError, ValueError) as e:  # a closed pipe (`| head`): keep draining, or the worker blocks
+                broken = True
+                log.warning("cannot copy worker output any more: %s", e)
+            data = pending + chunk
+            cut = data.rfind(b"\n") + 1
+            pending = data[cut:][-_MAX_LINE_BYTES:]
+            for line in data[:cut].decode("utf-8", errors="replace").split("\n")[:-1][-_STDERR_TAIL_LINES:]:
+                tail.append(_last_frame(line))
+    except Exception:
+        log.exception("copying worker output failed")
+    finally:
+        if pending.strip():
+            tail.append(_last_frame(pending.decode("utf-8", errors="replace")))
+
+
+def _last_frame(line: str) -> str:
+    """What a line shows on a terminal, roughly: the text after its last carriage return."""
+    frames = [f for f in line.split("\r") if f.strip()]
+    return frames[-1] if frames else ""
 
 
 async def _pump(

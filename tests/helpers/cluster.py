@@ -136,6 +136,7 @@ class Cluster:
             str(nproc),
             "--stop-timeout",
             "3",
+            "--line-prefix",  # the tests read "[RANK]: " lines (Proc.steps)
             *flags,
         ]
 

@@ -12,6 +12,9 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
+from rdzv_client.exits import ExitInfo, entrypoint_name, failure_summary
 from rdzv_client.workers import LaunchConfig, WorkerGroup, describe, error_file_path, root_cause_line, worker_env
 from rdzv_server.protocol import Assignment, ExitRecord
 
@@ -131,3 +134,51 @@ async def test_real_worker_traceback_reaches_the_exit_record_as_the_error(tmp_pa
         local_rank=0, rank=0, pid=info.pid, exit_code=info.exit_code, message=info.message, timestamp=time.time()
     )
     assert rec.describe().endswith("failed with exit code 1: ValueError: bad lr"), rec.describe()
+
+
+# ------------------------------------------------- torchrun's failure summary
+
+
+def test_failure_summary_is_torchruns_block(tmp_path: Path) -> None:
+    """Field for field what torch's ChildFailedError.format_msg prints: an
+    error file written by @record (the root cause: earliest), a worker killed
+    by a signal, and one that exited without an error file."""
+    import socket
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure, record
+
+    error_file = tmp_path / "error.json"
+    os.environ["TORCHELASTIC_ERROR_FILE"] = str(error_file)
+    try:
+
+        @record
+        def boom() -> None:
+            raise ValueError("boom")
+
+        with pytest.raises(ValueError):
+            boom()
+    finally:
+        del os.environ["TORCHELASTIC_ERROR_FILE"]
+    # error files carry whole seconds: on a tie both pick the first failure, the error file's
+    theirs = {
+        4: ProcessFailure(local_rank=0, pid=101, exitcode=1, error_file=str(error_file)),
+        5: ProcessFailure(local_rank=1, pid=102, exitcode=-9, error_file=str(tmp_path / "none.json")),
+        6: ProcessFailure(local_rank=2, pid=103, exitcode=3, error_file=str(tmp_path / "none.json")),
+    }
+    ours = [
+        (4, ExitInfo(0, 101, 1, None, "ignored: the error file wins", time.time()), str(error_file)),
+        (5, ExitInfo(1, 102, None, "SIGKILL", "", float(theirs[5].timestamp)), str(tmp_path / "none.json")),
+        (6, ExitInfo(2, 103, 3, None, "", float(theirs[6].timestamp)), None),
+    ]
+    expected = ChildFailedError("train.py", theirs).format_msg()
+    assert failure_summary("train.py", ours, socket.getfqdn()) == expected.strip("\n")
+    hidden = failure_summary("train.py", ours, socket.getfqdn(), show_paths=False)
+    assert str(error_file) not in hidden and "error_file: <N/A>" in hidden and "ValueError: boom" in hidden
+
+
+def test_failure_summary_without_error_file_shows_the_stderr_tail() -> None:
+    info = ExitInfo(0, 7, 2, None, "fatal: disk full\nnoise 98\nnoise 99", 1.0e9)
+    text = failure_summary("python", [(0, info, None)], "h")
+    assert "  traceback : fatal: disk full\n  noise 98\n  noise 99\n" in text
+    assert entrypoint_name([sys.executable, "-u", "-m", "pkg.train", "--x"], sys.executable) == "pkg.train"
+    assert entrypoint_name(["./run.sh", "a"], sys.executable) == "./run.sh"

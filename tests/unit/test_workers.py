@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import os
 import signal
@@ -10,6 +11,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import TextIO
 
 import pytest
 
@@ -79,8 +81,9 @@ def make_group(
     tmp_path: Path,
     *,
     attempt: int = 0,
-    console: Console | None = None,
+    console: TextIO | None = None,
     log_dir: Path | None = None,
+    stderr: TextIO | None = None,
     **config_kw: object,
 ) -> WorkerGroup:
     """A group whose local rank i runs ``python -c codes[i]``, with torchrun's env."""
@@ -100,7 +103,7 @@ def make_group(
         log_dir=log_dir,
         **config_kw,  # type: ignore[arg-type]
     )
-    return WorkerGroup(config, envs, attempt=attempt, console=console)
+    return WorkerGroup(config, envs, attempt=attempt, console=console, stderr=stderr)
 
 
 def is_gone(pid: int) -> bool:
@@ -415,6 +418,71 @@ async def test_stderr_tail_when_no_error_file(tmp_path: Path) -> None:
     assert info.message.splitlines()[-1] == "noise 99"
     assert "noise 0" not in info.message and info.source == "stderr"
     assert describe(info).endswith("exited with code 2: fatal: disk full")
+
+
+SHARED_CODE = """
+    import sys
+    print("out 1", flush=True)
+    sys.stderr.write("\\rbar 1\\rbar 2\\n"); sys.stderr.flush()
+    print("out 2", flush=True)
+    print("fatal: disk full", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+"""
+
+
+async def test_shared_console_one_file_keeps_order_and_bytes(tmp_path: Path) -> None:
+    """share_console with the agent's stdout and stderr one file (``> log 2>&1``):
+    both of a worker's streams land there in the order written, unprefixed,
+    carriage returns intact; stderr's tail still explains the failure."""
+    with open(tmp_path / "agent.log", "w") as log:
+        group = make_group(SHARED_CODE, tmp_path, console=log, stderr=log, share_console=True)
+        await group.start()
+        [info] = await asyncio.wait_for(group.wait(), WAIT_S)
+        await group.stop()
+    assert (tmp_path / "agent.log").read_bytes().decode() == "out 1\n\rbar 1\rbar 2\nout 2\nfatal: disk full\n"
+    assert info.exit_code == 2 and info.message.splitlines()[0] == "fatal: disk full", info
+
+
+async def test_shared_console_stdout_is_the_agents_own(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """share_console with stdout and stderr apart: the worker writes to the
+    agent's stdout itself; its stderr is copied byte for byte to the agent's
+    stderr; a filter, tee or redirect turns sharing off (prefixed lines)."""
+    with open(tmp_path / "err.log", "w") as err:
+        group = make_group(SHARED_CODE, tmp_path, stderr=err, share_console=True)
+        await group.start()
+        [info] = await asyncio.wait_for(group.wait(), WAIT_S)
+        await group.stop()
+    assert capfd.readouterr().out == "out 1\nout 2\n"
+    assert (tmp_path / "err.log").read_bytes().decode() == "\rbar 1\rbar 2\nfatal: disk full\n"
+    assert info.message.splitlines()[0] == "fatal: disk full"
+    console = Console()
+    group = make_group(SHARED_CODE, tmp_path, console=console, share_console=True, local_ranks_filter={0})
+    await group.start()
+    await asyncio.wait_for(group.wait(), WAIT_S)
+    await group.stop()
+    assert "[8]: out 1" in console.lines() and "[8]: fatal: disk full" in console.lines()
+
+
+async def test_shared_console_closed_output_does_not_block_workers(tmp_path: Path) -> None:
+    """The agent's stderr is a pipe whose reader went away (``| head``): the
+    copy keeps draining, so a worker writing a lot still ends, and its tail
+    still explains the failure."""
+    r, w = os.pipe()
+    os.close(r)
+    code = (
+        "import sys; sys.stderr.write('x' * 100 + '\\n'); [sys.stderr.write('y' * 1000 + '\\n') for _ in range(2000)]; "
+    )
+    code += "print('fatal: after the flood', file=sys.stderr); sys.exit(3)"
+    err = os.fdopen(w, "w")
+    try:
+        group = make_group(code, tmp_path, stderr=err, share_console=True)
+        await group.start()
+        [info] = await asyncio.wait_for(group.wait(), WAIT_S)
+        await group.stop()
+    finally:
+        with contextlib.suppress(BrokenPipeError):
+            err.close()  # it may still hold what it could not write
+    assert info.exit_code == 3 and info.message.splitlines()[0] == "fatal: after the flood", info
 
 
 async def test_stderr_tail_from_redirected_file(tmp_path: Path) -> None:
