@@ -14,7 +14,7 @@ the round this node runs, and builds every join:
   under a new node id, which carries no secret until the server issues one.
 * :meth:`NodeSession.check_assignment` - what the protocol model cannot check:
   the job id and this node's worker count.
-* :meth:`NodeSession.report_failed`, :meth:`report_succeeded`, :meth:`leave`.
+* :meth:`NodeSession.report_failed` (also a give-up), :meth:`report_succeeded`, :meth:`leave`.
 
 :class:`OutageWatch` is the server-timeout bookkeeping: when an outage is news,
 when to say it again, when to give up.
@@ -159,10 +159,12 @@ class NodeSession:
             return f"assignment for {a.local_world_size} local worker(s), this node runs {self.nproc}"
         return None
 
-    def report_failed(self, round_no: int, failures: list[ExitRecord]) -> None:
+    def report_failed(self, round_no: int, failures: list[ExitRecord], give_up: bool = False) -> None:
+        """``give_up``: this node's launcher stops for good after the failure
+        (torchrun's own budget is spent): the server fails the job for every node."""
         from rdzv_server.protocol import FailedMsg
 
-        self.link.report(FailedMsg(round=round_no, failures=failures))
+        self.link.report(FailedMsg(round=round_no, failures=failures, give_up=give_up))
 
     def report_succeeded(self, round_no: int) -> None:
         from rdzv_server.protocol import SucceededMsg

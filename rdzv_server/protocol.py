@@ -239,11 +239,23 @@ class HeartbeatMsg(_Strict):
 
 
 class FailedMsg(_Strict):
-    """This node's workers failed in ``round``; the records say how."""
+    """This node's workers failed in ``round``; the records say how.
+
+    ``give_up``: this node's launcher stops for good after the failure (torchrun's
+    own ``--max-restarts`` is spent): the job fails at once and every node is told,
+    instead of a restart. Left out of the frame when false (the frame it always was)."""
 
     op: Literal["failed"] = "failed"
     round: RoundNo
     failures: list[ExitRecord] = Field(min_length=1, max_length=MAX_FAILURES_PER_REPORT)
+    give_up: bool = False
+
+    @model_serializer(mode="wrap")
+    def _drop_default(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        data: dict[str, object] = handler(self)
+        if not data.get("give_up"):
+            data.pop("give_up", None)
+        return data
 
 
 class SucceededMsg(_Strict):

@@ -336,9 +336,11 @@ class Store(HostsMixin, RetentionMixin):
             out[job_id] = round(max(0.0, *ages), 3) if ages else 0.0
         return out
 
-    def fail(self, job_id: str, node_id: str, round_no: int, failures: list[ExitRecord]) -> None:
+    def fail(self, job_id: str, node_id: str, round_no: int, failures: list[ExitRecord], give_up: bool = False) -> None:
+        """A failure report; ``give_up``: the node's launcher stops for good (the job fails)."""
         job, now = self._job(job_id), self.clock()
-        self._apply(job, rounds.fail(job, node_id, round_no, failures, now), now)
+        step = rounds.give_up if give_up else rounds.fail
+        self._apply(job, step(job, node_id, round_no, failures, now), now)
 
     def succeed(self, job_id: str, node_id: str, round_no: int) -> None:
         job, now = self._job(job_id), self.clock()

@@ -156,6 +156,43 @@ def fail(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], now:
     return fx.merge(_open_round(job, f"worker failure: {cause} (restart {job.restarts}/{job.spec.max_restarts})", now))
 
 
+def give_up(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], now: float) -> Effects:
+    """A node's launcher stops for good after its workers failed in ``round_no``
+    (torchrun's own ``--max-restarts`` is spent): it will neither restart nor
+    rejoin, so the job cannot go on as its other nodes expect. It fails now and
+    every node is told (``done``), as when the server's own budget is spent;
+    nothing is charged. The root cause is what broke that round first: a member
+    whose connection had already dropped, or whatever opened the next round
+    before this report; else this failure."""
+    if job.finished:
+        raise JobFinishedError(f"job {job.job_id!r} already {job.state.value}")
+    node = job.nodes.get(node_id)
+    if node is None:
+        raise EvictedError(f"node {node_id!r} is not part of job {job.job_id!r} (evicted?)")
+    if node.state == SUCCEEDED or round_no > job.round:
+        raise StaleRoundError(
+            f"give-up for round {round_no} from node {node_id!r} is stale: job {job.job_id!r} is at round "
+            f"{job.round}{' and the node succeeded' if node.state == SUCCEEDED else ''}"
+        )
+    first = min(failures, key=lambda r: (r.timestamp or float("inf"), r.rank))
+    cause = printable(f"node {node.node_id} ({node.host}) {first.describe()}")
+    root = cause
+    if round_no < job.round:  # its round had already ended: what ended it came first
+        root = next((r.reason for r in reversed(job.history) if r.round == round_no + 1), cause)
+    else:
+        gone = [n for n in job.order if n in job.nodes and job.nodes[n].state == RUNNING and job.nodes[n].dropped]
+        if gone:  # a collective lost its peer: the peer's death is the root cause
+            root = f"node {gone[0]} ({job.nodes[gone[0]].host}) connection lost"
+    fx = Effects()
+    if root == cause:
+        fx.host_failures.append((node.host, f"worker failure: {first.describe()}"))
+    job.root_cause = root
+    why = printable(
+        f"node {node.node_id} ({node.host}) gave up (its launcher's restart budget is spent) after {first.describe()}"
+    )
+    return fx.merge(_end(job, JobState.FAILED, why + ("" if root == cause else f"; first: {root}"), now))
+
+
 def storm(job: Job, now: float) -> bool:
     """A worker failure ends the running round: count it as a restart without
     progress unless a node reported a step beyond the highest seen when the round

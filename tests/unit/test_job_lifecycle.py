@@ -1,0 +1,129 @@
+"""The job lifecycle in the pure round machine (issue 12): a node whose
+launcher gives up ends the job; a finished job id starts a new run. Plain
+numbers for time, as in test_rounds.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rdzv_server import rounds
+from rdzv_server.protocol import (
+    DoneMsg,
+    EvictedError,
+    ExitRecord,
+    FailedMsg,
+    JobFinishedError,
+    JobSpec,
+    JobState,
+    JoinMsg,
+    StaleRoundError,
+)
+
+
+def spec(**kw) -> JobSpec:
+    return JobSpec(**{"min_nodes": 1, "max_nodes": 4, "last_call_s": 1.0, **kw})
+
+
+def join_msg(node_id: str, sp: JobSpec, **kw) -> JoinMsg:
+    return JoinMsg(
+        job_id="j",
+        node_id=node_id,
+        host=node_id,
+        addr=f"{node_id}.addr",
+        local_world_size=1,
+        master_port=29500,
+        spec=sp,
+        **kw,
+    )
+
+
+def sent(fx: rounds.Effects, kind: type) -> dict:
+    return {nid: m for nid, m in fx.sends if isinstance(m, kind)}
+
+
+def record(job: rounds.Job) -> dict:
+    return json.loads(json.dumps(rounds.to_record(job)))
+
+
+def form(ids, sp: JobSpec, now: float = 0.0, job: rounds.Job | None = None) -> rounds.Job:
+    """A running job whose round 0 holds ``ids`` (hosts = ids), formed at ``now``."""
+    job = job or rounds.new_job("j", sp, now)
+    for nid in ids:
+        rounds.join(job, join_msg(nid, sp), now)
+    if job.forming:
+        rounds.tick(job, now + sp.last_call_s)
+    assert job.state == JobState.RUNNING
+    return job
+
+
+BOOM = ExitRecord(local_rank=0, rank=1, pid=77, exit_code=1, timestamp=5.0, message="RuntimeError: boom")
+ECHO = ExitRecord(local_rank=0, rank=0, pid=78, exit_code=1, timestamp=6.0, message="RuntimeError: Connection closed")
+
+
+# ------------------------------------------------------------------ give up
+
+
+def test_a_node_that_gives_up_fails_the_job_and_every_node_is_told():
+    """Budget left on the server (torchrun keeps its own): a give-up still ends
+    the job at once, named after the failure; no round opens, nothing charged."""
+    job = form(["a", "b"], spec(min_nodes=2, max_nodes=2, max_restarts=100))
+    fx = rounds.give_up(job, "b", 0, [BOOM], 7.0)
+    assert job.state == JobState.FAILED and job.round == 0 and job.restarts == 0
+    assert "node b (b) rank 1" in job.root_cause and "RuntimeError: boom" in job.root_cause
+    assert "gave up" in job.end_reason and "RuntimeError: boom" in job.end_reason
+    done = sent(fx, DoneMsg)
+    assert set(done) == {"a", "b"} and {m.state for m in done.values()} == {"failed"}
+    assert done["a"].root_cause == job.root_cause
+    assert fx.persist and fx.host_failures == [("b", "worker failure: " + BOOM.describe())]
+
+
+def test_giving_up_after_a_peer_was_lost_names_the_lost_peer():
+    """A collective broke because a peer died (its connection is down, within
+    its grace): the peer's loss is the root cause, and the host of the node that
+    gave up is not blamed."""
+    job = form(["a", "b", "c"], spec(min_nodes=1, max_nodes=3))
+    rounds.disconnect(job, "c", 2.0, grace_s=0.5)
+    fx = rounds.give_up(job, "a", 0, [ECHO], 2.1)
+    assert job.state == JobState.FAILED
+    assert "node c" in job.root_cause and "connection lost" in job.root_cause
+    assert "Connection closed" in job.end_reason and not fx.host_failures
+
+
+def test_giving_up_in_a_round_that_already_ended_names_what_ended_it():
+    """A member left (round 1 opens); the rejoining node's workers had failed in
+    round 0 and its launcher gives up: what opened round 1 is the root cause."""
+    job = form(["a", "b", "c"], spec(min_nodes=1, max_nodes=3))
+    rounds.leave(job, "c", "sigterm", 2.0)
+    assert job.round == 1 and job.forming
+    rounds.give_up(job, "a", 0, [ECHO], 2.1)
+    assert job.state == JobState.FAILED and "left (sigterm)" in job.root_cause
+
+
+def test_give_up_refusals_change_nothing():
+    job = form(["a", "b"], spec(min_nodes=1, max_nodes=2))
+    before = record(job)
+    with pytest.raises(EvictedError):
+        rounds.give_up(job, "ghost", 0, [BOOM], 2.0)
+    with pytest.raises(StaleRoundError):
+        rounds.give_up(job, "a", 5, [BOOM], 2.0)
+    rounds.succeed(job, "a", 0, 2.0)
+    before = record(job)
+    with pytest.raises(StaleRoundError):
+        rounds.give_up(job, "a", 0, [BOOM], 2.0)
+    assert record(job) == before
+    rounds.give_up(job, "b", 0, [BOOM], 3.0)
+    before = record(job)
+    with pytest.raises(JobFinishedError):
+        rounds.give_up(job, "b", 0, [BOOM], 4.0)
+    assert record(job) == before
+
+
+def test_a_plain_failure_report_keeps_its_frame_and_a_give_up_says_so():
+    """The wire: a failure report is the frame it always was; a give-up adds one field."""
+    plain = FailedMsg(round=1, failures=[BOOM])
+    assert "give_up" not in plain.model_dump_json()
+    final = FailedMsg(round=1, failures=[BOOM], give_up=True)
+    assert '"give_up":true' in final.model_dump_json()
+    assert FailedMsg.model_validate_json(final.model_dump_json()).give_up is True
