@@ -76,6 +76,7 @@ from .rest_models import (  # noqa: F401  (re-exported: the wire contract is one
     JobSummary,
     NodeView,
     RoundView,
+    RunView,
 )
 from .wire import (  # noqa: F401  (re-exported: the wire contract is one import)
     AGENT_PATH,
@@ -117,6 +118,7 @@ Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_LEN, pattern=ID_PATTER
 Host = Annotated[str, Field(min_length=1, max_length=255, pattern=HOST_PATTERN)]
 Port = Annotated[int, Field(ge=1, le=65535)]
 RoundNo = Annotated[int, Field(ge=0, le=2**53)]
+RunNo = Annotated[int, Field(ge=1, le=2**53)]
 Seconds = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)]
 # Node and job secrets: printable ASCII, never shown in a repr (logs, tracebacks).
 Secret = Annotated[str, Field(min_length=1, max_length=MAX_SECRET_LEN, pattern=SECRET_PATTERN)]
@@ -205,7 +207,10 @@ class JoinMsg(_Strict):
     ``node_secret``: what the server's ``joined`` handed this node id when it
     created it; every later join naming that node id must carry it.
     ``job_secret``: optional; the first join of a job sets it, every later
-    join must carry the same one (a job created without one refuses it)."""
+    join must carry the same one (a job created without one refuses it).
+    ``run``: set by an agent once a ``joined`` told it its run; a join of
+    another run than the job's, or any but a fresh join to a finished job, is
+    told ``job_finished``."""
 
     op: Literal["join"] = "join"
     job_id: Id
@@ -219,6 +224,9 @@ class JoinMsg(_Strict):
     resume_round: RoundNo | None = None
     node_secret: Secret | None = Field(default=None, repr=False)
     job_secret: Secret | None = Field(default=None, repr=False)
+    # the run of the job this agent belongs to (its first ``joined`` said it); None: a
+    # fresh agent, which starts the next run of a finished job (design.md "Job lifecycle")
+    run: RunNo | None = None
 
 
 class HeartbeatMsg(_Strict):
@@ -299,6 +307,7 @@ class JoinedMsg(_Strict):
     heartbeat_s: Seconds
     waiting_for: WaitingInfo | None = None
     node_secret: Secret | None = Field(default=None, repr=False)
+    run: RunNo = 1  # the job's run this node joined: its later joins carry it
 
 
 class StatusMsg(_Strict):
@@ -426,6 +435,10 @@ class JobView(BaseModel):
     history: list[RoundView]
     nodes_omitted: int = Field(default=0, description="nodes and spares not listed (a view lists at most 10,000)")
     history_omitted: int = Field(default=0, description="older rounds not listed (a view lists the latest 100)")
+    run: int = Field(default=1, description="this job id's run: a finished job id starts run N+1 on a fresh join")
+    runs: list[RunView] = Field(
+        default_factory=list, description="the previous runs of this job id, oldest first (the latest 20)"
+    )
 
 
 MAX_HOST_REASON = 300

@@ -142,6 +142,7 @@ def join_fields(
     resume_round: int | None = None,
     node_secret: str | None = None,
     job_secret: str | None = None,
+    run: int | None = None,
 ) -> dict[str, Any]:
     """A join as the plain JSON object ``JoinMsg`` serializes to (field for
     field, in its order). The values are the agent's own, checked where they
@@ -159,4 +160,5 @@ def join_fields(
         "resume_round": resume_round,
         "node_secret": node_secret,
         "job_secret": job_secret,
+        "run": run,
     }

@@ -27,6 +27,7 @@ least ``min_nodes`` wait.
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Literal
 
 from ..protocol import (
@@ -55,6 +56,7 @@ from .model import (
     Job,
     Node,
     RoundRecord,
+    RunRecord,
     blocked,
     count,
     job_secret_hash,
@@ -72,6 +74,7 @@ _DONE_STATE: dict[JobState, Literal["succeeded", "failed", "closed"]] = {
 
 STATUS_PUSH_INTERVAL_S = 1.0
 MAX_HISTORY = 1000
+MAX_RUNS = 20  # summaries of a job id's previous runs kept (older ones are dropped)
 
 
 # ------------------------------------------------------------------- create
@@ -84,6 +87,35 @@ def new_job(job_id: str, spec: JobSpec, now: float, job_secret: str | None = Non
     job.history.append(RoundRecord(round=0, reason="job created", started_at=now))
     job.join_deadline = now + spec.join_timeout_s
     return job
+
+
+def new_run(job: Job, spec: JobSpec, now: float, job_secret: str | None = None) -> None:
+    """A finished job id starts its next run (a fresh join, see joins.starts_run):
+    the run that ended is kept as a summary (the latest MAX_RUNS), everything
+    else starts over as for a new job, with the settings and job secret of the
+    join that starts it. The job keeps its id, creation time and listing place."""
+    assert job.finished
+    job.runs.append(
+        RunRecord(
+            run=job.run,
+            state=job.state.value,
+            reason=job.end_reason or "",
+            root_cause=job.root_cause,
+            started_at=job.run_started_at if job.run_started_at is not None else job.created_at,
+            ended_at=job.ended_at if job.ended_at is not None else now,
+            rounds=job.round + 1,
+            restarts=job.restarts,
+        )
+    )
+    del job.runs[:-MAX_RUNS]
+    ended = f"run {job.run} {job.state.value}"
+    fresh = new_job(job.job_id, spec, now, job_secret)
+    for f in fields(Job):
+        if f.name not in ("created_at", "runs", "gate"):
+            setattr(job, f.name, getattr(fresh, f.name))
+    job.run = job.runs[-1].run + 1
+    job.run_started_at = now
+    job.history[0].reason = f"run {job.run} started ({ended})"
 
 
 def disconnect(job: Job, node_id: str, now: float, grace_s: float) -> Effects:

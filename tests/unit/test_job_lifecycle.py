@@ -17,6 +17,7 @@ from rdzv_server.protocol import (
     JobFinishedError,
     JobSpec,
     JobState,
+    JoinedMsg,
     JoinMsg,
     StaleRoundError,
 )
@@ -127,3 +128,102 @@ def test_a_plain_failure_report_keeps_its_frame_and_a_give_up_says_so():
     final = FailedMsg(round=1, failures=[BOOM], give_up=True)
     assert '"give_up":true' in final.model_dump_json()
     assert FailedMsg.model_validate_json(final.model_dump_json()).give_up is True
+
+
+# --------------------------------------------------------------------- runs
+
+
+def finish(job: rounds.Job, how: str, now: float) -> None:
+    if how == "close":
+        rounds.close(job, now)
+    elif how == "fail":
+        rounds.give_up(job, next(iter(job.nodes)), job.round, [BOOM], now)
+    else:
+        for nid in list(job.order):
+            rounds.succeed(job, nid, job.round, now)
+    assert job.finished
+
+
+@pytest.mark.parametrize("how", ["succeed", "fail", "close"])
+def test_a_fresh_join_to_a_finished_job_starts_the_next_run(how):
+    """The same command again: a join without a run, a node secret or a resume
+    starts run 2 with the join's settings; run 1 is kept as a summary."""
+    sp = spec(min_nodes=2, max_nodes=2)
+    job = form(["a", "b"], sp)
+    rounds.leave(job, "b", "sigterm", 1.5)  # round 1 forms
+    rounds.join(job, join_msg("a", sp), 1.6)
+    rounds.join(job, join_msg("c", sp), 1.6)
+    assert job.round == 1 and job.state == JobState.RUNNING
+    finish(job, how, 2.0)
+    state, reason = job.state.value, job.end_reason
+    sp2 = spec(min_nodes=1, max_nodes=3)  # a new run may change the settings
+    fx = rounds.join(job, join_msg("x", sp2), 10.0)
+    assert job.run == 2 and job.state == JobState.WAITING and job.round == 0 and job.restarts == 0
+    assert set(job.nodes) == {"x"} and job.spec == sp2 and job.root_cause is None and job.end_reason is None
+    assert sent(fx, JoinedMsg)["x"].run == 2 and fx.persist
+    assert job.history[0].reason == f"run 2 started (run 1 {state})" and len(job.history) == 1
+    (prev,) = job.runs
+    assert (prev.run, prev.state, prev.reason, prev.rounds) == (1, state, reason, 2)
+    assert (prev.started_at, prev.ended_at) == (0.0, 2.0)
+    rounds.tick(job, 11.0)  # last call
+    assert job.state == JobState.RUNNING and job.run_started_at == 10.0
+
+
+@pytest.mark.parametrize(
+    "late",
+    [
+        dict(run=1),  # an agent of run 1 that rejoins as a new node (after an eviction)
+        dict(resume_round=0),  # reconnecting to the round its workers ran
+        dict(node_secret="s3cret-of-run-1"),  # a node of run 1 that still holds its secret
+    ],
+)
+def test_a_late_agent_of_the_finished_run_is_told_it_finished(late):
+    sp = spec(min_nodes=1, max_nodes=2)
+    job = form(["a"], sp)
+    finish(job, "close", 2.0)
+    before = record(job)
+    with pytest.raises(JobFinishedError, match="run 1"):
+        rounds.join(job, join_msg("new-id", sp, **late), 3.0)
+    with pytest.raises(JobFinishedError, match="run 1"):
+        rounds.join(job, join_msg("a", sp), 3.0)  # a node of run 1 by its id
+    assert record(job) == before
+
+
+def test_a_late_agent_of_run_1_cannot_join_run_2():
+    sp = spec(min_nodes=1, max_nodes=2)
+    job = form(["a"], sp)
+    finish(job, "succeed", 2.0)
+    rounds.join(job, join_msg("b", sp), 3.0)
+    rounds.tick(job, 4.0)
+    assert job.run == 2 and job.state == JobState.RUNNING
+    before = record(job)
+    with pytest.raises(JobFinishedError, match="run 1 .*over.*run 2"):
+        rounds.join(job, join_msg("a2", sp, run=1), 5.0)
+    assert record(job) == before
+    fx = rounds.join(job, join_msg("c", sp, run=2), 5.0)  # an agent of run 2 is welcome (a scale-up)
+    assert sent(fx, JoinedMsg)["c"].run == 2
+
+
+def test_runs_are_bounded_and_survive_a_record_round_trip():
+    sp = spec(min_nodes=1, max_nodes=1)
+    job = form(["n0"], sp)
+    for i in range(1, rounds.MAX_RUNS + 5):
+        finish(job, "succeed", 10.0 * i)
+        form([f"n{i}"], sp, now=10.0 * i + 1, job=job)
+    assert job.run == rounds.MAX_RUNS + 5
+    assert len(job.runs) == rounds.MAX_RUNS
+    assert [r.run for r in job.runs] == list(range(5, rounds.MAX_RUNS + 5))
+    again = rounds.from_record(record(job))
+    assert again.runs == job.runs and again.run == job.run and again.run_started_at == job.run_started_at
+    view = rounds.view(job, 1000.0)
+    assert view.run == job.run and [r.run for r in view.runs] == [r.run for r in job.runs]
+    assert view.runs[-1].state == "succeeded" and rounds.summary(job).run == job.run
+
+
+def test_an_old_record_loads_as_run_1_and_a_job_that_never_reran_saves_no_new_fields():
+    sp = spec(min_nodes=1, max_nodes=1)
+    job = form(["a"], sp)
+    rec = record(job)
+    assert not {"run", "runs", "run_started_at"} & set(rec)  # the record older code wrote
+    loaded = rounds.from_record(rec)
+    assert (loaded.run, loaded.runs, loaded.run_started_at) == (1, [], None)
