@@ -15,7 +15,8 @@ Life of a job::
        |                                    |  scale-up: round r+1 opens
        +------------------------------------+
     running --all members succeeded--> succeeded
-    any --budget spent / join timeout / restart storm--> failed;  any --close--> closed
+    any --budget spent / join timeout / restart storm / a node gave up--> failed;  any --close--> closed
+    succeeded / failed / closed --a fresh join--> waiting (the job id's next run; see new_run)
 
 Node states: ``waiting`` (joined the forming round, or queued for a scale-up),
 ``rejoining`` (member of the previous round, alive, stopping its workers),
