@@ -227,3 +227,17 @@ def test_an_old_record_loads_as_run_1_and_a_job_that_never_reran_saves_no_new_fi
     assert not {"run", "runs", "run_started_at"} & set(rec)  # the record older code wrote
     loaded = rounds.from_record(rec)
     assert (loaded.run, loaded.runs, loaded.run_started_at) == (1, [], None)
+
+
+def test_rdzv_status_lists_the_earlier_runs_only_when_there_are_some():
+    from rdzv_client import cli
+
+    sp = spec(min_nodes=1, max_nodes=1)
+    job = form(["a"], sp)
+    assert "earlier runs" not in cli.render_job(rounds.view(job, 1.0))
+    finish(job, "close", 2.0)
+    form(["b"], sp, now=3.0, job=job)
+    text = cli.render_job(rounds.view(job, 4.0))
+    assert "this is run 2; earlier runs:" in text
+    (row,) = [ln for ln in text.splitlines()[text.splitlines().index("this is run 2; earlier runs:") + 2 :]]
+    assert row.split()[:2] == ["1", "closed"] and row.rstrip().endswith("closed by request")
