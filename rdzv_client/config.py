@@ -82,6 +82,7 @@ class AgentConfig:
     min_round_s: float = DEFAULT_MIN_ROUND_S
     health_check: str | None = None  # shell command run before every join; non-zero: this round is skipped
     health_check_timeout_s: float = 60.0
+    new_run: bool = True  # False (--no-new-run): never start the next run of a finished job id
 
     def spec_fields(self) -> dict[str, Any]:
         """The job spec as the plain JSON object of a join (no pydantic: the agent's start-up path)."""
@@ -190,6 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the job's secret: the first node sets it, every other node must bring the same "
         "(default: $RDZV_JOB_SECRET, better than the flag, which other users see in ps)",
+    )
+    a(
+        "--no-new-run",
+        dest="new_run",
+        action="store_false",
+        default=os.environ.get("RDZV_NO_NEW_RUN", "") in ("", "0"),
+        help="if the job id's run has ended, exit 2 (job finished) instead of starting its next run: "
+        "for agents a scheduler may start late, e.g. Kubernetes pods (default: $RDZV_NO_NEW_RUN)",
     )
     a(
         "--log-dir",
@@ -473,6 +482,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         hang_timeout_s=spec_check["hang_timeout_s"],
         storm_restarts=spec_check["storm_restarts"],
         min_round_s=spec_check["min_round_s"],
+        new_run=args.new_run,
         **_host_options(args),
     )
 

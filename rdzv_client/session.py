@@ -94,6 +94,7 @@ class NodeSession:
         addr: str | None = None,
         job_secret: str | None = None,
         requested_rank: int | None = None,
+        new_run: bool = True,
     ) -> None:
         self.job_id = job_id
         self.host = host
@@ -102,6 +103,7 @@ class NodeSession:
         self.addr = addr
         self.job_secret = job_secret
         self.requested_rank = requested_rank
+        self.new_run = new_run  # False: a finished job id refuses this node instead of starting its next run
         self.node_id = new_node_id(host)
         self.assignment: Assignment | None = None  # the round this node runs (or ran and reported)
         self._link: AgentLink | None = None
@@ -132,6 +134,7 @@ class NodeSession:
             requested_rank=self.requested_rank,
             resume_round=resume.round if resume is not None else None,
             job_secret=self.job_secret,
+            new_run=self.new_run,
         )
 
     def join(self) -> None:

@@ -157,6 +157,8 @@ class RdzvRendezvousHandler(RendezvousHandler):
             spec=self.spec,
             addr=addr,
             job_secret=self.job_secret,
+            # --rdzv-conf new_run=0: a finished job id refuses this node instead of starting its next run
+            new_run=str(params.get("new_run", "1")).lower() not in ("0", "false", "no"),
         )
         self.failure_report_delay_s = float(params.get("failure_report_delay", FAILURE_REPORT_DELAY_S))
         self._assignment: Assignment | None = None

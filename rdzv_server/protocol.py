@@ -210,7 +210,8 @@ class JoinMsg(_Strict):
     join must carry the same one (a job created without one refuses it).
     ``run``: set by an agent once a ``joined`` told it its run; a join of
     another run than the job's, or any but a fresh join to a finished job, is
-    told ``job_finished``."""
+    told ``job_finished``; ``new_run`` false makes every join to a finished
+    job a refusal (an agent that must never start a run of an ended job)."""
 
     op: Literal["join"] = "join"
     job_id: Id
@@ -227,6 +228,9 @@ class JoinMsg(_Strict):
     # the run of the job this agent belongs to (its first ``joined`` said it); None: a
     # fresh agent, which starts the next run of a finished job (design.md "Job lifecycle")
     run: RunNo | None = None
+    # False: this agent only joins the job's current run; a finished job refuses it
+    # (job_finished) instead of starting its next run (rdzv-agent --no-new-run)
+    new_run: bool = True
 
 
 class HeartbeatMsg(_Strict):

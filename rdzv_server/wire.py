@@ -143,6 +143,7 @@ def join_fields(
     node_secret: str | None = None,
     job_secret: str | None = None,
     run: int | None = None,
+    new_run: bool = True,
 ) -> dict[str, Any]:
     """A join as the plain JSON object ``JoinMsg`` serializes to (field for
     field, in its order). The values are the agent's own, checked where they
@@ -161,4 +162,5 @@ def join_fields(
         "node_secret": node_secret,
         "job_secret": job_secret,
         "run": run,
+        "new_run": new_run,
     }

@@ -99,9 +99,11 @@ def _check_node_secret(job: Job, node: Node, msg: JoinMsg) -> None:
 def starts_run(job: Job, msg: JoinMsg) -> bool:
     """Whether ``msg`` starts the next run of a finished job: a fresh agent's
     join (no run, no resume, no node secret, a node id the ended run did not
-    have). Any other join to a finished job is a late agent of its run."""
+    have) that may start one (``new_run``). Any other join to a finished job is
+    a late agent of its run."""
     return (
         job.finished
+        and msg.new_run
         and msg.run is None
         and msg.resume_round is None
         and msg.node_secret is None
@@ -119,8 +121,12 @@ def _check_run(job: Job, msg: JoinMsg) -> None:
         )
     if job.finished and not starts_run(job, msg):
         raise JobFinishedError(
-            f"job {job.job_id!r} run {job.run} already {job.state.value}: {job.end_reason}; this agent belongs "
-            f"to that run (the same command started again starts run {job.run + 1})"
+            f"job {job.job_id!r} run {job.run} already {job.state.value}: {job.end_reason}; "
+            + (
+                f"this agent belongs to that run (the same command started again starts run {job.run + 1})"
+                if msg.new_run
+                else "this agent may not start its next run (--no-new-run)"
+            )
         )
 
 

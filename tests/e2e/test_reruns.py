@@ -39,6 +39,12 @@ def test_the_same_agent_command_run_twice_after_success_runs_twice(cluster: Clus
         assert view["run"] == run, view
     assert [(r["run"], r["state"], r["rounds"]) for r in view["runs"]] == [(1, "succeeded", 1)], view["runs"]
     assert view["history"][0]["reason"] == "run 2 started (run 1 succeeded)", view["history"]
+    # an agent a scheduler started late (a Kubernetes pod) must not start run 3: --no-new-run
+    late = cluster.start_agent(server, "exp1", "loop.py", "--steps", "3", nnodes="2", flags=("--no-new-run",))
+    assert late.wait_exit(60) == 2, late.text()[-3000:]
+    assert "may not start its next run" in late.text(), late.text()[-3000:]
+    view = server.job("exp1")
+    assert (view["run"], view["state"]) == (2, "succeeded"), view
 
 
 @pytest.mark.timeout(150)

@@ -241,3 +241,34 @@ def test_rdzv_status_lists_the_earlier_runs_only_when_there_are_some():
     assert "this is run 2; earlier runs:" in text
     (row,) = [ln for ln in text.splitlines()[text.splitlines().index("this is run 2; earlier runs:") + 2 :]]
     assert row.split()[:2] == ["1", "closed"] and row.rstrip().endswith("closed by request")
+
+
+def test_an_agent_that_may_not_start_a_new_run_is_told_the_run_finished():
+    """``--no-new-run`` (a Kubernetes pod that starts after its run ended): a
+    finished job refuses it as before, nothing changes; it still creates a new
+    job id and joins a forming round."""
+    sp = spec(min_nodes=1, max_nodes=2)
+    job = rounds.new_job("j", sp, 0.0)
+    rounds.join(job, join_msg("a", sp, new_run=False), 0.0)  # it creates a new job's first run
+    rounds.join(job, join_msg("b", sp, new_run=False), 0.5)  # and joins its forming round
+    assert job.state == JobState.RUNNING and job.order == ["a", "b"]
+    finish(job, "succeed", 3.0)
+    before = record(job)
+    with pytest.raises(JobFinishedError, match="already succeeded"):
+        rounds.join(job, join_msg("late-pod", sp, new_run=False), 4.0)
+    assert record(job) == before and not rounds.starts_run(job, join_msg("late-pod", sp, new_run=False))
+
+
+def test_no_new_run_reaches_the_join_from_the_flag_and_the_environment(monkeypatch: pytest.MonkeyPatch):
+    from rdzv_client.config import build_parser, config_from_args
+    from rdzv_client.session import NodeSession
+
+    base = ["--endpoint", "127.0.0.1:29400", "--job-id", "j", "--local-addr", "127.0.0.1", "train.py"]
+    monkeypatch.delenv("RDZV_NO_NEW_RUN", raising=False)
+    assert config_from_args(build_parser().parse_args(base)).new_run is True
+    assert config_from_args(build_parser().parse_args(["--no-new-run", *base])).new_run is False
+    monkeypatch.setenv("RDZV_NO_NEW_RUN", "1")
+    cfg = config_from_args(build_parser().parse_args(base))
+    assert cfg.new_run is False
+    session = NodeSession(job_id="j", host="h", nproc=1, spec=cfg.spec_fields(), addr="127.0.0.1", new_run=cfg.new_run)
+    assert JoinMsg.model_validate_json(json.dumps(session.join_msg())).new_run is False

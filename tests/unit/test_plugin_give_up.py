@@ -59,3 +59,17 @@ def test_a_failure_that_does_not_fit_the_wire_still_gives_one_record_naming_this
     odd = ProcessFailure(local_rank=10**9, pid=1, exitcode=1, error_file="<N/A>")  # beyond the wire's bounds
     (record,) = _exit_records(ChildFailedError("train.py", {0: odd}), A)
     assert record.rank == A.rank_offset and record.exit_code == 1 and "gave up" in record.message
+
+
+@pytest.mark.parametrize(("conf", "new_run"), [({}, True), ({"new_run": "0"}, False), ({"new_run": "1"}, True)])
+def test_rdzv_conf_new_run_reaches_the_join(conf: dict, new_run: bool) -> None:
+    """``--rdzv-conf new_run=0``: a finished job id refuses this torchrun instead of starting its next run."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from rdzv_client.torch_plugin import RdzvRendezvousHandler
+
+    params = RendezvousParameters(
+        backend="rdzv", endpoint="127.0.0.1:29400", run_id="j", min_nodes=1, max_nodes=1, local_addr="127.0.0.1", **conf
+    )
+    handler = RdzvRendezvousHandler(params)  # connects on its first rendezvous only
+    assert handler.session.join_msg()["new_run"] is new_run
