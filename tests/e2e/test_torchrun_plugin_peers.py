@@ -37,13 +37,14 @@ def _both_end(rig: Rig, nodes: list[TorchrunProc], job_id: str) -> dict:
 @pytest.mark.timeout(150)
 def test_a_torchrun_that_gives_up_ends_the_job_on_every_node(rig: Rig, tmp_path: Path) -> None:
     """torchrun's default ``--max-restarts 0``: rank 1 raises after step 1 while
-    rank 0 sleeps between steps (its workers are healthy). Both torchruns exit
+    rank 0 sleeps 10 s between steps (its worker is healthy: its collective
+    would only break at its next step, long after the give-up). Both torchruns exit
     1; the job is failed with rank 1's error as its root cause; the node that
     gave up prints torchrun's failure summary, the healthy one the server's
     reason through RendezvousClosedError."""
     rig.start_server()
     marker = tmp_path / "failed-once"
-    args = ("--steps", "1000", "--interval", "3", "--fail-once", str(marker), "--fail-rank", "1")
+    args = ("--steps", "1000", "--interval", "10", "--fail-once", str(marker), "--fail-rank", "1")
     nodes = [
         rig.torchrun(f"node{i}", "peers", "2", *args, conf="last_call_timeout=20", max_restarts=0) for i in range(2)
     ]
@@ -65,7 +66,7 @@ def test_a_torchrun_whose_budget_is_spent_ends_the_job_on_every_node(rig: Rig) -
     first failure restarts both nodes (round 1), the second spends node1's
     budget; node0, healthy, must not wait for a round that cannot form."""
     rig.start_server()
-    args = ("--steps", "1000", "--interval", "3", "--fail-if-env", "RDZV_TEST_FAIL")
+    args = ("--steps", "1000", "--interval", "10", "--fail-if-env", "RDZV_TEST_FAIL")
     nodes = [
         rig.torchrun(
             f"node{i}",
