@@ -84,6 +84,7 @@ class Agent(ServerReactions):
             addr=cfg.local_addr,
             job_secret=cfg.job_secret,
             requested_rank=cfg.node_rank,
+            new_run=cfg.new_run,
         )
         self.phase = Phase.JOINING
         self._link: AgentLink | None = None  # set once run() connects

@@ -128,6 +128,10 @@ def render_job(job: JobView) -> str:
         for r in job.history[-20:]
     ]
     out.append(_table(["ROUND", "OPENED", "FORMED IN", "WORLD", "WHY"], hist))
+    if job.runs:  # the job id ran before (the same command again)
+        runs = [[r.run, r.state, _when(r.ended_at), r.rounds, printable(r.reason, limit=300)] for r in job.runs]
+        out += ["", f"this is run {job.run}; earlier runs:"]
+        out.append(_table(["RUN", "STATE", "ENDED", "ROUNDS", "WHY"], runs))
     return "\n".join(out)
 
 

@@ -8,7 +8,9 @@ library only) and sends its intent before it imports pydantic: an agent's
 first join leaves within a few tens of milliseconds of its start, and every
 server message is still validated with the protocol models before the agent
 acts on it. It keeps the node secret the server's ``joined`` issued and puts
-it on every later join of that node id (held in memory only). A server
+it on every later join of that node id (held in memory only), and the run of
+the job that ``joined`` named, on every later join whatever its node id (a
+late agent of a finished run is then told so, never starting the next). A server
 hiccup therefore never reaches the agent's loop as an error: the loop just
 hears nothing until the server is back.
 
@@ -155,6 +157,7 @@ class AgentLink:
         self._background: set[asyncio.Task[Any]] = set()
         self._pending: list[str] = []  # reports to re-send after a reconnect, until acked
         self._secret: tuple[str, str] | None = None  # (node id, the node secret the server issued it)
+        self.run: int | None = None  # the job's run the first ``joined`` named (design.md "Job lifecycle")
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="rdzv-link")
@@ -168,13 +171,16 @@ class AgentLink:
 
     def set_intent(self, msg: dict[str, Any] | None, send: bool = True) -> None:
         """Remember what to say after a reconnect, and say it now. A join of the
-        node id the server issued a secret to carries that secret."""
+        node id the server issued a secret to carries that secret; every join
+        carries this agent's run once a ``joined`` named it."""
         msg = self._with_secret(msg)
         self.intent = msg
         if msg is not None and send:
             self.send_nowait(_dump(msg))
 
     def _with_secret(self, msg: dict[str, Any] | None) -> dict[str, Any] | None:
+        if msg is not None and msg.get("op") == "join" and msg.get("run") is None and self.run is not None:
+            msg = {**msg, "run": self.run}  # this agent's run, for every node id it joins as
         if (
             msg is not None
             and msg.get("node_secret") is None
@@ -303,8 +309,12 @@ class AgentLink:
                         break
                     if isinstance(msg, JoinedMsg):
                         self.heartbeat_s = msg.heartbeat_s
+                        if self.run is None:
+                            self.run = msg.run
                         if msg.node_secret is not None:
                             self._learn_secret(msg.node_id, msg.node_secret)
+                        else:
+                            self.intent = self._with_secret(self.intent)
                     self._messages.put_nowait(msg)
                 why = ws.close_reason or ""
                 if why and not why.startswith("closed by") and self.last_error is None:

@@ -100,6 +100,7 @@ class AgentConfig:
     signals: tuple[int, ...] = ALWAYS_HANDLED  # what the agent handles: stop workers, leave, exit 128+N
     virtual_local_rank: bool = False  # LOCAL_RANK=0, CUDA_VISIBLE_DEVICES one GPU (torchrun's --virtual-local-rank)
     notes: list[str] = field(default_factory=list)  # one line each: a torchrun flag that rdzv does differently
+    new_run: bool = True  # False (--no-new-run): never start the next run of a finished job id
 
     def spec_fields(self) -> dict[str, Any]:
         """The job spec as the plain JSON object of a join (no pydantic: the agent's start-up path)."""
@@ -217,6 +218,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the job's secret: the first node sets it, every other node must bring the same "
         "(default: $RDZV_JOB_SECRET, better than the flag, which other users see in ps)",
+    )
+    a(
+        "--no-new-run",
+        dest="new_run",
+        action="store_false",
+        default=os.environ.get("RDZV_NO_NEW_RUN", "") in ("", "0"),
+        help="if the job id's run has ended, exit 2 (job finished) instead of starting its next run: "
+        "for agents a scheduler may start late, e.g. Kubernetes pods (default: $RDZV_NO_NEW_RUN)",
     )
     a(
         "--log-dir",
@@ -649,6 +658,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         signals=signals,
         virtual_local_rank=bool(args.virtual_local_rank),
         notes=notes,
+        new_run=args.new_run,
         **_host_options(args),
     )
 

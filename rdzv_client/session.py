@@ -14,7 +14,7 @@ the round this node runs, and builds every join:
   under a new node id, which carries no secret until the server issues one.
 * :meth:`NodeSession.check_assignment` - what the protocol model cannot check:
   the job id and this node's worker count.
-* :meth:`NodeSession.report_failed`, :meth:`report_succeeded`, :meth:`leave`.
+* :meth:`NodeSession.report_failed` (also a give-up), :meth:`report_succeeded`, :meth:`leave`.
 
 :class:`OutageWatch` is the server-timeout bookkeeping: when an outage is news,
 when to say it again, when to give up.
@@ -94,6 +94,7 @@ class NodeSession:
         addr: str | None = None,
         job_secret: str | None = None,
         requested_rank: int | None = None,
+        new_run: bool = True,
     ) -> None:
         self.job_id = job_id
         self.host = host
@@ -102,6 +103,7 @@ class NodeSession:
         self.addr = addr
         self.job_secret = job_secret
         self.requested_rank = requested_rank
+        self.new_run = new_run  # False: a finished job id refuses this node instead of starting its next run
         self.node_id = new_node_id(host)
         self.assignment: Assignment | None = None  # the round this node runs (or ran and reported)
         self._link: AgentLink | None = None
@@ -132,6 +134,7 @@ class NodeSession:
             requested_rank=self.requested_rank,
             resume_round=resume.round if resume is not None else None,
             job_secret=self.job_secret,
+            new_run=self.new_run,
         )
 
     def join(self) -> None:
@@ -159,10 +162,12 @@ class NodeSession:
             return f"assignment for {a.local_world_size} local worker(s), this node runs {self.nproc}"
         return None
 
-    def report_failed(self, round_no: int, failures: list[ExitRecord]) -> None:
+    def report_failed(self, round_no: int, failures: list[ExitRecord], give_up: bool = False) -> None:
+        """``give_up``: this node's launcher stops for good after the failure
+        (torchrun's own budget is spent): the server fails the job for every node."""
         from rdzv_server.protocol import FailedMsg
 
-        self.link.report(FailedMsg(round=round_no, failures=failures))
+        self.link.report(FailedMsg(round=round_no, failures=failures, give_up=give_up))
 
     def report_succeeded(self, round_no: int) -> None:
         from rdzv_server.protocol import SucceededMsg

@@ -35,7 +35,13 @@ RendezvousConnectionError, and running workers are stopped through
 
 torchrun keeps its own restart budget (``--max-restarts``); the server counts a
 torchrun restart as a failure of the round, with a budget of its own that is
-effectively unlimited unless ``--rdzv-conf max_restarts=K`` sets one.
+effectively unlimited unless ``--rdzv-conf max_restarts=K`` sets one. When
+torchrun's budget is spent (its default is 0) it gives up: :meth:`shutdown`
+sees torchrun's ChildFailedError and sends a give-up (a failure report with
+``give_up``, the workers' exit records) instead of a leave; the server fails
+the job and tells every node, so the other torchruns stop their workers and
+exit 1 at once (RendezvousClosedError naming the failure), as under c10d,
+instead of waiting the join timeout for a round that cannot form.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from typing import Any, TypeVar
 
 # torch exports these without marking them as re-exported (no __all__ entry): mypy's strict mode says so
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -68,9 +75,12 @@ from torch.distributed.elastic.rendezvous import (
 
 from rdzv_server.protocol import (
     DEFAULT_MIN_ROUND_S,
+    MAX_ERROR_MESSAGE,
+    MAX_FAILURES_PER_REPORT,
     MAX_RESTARTS,
     MAX_SECRET_LEN,
     SECRET_PATTERN,
+    AckMsg,
     AssignedMsg,
     Assignment,
     DoneMsg,
@@ -91,6 +101,7 @@ from rdzv_server.protocol import (
 )
 
 from .client import AgentLink, RestClient, parse_endpoint
+from .exits import read_error_file
 from .launch import WITHHELD_FROM_WORKERS
 from .session import NodeSession, OutageWatch, route_addr
 
@@ -154,6 +165,8 @@ class RdzvRendezvousHandler(RendezvousHandler):
             spec=self.spec,
             addr=addr,
             job_secret=self.job_secret,
+            # --rdzv-conf new_run=0: a finished job id refuses this node instead of starting its next run
+            new_run=str(params.get("new_run", "1")).lower() not in ("0", "false", "no"),
         )
         self.failure_report_delay_s = float(params.get("failure_report_delay", FAILURE_REPORT_DELAY_S))
         self._assignment: Assignment | None = None
@@ -258,6 +271,16 @@ class RdzvRendezvousHandler(RendezvousHandler):
                 self._waiting_text = text
             inbox.put_nowait(msg)
             self._news.set()
+
+    async def _answered(self, timeout: float) -> None:
+        """Wait until the server answered a report: its ack, the job's end, or a refusal."""
+        inbox = self._inbox
+        assert inbox is not None  # made with the link
+        deadline = time.monotonic() + timeout
+        while not self._closed and (left := deadline - time.monotonic()) > 0:
+            msg = await asyncio.wait_for(inbox.get(), left)
+            if isinstance(msg, (AckMsg, DoneMsg, ErrorMsg)):
+                return
 
     def _call(self, coro: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
         loop = self._loop
@@ -411,22 +434,36 @@ class RdzvRendezvousHandler(RendezvousHandler):
                 raise RendezvousError(printable(msg.message))
 
     def shutdown(self) -> bool:
-        """torchrun calls this from a ``finally``: an exception in flight means
-        this node failed for good, so it leaves; otherwise its workers
-        succeeded."""
+        """torchrun calls this from a ``finally``. No exception in flight: its
+        workers succeeded. torchrun's ChildFailedError: its workers failed and
+        its own restart budget is spent, so this node gives up: the server fails
+        the job for every node (their next rendezvous raises
+        RendezvousClosedError). Any other exception: this node leaves."""
         if self._loop is None:
             return True
-        failed = sys.exc_info()[0] is not None
+        exc = sys.exc_info()[1]
+        failed = exc is not None
         a = self._assignment
+        gives_up = a is not None and isinstance(exc, ChildFailedError) and not self._closed
+        records = _exit_records(exc, a) if gives_up and a is not None and isinstance(exc, ChildFailedError) else []
 
         async def finish() -> None:
             if a is not None and not failed:
                 self.session.report_succeeded(a.round)
+            elif a is not None and gives_up:
+                log.warning("job %s: torchrun gave up after a worker failure; the job ends on every node", self.run_id)
+                assert self._inbox is not None  # made with the link
+                while not self._inbox.empty():  # what came before is not the answer to this report
+                    self._inbox.get_nowait()
+                self.session.report_failed(a.round, records, give_up=True)
             else:
                 self.session.leave("torchrun agent stopped" + (" after a failure" if failed else ""))
             try:
                 await asyncio.wait_for(self.session.link.connected.wait(), 5.0)
-                await asyncio.sleep(0.1)  # let the frame go out
+                if gives_up:
+                    await self._answered(5.0)  # the job must end for the others: wait for the server to say so
+                else:
+                    await asyncio.sleep(0.1)  # let the frame go out
             except asyncio.TimeoutError:
                 pass
             self._dispatcher.cancel()
@@ -496,6 +533,39 @@ def _spec_nproc(handler: RendezvousHandler) -> int | None:
 
 
 _FRAMES_SEARCHED = 20
+
+
+def _exit_records(exc: ChildFailedError, a: Assignment) -> list[ExitRecord]:
+    """torchrun's failures (global rank -> ProcessFailure) as exit records, the
+    message from each worker's error file (torch's ``@record``) when it wrote one."""
+    records = []
+    for rank, f in sorted(exc.failures.items())[:MAX_FAILURES_PER_REPORT]:
+        try:
+            message = read_error_file(f.error_file) if os.path.isfile(f.error_file) else None
+            code = int(f.exitcode)
+            records.append(
+                ExitRecord(
+                    local_rank=int(f.local_rank),
+                    rank=int(rank),
+                    pid=int(f.pid),
+                    exit_code=code if code >= 0 else None,
+                    signal=f.signal_name()[:32] if code < 0 else None,
+                    message=(message or "")[:MAX_ERROR_MESSAGE],
+                    timestamp=float(f.timestamp),
+                )
+            )
+        except (ValueError, TypeError, OSError) as e:  # torch's record is not what we expect: say less
+            log.warning("rdzv: cannot read torchrun's failure of rank %s: %s", rank, e)
+    return records or [
+        ExitRecord(
+            local_rank=0,
+            rank=a.rank_offset,
+            pid=os.getpid(),
+            exit_code=1,
+            timestamp=time.time(),
+            message="torchrun gave up after a worker failure (see its log for the worker error)",
+        )
+    ]
 
 
 def _torchrun_nproc() -> int:

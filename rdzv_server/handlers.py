@@ -396,7 +396,7 @@ def _dispatch(
     if isinstance(msg, HeartbeatMsg):
         store.heartbeat(*bound, msg.step, msg.rate)
     elif isinstance(msg, FailedMsg):
-        store.fail(*bound, msg.round, msg.failures)
+        store.fail(*bound, msg.round, msg.failures, give_up=msg.give_up)
         chan.tell(AckMsg(of="failed"))
     elif isinstance(msg, SucceededMsg):
         store.succeed(*bound, msg.round)

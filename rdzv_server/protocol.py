@@ -76,6 +76,7 @@ from .rest_models import (  # noqa: F401  (re-exported: the wire contract is one
     JobSummary,
     NodeView,
     RoundView,
+    RunView,
 )
 from .wire import (  # noqa: F401  (re-exported: the wire contract is one import)
     AGENT_PATH,
@@ -120,6 +121,7 @@ Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_LEN, pattern=ID_PATTER
 Host = Annotated[str, Field(min_length=1, max_length=255, pattern=HOST_PATTERN)]
 Port = Annotated[int, Field(ge=1, le=65535)]
 RoundNo = Annotated[int, Field(ge=0, le=2**53)]
+RunNo = Annotated[int, Field(ge=1, le=2**53)]
 Seconds = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)]
 # Node and job secrets: printable ASCII, never shown in a repr (logs, tracebacks).
 Secret = Annotated[str, Field(min_length=1, max_length=MAX_SECRET_LEN, pattern=SECRET_PATTERN)]
@@ -215,7 +217,11 @@ class JoinMsg(_Strict):
     ``node_secret``: what the server's ``joined`` handed this node id when it
     created it; every later join naming that node id must carry it.
     ``job_secret``: optional; the first join of a job sets it, every later
-    join must carry the same one (a job created without one refuses it)."""
+    join must carry the same one (a job created without one refuses it).
+    ``run``: set by an agent once a ``joined`` told it its run; a join of
+    another run than the job's, or any but a fresh join to a finished job, is
+    told ``job_finished``; ``new_run`` false makes every join to a finished
+    job a refusal (an agent that must never start a run of an ended job)."""
 
     op: Literal["join"] = "join"
     job_id: Id
@@ -229,6 +235,12 @@ class JoinMsg(_Strict):
     resume_round: RoundNo | None = None
     node_secret: Secret | None = Field(default=None, repr=False)
     job_secret: Secret | None = Field(default=None, repr=False)
+    # the run of the job this agent belongs to (its first ``joined`` said it); None: a
+    # fresh agent, which starts the next run of a finished job (design.md "Job lifecycle")
+    run: RunNo | None = None
+    # False: this agent only joins the job's current run; a finished job refuses it
+    # (job_finished) instead of starting its next run (rdzv-agent --no-new-run)
+    new_run: bool = True
 
 
 class HeartbeatMsg(_Strict):
@@ -249,11 +261,23 @@ class HeartbeatMsg(_Strict):
 
 
 class FailedMsg(_Strict):
-    """This node's workers failed in ``round``; the records say how."""
+    """This node's workers failed in ``round``; the records say how.
+
+    ``give_up``: this node's launcher stops for good after the failure (torchrun's
+    own ``--max-restarts`` is spent): the job fails at once and every node is told,
+    instead of a restart. Left out of the frame when false (the frame it always was)."""
 
     op: Literal["failed"] = "failed"
     round: RoundNo
     failures: list[ExitRecord] = Field(min_length=1, max_length=MAX_FAILURES_PER_REPORT)
+    give_up: bool = False
+
+    @model_serializer(mode="wrap")
+    def _drop_default(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        data: dict[str, object] = handler(self)
+        if not data.get("give_up"):
+            data.pop("give_up", None)
+        return data
 
 
 class SucceededMsg(_Strict):
@@ -297,6 +321,7 @@ class JoinedMsg(_Strict):
     heartbeat_s: Seconds
     waiting_for: WaitingInfo | None = None
     node_secret: Secret | None = Field(default=None, repr=False)
+    run: RunNo = 1  # the job's run this node joined: its later joins carry it
 
 
 class StatusMsg(_Strict):
@@ -424,6 +449,10 @@ class JobView(BaseModel):
     history: list[RoundView]
     nodes_omitted: int = Field(default=0, description="nodes and spares not listed (a view lists at most 10,000)")
     history_omitted: int = Field(default=0, description="older rounds not listed (a view lists the latest 100)")
+    run: int = Field(default=1, description="this job id's run: a finished job id starts run N+1 on a fresh join")
+    runs: list[RunView] = Field(
+        default_factory=list, description="the previous runs of this job id, oldest first (the latest 20)"
+    )
 
 
 MAX_HOST_REASON = 300

@@ -66,6 +66,19 @@ class RoundView(BaseModel):
     nodes: int | None
 
 
+class RunView(BaseModel):
+    """A finished run of a job id (the job view lists its previous runs)."""
+
+    run: int
+    state: Literal["succeeded", "failed", "closed"]
+    reason: str
+    root_cause: str | None
+    started_at: float = Field(description="unix time the run started")
+    ended_at: float = Field(description="unix time it ended")
+    rounds: int = Field(description="rounds it opened")
+    restarts: int
+
+
 class JobSummary(BaseModel):
     job_id: str
     state: JobState
@@ -78,6 +91,7 @@ class JobSummary(BaseModel):
     restarts: int
     max_restarts: int
     created_at: float | None = Field(default=None, description="unix time the job was created")
+    run: int = Field(default=1, description="this job id's run (see JobView.runs)")
 
 
 MAX_PAGE = 1000

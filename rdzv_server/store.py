@@ -47,6 +47,7 @@ from .protocol import (
     ErrorMsg,
     EvictedError,
     ExitRecord,
+    JobFinishedError,
     JobNotFoundError,
     JobState,
     JoinMsg,
@@ -259,11 +260,22 @@ class Store(HostsMixin, RetentionMixin):
         job = self.jobs.get(msg.job_id)
         created = job is None
         if job is None:
+            if msg.run is not None and self.db is not None:
+                # every job an agent heard of is on disk: this one ended and was removed (or deleted)
+                raise JobFinishedError(
+                    f"job {msg.job_id!r} is not on this server any more (it ended and was removed or deleted); "
+                    f"this agent belongs to its run {msg.run}"
+                )
             if msg.resume_round is not None:
                 raise EvictedError(f"job {msg.job_id!r} is unknown to this server; rejoin as a new node")
             self._check_room(msg.job_id, chan)
             job = rounds.new_job(msg.job_id, msg.spec, now, job_secret=msg.job_secret)
+            if msg.run is not None:  # a memory-only server restarted: its agents bring the run back
+                job.run = msg.run
             job.gate = self.hosts
+        rerun = not created and rounds.starts_run(job, msg)  # a finished job id's next run
+        if rerun:
+            self._check_room(msg.job_id, chan)
         # a node this join creates gets a fresh secret; only its own connection hears it
         issued = None if msg.node_id in job.nodes else secrets.token_urlsafe(24)
         fx = rounds.join(job, msg, now, node_secret=issued)  # raises before changing anything
@@ -277,6 +289,8 @@ class Store(HostsMixin, RetentionMixin):
                 # as it joined: waiting, or spare (a round it completed at once is the next event)
                 {"host": node.host, "addr": node.addr, "nproc": node.local_world_size, "state": joined_as},
             )
+        if rerun:
+            self.active.add(job.job_id)
         if created:
             self.jobs[job.job_id] = job
             self.active.add(job.job_id)
@@ -357,9 +371,11 @@ class Store(HostsMixin, RetentionMixin):
             out[job_id] = round(max(0.0, *ages), 3) if ages else 0.0
         return out
 
-    def fail(self, job_id: str, node_id: str, round_no: int, failures: list[ExitRecord]) -> None:
+    def fail(self, job_id: str, node_id: str, round_no: int, failures: list[ExitRecord], give_up: bool = False) -> None:
+        """A failure report; ``give_up``: the node's launcher stops for good (the job fails)."""
         job, now = self._job(job_id), self.clock()
-        fx = rounds.fail(job, node_id, round_no, failures, now)
+        step = rounds.give_up if give_up else rounds.fail
+        fx = step(job, node_id, round_no, failures, now)
         self._apply(job, fx, now, event=("node_failed", node_id, failure_fields(failures)))
 
     def succeed(self, job_id: str, node_id: str, round_no: int) -> None:

@@ -161,6 +161,8 @@ def join_fields(
     resume_round: int | None = None,
     node_secret: str | None = None,
     job_secret: str | None = None,
+    run: int | None = None,
+    new_run: bool = True,
 ) -> dict[str, Any]:
     """A join as the plain JSON object ``JoinMsg`` serializes to (field for
     field, in its order). The values are the agent's own, checked where they
@@ -178,4 +180,6 @@ def join_fields(
         "resume_round": resume_round,
         "node_secret": node_secret,
         "job_secret": job_secret,
+        "run": run,
+        "new_run": new_run,
     }

@@ -15,17 +15,20 @@ caller needs is here. Inside:
 """
 
 from .gates import hosts_changed
-from .joins import join
+from .joins import join, starts_run
 from .machine import (
     MAX_HISTORY,
+    MAX_RUNS,
     STATUS_PUSH_INTERVAL_S,
     assign_ranks,
     close,
     disconnect,
     fail,
+    give_up,
     grace,
     leave,
     new_job,
+    new_run,
     next_due,
     restored,
     succeed,
@@ -45,6 +48,7 @@ from .model import (
     Node,
     NodeState,
     RoundRecord,
+    RunRecord,
     blocked,
     count,
     job_secret_hash,
@@ -58,6 +62,7 @@ from .views import MAX_VIEW_HISTORY, MAX_VIEW_NODES, summary, view, waiting_info
 
 __all__ = [
     "MAX_HISTORY",
+    "MAX_RUNS",
     "MAX_VIEW_HISTORY",
     "MAX_VIEW_NODES",
     "REJOINING",
@@ -74,6 +79,7 @@ __all__ = [
     "Node",
     "NodeState",
     "RoundRecord",
+    "RunRecord",
     "assign_ranks",
     "blocked",
     "close",
@@ -81,6 +87,7 @@ __all__ = [
     "disconnect",
     "fail",
     "from_record",
+    "give_up",
     "grace",
     "heartbeat",
     "hosts_changed",
@@ -90,9 +97,11 @@ __all__ = [
     "move",
     "natural_key",
     "new_job",
+    "new_run",
     "next_due",
     "node_secret_hash",
     "restored",
+    "starts_run",
     "succeed",
     "summary",
     "tick",

@@ -2,8 +2,10 @@
 :mod:`.machine`, whose helpers it uses to complete a round and build an
 assignment.
 
-Order of checks: the job is not finished, the job secret, the whole spec, and
-for a known node its node secret; only then does anything change."""
+Order of checks: the run (a late agent of a finished or earlier run is told
+``job_finished``; a fresh join to a finished job starts its next run), the job
+secret, the whole spec, and for a known node its node secret; only then does
+anything change."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from ..protocol import (
     StaleRoundError,
     heartbeat_interval,
 )
-from .machine import _assignment, _check_complete
+from .machine import _assignment, _check_complete, new_run
 from .model import (
     REJOINING,
     RUNNING,
@@ -95,6 +97,40 @@ def _check_node_secret(job: Job, node: Node, msg: JoinMsg) -> None:
         )
 
 
+def starts_run(job: Job, msg: JoinMsg) -> bool:
+    """Whether ``msg`` starts the next run of a finished job: a fresh agent's
+    join (no run, no resume, no node secret, a node id the ended run did not
+    have) that may start one (``new_run``). Any other join to a finished job is
+    a late agent of its run."""
+    return (
+        job.finished
+        and msg.new_run
+        and msg.run is None
+        and msg.resume_round is None
+        and msg.node_secret is None
+        and msg.node_id not in job.nodes
+    )
+
+
+def _check_run(job: Job, msg: JoinMsg) -> None:
+    """A late agent, of this run or an earlier one, is told the run ended:
+    it must never start or join another run by accident."""
+    if msg.run is not None and msg.run != job.run:
+        raise JobFinishedError(
+            f"run {msg.run} of job {job.job_id!r} is over and the job is at run {job.run} "
+            f"({job.state.value}); this agent belongs to run {msg.run}"
+        )
+    if job.finished and not starts_run(job, msg):
+        raise JobFinishedError(
+            f"job {job.job_id!r} run {job.run} already {job.state.value}: {job.end_reason}; "
+            + (
+                f"this agent belongs to that run (the same command started again starts run {job.run + 1})"
+                if msg.new_run
+                else "this agent may not start its next run (--no-new-run)"
+            )
+        )
+
+
 def join(job: Job, msg: JoinMsg, now: float, node_secret: str | None = None) -> Effects:
     """A node joins the forming round, queues for a scale-up, becomes a spare,
     or (with ``resume_round``) reconnects to the round it still runs.
@@ -107,8 +143,13 @@ def join(job: Job, msg: JoinMsg, now: float, node_secret: str | None = None) -> 
     back), :func:`_resume` (a node resumes a round: refused, or told to
     restart), else :func:`_new_node` or :func:`_rejoin`, then :func:`_enter`
     (the forming round, a scale-up, or a spare)."""
-    if job.finished:
-        raise JobFinishedError(f"job {job.job_id!r} already {job.state.value}: {job.end_reason}; use a new job id")
+    _check_run(job, msg)
+    if job.finished:  # a fresh agent: the job id's next run, with this join's settings
+        new_run(job, msg.spec, now, msg.job_secret)
+        started = join(job, msg, now, node_secret)  # (once: the job is not finished any more)
+        started.persist = True
+        started.logs.insert(0, f"job {job.job_id} {job.history[0].reason}")
+        return started
     _check_job_secret(job, msg)
     _check_spec(job, msg)
     node = job.nodes.get(msg.node_id)
@@ -220,12 +261,19 @@ def _enter(job: Job, node: Node, now: float, issued: str | None) -> Effects:
                 heartbeat_s=heartbeat_interval(spec),
                 waiting_for=waiting_info(job, now, detail=False),
                 node_secret=issued,
+                run=job.run,
             ),
         )
         return fx.merge(done)
     fx.send(
         node.node_id,
-        JoinedMsg(round=job.round + 1, node_id=node.node_id, heartbeat_s=heartbeat_interval(spec), node_secret=issued),
+        JoinedMsg(
+            round=job.round + 1,
+            node_id=node.node_id,
+            heartbeat_s=heartbeat_interval(spec),
+            node_secret=issued,
+            run=job.run,
+        ),
     )
     queued = count(job, WAITING) - (node.state == WAITING)
     if len(job.order) + queued < spec.max_nodes:
@@ -253,7 +301,13 @@ def _hold(job: Job, node: Node, now: float, why: str, issued: str | None) -> Eff
     fx = Effects()
     fx.send(
         node.node_id,
-        JoinedMsg(round=round_no, node_id=node.node_id, heartbeat_s=heartbeat_interval(job.spec), node_secret=issued),
+        JoinedMsg(
+            round=round_no,
+            node_id=node.node_id,
+            heartbeat_s=heartbeat_interval(job.spec),
+            node_secret=issued,
+            run=job.run,
+        ),
     )
     move(job, node, SPARE)
     fx.send(node.node_id, SpareMsg(round=job.round, reason=why))

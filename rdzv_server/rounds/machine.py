@@ -15,7 +15,8 @@ Life of a job::
        |                                    |  scale-up: round r+1 opens
        +------------------------------------+
     running --all members succeeded--> succeeded
-    any --budget spent / join timeout / restart storm--> failed;  any --close--> closed
+    any --budget spent / join timeout / restart storm / a node gave up--> failed;  any --close--> closed
+    succeeded / failed / closed --a fresh join--> waiting (the job id's next run; see new_run)
 
 Node states: ``waiting`` (joined the forming round, or queued for a scale-up),
 ``rejoining`` (member of the previous round, alive, stopping its workers),
@@ -27,6 +28,7 @@ least ``min_nodes`` wait.
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Literal
 
 from ..logs import event_line
@@ -56,6 +58,7 @@ from .model import (
     Job,
     Node,
     RoundRecord,
+    RunRecord,
     blocked,
     count,
     job_secret_hash,
@@ -73,6 +76,7 @@ _DONE_STATE: dict[JobState, Literal["succeeded", "failed", "closed"]] = {
 
 STATUS_PUSH_INTERVAL_S = 1.0
 MAX_HISTORY = 1000
+MAX_RUNS = 20  # summaries of a job id's previous runs kept (older ones are dropped)
 
 
 # ------------------------------------------------------------------- create
@@ -85,6 +89,35 @@ def new_job(job_id: str, spec: JobSpec, now: float, job_secret: str | None = Non
     job.history.append(RoundRecord(round=0, reason="job created", started_at=now))
     job.join_deadline = now + spec.join_timeout_s
     return job
+
+
+def new_run(job: Job, spec: JobSpec, now: float, job_secret: str | None = None) -> None:
+    """A finished job id starts its next run (a fresh join, see joins.starts_run):
+    the run that ended is kept as a summary (the latest MAX_RUNS), everything
+    else starts over as for a new job, with the settings and job secret of the
+    join that starts it. The job keeps its id, creation time and listing place."""
+    assert job.finished
+    job.runs.append(
+        RunRecord(
+            run=job.run,
+            state=job.state.value,
+            reason=job.end_reason or "",
+            root_cause=job.root_cause,
+            started_at=job.run_started_at if job.run_started_at is not None else job.created_at,
+            ended_at=job.ended_at if job.ended_at is not None else now,
+            rounds=job.round + 1,
+            restarts=job.restarts,
+        )
+    )
+    del job.runs[:-MAX_RUNS]
+    ended = f"run {job.run} {job.state.value}"
+    fresh = new_job(job.job_id, spec, now, job_secret)
+    for f in fields(Job):
+        if f.name not in ("created_at", "runs", "gate"):
+            setattr(job, f.name, getattr(fresh, f.name))
+    job.run = job.runs[-1].run + 1
+    job.run_started_at = now
+    job.history[0].reason = f"run {job.run} started ({ended})"
 
 
 def disconnect(job: Job, node_id: str, now: float, grace_s: float) -> Effects:
@@ -156,6 +189,43 @@ def fail(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], now:
     job.restarts += 1
     fx.restarts += 1
     return fx.merge(_open_round(job, f"worker failure: {cause} (restart {job.restarts}/{job.spec.max_restarts})", now))
+
+
+def give_up(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], now: float) -> Effects:
+    """A node's launcher stops for good after its workers failed in ``round_no``
+    (torchrun's own ``--max-restarts`` is spent): it will neither restart nor
+    rejoin, so the job cannot go on as its other nodes expect. It fails now and
+    every node is told (``done``), as when the server's own budget is spent;
+    nothing is charged. The root cause is what broke that round first: a member
+    whose connection had already dropped, or whatever opened the next round
+    before this report; else this failure."""
+    if job.finished:
+        raise JobFinishedError(f"job {job.job_id!r} already {job.state.value}")
+    node = job.nodes.get(node_id)
+    if node is None:
+        raise EvictedError(f"node {node_id!r} is not part of job {job.job_id!r} (evicted?)")
+    if node.state == SUCCEEDED or round_no > job.round:
+        raise StaleRoundError(
+            f"give-up for round {round_no} from node {node_id!r} is stale: job {job.job_id!r} is at round "
+            f"{job.round}{' and the node succeeded' if node.state == SUCCEEDED else ''}"
+        )
+    first = min(failures, key=lambda r: (r.timestamp or float("inf"), r.rank))
+    cause = printable(f"node {node.node_id} ({node.host}) {first.describe()}")
+    root = cause
+    if round_no < job.round:  # its round had already ended: what ended it came first
+        root = next((r.reason for r in reversed(job.history) if r.round == round_no + 1), cause)
+    else:
+        gone = [n for n in job.order if n in job.nodes and job.nodes[n].state == RUNNING and job.nodes[n].dropped]
+        if gone:  # a collective lost its peer: the peer's death is the root cause
+            root = f"node {gone[0]} ({job.nodes[gone[0]].host}) connection lost"
+    fx = Effects()
+    if root == cause:
+        fx.host_failures.append((node.host, f"worker failure: {first.describe()}"))
+    job.root_cause = root
+    why = printable(
+        f"node {node.node_id} ({node.host}) gave up (its launcher's restart budget is spent) after {first.describe()}"
+    )
+    return fx.merge(_end(job, JobState.FAILED, why + ("" if root == cause else f"; first: {root}"), now))
 
 
 def storm(job: Job, now: float) -> bool:

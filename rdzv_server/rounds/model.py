@@ -102,6 +102,20 @@ class RoundRecord:
 
 
 @dataclass
+class RunRecord:
+    """A finished run of a job id, kept when the id starts its next run."""
+
+    run: int
+    state: str  # succeeded, failed, closed
+    reason: str
+    root_cause: str | None
+    started_at: float
+    ended_at: float
+    rounds: int  # rounds opened (the last round number + 1)
+    restarts: int
+
+
+@dataclass
 class Job:
     job_id: str
     spec: JobSpec
@@ -133,6 +147,11 @@ class Job:
     no_progress: int = 0
     max_step: int | None = None
     round_step: int | None = None
+    # runs (design.md "Job lifecycle"): a finished job id starts run N+1 on a fresh join;
+    # the previous runs' summaries, oldest first (at most machine.MAX_RUNS); when this run began
+    run: int = 1
+    runs: list[RunRecord] = field(default_factory=list)
+    run_started_at: float | None = None  # None: created_at (run 1)
     gate: HostGate | None = field(default=None, repr=False, compare=False)  # set by the store; not saved
 
     @property

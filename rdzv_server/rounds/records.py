@@ -15,7 +15,7 @@ from ..wire import (
     DEFAULT_STRAGGLER_POLICY,
     DEFAULT_STRAGGLER_WINDOW_S,
 )
-from .model import Job, Node, NodeState, RoundRecord
+from .model import Job, Node, NodeState, RoundRecord, RunRecord
 
 # Progress that agents send with heartbeats is not saved: the next heartbeat
 # brings it back (and records stay what older code wrote and reads).
@@ -36,6 +36,8 @@ _STORM_DEFAULTS: dict[str, Any] = {
     "straggler_fraction": DEFAULT_STRAGGLER_FRACTION,
     "straggler_window_s": DEFAULT_STRAGGLER_WINDOW_S,
 }
+# Runs of a job id: left out for a job that never started a second run.
+_RUN_DEFAULTS: dict[str, Any] = {"run": 1, "runs": [], "run_started_at": None}
 
 
 def _known(state: NodeState | None) -> NodeState:
@@ -52,6 +54,10 @@ def to_record(job: Job) -> dict[str, Any]:
     for name, default in _STORM_DEFAULTS.items():  # at their defaults: the record older code wrote
         if d["spec"].get(name) == default:
             d["spec"].pop(name, None)
+        if d.get(name) == default:
+            d.pop(name, None)
+    d["runs"] = [vars(r).copy() for r in job.runs]
+    for name, default in _RUN_DEFAULTS.items():
         if d.get(name) == default:
             d.pop(name, None)
     d["state"] = job.state.value
@@ -74,6 +80,7 @@ def from_record(d: dict[str, Any]) -> Job:
     spec = JobSpec(**d.pop("spec"))
     nodes = {n["node_id"]: Node(**{**n, "state": NodeState(n["state"])}) for n in d.pop("nodes")}
     history = [RoundRecord(**r) for r in d.pop("history")]
+    d["runs"] = [RunRecord(**r) for r in d.pop("runs", [])]
     state = JobState(d.pop("state"))
     d.pop("counts", None)
     job = Job(spec=spec, nodes=nodes, history=history, state=state, **d)

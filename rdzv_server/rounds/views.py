@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..protocol import TERMINAL_STATES, JobState, JobSummary, JobView, NodeView, RoundView, WaitingInfo
+from ..protocol import TERMINAL_STATES, JobState, JobSummary, JobView, NodeView, RoundView, RunView, WaitingInfo
 from .model import REJOINING, SPARE, WAITING, Job, Node, count, natural_key
 
 MAX_VIEW_NODES = 10_000  # a job view lists at most this many nodes (members first, by rank)
@@ -105,6 +105,8 @@ def view(job: Job, now: float) -> JobView:
         ],
         nodes_omitted=nodes_omitted,
         history_omitted=len(job.history) - len(history),
+        run=job.run,
+        runs=[RunView.model_validate(vars(r)) for r in job.runs],
     )
 
 
@@ -121,4 +123,5 @@ def summary(job: Job) -> JobSummary:
         restarts=job.restarts,
         max_restarts=job.spec.max_restarts,
         created_at=job.created_at,
+        run=job.run,
     )

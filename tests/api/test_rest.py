@@ -160,8 +160,8 @@ async def test_close_ends_the_job_for_its_agents(client, connect):
     assert (await get_json(client, "/v1/jobs/closeme"))["state"] == "closed"
     again = await client.post("/v1/jobs/closeme/close")  # idempotent
     assert again.status == 200 and (await again.json())["state"] == "closed"
-    late = await connect()
-    await late.send(join_msg("closeme", "node3"))
+    late = await connect()  # an agent of the closed run (a fresh one would start run 2: test_lifecycle.py)
+    await late.send(join_msg("closeme", "node3", run=1))
     err = await late.expect("error")
     assert err.code.value == "job_finished"
 

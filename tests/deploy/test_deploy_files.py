@@ -62,12 +62,13 @@ CONTRACT_FLAGS = {
         "--standalone",
         "-m",
         "--no-python",
+        "--no-new-run",  # a pod started after its run ended must not start the job id's next run
         "--help",
         "-h",
     },
 }
 # Flags that take no value.
-SWITCHES = {"--standalone", "-m", "--no-python", "--help", "-h"}
+SWITCHES = {"--standalone", "-m", "--no-python", "--no-new-run", "--help", "-h"}
 PROGRAM_RE = re.compile(r"(?:.*[=/])?(rdzv-server|rdzv-agent)")
 DATA_DIR = "/var/lib/rdzv"
 PORT = 29400
@@ -617,6 +618,8 @@ def test_k8s_training_job():
     assert pod["restartPolicy"] == "Never"  # podFailurePolicy requires it
     (container,) = pod["containers"]
     inv = container_invocation(container, "rdzv-agent", "training-job.yaml")
+    # a pod that starts after its run ended exits 2 (counted), never starting the job id's next run
+    assert "--no-new-run" in inv.flags
     host, _, port = inv.value("--endpoint").partition(":")
     service = server_objects[("Service", host)]
     assert int(port) == service["spec"]["ports"][0]["port"]

@@ -549,7 +549,8 @@ def test_spec_mismatch_is_refused_naming_both_values():
 
 @pytest.mark.parametrize("end", ["close", "fail", "succeed"])
 def test_finished_job_refuses_joins_and_ignores_leaves(end):
-    """A finished job refuses joins and reports, and a leave does not reopen it."""
+    """A finished job refuses its nodes' joins and reports, and a leave does not
+    reopen it (a fresh agent's join starts its next run: test_job_lifecycle.py)."""
     job = form(["a", "b"], spec(min_nodes=1, max_restarts=0))
     if end == "close":
         rounds.close(job, 2.0)
@@ -559,8 +560,8 @@ def test_finished_job_refuses_joins_and_ignores_leaves(end):
         rounds.succeed(job, "a", 0, 2.0)
         rounds.succeed(job, "b", 0, 2.0)
     before = record(job)
-    with pytest.raises(JobFinishedError, match="use a new job id"):
-        rounds.join(job, join_msg("c", sp=job.spec), 3.0)
+    with pytest.raises(JobFinishedError, match="this agent belongs to that run"):
+        rounds.join(job, join_msg("b", sp=job.spec), 3.0)
     with pytest.raises(JobFinishedError):
         rounds.fail(job, "a", 0, [EXIT], 3.0)
     assert not rounds.leave(job, "b", "sigterm", 3.0).sends

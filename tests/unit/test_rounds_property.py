@@ -75,6 +75,7 @@ class RoundsMachine(RuleBasedStateMachine):
         self.job = rounds.new_job("j", self.spec, self.now)
         self.incarnation = {nid: 0 for nid in NODE_IDS}  # bumped whenever a node leaves the job
         self.last_round = 0
+        self.last_run = 1
         self.last_restarts = 0
         self.ended: JobState | None = None
         self.completed: tuple[int, list[tuple[str, int]]] | None = None  # round, [(node, incarnation)]
@@ -86,6 +87,7 @@ class RoundsMachine(RuleBasedStateMachine):
         """Run one event; a refusal must leave the job exactly as it was."""
         before = record(self.job)
         ids_before = set(self.job.nodes)
+        run_before = self.job.run
         try:
             fx = op(self.job, *args)
         except RdzvError as e:
@@ -94,6 +96,9 @@ class RoundsMachine(RuleBasedStateMachine):
             return
         if self.job.finished:
             event(f"job {self.job.state.value}")
+        if self.job.run != run_before:  # a fresh join started the next run: its rounds start over
+            event("started the next run")
+            self.completed, self.assignments = None, {}
         if fx is not None:  # before counting removals: a round may complete, then lose nodes, in one tick
             self._check_effects(fx, ids_before)
         for nid in ids_before - set(self.job.nodes):
@@ -305,7 +310,13 @@ class RoundsMachine(RuleBasedStateMachine):
 
     @invariant()
     def numbers_only_grow_and_the_end_is_final(self):
+        """Within a run; a fresh join to a finished job starts the next run,
+        which starts from round 0 and keeps the ended run's summary."""
         job = self.job
+        if job.run != self.last_run:
+            assert job.run == self.last_run + 1 and self.ended is not None
+            assert job.runs[-1].state == self.ended.value and job.runs[-1].run == job.run - 1
+            self.last_run, self.last_round, self.last_restarts, self.ended = job.run, 0, 0, None
         assert job.round >= self.last_round and job.restarts >= self.last_restarts
         assert job.restarts <= job.spec.max_restarts
         assert [r.round for r in job.history] == list(range(job.history[0].round, job.round + 1))
