@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 from rdzv_server import __version__
 from rdzv_server.wire import (  # not protocol: no pydantic before the first join is sent
     DEFAULT_HEARTBEAT_TIMEOUT_S,
+    DEFAULT_IN_PLACE_TIMEOUT_S,
     DEFAULT_JOIN_TIMEOUT_S,
     DEFAULT_LAST_CALL_S,
     DEFAULT_MAX_RESTARTS,
@@ -30,6 +31,7 @@ from rdzv_server.wire import (  # not protocol: no pydantic before the first joi
     DEFAULT_STORM_RESTARTS,
     HOST_PATTERN,
     MAX_SECRET_LEN,
+    RESTART_MODES,
     SECRET_PATTERN,
     check_spec,
     is_valid_id,
@@ -80,6 +82,8 @@ class AgentConfig:
     hang_timeout_s: float | None = None
     storm_restarts: int = DEFAULT_STORM_RESTARTS
     min_round_s: float = DEFAULT_MIN_ROUND_S
+    restart_mode: str = "process"
+    in_place_timeout_s: float = DEFAULT_IN_PLACE_TIMEOUT_S
     health_check: str | None = None  # shell command run before every join; non-zero: this round is skipped
     health_check_timeout_s: float = 60.0
 
@@ -96,6 +100,8 @@ class AgentConfig:
             hang_timeout_s=self.hang_timeout_s,
             storm_restarts=self.storm_restarts,
             min_round_s=self.min_round_s,
+            restart_mode=self.restart_mode,
+            in_place_timeout_s=self.in_place_timeout_s,
         )
 
     def spec(self) -> JobSpec:
@@ -272,6 +278,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="a round that ran this many seconds made progress, for restart storms (part of the job spec)",
     )
     a(
+        "--restart-mode",
+        choices=RESTART_MODES,
+        default="process",
+        help="on a round change: 'process' stops and starts the workers; 'in-place' keeps survivors' workers and "
+        "hands them the new round over the worker channel (rdzv_client.worker.rounds(); part of the job spec)",
+    )
+    a(
+        "--in-place-timeout",
+        type=float,
+        default=DEFAULT_IN_PLACE_TIMEOUT_S,
+        help="in-place mode: seconds a worker has to reach its safe point after a round change before its "
+        "node's workers are restarted the process way (part of the job spec)",
+    )
+    a(
         "--stop-timeout",
         type=float,
         default=DEFAULT_STOP_TIMEOUT_S,
@@ -438,6 +458,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
             hang_timeout_s=args.hang_timeout,
             storm_restarts=args.storm_restarts,
             min_round_s=args.min_round_s,
+            restart_mode=args.restart_mode,
+            in_place_timeout_s=args.in_place_timeout,
         )
     except ValueError as e:
         raise UsageError(f"bad job settings: {e}") from None
@@ -473,6 +495,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         hang_timeout_s=spec_check["hang_timeout_s"],
         storm_restarts=spec_check["storm_restarts"],
         min_round_s=spec_check["min_round_s"],
+        restart_mode=spec_check["restart_mode"],
+        in_place_timeout_s=spec_check["in_place_timeout_s"],
         **_host_options(args),
     )
 

@@ -80,6 +80,7 @@ from .rest_models import (  # noqa: F401  (re-exported: the wire contract is one
 from .wire import (  # noqa: F401  (re-exported: the wire contract is one import)
     AGENT_PATH,
     DEFAULT_HEARTBEAT_TIMEOUT_S,
+    DEFAULT_IN_PLACE_TIMEOUT_S,
     DEFAULT_JOIN_TIMEOUT_S,
     DEFAULT_LAST_CALL_S,
     DEFAULT_MAX_RESTARTS,
@@ -148,6 +149,11 @@ class JobSpec(_Strict):
     # min_round_s); 0: off. --max-restarts stays the hard budget.
     storm_restarts: int = Field(default=DEFAULT_STORM_RESTARTS, ge=0, le=MAX_RESTARTS)
     min_round_s: Seconds = DEFAULT_MIN_ROUND_S
+    # design.md "In-place re-formation": "in-place" keeps survivors' workers on a
+    # round change (they get the new assignment over the worker channel); a worker
+    # that does not reach its safe point within in_place_timeout_s is restarted
+    restart_mode: Literal["process", "in-place"] = "process"
+    in_place_timeout_s: Seconds = DEFAULT_IN_PLACE_TIMEOUT_S
 
     @model_validator(mode="after")
     def _min_le_max(self) -> JobSpec:

@@ -47,6 +47,8 @@ DEFAULT_SCALE_UP_WINDOW_S = 0.5
 DEFAULT_MAX_RESTARTS = 3
 DEFAULT_STORM_RESTARTS = 3  # restarts in a row without progress that stop a job (0: off)
 DEFAULT_MIN_ROUND_S = 60.0  # a round that ran this long made progress (scripts that never call progress())
+RESTART_MODES = ("process", "in-place")  # design.md "In-place re-formation"
+DEFAULT_IN_PLACE_TIMEOUT_S = 10.0  # a worker must reach its safe point this fast after a round change
 
 SPEC_SECONDS = ("last_call_s", "heartbeat_timeout_s", "join_timeout_s", "scale_up_window_s")
 
@@ -90,6 +92,8 @@ def check_spec(
     hang_timeout_s: float | None = None,
     storm_restarts: int = DEFAULT_STORM_RESTARTS,
     min_round_s: float = DEFAULT_MIN_ROUND_S,
+    restart_mode: str = "process",
+    in_place_timeout_s: float = DEFAULT_IN_PLACE_TIMEOUT_S,
 ) -> dict[str, Any]:
     """A job spec as the plain JSON object ``JobSpec`` serializes to, or
     ValueError naming the field: the same rules as ``JobSpec``, without pydantic."""
@@ -112,8 +116,10 @@ def check_spec(
         scale_up_window_s,
         hang_timeout_s,
         min_round_s,
+        in_place_timeout_s,
     )
-    for name, secs in zip((*SPEC_SECONDS, "hang_timeout_s", "min_round_s"), seconds, strict=True):
+    names = (*SPEC_SECONDS, "hang_timeout_s", "min_round_s", "in_place_timeout_s")
+    for name, secs in zip(names, seconds, strict=True):
         if name == "hang_timeout_s" and secs is None:  # optional: off
             out[name] = None
             continue
@@ -124,7 +130,10 @@ def check_spec(
         out[name] = float(secs)
     if min_nodes > max_nodes:
         raise ValueError(f"min_nodes ({min_nodes}) is greater than max_nodes ({max_nodes})")
-    for name in ("storm_restarts", "min_round_s"):
+    if restart_mode not in RESTART_MODES:
+        raise ValueError(f"restart_mode: must be one of {', '.join(RESTART_MODES)}, got {restart_mode!r}")
+    out["restart_mode"] = restart_mode
+    for name in ("storm_restarts", "min_round_s", "restart_mode", "in_place_timeout_s"):
         out[name] = out.pop(name)  # in JobSpec's order, last
     return out
 

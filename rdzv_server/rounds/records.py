@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..protocol import JobSpec, JobState
-from ..wire import DEFAULT_MIN_ROUND_S, DEFAULT_STORM_RESTARTS
+from ..wire import DEFAULT_IN_PLACE_TIMEOUT_S, DEFAULT_MIN_ROUND_S, DEFAULT_STORM_RESTARTS
 from .model import Job, Node, NodeState, RoundRecord
 
 # Progress that agents send with heartbeats is not saved: the next heartbeat
@@ -26,6 +26,8 @@ _STORM_DEFAULTS: dict[str, Any] = {
     "max_step": None,
     "round_step": None,
 }
+# in-place re-formation's spec fields, left out at their defaults likewise
+_IN_PLACE_DEFAULTS = {"restart_mode": "process", "in_place_timeout_s": DEFAULT_IN_PLACE_TIMEOUT_S}
 
 
 def _known(state: NodeState | None) -> NodeState:
@@ -44,6 +46,9 @@ def to_record(job: Job) -> dict[str, Any]:
             d["spec"].pop(name, None)
         if d.get(name) == default:
             d.pop(name, None)
+    for name, default in _IN_PLACE_DEFAULTS.items():
+        if d["spec"].get(name) == default:
+            d["spec"].pop(name, None)
     d["state"] = job.state.value
     d["nodes"] = [_node_record(n) for n in job.nodes.values()]
     d["history"] = [vars(r).copy() for r in job.history]
