@@ -1,0 +1,140 @@
+"""torch helpers for in-place re-formation (design.md "In-place re-formation").
+
+A training script keeps its process, its model and its optimizer across round
+changes: per round it makes a fresh gloo process group on a fresh store
+(:func:`process_group`), brings every rank to the state of the most advanced
+one (:func:`sync_state`), and runs its collectives through :func:`all_reduce`
+(or :func:`wait`), which wait in short slices so that a lost peer or the
+agent's word ends the step at once with
+:class:`~rdzv_client.worker.MembershipChanged`.
+
+What gloo allows (torch 2.13, measured in issue 14): a synchronous collective
+whose peer died blocks until the group's timeout, and so does destroying or
+aborting a group with a pending collective. So collectives are issued with
+``async_op`` and waited here in slices; a round's group is abandoned, never
+destroyed (:data:`_abandoned` keeps it, so no destructor blocks mid-training),
+and the process leaves with :func:`exit`, which skips their destructors.
+
+This module imports torch; :mod:`rdzv_client.worker` does not.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import worker
+from .worker import MembershipChanged, World
+
+__all__ = ["process_group", "all_reduce", "wait", "sync_state", "exit", "MembershipChanged"]
+
+# the slices a pending collective is waited in: the agent's word is checked between them
+_SLICE_S = 0.002
+_MAX_SLICE_S = 0.02
+# every group this process made: abandoned groups stay referenced (see the docstring)
+_abandoned: list[Any] = []
+
+
+def process_group(world: World, timeout_s: float = 60.0) -> Any:
+    """A fresh ``ProcessGroupGloo`` for ``world``: a new TCPStore at the round's
+    MASTER_ADDR/MASTER_PORT (hosted by rank 0), keys under the round's prefix.
+    Raises :class:`MembershipChanged` if the round ends while it forms."""
+    timeout = timedelta(seconds=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        worker.check()
+        try:
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                world.master_addr,
+                world.master_port,
+                world.world_size,
+                is_master=world.rank == 0,
+                timeout=timedelta(seconds=min(5.0, timeout_s)),
+                wait_for_workers=False,
+                use_libuv=True,
+            )
+            break
+        except (RuntimeError, OSError, dist.DistStoreError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    store.set_timeout(timeout)
+    prefixed = dist.PrefixStore(world.store_prefix, store)  # type: ignore[attr-defined]
+    pg = dist.ProcessGroupGloo(prefixed, world.rank, world.world_size, timeout)
+    _abandoned.append((store, pg))
+    return pg
+
+
+def wait(work: Any) -> None:
+    """Wait for an ``async_op`` collective in short slices. A failed collective
+    (a peer died) or the agent's word raises :class:`MembershipChanged` in
+    in-place mode; outside it, a failure raises as torch raised it."""
+    slice_s = _SLICE_S
+    while not work.is_completed():
+        if worker.in_place():
+            worker.check()
+        time.sleep(slice_s)
+        slice_s = min(_MAX_SLICE_S, slice_s * 2)
+    try:
+        work.wait()
+    except RuntimeError as e:
+        if worker.in_place():
+            raise MembershipChanged(f"a collective failed: {str(e).splitlines()[0][:200]}") from e
+        raise
+
+
+def all_reduce(tensor: torch.Tensor, pg: Any, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+    """``tensor`` reduced over ``pg`` in place (and returned)."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    wait(pg.allreduce([tensor], opts))
+    return tensor
+
+
+def _broadcast(tensor: torch.Tensor, pg: Any, src: int) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    opts.rootTensor = 0
+    wait(pg.broadcast([tensor], opts))
+
+
+def sync_state(pg: Any, world: World, model: torch.nn.Module, optimizer: Any, step: int) -> int:
+    """Bring every rank of ``pg`` to the state of the rank with the highest
+    ``step`` (the lowest such rank): model and optimizer state are broadcast
+    from it, no checkpoint is read. Returns that step: it never goes back."""
+    mine = torch.tensor([step], dtype=torch.int64)
+    top = int(all_reduce(mine.clone(), pg, dist.ReduceOp.MAX).item())
+    src_t = torch.tensor([world.rank if step == top else world.world_size], dtype=torch.int64)
+    src = int(all_reduce(src_t, pg, dist.ReduceOp.MIN).item())
+    if world.rank == src:
+        buf = io.BytesIO()
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buf)
+        payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+    else:
+        size = torch.zeros(1, dtype=torch.int64)
+    _broadcast(size, pg, src)
+    if world.rank != src:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    _broadcast(payload, pg, src)
+    if world.rank != src:
+        state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    return top
+
+
+def exit(code: int = 0) -> None:
+    """End the process without running the destructors of abandoned groups
+    (one with a pending collective blocks until its timeout)."""
+    worker.finished()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
