@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import os
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -48,6 +49,10 @@ def process_group(world: World, timeout_s: float = 60.0) -> Any:
     Raises :class:`MembershipChanged` if the round ends while it forms."""
     timeout = timedelta(seconds=timeout_s)
     deadline = time.monotonic() + timeout_s
+    # torchrun's c10d agents host the store themselves; rdzv: rank 0's worker does
+    hosts = world.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    if not hosts:
+        _wait_listening(world.master_addr, world.master_port, deadline)
     while True:
         worker.check()
         try:
@@ -55,7 +60,7 @@ def process_group(world: World, timeout_s: float = 60.0) -> Any:
                 world.master_addr,
                 world.master_port,
                 world.world_size,
-                is_master=world.rank == 0,
+                is_master=hosts,
                 timeout=timedelta(seconds=min(5.0, timeout_s)),
                 wait_for_workers=False,
                 use_libuv=True,
@@ -70,6 +75,18 @@ def process_group(world: World, timeout_s: float = 60.0) -> Any:
     pg = dist.ProcessGroupGloo(prefixed, world.rank, world.world_size, timeout)
     _abandoned.append((store, pg))
     return pg
+
+
+def _wait_listening(addr: str, port: int, deadline: float) -> None:
+    """Until the store's port accepts: TCPStore's own client retries with a
+    back-off of up to a second, this polls every few milliseconds."""
+    while time.monotonic() < deadline:
+        worker.check()
+        try:
+            socket.create_connection((addr, port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.005)
 
 
 def wait(work: Any) -> None:

@@ -42,19 +42,18 @@ def synced(agent: Proc) -> list[tuple[int, int, int, int, int]]:
     return [tuple(int(g) for g in m) for m in SYNCED_RE.findall(agent.text())]  # type: ignore[misc]
 
 
-def start(cluster: Cluster, server: Server, job: str, nnodes: str, *args: str, name: str | None = None) -> Proc:
+def start(cluster: Cluster, server: Server, job: str, nnodes: str, *args: str, steps: int = 100000) -> Proc:
     return cluster.start_agent(
         server,
         job,
         EXAMPLE,
         "--steps",
-        "100000",
+        str(steps),
         "--step-sleep",
         "0.05",
         *args,
         nnodes=nnodes,
         flags=IN_PLACE,
-        name=name,
     )
 
 
@@ -104,9 +103,9 @@ def last_step(agent: Proc, round_no: int) -> int:
 def test_node_loss_keeps_survivors_in_place(cluster: Cluster, victim: str) -> None:
     """SIGKILL one of three nodes (group rank 0, whose worker hosts the store,
     or another): the two survivors' workers keep their processes, form world 2
-    in round 1 and train on from where they were; nothing is charged."""
+    in round 1 and train on from where they were, to the end; nothing is charged."""
     server = cluster.start_server()
-    agents = [start(cluster, server, "ip", "2:3") for _ in range(3)]
+    agents = [start(cluster, server, "ip", "2:3", steps=60) for _ in range(3)]
     wait_steps(agents, 0, 3, 5)
     dead = rank0(agents) if victim == "rank0" else next(a for a in agents if a is not rank0(agents))
     survivors = [a for a in agents if a is not dead]
@@ -121,8 +120,11 @@ def test_node_loss_keeps_survivors_in_place(cluster: Cluster, victim: str) -> No
         assert sync[4] == 0, f"{a.name}: round 1's worker is a fresh process"
         assert sync[3] >= last_step(a, 0), f"{a.name}: synced step {sync[3]} is behind its own {last_step(a, 0)}"
     check_training(survivors, 1, 2)
+    for a in survivors:
+        assert a.wait_exit(60) == 0
+        assert re.search(r"^\[\d+\]: done step 60 ", a.text(), re.M), f"{a.name} did not finish training"
     job = server.job("ip")
-    assert job is not None and job["restarts"] == 0, job
+    assert job is not None and job["restarts"] == 0 and job["state"] == "succeeded", job
     assert not list(cluster.tmp.rglob("*.pt")), "a checkpoint was written"
 
 
