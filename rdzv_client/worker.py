@@ -291,7 +291,9 @@ def _park() -> None:
     round_no, env = _assigned
     os.environ.update(env)
     os.environ["TORCHELASTIC_RESTART_COUNT"] = str(round_no)
-    _assigned = _stopped = None
+    _assigned = None
+    if _stopped is not None and _stopped <= round_no:
+        _stopped = None  # else a later round was announced already: the next check() raises
     _prefix = f"{round_no} {os.environ.get('LOCAL_RANK', '0')} ".encode()
     _last_sent = -1.0e9  # the new round's first progress() is sent at once
 

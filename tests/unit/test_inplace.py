@@ -81,6 +81,21 @@ agent.sendto(b"assign 1 RANK=0 WORLD_SIZE=3 MASTER_PORT=4242", inbox)
 second = next(gen)
 assert (second.round, second.rank, second.world_size, second.master_port, second.fresh) == (1, 0, 3, 4242, False)
 assert os.environ["RANK"] == "0" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "1"
+# two round changes read at once: round 2 is taken, and round 3's stop is not lost
+for m in (b"stop 2", b"assign 2 RANK=1 WORLD_SIZE=2 MASTER_PORT=4343", b"stop 3"):
+    agent.sendto(m, inbox)
+try:
+    worker.progress(3)
+    raise SystemExit("no MembershipChanged for round 2")
+except worker.MembershipChanged:
+    pass
+third = next(gen)
+assert (third.round, third.rank, third.world_size) == (2, 1, 2), third
+try:
+    worker.check()
+    raise SystemExit("round 3's stop was lost")
+except worker.MembershipChanged:
+    pass
 assert "torch" not in sys.modules
 print("ok")
 """
@@ -116,7 +131,7 @@ def test_worker_side_takes_a_round_in_place(tmp_path) -> None:
 
     res = asyncio.run(run())
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
-    assert ch.parked == {0: 0}
+    assert ch.parked == {0: 0} and ch.dropped == 2  # parks out of rounds 1 and 2: newer than the channel's round
 
 
 @pytest.mark.parametrize("mode", [None, "process"])
