@@ -83,6 +83,12 @@ IN_PLACE_VARS = (
 )
 
 
+# A worker that parks unasked saw a collective fail: its peer's death (or failure)
+# is the cause, and that peer's agent reports a failure as soon as its worker
+# exits. This head start keeps the root cause (and a bad host's record) right.
+UNASKED_REPORT_DELAY_S = 0.1
+
+
 @dataclass
 class Reform:
     """An in-place re-formation under way: the kept workers left ``old_round``
@@ -431,11 +437,16 @@ class Agent(ServerReactions):
 
     def _on_parked(self, local_rank: int, round_no: int) -> None:
         """A worker reached its safe point. Unasked (no round change under way),
-        a collective of the round it runs failed: report it, so the round re-forms
-        now (charged to a member whose connection dropped, if any)."""
+        a collective of the round it runs failed: report it after
+        UNASKED_REPORT_DELAY_S, so the round re-forms now (charged to a member
+        whose connection dropped, if any)."""
+        if self._reform is None and self.phase is Phase.RUNNING:
+            asyncio.get_running_loop().call_later(UNASKED_REPORT_DELAY_S, self._report_parked, local_rank, round_no)
+
+    def _report_parked(self, local_rank: int, round_no: int) -> None:
         a, group = self.assignment, self.group
         if self._reform is not None or a is None or group is None or self.phase is not Phase.RUNNING:
-            return
+            return  # the round changed meanwhile: the server knew
         if round_no != a.round or self._broken_reported == a.round:
             return
         from rdzv_server.protocol import ExitRecord

@@ -165,6 +165,9 @@ def test_worker_exception_restarts_only_that_worker(cluster: Cluster) -> None:
     check_training(agents, 1, 2)
     job = server.job("exc")
     assert job is not None and job["restarts"] == 1, job
+    # the root cause is the exception, not the survivor's failed collective (its echo)
+    (opened,) = [h for h in job["history"] if h["round"] == 1]
+    assert "chaos: rank 1 fails at step 10" in opened["reason"], opened
 
 
 @pytest.mark.timeout(120)
