@@ -83,10 +83,11 @@ IN_PLACE_VARS = (
 )
 
 
-# A worker that parks unasked saw a collective fail: its peer's death (or failure)
-# is the cause, and that peer's agent reports a failure as soon as its worker
-# exits. This head start keeps the root cause (and a bad host's record) right.
-UNASKED_REPORT_DELAY_S = 0.1
+# A worker that parks unasked saw a collective fail. Its agent says so at once
+# (reason "collective": the server only loses a member whose connection already
+# dropped, the usual cause, and otherwise waits for the cause's own report); if
+# the round has not changed this much later, it reports a plain (charged) failure.
+PLAIN_REPORT_AFTER_S = 1.0
 
 
 @dataclass
@@ -129,7 +130,8 @@ class Agent(ServerReactions):
         self.watch = WorkerWatch(cfg, self._say)  # hangs, progress heartbeats, torch FileTimers
         self._held_for: str | None = None  # why the server holds this node as a spare (its host's block)
         self._reform: Reform | None = None  # in-place mode: kept workers moving to the next round
-        self._broken_reported: int | None = None  # the round a parked worker's failure was reported for
+        # the round a parked worker's failure was reported for, and whether as an echo
+        self._broken_reported: tuple[int, bool] | None = None
         self.watch.channel.on_parked = self._on_parked
 
     @property
@@ -437,30 +439,39 @@ class Agent(ServerReactions):
 
     def _on_parked(self, local_rank: int, round_no: int) -> None:
         """A worker reached its safe point. Unasked (no round change under way),
-        a collective of the round it runs failed: report it after
-        UNASKED_REPORT_DELAY_S, so the round re-forms now (charged to a member
-        whose connection dropped, if any)."""
-        if self._reform is None and self.phase is Phase.RUNNING:
-            asyncio.get_running_loop().call_later(UNASKED_REPORT_DELAY_S, self._report_parked, local_rank, round_no)
+        a collective of the round it runs failed: say so now as an echo (the
+        round re-forms at once if a member's connection dropped), and as a
+        plain failure PLAIN_REPORT_AFTER_S later if the round is still the same."""
+        if self._report_parked(local_rank, round_no, echo=True):
+            asyncio.get_running_loop().call_later(
+                PLAIN_REPORT_AFTER_S, self._report_parked, local_rank, round_no, False
+            )
 
-    def _report_parked(self, local_rank: int, round_no: int) -> None:
+    def _report_parked(self, local_rank: int, round_no: int, echo: bool) -> bool:
         a, group = self.assignment, self.group
         if self._reform is not None or a is None or group is None or self.phase is not Phase.RUNNING:
-            return  # the round changed meanwhile: the server knew
-        if round_no != a.round or self._broken_reported == a.round:
-            return
+            return False  # the round changed meanwhile: the server knew
+        if round_no != a.round or self._broken_reported == (a.round, echo):
+            return False
         from rdzv_server.protocol import ExitRecord
 
-        self._broken_reported = a.round
-        self._say("round %d: local rank %d left its step (a collective failed); reporting it", a.round, local_rank)
+        self._broken_reported = (a.round, echo)
+        if echo:
+            self._say(
+                "round %d: local rank %d left its step (a collective failed); telling the server", a.round, local_rank
+            )
+        else:
+            self._say("round %d: still no new round %gs later; reporting a failure", a.round, PLAIN_REPORT_AFTER_S)
         rec = ExitRecord(
             local_rank=local_rank,
             rank=a.rank_offset + local_rank,
             pid=group.pids[local_rank] if local_rank < len(group.pids) else 0,
             message="a collective failed; the worker waits in place for the next round",
             timestamp=time.time(),
+            reason="collective" if echo else None,
         )
         self.session.report_failed(a.round, [rec])
+        return True
 
     async def _start_workers(self, a: Assignment) -> None:
         if self.group is not None:  # kept in place through a round change

@@ -182,8 +182,10 @@ class ExitRecord(_Strict):
     message: str = Field(default="", max_length=MAX_ERROR_MESSAGE)
     timestamp: float = Field(default=0.0, ge=0, le=2**40, allow_inf_nan=False)
     # why the agent ended it, when it did: "hang" (no progress() for the job's
-    # hang timeout), "timer" (a torch elastic FileTimer expired); None: it ended by itself
-    reason: Literal["hang", "timer"] | None = None
+    # hang timeout), "timer" (a torch elastic FileTimer expired); None: it ended by itself;
+    # "collective": in-place mode, the worker lives, parked after a collective failed
+    # (an echo: it only loses a member whose connection dropped, see rounds.fail)
+    reason: Literal["hang", "timer", "collective"] | None = None
     last_step: int | None = Field(default=None, ge=0, le=2**53)  # its last progress() step, if any
 
     def describe(self) -> str:
@@ -191,6 +193,10 @@ class ExitRecord(_Strict):
         if self.reason == "hang":
             text = f"{who} hung" + (f" after step {self.last_step}" if self.last_step is not None else "")
             return text + (f": {self.message.strip().splitlines()[0][:500]}" if self.message.strip() else "")
+        if self.reason == "collective":
+            return f"{who} saw a collective fail" + (
+                f": {self.message.strip().splitlines()[0][:500]}" if self.message.strip() else ""
+            )
         how = f"signal {self.signal}" if self.signal else f"exit code {self.exit_code}"
         text = f"{who} failed with {how}"
         if self.reason == "timer":

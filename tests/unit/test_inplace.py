@@ -142,3 +142,42 @@ def test_rounds_yields_once_outside_in_place_mode(mode: str | None) -> None:
     code = "from rdzv_client import worker; print(len(list(worker.rounds())))"
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert res.stdout.strip() == "1", res.stderr
+
+
+def _formed(ids: list[str]) -> rounds.Job:
+    from rdzv_server.protocol import JoinMsg
+
+    job = rounds.new_job("j", JobSpec(min_nodes=1, max_nodes=len(ids), restart_mode="in-place"), 0.0)
+    for i, n in enumerate(ids):
+        rounds.join(
+            job,
+            JoinMsg(job_id="j", node_id=n, host=n, addr="127.0.0.1", local_world_size=1, master_port=1000 + i,
+                    spec=job.spec),
+            0.1,
+        )  # fmt: skip
+    assert job.state.value == "running", job.state
+    return job
+
+
+def _echo(rank: int):
+    from rdzv_server.protocol import ExitRecord
+
+    return [ExitRecord(local_rank=0, rank=rank, pid=9, reason="collective", message="a collective failed", timestamp=1)]
+
+
+def test_a_collective_echo_with_no_dropped_member_changes_nothing() -> None:
+    """An in-place worker whose collective failed parks; its agent says so at
+    once (reason "collective"). With no member's connection down the cause is
+    not known yet (the failed peer's own report follows): nothing changes,
+    nothing is charged, no host is blamed."""
+    job = _formed(["a", "b"])
+    fx = rounds.fail(job, "a", 0, _echo(0), 1.0)
+    assert job.round == 0 and job.state.value == "running" and job.restarts == 0
+    assert not fx.host_failures and not fx.restarts and not fx.persist
+
+
+def test_a_collective_echo_loses_a_dropped_member_at_once() -> None:
+    job = _formed(["a", "b", "c"])
+    rounds.disconnect(job, "c", 1.0, grace_s=0.5)
+    rounds.fail(job, "a", 0, _echo(0), 1.05)
+    assert job.round == 1 and job.restarts == 0 and "c" not in job.nodes
