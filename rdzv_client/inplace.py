@@ -38,8 +38,7 @@ from .worker import MembershipChanged, World
 __all__ = ["process_group", "all_reduce", "wait", "sync_state", "exit", "MembershipChanged"]
 
 # the slices a pending collective is waited in: the agent's word is checked between them
-_SLICE_S = 0.002
-_MAX_SLICE_S = 0.02
+_SLICE = timedelta(milliseconds=20)
 # every group this process made: abandoned groups stay referenced (see the docstring)
 _abandoned: list[Any] = []
 
@@ -107,21 +106,27 @@ def _wait_listening(addr: str, port: int, deadline: float) -> None:
 
 
 def wait(work: Any) -> None:
-    """Wait for an ``async_op`` collective in short slices. A failed collective
-    (a peer died) or the agent's word raises :class:`MembershipChanged` in
-    in-place mode; outside it, a failure raises as torch raised it."""
-    slice_s = _SLICE_S
-    while not work.is_completed():
-        if worker.in_place():
-            worker.check()
-        time.sleep(slice_s)
-        slice_s = min(_MAX_SLICE_S, slice_s * 2)
-    try:
-        work.wait()
-    except RuntimeError as e:
-        if worker.in_place():
-            raise MembershipChanged(f"a collective failed: {str(e).splitlines()[0][:200]}") from e
-        raise
+    """Wait for an ``async_op`` collective in slices of :data:`_SLICE`
+    (``Work.wait(timeout)``: it wakes the moment the work is done). A failed
+    collective (a peer died) or the agent's word raises
+    :class:`MembershipChanged` in in-place mode; outside it, a failure raises
+    as torch raised it."""
+    while True:
+        try:
+            work.wait(_SLICE)
+            return
+        except RuntimeError as e:
+            if not work.is_completed():  # the slice ran out: a slow or stuck peer
+                if worker.in_place():
+                    worker.check()
+                continue
+            try:
+                work.wait()  # it completed meanwhile, or failed: which one
+                return
+            except RuntimeError:
+                if worker.in_place():
+                    raise MembershipChanged(f"a collective failed: {str(e).splitlines()[0][:200]}") from e
+                raise
 
 
 def all_reduce(tensor: torch.Tensor, pg: Any, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
