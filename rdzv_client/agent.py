@@ -29,6 +29,7 @@ import socket
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 from typing import TYPE_CHECKING, TextIO, cast
@@ -67,6 +68,41 @@ if TYPE_CHECKING:
     from rdzv_server.protocol import Assignment
 
 log = logging.getLogger("rdzv_agent")
+
+# What an in-place assignment sets in a kept worker's environment (rdzv_client.worker.ASSIGNED_VARS).
+IN_PLACE_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+)
+
+
+# A worker that parks unasked saw a collective fail. Its agent says so at once
+# (reason "collective": the server only loses a member whose connection already
+# dropped, the usual cause, and otherwise waits for the cause's own report); if
+# the round has not changed this much later, it reports a plain (charged) failure.
+PLAIN_REPORT_AFTER_S = 1.0
+
+
+@dataclass
+class Reform:
+    """An in-place re-formation under way: the kept workers left ``old_round``
+    and must all reach their safe point (``parked``) by ``deadline``."""
+
+    old_round: int
+    new_round: int
+    started: float
+    deadline: float
+
 
 # -------------------------------------------------------------------- agent
 
@@ -112,6 +148,10 @@ class Agent(ServerReactions):
         self.watch = WorkerWatch(cfg, self._say, self._dir.path)  # hangs, progress heartbeats, torch FileTimers
         self._held_for: str | None = None  # why the server holds this node as a spare (its host's block)
         self.failure_summary: tuple[int, str] | None = None  # (round, torchrun's block) of this node's last failure
+        self._reform: Reform | None = None  # in-place mode: kept workers moving to the next round
+        # the round a parked worker's failure was reported for, and whether as an echo
+        self._broken_reported: tuple[int, bool] | None = None
+        self.watch.channel.on_parked = self._on_parked
 
     @property
     def link(self) -> AgentLink:
@@ -248,12 +288,20 @@ class Agent(ServerReactions):
         workers_for: WorkerGroup | None = None
         try:
             while True:
+                if workers is not None and workers_for is not self.group:
+                    workers.cancel()  # that attempt was stopped (an in-place escalation): its end is no news
+                    workers = None
+                if self.group is not None and workers is None and self.phase is Phase.RUNNING:
+                    workers, workers_for = asyncio.ensure_future(self.group.wait()), self.group
                 waits = [recv, sig] + ([workers] if workers else [])
-                done, _ = await asyncio.wait(waits, timeout=self.watch.tick_s(), return_when=asyncio.FIRST_COMPLETED)
+                tick = self.watch.tick_s() if self._reform is None else 0.05
+                done, _ = await asyncio.wait(waits, timeout=tick, return_when=asyncio.FIRST_COMPLETED)
                 if sig not in done:
                     code = await self._check_server()
                     if code is not None:
                         return code
+                    if self._reform is not None:
+                        await self._check_reform()
                     if workers is not None and workers not in done and self.phase is Phase.RUNNING:
                         await self._watch_workers()
                 if not done:
@@ -338,7 +386,125 @@ class Agent(ServerReactions):
         self.status.show(f"[rdzv-agent] {notice}")
         return None
 
+    # -- in-place re-formation (design.md "In-place re-formation")
+
+    def _keep_workers(self, new_round: int) -> bool:
+        """In-place mode, on a round change: tell every worker to leave its step
+        and keep them. False (stop them the process way) when a worker is gone
+        or does not listen (it does not use rdzv_client.worker.rounds())."""
+        a, group, cfg = self.assignment, self.group, self.cfg
+        if cfg.restart_mode != "in-place" or a is None or group is None or self.phase is not Phase.RUNNING:
+            return False
+        if not all(group.running(lr) for lr in range(cfg.nproc)):
+            return False
+        if not all(self.watch.channel.tell(lr, f"stop {new_round}") for lr in range(cfg.nproc)):
+            self._say("a worker does not take rounds in place (rdzv_client.worker.rounds()): restarting them")
+            return False
+        now = time.monotonic()
+        self._reform = Reform(a.round, new_round, now, now + cfg.in_place_timeout_s)
+        return True
+
+    def _assign_in_place(self, a: Assignment) -> bool:
+        """Hand kept workers round ``a``; False: they must be restarted."""
+        group, cfg = self.group, self.cfg
+        if self._reform is None or group is None:
+            return False
+        if not all(group.running(lr) for lr in range(cfg.nproc)):
+            self._say("round %d: a kept worker exited; restarting this node's workers", a.round)
+            return False
+        for lr in range(cfg.nproc):
+            env = worker_env({}, a, lr, cfg.job_id, "")
+            text = " ".join(f"{k}={env[k]}" for k in IN_PLACE_VARS)
+            if not self.watch.channel.tell(lr, f"assign {a.round} {text}"):
+                self._say("round %d: local rank %d no longer listens; restarting this node's workers", a.round, lr)
+                return False
+        self.session.assignment = a
+        self._say(
+            "round %d: group rank %d of %d, ranks %d-%d of world %d, master %s:%d: workers kept in place",
+            a.round,
+            a.group_rank,
+            a.group_world_size,
+            a.rank_offset,
+            a.rank_offset + a.local_world_size - 1,
+            a.world_size,
+            a.master_addr,
+            a.master_port,
+        )
+        self.watch.new_round(a.round)
+        self.phase = Phase.RUNNING
+        self.session.resume(a)
+        return True
+
+    async def _check_reform(self) -> None:
+        """Every kept worker parked: done. Past --in-place-timeout: restart them."""
+        r, group = self._reform, self.group
+        if r is None:
+            return
+        if group is None:
+            self._reform = None
+            return
+        late = [lr for lr in range(self.cfg.nproc) if self.watch.channel.parked.get(lr) != r.old_round]
+        if not late:
+            if self.phase is Phase.RUNNING:  # assigned in place too: done
+                self._reform = None
+                log.debug("round %d: in place %.3fs after the round change", r.new_round, time.monotonic() - r.started)
+            return
+        if time.monotonic() < r.deadline:
+            return
+        self._reform = None
+        self._say(
+            "local rank(s) %s did not reach a safe point within %gs (--in-place-timeout): restarting this node's "
+            "workers",
+            ",".join(map(str, late)),
+            self.cfg.in_place_timeout_s,
+        )
+        a, running = self.assignment, self.phase is Phase.RUNNING
+        await self._stop_workers()
+        if running and a is not None:
+            await self._start_workers(a)
+
+    def _on_parked(self, local_rank: int, round_no: int) -> None:
+        """A worker reached its safe point. Unasked (no round change under way),
+        a collective of the round it runs failed: say so now as an echo (the
+        round re-forms at once if a member's connection dropped), and as a
+        plain failure PLAIN_REPORT_AFTER_S later if the round is still the same."""
+        if self._report_parked(local_rank, round_no, echo=True):
+            asyncio.get_running_loop().call_later(
+                PLAIN_REPORT_AFTER_S, self._report_parked, local_rank, round_no, False
+            )
+
+    def _report_parked(self, local_rank: int, round_no: int, echo: bool) -> bool:
+        a, group = self.assignment, self.group
+        if self._reform is not None or a is None or group is None or self.phase is not Phase.RUNNING:
+            return False  # the round changed meanwhile: the server knew
+        if round_no != a.round or self._broken_reported == (a.round, echo):
+            return False
+        from rdzv_server.protocol import ExitRecord
+
+        self._broken_reported = (a.round, echo)
+        if echo:
+            self._say(
+                "round %d: local rank %d left its step (a collective failed); telling the server", a.round, local_rank
+            )
+        else:
+            self._say("round %d: still no new round %gs later; reporting a failure", a.round, PLAIN_REPORT_AFTER_S)
+        rec = ExitRecord(
+            local_rank=local_rank,
+            rank=a.rank_offset + local_rank,
+            pid=group.pids[local_rank] if local_rank < len(group.pids) else 0,
+            message="a collective failed; the worker waits in place for the next round",
+            timestamp=time.time(),
+            reason="collective" if echo else None,
+        )
+        self.session.report_failed(a.round, [rec])
+        return True
+
     async def _start_workers(self, a: Assignment) -> None:
+        if self.group is not None:  # kept in place through a round change
+            if self._assign_in_place(a):
+                return
+            self._reform = None
+            await self._stop_workers()
         cfg = self.cfg
         self.session.assignment = a
         self._say(
@@ -381,6 +547,8 @@ class Agent(ServerReactions):
                 virtual_local_rank=cfg.virtual_local_rank,
             )
             self.watch.add_env(env)
+            if cfg.restart_mode == "in-place":
+                env["RDZV_RESTART_MODE"] = "in-place"
             envs.append(env)
         self.watch.new_round(a.round)
         launch = LaunchConfig(

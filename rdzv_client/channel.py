@@ -79,6 +79,9 @@ class WorkerChannel:
         self.round: int | None = None
         self.ranks: dict[int, RankProgress] = {}
         self.dropped = 0  # malformed or stale datagrams
+        # in-place re-formation: local rank -> the round it left at its safe point
+        self.parked: dict[int, int] = {}
+        self.on_parked: Callable[[int, int], None] | None = None
         self._transport: asyncio.DatagramTransport | None = None
 
     async def start(self) -> None:
@@ -103,6 +106,9 @@ class WorkerChannel:
 
     def received(self, data: bytes, now: float) -> None:
         parts = data.split() if len(data) <= MAX_DATAGRAM else []
+        if len(parts) == 3 and parts[2] == b"parked":
+            self._parked(parts[0], parts[1])
+            return
         end = len(parts) == 3 and parts[2] == b"end"
         try:
             round_no, local_rank = (int(p) for p in parts[:2]) if len(parts) == 3 else (-1, -1)
@@ -120,6 +126,33 @@ class WorkerChannel:
             self.ranks[local_rank] = RankProgress(step=step, at=now, rate_step=step, rate_at=now)
         else:
             rp.step, rp.at, rp.finished = step, now, False
+
+    def _parked(self, round_b: bytes, rank_b: bytes) -> None:
+        """A worker is at its safe point, out of round ``round_b`` (in-place mode)."""
+        try:
+            round_no, local_rank = int(round_b), int(rank_b)
+        except ValueError:
+            round_no = local_rank = -1
+        if self.round is None or not 0 <= round_no <= self.round or not 0 <= local_rank < self.nproc:
+            self.dropped += 1
+            return
+        self.parked[local_rank] = round_no
+        self.ranks.pop(local_rank, None)  # parked: not hung
+        if self.on_parked is not None:
+            self.on_parked(local_rank, round_no)
+
+    def tell(self, local_rank: int, message: str) -> bool:
+        """Send ``message`` to that worker's in-place socket; False when no
+        worker listens there (it does not use rdzv_client.worker.rounds())."""
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            s.setblocking(False)
+            s.sendto(message.encode(), str(self.dir / f"w{local_rank}"))
+            return True
+        except OSError:
+            return False
+        finally:
+            s.close()
 
     def hung(self, timeout_s: float, now: float) -> list[int]:
         """Local ranks that called progress() once and then not for ``timeout_s``."""

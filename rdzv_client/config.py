@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 from rdzv_server import __version__, logs
 from rdzv_server.wire import (  # not protocol: no pydantic before the first join is sent
     DEFAULT_HEARTBEAT_TIMEOUT_S,
+    DEFAULT_IN_PLACE_TIMEOUT_S,
     DEFAULT_JOIN_TIMEOUT_S,
     DEFAULT_LAST_CALL_S,
     DEFAULT_MAX_RESTARTS,
@@ -33,6 +34,7 @@ from rdzv_server.wire import (  # not protocol: no pydantic before the first joi
     DEFAULT_STRAGGLER_WINDOW_S,
     HOST_PATTERN,
     MAX_SECRET_LEN,
+    RESTART_MODES,
     SECRET_PATTERN,
     STRAGGLER_POLICIES,
     check_spec,
@@ -93,6 +95,8 @@ class AgentConfig:
     straggler_policy: str = DEFAULT_STRAGGLER_POLICY
     straggler_fraction: float = DEFAULT_STRAGGLER_FRACTION
     straggler_window_s: float = DEFAULT_STRAGGLER_WINDOW_S
+    restart_mode: str = "process"
+    in_place_timeout_s: float = DEFAULT_IN_PLACE_TIMEOUT_S
     health_check: str | None = None  # shell command run before every join; non-zero: this round is skipped
     health_check_timeout_s: float = 60.0
     role: str = "default"  # the workers' ROLE_NAME (torchrun's --role)
@@ -118,6 +122,8 @@ class AgentConfig:
             straggler_policy=self.straggler_policy,
             straggler_fraction=self.straggler_fraction,
             straggler_window_s=self.straggler_window_s,
+            restart_mode=self.restart_mode,
+            in_place_timeout_s=self.in_place_timeout_s,
         )
 
     def spec(self) -> JobSpec:
@@ -333,6 +339,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a(
         "--straggler-fraction",
+        "--restart-mode",
+        choices=RESTART_MODES,
+        default="process",
+        help="on a round change: 'process' stops and starts the workers; 'in-place' keeps survivors' workers and "
+        "hands them the new round over the worker channel (rdzv_client.worker.rounds(); part of the job spec)",
+    )
+    a(
+        "--in-place-timeout",
+        type=float,
+        default=DEFAULT_IN_PLACE_TIMEOUT_S,
+        help="in-place mode: seconds a worker has to reach its safe point after a round change before its "
+        "node's workers are restarted the process way (part of the job spec)",
+    )
+    a(
+        "--stop-timeout",
         type=float,
         default=DEFAULT_STRAGGLER_FRACTION,
         help="a node below this fraction of the job's median steps/s may be a straggler (part of the job spec)",
@@ -614,6 +635,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
             straggler_policy=args.straggler_policy,
             straggler_fraction=args.straggler_fraction,
             straggler_window_s=args.straggler_window_s,
+            restart_mode=args.restart_mode,
+            in_place_timeout_s=args.in_place_timeout,
         )
     except ValueError as e:
         raise UsageError(f"bad job settings: {e}") from None
@@ -659,6 +682,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         virtual_local_rank=bool(args.virtual_local_rank),
         notes=notes,
         new_run=args.new_run,
+        restart_mode=spec_check["restart_mode"],
+        in_place_timeout_s=spec_check["in_place_timeout_s"],
         **_host_options(args),
     )
 

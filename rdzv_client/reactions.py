@@ -86,6 +86,8 @@ class ServerReactions:
 
         async def _start_workers(self, a: Assignment) -> None: ...
 
+        def _keep_workers(self, new_round: int) -> bool: ...
+
         async def _stop_workers(self, timeout: float | None = None, sig: int = signal.SIGTERM) -> None: ...
 
     async def _on_message(self, msg: ServerMessage | RdzvError) -> int | None:
@@ -137,8 +139,13 @@ class ServerReactions:
             self.link.clear_reports()
             if self.assignment is not None and msg.round <= self.assignment.round:
                 return None
-            self._say("round %d: %s; stopping workers and rejoining", msg.round, printable(first_line(msg.reason)))
-            await self._stop_workers()
+            if self._keep_workers(msg.round):
+                self._say(
+                    "round %d: %s; workers stay in place; rejoining", msg.round, printable(first_line(msg.reason))
+                )
+            else:
+                self._say("round %d: %s; stopping workers and rejoining", msg.round, printable(first_line(msg.reason)))
+                await self._stop_workers()
             await self._join_when_healthy(rejoining=True)  # after a signal: the loop handles it next
         elif isinstance(msg, EvictedMsg):
             # Fencing: workers die before anything else, then this is a new node.

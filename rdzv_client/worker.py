@@ -21,6 +21,24 @@ imports it runs exactly as before.
 The datagram is ASCII: ``"<round> <local_rank> <step>"`` (the step is the
 number of calls so far when :func:`progress` was never given one), or
 ``"<round> <local_rank> end"`` from :func:`finished`.
+
+In-place re-formation (``--restart-mode in-place``; design.md "In-place
+re-formation"): the agent keeps a survivor's workers on a round change.
+
+* :func:`rounds` - ``for world in rounds(): ...`` yields a :class:`World` once
+  per round this process takes part in, the first included; between two,
+  it tells the agent this worker reached its safe point and waits for the next
+  round's assignment, with ``os.environ`` updated (``RANK``, ``WORLD_SIZE``,
+  ``MASTER_ADDR``, ``MASTER_PORT``, ...). Outside in-place mode it yields once.
+* :class:`MembershipChanged` - raised by :func:`progress` (and by the
+  collectives of :mod:`rdzv_client.inplace`) when the agent says the round is
+  over: leave the step, go back to the top of the ``for world in rounds()``.
+
+The agent's messages come on a datagram socket the worker binds next to the
+agent's (``<dir of RDZV_AGENT_SOCKET>/w<local_rank>``): ``"stop <round>"`` and
+``"assign <round> NAME=VALUE ..."``; the worker answers
+``"<round> <local_rank> parked"`` when it reaches its safe point (unasked, that
+says a collective failed: the agent reports it so the round re-forms).
 """
 
 from __future__ import annotations
@@ -32,8 +50,10 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
-__all__ = ["progress", "finished", "SEND_EVERY_S"]
+__all__ = ["progress", "finished", "SEND_EVERY_S", "rounds", "World", "MembershipChanged", "in_place"]
 
 # At most this often a call sends; in between it only records the step.
 SEND_EVERY_S = 0.05
@@ -44,6 +64,30 @@ _sock: socket.socket | None = None
 _last_sent = -1.0e9
 _step: int | None = None
 _calls = 0
+
+# in-place re-formation: the agent's messages to this worker
+IN_PLACE = os.environ.get("RDZV_RESTART_MODE") == "in-place"
+MAX_MESSAGE = 4096
+# what an assignment may set in os.environ (the rest of the environment stays)
+ASSIGNED_VARS = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_MAX_RESTARTS",
+    }
+)
+_inbox: socket.socket | None = None
+_stopped: int | None = None  # the round the agent said is next ("stop"), not yet assigned
+_assigned: tuple[int, dict[str, str]] | None = None  # an assignment read early
 
 
 def _register_stack_dump() -> None:
@@ -74,10 +118,14 @@ def _open() -> socket.socket | None:
 def progress(step: int | None = None) -> None:
     """This worker made progress (finished ``step``, or one more step).
 
-    Call it every training step. It never blocks and never raises.
+    Call it every training step. It never blocks; it raises only
+    :class:`MembershipChanged`, in in-place mode, when the agent said the
+    round is over.
     """
     global _last_sent, _step, _calls
     _calls += 1
+    if _inbox is not None:
+        check()
     if step is not None:
         _step = step
     now = time.monotonic()
@@ -111,3 +159,155 @@ def finished() -> None:
 
 
 atexit.register(finished)
+
+
+# ------------------------------------------------------ in-place re-formation
+
+
+class MembershipChanged(Exception):
+    """The round this worker runs is over (a node was lost, joined, failed):
+    leave the training step and take the next round from :func:`rounds`."""
+
+
+@dataclass(frozen=True)
+class World:
+    """One round as this worker sees it (its ``os.environ`` says the same)."""
+
+    round: int  # TORCHELASTIC_RESTART_COUNT: the same on every node
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    group_rank: int
+    group_world_size: int
+    master_addr: str
+    master_port: int
+    fresh: bool  # this process started in this round (it has no state of its own yet)
+
+    @property
+    def store_prefix(self) -> str:
+        """A key prefix no earlier round used (the store is new each round too)."""
+        return f"rdzv/round{self.round}/"
+
+
+def in_place() -> bool:
+    """Whether the agent keeps this worker across round changes."""
+    return IN_PLACE and _path is not None
+
+
+def _world(fresh: bool) -> World:
+    e = os.environ
+
+    def num(name: str, default: str = "0") -> int:
+        return int(e.get(name, default))
+
+    return World(
+        round=num("TORCHELASTIC_RESTART_COUNT"),
+        rank=num("RANK"),
+        world_size=num("WORLD_SIZE", "1"),
+        local_rank=num("LOCAL_RANK"),
+        local_world_size=num("LOCAL_WORLD_SIZE", "1"),
+        group_rank=num("GROUP_RANK"),
+        group_world_size=num("GROUP_WORLD_SIZE", "1"),
+        master_addr=e.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=num("MASTER_PORT", "29500"),
+        fresh=fresh,
+    )
+
+
+def _bind_inbox() -> None:
+    global _inbox
+    if _inbox is not None or not in_place() or _path is None:
+        return
+    path = os.path.join(os.path.dirname(_path), f"w{os.environ.get('LOCAL_RANK', '0')}")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        os.unlink(path)  # a killed predecessor of this local rank left it
+    except FileNotFoundError:
+        pass
+    s.bind(path)
+    s.setblocking(False)
+    _inbox = s
+
+
+def _read(timeout: float | None) -> bool:
+    """Take one message from the agent (waiting up to ``timeout``); True if one came."""
+    global _stopped, _assigned
+    if _inbox is None:
+        return False
+    try:
+        if timeout is None:
+            data = _inbox.recv(MAX_MESSAGE)
+        else:
+            _inbox.settimeout(timeout)
+            try:
+                data = _inbox.recv(MAX_MESSAGE)
+            finally:
+                _inbox.setblocking(False)
+    except (BlockingIOError, TimeoutError, InterruptedError):
+        return False
+    parts = data.decode("ascii", "replace").split()
+    current = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    try:
+        round_no = int(parts[1]) if len(parts) >= 2 else -1
+    except ValueError:
+        return True  # not the agent's: ignored
+    if round_no <= current:
+        return True  # about a round that is over
+    if parts[0] == "stop":
+        _stopped = max(_stopped or 0, round_no)
+    elif parts[0] == "assign":
+        env = dict(p.split("=", 1) for p in parts[2:] if "=" in p)
+        if set(env) <= ASSIGNED_VARS and (_assigned is None or _assigned[0] < round_no):
+            _assigned = (round_no, env)
+            _stopped = max(_stopped or 0, round_no)
+    return True
+
+
+def check() -> None:
+    """Raise :class:`MembershipChanged` if the agent said the round is over.
+    Cheap (one non-blocking receive); a no-op outside in-place mode."""
+    while _read(None):
+        pass
+    if _stopped is not None:
+        raise MembershipChanged(f"round {_stopped} replaces round {os.environ.get('TORCHELASTIC_RESTART_COUNT')}")
+
+
+def _park() -> None:
+    """Tell the agent this worker is at its safe point, wait for the next
+    round's assignment, and take it into ``os.environ``."""
+    global _prefix, _stopped, _assigned, _last_sent
+    s = _sock if _sock is not None else _open()
+    if s is not None:
+        try:
+            s.send(_prefix + b"parked")
+        except OSError:
+            pass
+    parent = os.getppid()
+    while _assigned is None:
+        _read(0.5)
+        if os.getppid() != parent:
+            raise SystemExit("rdzv: the agent is gone")
+    round_no, env = _assigned
+    os.environ.update(env)
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(round_no)
+    _assigned = None
+    if _stopped is not None and _stopped <= round_no:
+        _stopped = None  # else a later round was announced already: the next check() raises
+    _prefix = f"{round_no} {os.environ.get('LOCAL_RANK', '0')} ".encode()
+    _last_sent = -1.0e9  # the new round's first progress() is sent at once
+
+
+def rounds() -> Iterator[World]:
+    """Yield this worker's world once per round, the first included.
+
+    The loop body trains and ``break``s when done; on :class:`MembershipChanged`
+    it goes on to the next iteration, which returns once the agent assigned
+    this worker its place in the next round (``os.environ`` updated). Outside
+    in-place mode (or with no agent) it yields once.
+    """
+    _bind_inbox()
+    yield _world(fresh=True)
+    while in_place():
+        _park()
+        yield _world(fresh=False)

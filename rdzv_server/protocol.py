@@ -81,6 +81,7 @@ from .rest_models import (  # noqa: F401  (re-exported: the wire contract is one
 from .wire import (  # noqa: F401  (re-exported: the wire contract is one import)
     AGENT_PATH,
     DEFAULT_HEARTBEAT_TIMEOUT_S,
+    DEFAULT_IN_PLACE_TIMEOUT_S,
     DEFAULT_JOIN_TIMEOUT_S,
     DEFAULT_LAST_CALL_S,
     DEFAULT_MAX_RESTARTS,
@@ -160,6 +161,11 @@ class JobSpec(_Strict):
     straggler_policy: Literal["warn", "replace"] = DEFAULT_STRAGGLER_POLICY
     straggler_fraction: float = Field(default=DEFAULT_STRAGGLER_FRACTION, gt=0, le=1, allow_inf_nan=False)
     straggler_window_s: Seconds = DEFAULT_STRAGGLER_WINDOW_S
+    # design.md "In-place re-formation": "in-place" keeps survivors' workers on a
+    # round change (they get the new assignment over the worker channel); a worker
+    # that does not reach its safe point within in_place_timeout_s is restarted
+    restart_mode: Literal["process", "in-place"] = "process"
+    in_place_timeout_s: Seconds = DEFAULT_IN_PLACE_TIMEOUT_S
 
     @model_validator(mode="after")
     def _min_le_max(self) -> JobSpec:
@@ -188,8 +194,10 @@ class ExitRecord(_Strict):
     message: str = Field(default="", max_length=MAX_ERROR_MESSAGE)
     timestamp: float = Field(default=0.0, ge=0, le=2**40, allow_inf_nan=False)
     # why the agent ended it, when it did: "hang" (no progress() for the job's
-    # hang timeout), "timer" (a torch elastic FileTimer expired); None: it ended by itself
-    reason: Literal["hang", "timer"] | None = None
+    # hang timeout), "timer" (a torch elastic FileTimer expired); None: it ended by itself;
+    # "collective": in-place mode, the worker lives, parked after a collective failed
+    # (an echo: it only loses a member whose connection dropped, see rounds.fail)
+    reason: Literal["hang", "timer", "collective"] | None = None
     last_step: int | None = Field(default=None, ge=0, le=2**53)  # its last progress() step, if any
 
     def describe(self) -> str:
@@ -197,6 +205,10 @@ class ExitRecord(_Strict):
         if self.reason == "hang":
             text = f"{who} hung" + (f" after step {self.last_step}" if self.last_step is not None else "")
             return text + (f": {self.message.strip().splitlines()[0][:500]}" if self.message.strip() else "")
+        if self.reason == "collective":
+            return f"{who} saw a collective fail" + (
+                f": {self.message.strip().splitlines()[0][:500]}" if self.message.strip() else ""
+            )
         how = f"signal {self.signal}" if self.signal else f"exit code {self.exit_code}"
         text = f"{who} failed with {how}"
         if self.reason == "timer":

@@ -54,6 +54,8 @@ STRAGGLER_POLICIES = ("warn", "replace")
 DEFAULT_STRAGGLER_POLICY: Final = "warn"
 DEFAULT_STRAGGLER_FRACTION = 0.5
 DEFAULT_STRAGGLER_WINDOW_S = 30.0
+RESTART_MODES = ("process", "in-place")  # design.md "In-place re-formation"
+DEFAULT_IN_PLACE_TIMEOUT_S = 10.0  # a worker must reach its safe point this fast after a round change
 
 SPEC_SECONDS = ("last_call_s", "heartbeat_timeout_s", "join_timeout_s", "scale_up_window_s")
 
@@ -100,6 +102,8 @@ def check_spec(
     straggler_policy: str = DEFAULT_STRAGGLER_POLICY,
     straggler_fraction: float = DEFAULT_STRAGGLER_FRACTION,
     straggler_window_s: float = DEFAULT_STRAGGLER_WINDOW_S,
+    restart_mode: str = "process",
+    in_place_timeout_s: float = DEFAULT_IN_PLACE_TIMEOUT_S,
 ) -> dict[str, Any]:
     """A job spec as the plain JSON object ``JobSpec`` serializes to, or
     ValueError naming the field: the same rules as ``JobSpec``, without pydantic."""
@@ -123,8 +127,9 @@ def check_spec(
         hang_timeout_s,
         min_round_s,
         straggler_window_s,
+        in_place_timeout_s,
     )
-    names = (*SPEC_SECONDS, "hang_timeout_s", "min_round_s", "straggler_window_s")
+    names = (*SPEC_SECONDS, "hang_timeout_s", "min_round_s", "straggler_window_s", "in_place_timeout_s")
     for name, secs in zip(names, seconds, strict=True):
         if name == "hang_timeout_s" and secs is None:  # optional: off
             out[name] = None
@@ -143,7 +148,18 @@ def check_spec(
     if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or not 0 < f <= 1:
         raise ValueError(f"straggler_fraction: must be more than 0 and at most 1, got {f!r}")
     out["straggler_fraction"] = float(f)
-    for name in ("storm_restarts", "min_round_s", "straggler_policy", "straggler_fraction", "straggler_window_s"):
+    if restart_mode not in RESTART_MODES:
+        raise ValueError(f"restart_mode: must be one of {', '.join(RESTART_MODES)}, got {restart_mode!r}")
+    out["restart_mode"] = restart_mode
+    for name in (
+        "storm_restarts",
+        "min_round_s",
+        "straggler_policy",
+        "straggler_fraction",
+        "straggler_window_s",
+        "restart_mode",
+        "in_place_timeout_s",
+    ):
         out[name] = out.pop(name)  # in JobSpec's order, last
     return out
 

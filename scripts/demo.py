@@ -2,6 +2,10 @@
 machine's CPU; one node is killed, the survivors re-form and resume from the
 checkpoint; a new node arrives and the world grows back; the job finishes.
 
+``scripts/demo --in-place``: the same story with ``--restart-mode in-place``
+and examples/train_inplace.py: the survivors keep their worker processes and
+their model in memory, a newcomer gets the state by broadcast, no checkpoint.
+
 Run it with ``scripts/demo`` (which sets up .venv first). Everything it starts
 is stopped at the end, by pid, even on Ctrl-C.
 """
@@ -26,6 +30,7 @@ PY = sys.executable
 JOB = f"demo-{int(time.time())}"
 STEPS = 150
 T0 = time.monotonic()
+IN_PLACE = "--in-place" in sys.argv[1:]
 
 procs: dict[str, subprocess.Popen] = {}
 lines: list[tuple[float, str, str]] = []  # (time, who, line): everything the agents printed
@@ -49,7 +54,7 @@ def free_port() -> int:
 
 SHOW = re.compile(
     r"(started rank \d+/\d+|step \d+0 loss|done step|round \d+:|job .*(succeeded|failed|closed)"
-    r"|opened|complete|lost|left|evicted|spare)"
+    r"|opened|complete|lost|left|evicted|spare|synced round|membership changed|step \d+0 rank 0 )"
 )
 
 
@@ -100,6 +105,34 @@ def rest(path: str) -> dict:
 
 
 def agent(name: str) -> subprocess.Popen:
+    if IN_PLACE:
+        return start(
+            name,
+            [
+                PY,
+                "-m",
+                "rdzv_client.agent",
+                "--endpoint",
+                f"127.0.0.1:{PORT}",
+                "--job-id",
+                JOB,
+                "--nnodes",
+                "2:3",
+                "--nproc-per-node",
+                "1",
+                "--local-addr",
+                "127.0.0.1",
+                "--max-restarts",
+                "3",
+                "--restart-mode",
+                "in-place",
+                "examples/train_inplace.py",
+                "--steps",
+                str(STEPS),
+                "--step-sleep",
+                "0.1",
+            ],
+        )
     return start(
         name,
         [
@@ -161,6 +194,55 @@ def stop_all() -> None:
             p.wait()
 
 
+def main_in_place() -> int:
+    """The demo with --restart-mode in-place (scripts/demo --in-place)."""
+    say("starting three agents: --nnodes 2:3 --restart-mode in-place, training examples/train_inplace.py")
+    t = time.monotonic()
+    for i in (1, 2, 3):
+        agent(f"agent-{i}")
+    wait_for(r"step [3-9]0 rank 0 world 3 ", t, 120)
+    status()
+
+    victim = procs["agent-3"]
+    say(f"SIGKILL agent-3 (pid {victim.pid}) and its worker: a node dies without a word")
+    t_kill_wall, t_kill = time.time(), time.monotonic()
+    os.killpg(victim.pid, signal.SIGKILL)
+    line = wait_for(r"synced round 1 rank 0 world 2 ", t_kill, 60)
+    step = re.search(r" step (\d+) ", line)
+    took = float(line.rsplit(" t ", 1)[1]) - t_kill_wall
+    say(
+        f"the survivors' workers stayed (same pids), formed world 2 and synced {took:.2f}s after the kill, "
+        f"from their memory at step {step.group(1) if step else '?'}: no restart, no checkpoint"
+    )
+    wait_for(r"step \d+ rank 0 world 2 ", t_kill, 60)
+    status()
+
+    say("a new node arrives: agent-4")
+    t_new = time.monotonic()
+    agent("agent-4")
+    line = wait_for(r"synced round 2 rank 2 world 3 .* fresh 1 ", t_new, 90)
+    say(
+        f"the world grew back to 3 {time.monotonic() - t_new:.1f}s after agent-4 was launched (its worker's "
+        "start-up); the newcomer got the model by broadcast; the others kept their processes"
+    )
+    return finish(t_new, ("agent-1", "agent-2", "agent-4"))
+
+
+def finish(t_new: float, names: tuple[str, ...]) -> int:
+    say(f"training to step {STEPS} ...")
+    wait_for(rf"done step {STEPS}", t_new, 240)
+    codes = {}
+    for name in names:
+        codes[name] = procs[name].wait(60)
+    say(f"agents exited: {codes}")
+    job = rest(f"/v1/jobs/{JOB}")
+    print(f"           job state: {job['state']}, rounds: {job['round'] + 1}, restarts charged: {job['restarts']}")
+    status()
+    ok = job["state"] == "succeeded" and all(c == 0 for c in codes.values())
+    say("demo finished: " + ("the job succeeded" if ok else "something went wrong; see above"))
+    return 0 if ok else 1
+
+
 def main() -> int:
     global PORT, CKPT
     PORT = free_port()
@@ -173,6 +255,8 @@ def main() -> int:
         [PY, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(PORT), "--data-dir", str(work / "server")],
     )
     wait_for("listening on", 0, 30, who="server")
+    if IN_PLACE:
+        return main_in_place()
 
     say("starting three agents: --nnodes 2:3, one CPU worker each, training examples/train_ddp.py")
     t = time.monotonic()
@@ -207,19 +291,7 @@ def main() -> int:
         f"{time.monotonic() - t_new:.1f}s after it"
     )
     wait_for(r"step \d+ loss .* world_size 3", t_new, 60)
-
-    say(f"training to step {STEPS} ...")
-    wait_for(rf"done step {STEPS}", t_new, 240)
-    codes = {}
-    for name in ("agent-1", "agent-2", "agent-4"):
-        codes[name] = procs[name].wait(60)
-    say(f"agents exited: {codes}")
-    job = rest(f"/v1/jobs/{JOB}")
-    print(f"           job state: {job['state']}, rounds: {job['round'] + 1}, restarts charged: {job['restarts']}")
-    status()
-    ok = job["state"] == "succeeded" and all(c == 0 for c in codes.values())
-    say("demo finished: " + ("the job succeeded" if ok else "something went wrong; see above"))
-    return 0 if ok else 1
+    return finish(t_new, ("agent-1", "agent-2", "agent-4"))
 
 
 if __name__ == "__main__":

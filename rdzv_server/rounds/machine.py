@@ -170,6 +170,11 @@ def fail(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], now:
             if node_id in job.nodes:
                 fx.merge(_lose(job, node_id, "connection lost", now, evict=True))
         return fx
+    if all(r.reason == "collective" for r in failures):
+        # In-place mode: a parked worker's echo, and no member is known gone: the
+        # cause (a peer's own failure report) follows, or the agent's plain report
+        # of the same worker a second later (design.md "In-place re-formation").
+        return Effects()
     fx.host_failures.append((node.host, f"worker failure: {first.describe()}"))
     if job.restarts >= job.spec.max_restarts:
         job.root_cause = cause

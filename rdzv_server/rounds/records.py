@@ -9,6 +9,7 @@ from typing import Any
 
 from ..protocol import JobSpec, JobState
 from ..wire import (
+    DEFAULT_IN_PLACE_TIMEOUT_S,
     DEFAULT_MIN_ROUND_S,
     DEFAULT_STORM_RESTARTS,
     DEFAULT_STRAGGLER_FRACTION,
@@ -38,6 +39,8 @@ _STORM_DEFAULTS: dict[str, Any] = {
 }
 # Runs of a job id: left out for a job that never started a second run.
 _RUN_DEFAULTS: dict[str, Any] = {"run": 1, "runs": [], "run_started_at": None}
+# in-place re-formation's spec fields, left out at their defaults likewise
+_IN_PLACE_DEFAULTS = {"restart_mode": "process", "in_place_timeout_s": DEFAULT_IN_PLACE_TIMEOUT_S}
 
 
 def _known(state: NodeState | None) -> NodeState:
@@ -60,6 +63,9 @@ def to_record(job: Job) -> dict[str, Any]:
     for name, default in _RUN_DEFAULTS.items():
         if d.get(name) == default:
             d.pop(name, None)
+    for name, default in _IN_PLACE_DEFAULTS.items():
+        if d["spec"].get(name) == default:
+            d["spec"].pop(name, None)
     d["state"] = job.state.value
     d["nodes"] = [_node_record(n) for n in job.nodes.values()]
     d["history"] = [vars(r).copy() for r in job.history]

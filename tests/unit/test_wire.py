@@ -53,7 +53,9 @@ def test_check_spec_restarts_as_jobspec(field: str, value) -> None:
         assert plain == json.loads(model.model_dump_json())
 
 
-@pytest.mark.parametrize("field", ["last_call_s", "heartbeat_timeout_s", "join_timeout_s", "scale_up_window_s"])
+@pytest.mark.parametrize(
+    "field", ["last_call_s", "heartbeat_timeout_s", "join_timeout_s", "scale_up_window_s", "in_place_timeout_s"]
+)
 @pytest.mark.parametrize("value", SECONDS)
 def test_check_spec_seconds_as_jobspec(field: str, value) -> None:
     plain, model = _both(min_nodes=1, max_nodes=2, **{field: value})
@@ -71,6 +73,12 @@ def test_check_spec_seconds_as_jobspec(field: str, value) -> None:
 def test_check_spec_straggler_fields_as_jobspec(field: str, value) -> None:
     plain, model = _both(min_nodes=1, max_nodes=2, **{field: value})
     assert (plain is None) == (model is None), (field, value, plain, model)
+
+
+@pytest.mark.parametrize("value", ["process", "in-place", "inplace", "", "PROCESS", 1, None])
+def test_check_spec_restart_mode_as_jobspec(value) -> None:
+    plain, model = _both(min_nodes=1, max_nodes=2, restart_mode=value)
+    assert (plain is None) == (model is None), (value, plain, model)
     if model is not None:
         assert plain == json.loads(model.model_dump_json())
 
