@@ -339,6 +339,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a(
         "--straggler-fraction",
+        type=float,
+        default=DEFAULT_STRAGGLER_FRACTION,
+        help="a node below this fraction of the job's median steps/s may be a straggler (part of the job spec)",
+    )
+    a(
+        "--straggler-window-s",
+        type=float,
+        default=DEFAULT_STRAGGLER_WINDOW_S,
+        help="seconds a node must stay below the fraction to be a straggler (part of the job spec)",
+    )
+    a(
         "--restart-mode",
         choices=RESTART_MODES,
         default="process",
@@ -351,18 +362,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_IN_PLACE_TIMEOUT_S,
         help="in-place mode: seconds a worker has to reach its safe point after a round change before its "
         "node's workers are restarted the process way (part of the job spec)",
-    )
-    a(
-        "--stop-timeout",
-        type=float,
-        default=DEFAULT_STRAGGLER_FRACTION,
-        help="a node below this fraction of the job's median steps/s may be a straggler (part of the job spec)",
-    )
-    a(
-        "--straggler-window-s",
-        type=float,
-        default=DEFAULT_STRAGGLER_WINDOW_S,
-        help="seconds a node must stay below the fraction to be a straggler (part of the job spec)",
     )
     a(
         "--stop-timeout",
