@@ -71,6 +71,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousParameters,
     RendezvousStoreInfo,
     RendezvousTimeoutError,
+    rendezvous_handler_registry,
 )
 
 from rdzv_server.protocol import (
@@ -590,3 +591,12 @@ def handler_creator() -> Callable[[RendezvousParameters], RendezvousHandler]:
     """The ``torchrun.handlers`` entry point: torch calls it with no arguments
     and registers what it returns as the creator of handlers."""
     return create_handler
+
+
+# torch registers this backend from the entry point above when its rendezvous
+# registry is first imported. When that first import comes from this module's
+# own imports (``import rdzv_client.torch_plugin`` before anything imported
+# torch's registry), the entry point finds this module half-initialized and
+# torch skips it with a warning; register here as well (same creator: torch
+# accepts registering it twice).
+rendezvous_handler_registry.register("rdzv", create_handler)

@@ -6,6 +6,8 @@ contacted: a handler connects on its first next_rendezvous."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 
@@ -97,3 +99,19 @@ def test_local_workers_come_from_torchs_worker_spec() -> None:
     assert _rendezvous(WorkerGroup(_spec(h, 4))) == 4
     spec_of_other = _spec(other, 3)  # another handler's spec on the stack is not ours
     assert spec_of_other.local_world_size == 3 and _spec_nproc(h) is None
+
+
+def test_importing_the_plugin_before_torchs_registry_still_registers_it() -> None:
+    """Importing rdzv_client.torch_plugin first imports torch's rendezvous
+    registry, whose entry-point scan then finds this module half-initialized
+    and skips it with a warning: the backend must be registered all the same
+    (the suite's order did this and torch said 'rdzv' is not registered)."""
+    code = (
+        "import rdzv_client.torch_plugin\n"
+        "from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as r\n"
+        "from rdzv_client.torch_plugin import create_handler\n"
+        "print(r._registry.get('rdzv') is create_handler)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "True", out.stderr[-2000:]
