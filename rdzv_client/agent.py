@@ -86,6 +86,13 @@ IN_PLACE_VARS = (
 )
 
 
+def in_place_assignment(a: Assignment, local_rank: int, job_id: str, virtual_local_rank: bool) -> str:
+    """The variables a kept worker of ``local_rank`` takes for round ``a``
+    (``NAME=VALUE ...``), as worker_env gives a started one."""
+    env = worker_env({}, a, local_rank, job_id, "", virtual_local_rank=virtual_local_rank)
+    return " ".join(f"{k}={env[k]}" for k in IN_PLACE_VARS)
+
+
 # A worker that parks unasked saw a collective fail. Its agent says so at once
 # (reason "collective": the server only loses a member whose connection already
 # dropped, the usual cause, and otherwise waits for the cause's own report); if
@@ -413,8 +420,7 @@ class Agent(ServerReactions):
             self._say("round %d: a kept worker exited; restarting this node's workers", a.round)
             return False
         for lr in range(cfg.nproc):
-            env = worker_env({}, a, lr, cfg.job_id, "")
-            text = " ".join(f"{k}={env[k]}" for k in IN_PLACE_VARS)
+            text = in_place_assignment(a, lr, cfg.job_id, cfg.virtual_local_rank)
             if not self.watch.channel.tell(lr, f"assign {a.round} {text}"):
                 self._say("round %d: local rank %d no longer listens; restarting this node's workers", a.round, lr)
                 return False
