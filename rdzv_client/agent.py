@@ -411,6 +411,10 @@ class Agent(ServerReactions):
         self._reform = Reform(a.round, new_round, now, now + cfg.in_place_timeout_s)
         return True
 
+    def _end_reform(self) -> None:
+        """Kept workers are not moving to a next round any more (they are stopped)."""
+        self._reform = None
+
     def _assign_in_place(self, a: Assignment) -> bool:
         """Hand kept workers round ``a``; False: they must be restarted."""
         group, cfg = self.group, self.cfg
