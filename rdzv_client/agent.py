@@ -657,7 +657,10 @@ class Agent(ServerReactions):
         error files are read now: without --log-dir they go when the agent exits."""
         err_root = self.log_dir or self._err_dir
         assert err_root is not None
-        error_files = {i.local_rank: str(error_file_path(err_root, a.round, i.local_rank)) for i in failed}
+        # the file each worker was given: one kept in place has the round it started in
+        error_files = {
+            i.local_rank: i.error_file or str(error_file_path(err_root, a.round, i.local_rank)) for i in failed
+        }
         for i in failed:
             kept = self.log_dir is not None and os.path.isfile(error_files[i.local_rank])
             where = f"; error file {error_files[i.local_rank]}" if kept else ""

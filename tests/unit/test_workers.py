@@ -399,6 +399,8 @@ async def test_string_error_file_and_stale_file(tmp_path: Path) -> None:
     [info] = await asyncio.wait_for(group.wait(), WAIT_S)
     await group.stop()
     assert (info.exit_code, info.message) == (5, "plain text failure")
+    # the file the worker was given (a worker kept in place wrote its first round's): what summaries name
+    assert info.error_file == str(error_file_path(tmp_path / "errors", 0, 0)) and info.error_file == str(stale)
 
 
 async def test_stderr_tail_when_no_error_file(tmp_path: Path) -> None:
