@@ -86,6 +86,13 @@ IN_PLACE_VARS = (
 )
 
 
+def in_place_assignment(a: Assignment, local_rank: int, job_id: str, virtual_local_rank: bool) -> str:
+    """The variables a kept worker of ``local_rank`` takes for round ``a``
+    (``NAME=VALUE ...``), as worker_env gives a started one."""
+    env = worker_env({}, a, local_rank, job_id, "", virtual_local_rank=virtual_local_rank)
+    return " ".join(f"{k}={env[k]}" for k in IN_PLACE_VARS)
+
+
 # A worker that parks unasked saw a collective fail. Its agent says so at once
 # (reason "collective": the server only loses a member whose connection already
 # dropped, the usual cause, and otherwise waits for the cause's own report); if
@@ -404,6 +411,10 @@ class Agent(ServerReactions):
         self._reform = Reform(a.round, new_round, now, now + cfg.in_place_timeout_s)
         return True
 
+    def _end_reform(self) -> None:
+        """Kept workers are not moving to a next round any more (they are stopped)."""
+        self._reform = None
+
     def _assign_in_place(self, a: Assignment) -> bool:
         """Hand kept workers round ``a``; False: they must be restarted."""
         group, cfg = self.group, self.cfg
@@ -413,8 +424,7 @@ class Agent(ServerReactions):
             self._say("round %d: a kept worker exited; restarting this node's workers", a.round)
             return False
         for lr in range(cfg.nproc):
-            env = worker_env({}, a, lr, cfg.job_id, "")
-            text = " ".join(f"{k}={env[k]}" for k in IN_PLACE_VARS)
+            text = in_place_assignment(a, lr, cfg.job_id, cfg.virtual_local_rank)
             if not self.watch.channel.tell(lr, f"assign {a.round} {text}"):
                 self._say("round %d: local rank %d no longer listens; restarting this node's workers", a.round, lr)
                 return False
@@ -647,7 +657,10 @@ class Agent(ServerReactions):
         error files are read now: without --log-dir they go when the agent exits."""
         err_root = self.log_dir or self._err_dir
         assert err_root is not None
-        error_files = {i.local_rank: str(error_file_path(err_root, a.round, i.local_rank)) for i in failed}
+        # the file each worker was given: one kept in place has the round it started in
+        error_files = {
+            i.local_rank: i.error_file or str(error_file_path(err_root, a.round, i.local_rank)) for i in failed
+        }
         for i in failed:
             kept = self.log_dir is not None and os.path.isfile(error_files[i.local_rank])
             where = f"; error file {error_files[i.local_rank]}" if kept else ""

@@ -53,7 +53,7 @@ DEFAULT_STOP_TIMEOUT_S = 10.0
 DEFAULT_SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 ALWAYS_HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # --rdzv-conf keys rdzv-agent reads; every other key is named in a note
-RDZV_CONF_KEYS = ("join_timeout", "last_call_timeout")
+RDZV_CONF_KEYS = ("join_timeout", "last_call_timeout", "new_run", "job_id", "server")
 
 
 class UsageError(Exception):
@@ -570,12 +570,21 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         last_call = float(conf.pop("last_call_timeout", args.last_call))
     except ValueError as e:
         raise UsageError(f"--rdzv-conf: {e}") from None
+    # as the torchrun plugin reads them: job_id= over --job-id, server= over --endpoint, new_run=0 as --no-new-run
+    conf_job_id = conf.pop("job_id", "")
+    conf_server = conf.pop("server", "")
+    new_run = bool(args.new_run)
+    if "new_run" in conf:
+        flag = conf.pop("new_run")
+        if flag.lower() not in ("0", "1", "false", "true", "no", "yes"):
+            raise UsageError(f"--rdzv-conf new_run={flag[:40]!r}: use 0 or 1")
+        new_run = new_run and flag.lower() in ("1", "true", "yes")
     if args.rdzv_backend not in (None, "rdzv", "c10d", "static"):
         raise UsageError(f"--rdzv-backend {args.rdzv_backend!r}: rdzv-agent always uses an rdzv server")
     notes = torchrun_notes(args, conf)
     signals = parse_signals(str(args.signals_to_handle))
     standalone = args.standalone
-    endpoint = args.endpoint
+    endpoint = conf_server or args.endpoint
     if standalone:
         min_nodes = max_nodes = 1
         endpoint = "127.0.0.1:29400"  # replaced by the embedded server's free port
@@ -585,7 +594,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         parse_endpoint(endpoint)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    job_id = args.job_id or ("standalone" if standalone else None)
+    job_id = conf_job_id or args.job_id or ("standalone" if standalone else None)
     if not job_id:
         raise UsageError("no job id: pass --job-id (torchrun: --rdzv-id), or run under SLURM")
     if not is_valid_id(job_id):
@@ -680,7 +689,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         signals=signals,
         virtual_local_rank=bool(args.virtual_local_rank),
         notes=notes,
-        new_run=args.new_run,
+        new_run=new_run,
         restart_mode=spec_check["restart_mode"],
         in_place_timeout_s=spec_check["in_place_timeout_s"],
         **_host_options(args),

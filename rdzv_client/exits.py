@@ -34,6 +34,8 @@ class ExitInfo:
     timestamp: float
     # where ``message`` came from: "error_file", "stderr" (its last lines), or ""
     source: str = ""
+    # the worker's TORCHELASTIC_ERROR_FILE (a worker kept in place has its first round's), or ""
+    error_file: str = ""
 
     @property
     def ok(self) -> bool:

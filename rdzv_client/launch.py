@@ -168,7 +168,8 @@ def worker_env(
     --role, ``signals_to_handle`` its --signals-to-handle (as given), and
     ``virtual_local_rank`` its --virtual-local-rank: LOCAL_RANK 0 for every
     worker and CUDA_VISIBLE_DEVICES its own GPU (an entry of the agent's
-    CUDA_VISIBLE_DEVICES, or the local rank).
+    CUDA_VISIBLE_DEVICES, or the local rank). ``RDZV_LOCAL_RANK`` (rdzv's own)
+    is always the real local rank.
     """
     if not 0 <= local_rank < a.local_world_size:
         raise ValueError(f"local_rank {local_rank} outside 0..{a.local_world_size - 1}")
@@ -194,6 +195,9 @@ def worker_env(
             "TORCHELASTIC_ERROR_FILE": error_file,
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": base_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             "TORCHELASTIC_SIGNALS_TO_HANDLE": signals_to_handle,
+            # rdzv only: the real local rank, by which rdzv_client.worker names itself on the agent's
+            # channel (LOCAL_RANK is 0 for every worker with --virtual-local-rank)
+            "RDZV_LOCAL_RANK": str(local_rank),
         }
     )
     if virtual_local_rank:

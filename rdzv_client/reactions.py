@@ -88,6 +88,8 @@ class ServerReactions:
 
         def _keep_workers(self, new_round: int) -> bool: ...
 
+        def _end_reform(self) -> None: ...
+
         async def _stop_workers(self, timeout: float | None = None, sig: int = signal.SIGTERM) -> None: ...
 
     async def _on_message(self, msg: ServerMessage | RdzvError) -> int | None:
@@ -110,6 +112,12 @@ class ServerReactions:
         elif isinstance(msg, StatusMsg):
             self._show_waiting(msg.round, msg.waiting_for)
         elif isinstance(msg, SpareMsg):
+            if self.group is not None:
+                # in-place mode kept them over the rejoin (drained, or replaced as a straggler):
+                # a spare runs no workers
+                self._say("made a spare: stopping the workers kept in place")
+                self._end_reform()
+                await self._stop_workers()
             if self.phase is Phase.JOINING:
                 self.phase = Phase.SPARE
             if msg.reason is not None:  # this host may not be admitted now (cordoned, cooled down)

@@ -159,6 +159,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
         )
         self.nproc = _torchrun_nproc()  # until next_rendezvous finds torch's WorkerSpec (_spec_nproc)
         self._nproc_known = False
+        new_run_default = "0" if os.environ.get("RDZV_NO_NEW_RUN", "") not in ("", "0") else "1"
         self.session = NodeSession(
             job_id=self.run_id,
             host=socket.gethostname(),
@@ -166,8 +167,9 @@ class RdzvRendezvousHandler(RendezvousHandler):
             spec=self.spec,
             addr=addr,
             job_secret=self.job_secret,
-            # --rdzv-conf new_run=0: a finished job id refuses this node instead of starting its next run
-            new_run=str(params.get("new_run", "1")).lower() not in ("0", "false", "no"),
+            # --rdzv-conf new_run=0 (else RDZV_NO_NEW_RUN=1, as rdzv-agent): a finished job id refuses this
+            # node instead of starting its next run
+            new_run=str(params.get("new_run", new_run_default)).lower() not in ("0", "false", "no"),
         )
         self.failure_report_delay_s = float(params.get("failure_report_delay", FAILURE_REPORT_DELAY_S))
         self._assignment: Assignment | None = None

@@ -59,7 +59,9 @@ __all__ = ["progress", "finished", "SEND_EVERY_S", "rounds", "World", "Membershi
 SEND_EVERY_S = 0.05
 
 _path = os.environ.get("RDZV_AGENT_SOCKET") or None
-_prefix = (f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} {os.environ.get('LOCAL_RANK', '0')} ").encode()
+# the real local rank: the agent's RDZV_LOCAL_RANK (LOCAL_RANK is 0 for all with --virtual-local-rank)
+_local_rank = os.environ.get("RDZV_LOCAL_RANK") or os.environ.get("LOCAL_RANK", "0")
+_prefix = (f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} {_local_rank} ").encode()
 _sock: socket.socket | None = None
 _last_sent = -1.0e9
 _step: int | None = None
@@ -219,7 +221,7 @@ def _bind_inbox() -> None:
     global _inbox
     if _inbox is not None or not in_place() or _path is None:
         return
-    path = os.path.join(os.path.dirname(_path), f"w{os.environ.get('LOCAL_RANK', '0')}")
+    path = os.path.join(os.path.dirname(_path), f"w{_local_rank}")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
         os.unlink(path)  # a killed predecessor of this local rank left it
@@ -294,7 +296,7 @@ def _park() -> None:
     _assigned = None
     if _stopped is not None and _stopped <= round_no:
         _stopped = None  # else a later round was announced already: the next check() raises
-    _prefix = f"{round_no} {os.environ.get('LOCAL_RANK', '0')} ".encode()
+    _prefix = f"{round_no} {_local_rank} ".encode()
     _last_sent = -1.0e9  # the new round's first progress() is sent at once
 
 

@@ -293,7 +293,16 @@ class WorkerGroup:
             await asyncio.wait(w.readers, timeout=_DRAIN_GRACE_S)
         exit_code, sig = _decode_returncode(returncode)
         message, source = self._failure_message(w) if returncode != 0 else ("", "")
-        info = ExitInfo(w.local_rank, w.proc.pid, exit_code, sig, message, timestamp, source)
+        info = ExitInfo(
+            w.local_rank,
+            w.proc.pid,
+            exit_code,
+            sig,
+            message,
+            timestamp,
+            source,
+            w.env.get("TORCHELASTIC_ERROR_FILE", ""),
+        )
         log.debug("%s", describe(info))
         return info
 

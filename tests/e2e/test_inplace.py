@@ -9,6 +9,8 @@ counter never goes back, and every rank holds the same weights after a step.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -187,3 +189,66 @@ def test_worker_that_ignores_the_agent_is_escalated(cluster: Cluster) -> None:
     assert pids(stubborn, 1).isdisjoint(before_stubborn), "the stubborn worker was not replaced"
     assert not any(alive(p) for p in before_stubborn)
     check_training([keeper, stubborn, newcomer], 1, 3)
+
+
+@pytest.mark.timeout(120)
+def test_a_drained_node_made_a_spare_stops_the_workers_it_kept(cluster: Cluster) -> None:
+    """Drain: the drained node's agent keeps its worker over the round change
+    (in place), rejoins and is made a spare; a spare runs no workers, so it
+    stops them (they would hold the cordoned host's resources indefinitely)."""
+    server = cluster.start_server()
+    agents = {
+        h: cluster.start_agent(
+            server,
+            "ipd",
+            EXAMPLE,
+            "--steps",
+            "100000",
+            "--step-sleep",
+            "0.05",
+            nnodes="2:2",
+            flags=(*IN_PLACE, "--host-name", h),
+            name=h,
+        )
+        for h in ("n1", "n2")
+    }
+    wait_steps(list(agents.values()), 0, 2, 3)
+    agents["n3"] = cluster.start_agent(
+        server,
+        "ipd",
+        EXAMPLE,
+        "--steps",
+        "100000",
+        "--step-sleep",
+        "0.05",
+        nnodes="2:2",
+        flags=(*IN_PLACE, "--host-name", "n3"),
+        name="n3",
+    )
+    server.wait_job("ipd", lambda v: len(v["spares"]) == 1, 60, "n3 a spare")
+    kept = pids(agents["n2"], 0)
+    assert kept and all(alive(p) for p in kept)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rdzv_client.cli",
+            "--endpoint",
+            server.endpoint,
+            "cordon",
+            "n2",
+            "--reason",
+            "maint",
+            "--drain",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done
+    agents["n2"].wait_log(r"waiting as a spare: host n2 is cordoned", timeout=60)
+    wait_until(lambda: not any(alive(p) for p in kept), 30, f"n2's kept worker(s) {kept} stopped")
+    agents["n2"].wait_log(r"made a spare: stopping the workers kept in place", timeout=1)
+    server.close_job("ipd")
+    for agent in agents.values():
+        assert agent.wait_exit(60) == 1

@@ -116,6 +116,17 @@ def test_rdzv_conf_spellings(flag: str) -> None:
     assert (cfg.spec().join_timeout_s, cfg.spec().last_call_s) == (77.0, 3.0)
 
 
+def test_rdzv_conf_new_run_job_id_and_server_as_the_plugin_reads_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's --rdzv-conf new_run=0 / job_id= / server= do what they do in the plugin (not a note)."""
+    monkeypatch.delenv("RDZV_NO_NEW_RUN", raising=False)
+    cfg = cfg_of(*BASE, "--rdzv-conf", "new_run=0,job_id=conf1,server=127.0.0.1:29411")
+    assert (cfg.new_run, cfg.job_id, cfg.endpoint, cfg.notes) == (False, "conf1", "127.0.0.1:29411", [])
+    assert cfg_of(*BASE, "--rdzv-conf", "new_run=1").new_run is True
+    assert cfg_of("--rdzv-conf", "job_id=only,server=127.0.0.1:2").job_id == "only"
+    with pytest.raises(UsageError, match="--rdzv-conf new_run='maybe': use 0 or 1"):
+        cfg_of(*BASE, "--rdzv-conf", "new_run=maybe")
+
+
 # -- torchrun's flags (issue 12, item 6): none refused, none ignored without a word
 
 

@@ -63,6 +63,17 @@ def test_conf_job_id_overrides_torchruns_default() -> None:
     assert handler(run_id="none", job_id="acc1").run_id == "acc1"
 
 
+def test_rdzv_no_new_run_is_read_as_rdzv_agent_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RDZV_NO_NEW_RUN=1 (the Kubernetes manifest's way) holds under torchrun too; --rdzv-conf new_run wins."""
+    monkeypatch.delenv("RDZV_NO_NEW_RUN", raising=False)
+    assert handler().session.new_run is True
+    monkeypatch.setenv("RDZV_NO_NEW_RUN", "1")
+    assert handler().session.new_run is False
+    assert handler(new_run="1").session.new_run is True
+    monkeypatch.setenv("RDZV_NO_NEW_RUN", "0")
+    assert handler().session.new_run is True
+
+
 def test_bad_job_id_is_refused_in_one_line() -> None:
     with pytest.raises(ValueError, match=r"job id 'a b': use 1-128 characters"):
         handler(job_id="a b")

@@ -102,6 +102,37 @@ async def test_agent_sees_each_ranks_last_step_from_real_workers() -> None:
     assert not ch.dir.exists()
 
 
+async def test_virtual_local_rank_workers_are_told_apart_on_the_channel() -> None:
+    """--virtual-local-rank gives every worker LOCAL_RANK=0: the channel still
+    sees each one by RDZV_LOCAL_RANK (a hung rank is not hidden behind rank 0)."""
+    ch = WorkerChannel(nproc=2)
+    await ch.start()
+    try:
+        ch.new_round(0)
+        code = "from rdzv_client.worker import progress\nprogress(7)\n"
+        procs = [
+            await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-c",
+                code,
+                env={
+                    **os.environ,
+                    "PYTHONPATH": str(ROOT),
+                    "RDZV_AGENT_SOCKET": ch.path,
+                    "TORCHELASTIC_RESTART_COUNT": "0",
+                    "LOCAL_RANK": "0",
+                    "RDZV_LOCAL_RANK": str(lr),
+                },
+            )
+            for lr in range(2)
+        ]
+        for p in procs:
+            assert await asyncio.wait_for(p.wait(), 60) == 0
+        await _until(lambda: {lr: rp.step for lr, rp in ch.ranks.items()} == {0: 7, 1: 7}, timeout=15.0)
+    finally:
+        ch.close()
+
+
 def test_progress_heartbeat_form_is_validated_and_the_plain_frame_unchanged() -> None:
     assert HeartbeatMsg().model_dump_json() == HEARTBEAT_FRAME
     msg = AGENT_MESSAGE.validate_json(HeartbeatMsg(step=7, rate=2.5).model_dump_json())

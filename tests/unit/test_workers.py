@@ -151,6 +151,7 @@ def test_worker_env_is_exactly_torchruns_table() -> None:
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
         "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
         "OMP_NUM_THREADS": "1",
+        "RDZV_LOCAL_RANK": "1",
     }
     assert base == {"PATH": "/bin", "HOME": "/root"}
 
@@ -398,6 +399,8 @@ async def test_string_error_file_and_stale_file(tmp_path: Path) -> None:
     [info] = await asyncio.wait_for(group.wait(), WAIT_S)
     await group.stop()
     assert (info.exit_code, info.message) == (5, "plain text failure")
+    # the file the worker was given (a worker kept in place wrote its first round's): what summaries name
+    assert info.error_file == str(error_file_path(tmp_path / "errors", 0, 0)) and info.error_file == str(stale)
 
 
 async def test_stderr_tail_when_no_error_file(tmp_path: Path) -> None:
@@ -709,3 +712,24 @@ def test_workers_die_with_a_sigkilled_agent(tmp_path):
                 os.killpg(int(pid_file.read_text()), signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_worker_env_gives_the_channel_the_real_local_rank() -> None:
+    """--virtual-local-rank: LOCAL_RANK is 0 for all, RDZV_LOCAL_RANK (what
+    rdzv_client.worker names itself by on the agent's channel) stays distinct."""
+    a = assignment(local_world_size=2)
+    for virtual in (False, True):
+        envs = [worker_env({}, a, i, "j", "e", virtual_local_rank=virtual) for i in range(2)]
+        assert [e["RDZV_LOCAL_RANK"] for e in envs] == ["0", "1"]
+
+
+def test_in_place_assignment_keeps_virtual_local_rank() -> None:
+    """What a kept worker is told for a new round: LOCAL_RANK stays 0 under
+    --virtual-local-rank, as its first round's environment said."""
+    from rdzv_client.agent import in_place_assignment
+
+    a = assignment(local_world_size=2)
+    texts = [in_place_assignment(a, i, "j", virtual_local_rank=True) for i in range(2)]
+    assert all("LOCAL_RANK=0 " in t for t in texts), texts
+    assert ["RANK=8" in texts[0], "RANK=9" in texts[1]] == [True, True]
+    assert "LOCAL_RANK=1 " in in_place_assignment(a, 1, "j", virtual_local_rank=False)
