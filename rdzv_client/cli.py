@@ -299,7 +299,11 @@ def render_event(ev: dict[str, object]) -> str:
     t = ev.get("time")
     when = _when(float(t)) if isinstance(t, (int, float)) else "-"
     rnd = ev.get("round")
-    fields = [f"{k}={printable(v, 300)}" for k, v in ev.items() if k not in _EVENT_SKIP and v is not None and v != ""]
+    fields = [  # a job id's run is named from run 2 on
+        f"{k}={printable(v, 300)}"
+        for k, v in ev.items()
+        if k not in _EVENT_SKIP and v is not None and v != "" and not (k == "run" and v == 1)
+    ]
     head = [
         when,
         printable(ev.get("job") or "-", 128),

@@ -168,10 +168,15 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
 @web.middleware
 async def latency_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     start = time.perf_counter()
+    # not the agent channel nor an event stream: they last as long as their client
+    # (an event stream's handler ends when its client goes; a ?since= answer is a request)
+    streams = request.path == AGENT_PATH or (
+        request.match_info.handler is sse.events and "since" not in request.rel_url.query
+    )
     try:
         return await handler(request)
     finally:
-        if request.path != AGENT_PATH:
+        if not streams:
             route = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
             request.app[METRICS].latency.labels(route).observe(time.perf_counter() - start)
 

@@ -9,9 +9,10 @@ comparing the job with what the log last saw of it (O(1) per step); nodes lost
 or evicted are the step's ``Effects.evicted`` and left nodes; host cordons come
 from the store's host side.
 
-Each event is one JSON object ``{"id", "time", "type", "job", "round", "node",
-...fields}`` (ASCII; control characters escaped by JSON), serialized once into
-a Server-Sent Events frame. Ids increase by one per event; the first id of a
+Each event is one JSON object ``{"id", "time", "type", "job", "run", "round",
+"node", ...fields}`` (``run``: the job id's run, from 1; None for host events;
+ASCII, control characters escaped by JSON), serialized once into a
+Server-Sent Events frame. Ids increase by one per event; the first id of a
 server process is its start time in microseconds, so ids also increase across
 restarts (as long as the wall clock does not go back), and a ``Last-Event-ID``
 from before a restart is older than the ring: the client gets a ``gap`` marker
@@ -134,9 +135,16 @@ class EventLog:
     # ------------------------------------------------------------ publish
 
     def emit(
-        self, type_: str, job: str | None, round_: int | None = None, node: str | None = None, **fields: Any
+        self,
+        type_: str,
+        job: str | None,
+        round_: int | None = None,
+        node: str | None = None,
+        run: int | None = None,
+        **fields: Any,
     ) -> Event:
-        """Number the event, keep it in the ring, queue it for its subscribers."""
+        """Number the event, keep it in the ring, queue it for its subscribers
+        (``run``: the run of the job id, None for host events)."""
         eid = self.next_id
         self.next_id += 1
         body: dict[str, Any] = {
@@ -144,6 +152,7 @@ class EventLog:
             "time": round(self.clock(), 6),
             "type": type_,
             "job": job,
+            "run": run,
             "round": round_,
             "node": node,
         }
@@ -185,35 +194,44 @@ class EventLog:
         node: tuple[str, str, dict[str, Any]] | None = None,
         lost: tuple[str, str] | None = None,
         created: bool = False,
+        new_run: str | None = None,
     ) -> None:
         """The events of one step of ``job`` (already persisted): ``node`` is
         (type, node id, fields) of the join or report that caused it, ``lost``
-        (node id, reason) a node that left, ``created`` the job is new; the rest comes from ``fx`` and from
-        comparing the job with its mark."""
+        (node id, reason) a node that left, ``created`` the job is new,
+        ``new_run`` the state the job id's previous run ended in when this step
+        started its next run; the rest comes from ``fx`` and from comparing the
+        job with its mark. Every event carries the job's run."""
         j = job.job_id
         mark = self.marks.get(j)
-        if mark is None:
+        if new_run is not None:  # the run starts over: waiting, round 0, like a new job
+            mark = self.marks[j] = _Mark(JobState.WAITING.value, 0, False, 0)
+            reason = job.history[0].reason if job.history else f"run {job.run} started"
+            self.emit("job_state", j, 0, None, run=job.run, state=mark.state, previous=new_run, reason=reason)
+        elif mark is None:
             if not created:
                 return  # a finished job (its mark is gone): a late report changes nothing
             mark = self.marks[j] = _Mark(JobState.WAITING.value, 0, False, 0)  # every job starts waiting
-            self.emit("job_state", j, 0, None, state=mark.state, previous=None, reason="job created")
+            self.emit("job_state", j, 0, None, run=job.run, state=mark.state, previous=None, reason="job created")
+        run = job.run
         if node is not None:
-            self.emit(node[0], j, mark.round, node[1], **node[2])  # the round it reported in
+            self.emit(node[0], j, mark.round, node[1], run, **node[2])  # the round it reported in
         if lost is not None:
-            self.emit("node_lost", j, mark.round, lost[0], reason=printable(lost[1]))
+            self.emit("node_lost", j, mark.round, lost[0], run, reason=printable(lost[1]))
         if fx.evicted:
             reasons = {n: getattr(msg, "reason", None) for n, msg in fx.sends if getattr(msg, "op", "") == "evicted"}
             for nid in fx.evicted:
                 why = reasons.get(nid) or "evicted"
                 # connection lost: the node went away; no heartbeat: the server gave up on it
                 kind = "node_lost" if why.endswith("connection lost") else "node_evicted"
-                self.emit(kind, j, mark.round, nid, reason=why)
+                self.emit(kind, j, mark.round, nid, run, reason=why)
         if job.restarts > mark.restarts:
             self.emit(
                 "restart_charged",
                 j,
                 job.round,
                 None,
+                run,
                 restarts=job.restarts,
                 max_restarts=job.spec.max_restarts,
                 reason=job.history[-1].reason if job.history else None,
@@ -221,7 +239,7 @@ class EventLog:
         if job.round > mark.round or (job.round == mark.round and not mark.completed):
             opened = [r for r in _tail(job, mark.round) if r.round > mark.round]
             for rec in opened:
-                self.emit("round_opened", j, rec.round, None, reason=rec.reason, started_at=rec.started_at)
+                self.emit("round_opened", j, rec.round, None, run, reason=rec.reason, started_at=rec.started_at)
             for rec in _tail(job, mark.round):
                 if rec.completed_at is not None and (rec.round > mark.round or not mark.completed):
                     self.emit(
@@ -229,6 +247,7 @@ class EventLog:
                         j,
                         rec.round,
                         None,
+                        run,
                         reason=rec.reason,
                         formation_s=round(rec.completed_at - rec.started_at, 6),
                         world_size=rec.world_size,
@@ -238,7 +257,7 @@ class EventLog:
             fields: dict[str, Any] = {"state": job.state.value, "previous": mark.state}
             if job.finished:
                 fields.update(reason=job.end_reason, root_cause=job.root_cause)
-            self.emit("job_state", j, job.round, None, **fields)
+            self.emit("job_state", j, job.round, None, run, **fields)
         last = job.history[-1] if job.history else None
         mark.state, mark.round, mark.restarts = job.state.value, job.round, job.restarts
         mark.completed = last is not None and last.round == job.round and last.completed_at is not None
@@ -263,6 +282,7 @@ class EventLog:
                     "time": round(self.clock(), 6),
                     "type": GAP,
                     "job": job,
+                    "run": None,
                     "round": None,
                     "node": None,
                     "after": last_id,

@@ -129,7 +129,9 @@ class Metrics:
             if rec.completed_at is not None:
                 self.formation.observe(max(0.0, rec.completed_at - rec.started_at))
         if j in self._finished:
-            return  # (a finished job's series are final)
+            if job.finished:
+                return  # (a finished job's series are final)
+            del self._finished[j]  # the job id started its next run: its series move again
         self._set_job(job)
         if job.finished:
             self._finished[j] = None

@@ -274,6 +274,7 @@ class Store(HostsMixin, RetentionMixin):
                 job.run = msg.run
             job.gate = self.hosts
         rerun = not created and rounds.starts_run(job, msg)  # a finished job id's next run
+        ended = job.state.value if rerun else None  # the state the previous run ended in
         if rerun:
             self._check_room(msg.job_id, chan)
         # a node this join creates gets a fresh secret; only its own connection hears it
@@ -308,7 +309,7 @@ class Store(HostsMixin, RetentionMixin):
             old.drop()
         if self.metrics:
             self.metrics.joins.labels(job.job_id).inc()
-        self._apply(job, fx, now, created=created, requester=chan, event=joined)
+        self._apply(job, fx, now, created=created, requester=chan, event=joined, new_run=ended)
 
     def _check_room(self, job_id: str, chan: Channel) -> None:
         """Refuse a new job (unavailable: its agent retries later) when too many
@@ -367,7 +368,11 @@ class Store(HostsMixin, RetentionMixin):
             if job is None or job.finished:
                 self.progress_jobs.discard(job_id)
                 continue
-            ages = [now - n.progress_at for n in job.nodes.values() if n.progress_at is not None]
+            ages = [  # running members only: a spare (a replaced straggler) keeps its last step
+                now - n.progress_at
+                for n in job.nodes.values()
+                if n.progress_at is not None and n.state == rounds.RUNNING
+            ]
             out[job_id] = round(max(0.0, *ages), 3) if ages else 0.0
         return out
 
@@ -453,16 +458,19 @@ class Store(HostsMixin, RetentionMixin):
         requester: Channel | None = None,
         event: tuple[str, str, dict[str, object]] | None = None,
         lost: tuple[str, str] | None = None,
+        new_run: str | None = None,
     ) -> None:
         """``event`` (type, node id, fields): the join or report that caused the
-        step; ``lost`` (node id, reason): a node that left. Both for the event log."""
+        step; ``lost`` (node id, reason): a node that left; ``new_run``: the step
+        started the job id's next run, the previous one ended in this state. For
+        the event log (and the metrics: a new run's series move again)."""
         if fx.persist and self.db is not None:
             try:
                 self.db.save(job, now)
             except sqlite3.Error as e:
                 self._rollback(job, created, e, requester)
         try:  # persisted: now it may be published
-            self.events.observe(job, fx, now, node=event, lost=lost, created=created)
+            self.events.observe(job, fx, now, node=event, lost=lost, created=created, new_run=new_run)
         except Exception:  # a bug here must not undo or block the step
             log.exception("job %s: deriving events failed", job.job_id)
         for line in fx.logs:

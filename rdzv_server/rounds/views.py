@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ..protocol import TERMINAL_STATES, JobState, JobSummary, JobView, NodeView, RoundView, RunView, WaitingInfo
-from .model import REJOINING, SPARE, WAITING, Job, Node, count, natural_key
+from .model import REJOINING, RUNNING, SPARE, WAITING, Job, Node, count, natural_key
 
 MAX_VIEW_NODES = 10_000  # a job view lists at most this many nodes (members first, by rank)
 MAX_VIEW_HISTORY = 100  # and the latest this many rounds
@@ -60,7 +60,11 @@ def _node_view(node: Node, now: float, job_state: JobState | None = None) -> Nod
         steps_per_s=node.step_rate,
         straggler=node.straggler,
         straggler_note=node.straggler_note if node.straggler else None,
-        since_progress_s=(round(max(0.0, now - node.progress_at), 3) if node.progress_at is not None else None),
+        since_progress_s=(  # running members only: a spare's last step is not the job's progress
+            round(max(0.0, now - node.progress_at), 3)
+            if node.progress_at is not None and node.state == RUNNING
+            else None
+        ),
         host_blocked=node.note if node.state == SPARE else None,
     )
 

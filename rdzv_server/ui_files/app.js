@@ -215,11 +215,30 @@ function renderHistory(v) {
   $("history").replaceChildren(frag);
 }
 
+function renderRuns(v) {
+  // a job id's previous runs (the job id started again after it ended), newest first
+  const runs = v.runs || [];
+  const frag = document.createDocumentFragment();
+  for (const r of runs.slice().reverse()) {
+    const li = el("li");
+    li.dataset.run = String(r.run);
+    li.appendChild(el("b", null, "run " + r.run + " "));
+    li.appendChild(el("span", "state " + r.state, r.state));
+    li.appendChild(el("span", "muted", " " + fmtTime(r.started_at) + ", " + fmtSecs(Math.max(0, r.ended_at - r.started_at)) +
+      ", " + r.rounds + " round(s), " + r.restarts + " restart(s)"));
+    li.appendChild(el("span", "reason", r.root_cause || r.reason));
+    frag.appendChild(li);
+  }
+  $("runs").replaceChildren(frag);
+  $("runs-box").hidden = runs.length === 0;
+}
+
 function addEvent(ev) {
   const li = el("li");
   li.dataset.type = ev.type;
   li.appendChild(el("span", "type", ev.type));
-  li.appendChild(el("span", "muted", " " + fmtTime(ev.time) + (ev.round !== null && ev.round !== undefined ? " round " + ev.round : "")));
+  const run = ev.run !== null && ev.run !== undefined && ev.run > 1 ? " run " + ev.run : "";
+  li.appendChild(el("span", "muted", " " + fmtTime(ev.time) + run + (ev.round !== null && ev.round !== undefined ? " round " + ev.round : "")));
   const parts = [];
   if (ev.node) parts.push("node " + ev.node);
   for (const k of ["state", "reason", "cause", "root_cause", "host", "world_size", "formation_s", "restarts", "message"]) {
@@ -247,7 +266,7 @@ async function renderJob(jobId) {
   const st = $("job-state");
   st.textContent = v.state;
   st.className = "state " + v.state;
-  $("job-facts").textContent = "round " + v.round + " · world " + v.world_size + " · nnodes " + v.min_nodes + ":" + v.max_nodes +
+  $("job-facts").textContent = (v.run > 1 ? "run " + v.run + " · " : "") + "round " + v.round + " · world " + v.world_size + " · nnodes " + v.min_nodes + ":" + v.max_nodes +
     " · restarts " + v.restarts + "/" + v.max_restarts + (v.master_addr ? " · master " + v.master_addr + ":" + v.master_port : "");
   $("close-btn").disabled = finished;
   if (finished) $("close-confirm").hidden = true;
@@ -260,6 +279,7 @@ async function renderJob(jobId) {
   $("nodes-body").replaceChildren(frag);
   $("nodes-count").textContent = (v.nodes.length + v.spares.length) + (v.nodes_omitted ? " (+" + v.nodes_omitted + " not shown)" : "");
   renderHistory(v);
+  renderRuns(v);
   $("job").hidden = false;
   ready();
 }

@@ -84,7 +84,7 @@ async def test_a_forming_round_streams_joins_completion_and_state(client, connec
     ids = [int(e["id"]) for e in got]
     assert ids == list(range(ids[0], ids[0] + 5)) and [e["data"]["id"] for e in got] == ids
     for e in got:
-        assert set(e["data"]) >= {"id", "time", "type", "job", "round", "node"}
+        assert set(e["data"]) >= {"id", "time", "type", "job", "run", "round", "node"}
         assert e["data"]["type"] == e["event"]
     stream.close()
 

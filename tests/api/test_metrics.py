@@ -8,13 +8,14 @@ from __future__ import annotations
 import asyncio
 
 from rdzv_server import __version__
-from rdzv_server.app import Settings
+from rdzv_server.app import EVENTS, Settings
 from rdzv_server.metrics import Metrics
 from rdzv_server.protocol import ExitRecord, FailedMsg, HeartbeatMsg, JobState
 from rdzv_server.rounds import new_job
 from tests.helpers.promlint import lint, series, value
 
 from .conftest import form, join_msg
+from .test_events import open_stream
 from .test_hosts import post_json
 
 JOB_STATES = [s.value for s in JobState]
@@ -147,3 +148,26 @@ def test_finished_jobs_beyond_the_bound_leave_metrics() -> None:
     assert jobs == {"live", "done3", "done4", "done5"}, jobs
     assert all(lab.get("job_id") != "done0" for samples in series(text).values() for lab, _ in samples)
     assert lint(text) == []
+
+
+async def test_event_streams_stay_out_of_the_request_latency(make_client) -> None:
+    """An SSE stream lasts as long as its client reads: its duration is not a
+    request's latency (it would sit in +Inf). A ?since= answer is a request."""
+    client = await make_client(Settings(event_keepalive_s=0.05))
+    streams = [await open_stream(client, "/v1/events"), await open_stream(client, "/v1/jobs/sx/events")]
+    client.app[EVENTS].emit("host_cordoned", None, host="h1", reason="r")
+    await streams[0].next()
+    for stream in streams:
+        stream.close()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while client.app[EVENTS].subscribers:  # the server noticed: the handlers returned
+        assert loop.time() < deadline, "the streams did not end"
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)
+    resp = await client.get("/v1/events", params={"since": "0"})
+    assert resp.status == 200
+    text = await _metrics(client)
+    counts = {lab["route"]: v for lab, v in series(text)["rdzv_request_seconds_count"]}
+    assert counts.get("/v1/events") == 1, counts  # the ?since= answer only
+    assert "/v1/jobs/{job_id}/events" not in counts, counts

@@ -116,6 +116,29 @@ def test_close_from_the_button_after_confirmation(cluster: Cluster, page) -> Non
     wait_until(lambda: node.popen.poll() is not None, 30, "the agent exits after the close")
 
 
+def test_a_job_ids_next_run_shows_live_with_its_previous_run(cluster: Cluster, page) -> None:
+    """A closed job id started again is run 2: the page open on it follows the
+    new run (its events carry the run) and lists run 1 under previous runs."""
+    server = cluster.start_server()
+    first = agent(cluster, server, "again", "node-x", "1")
+    server.wait_job("again", lambda v: v["state"] == "running", 30, "run 1 runs")
+    page.goto(f"{server.url}/ui/jobs/again")
+    expect(page.locator("#job-state")).to_have_text("running")
+    expect(page.locator("#runs-box")).to_be_hidden()
+    page.click("#close-btn")
+    page.click("#close-yes")
+    expect(page.locator("#job-state")).to_have_text("closed", timeout=DEADLINE_MS)
+    wait_until(lambda: first.popen.poll() is not None, 30, "run 1's agent exits after the close")
+
+    agent(cluster, server, "again", "node-y", "1")  # a fresh join: the job id's run 2
+    expect(page.locator("#job-state")).to_have_text("running", timeout=DEADLINE_MS)
+    expect(page.locator("#job-facts")).to_contain_text("run 2")
+    expect(page.locator("#runs-box")).to_be_visible()
+    expect(page.locator("#runs li")).to_have_count(1)
+    expect(page.locator("#runs li[data-run='1']")).to_contain_text("closed")
+    expect(page.locator("#events li[data-type=round_completed]").first).to_contain_text("run 2 round 0")
+
+
 def test_with_a_token_the_page_works_after_login_and_refuses_without(cluster: Cluster, browser, page) -> None:
     server = cluster.start_server("--token", TOKEN)
     agent(cluster, server, "secured", "node-t", "1", "--token", TOKEN)

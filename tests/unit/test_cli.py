@@ -324,3 +324,10 @@ def test_render_job_says_when_a_straggler_is_kept_for_want_of_a_spare() -> None:
     rows = _section(cli.render_job(job), "RANK")
     assert rows[1].endswith("step 10 0.5/s 0s ago STRAGGLER (no spare to replace it)")
     assert rows[2].endswith("step 10 0.5/s 0s ago STRAGGLER")
+
+
+def test_an_events_line_names_the_run_only_after_the_first() -> None:
+    render_event = cli.render_event
+    ev = {"id": 1, "time": 1.0, "type": "job_state", "job": "j", "run": 1, "round": 0, "node": None, "state": "waiting"}
+    assert "run=" not in render_event(ev) and "state=waiting" in render_event(ev)
+    assert "run=2" in render_event({**ev, "run": 2})
