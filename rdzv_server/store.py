@@ -376,6 +376,11 @@ class Store(HostsMixin, RetentionMixin):
         job, now = self._job(job_id), self.clock()
         step = rounds.give_up if give_up else rounds.fail
         fx = step(job, node_id, round_no, failures, now)
+        # an in-place "collective" echo that changed nothing is no failure of this node
+        echo = not give_up and all(r.reason == "collective" for r in failures)
+        if echo and not (fx.logs or fx.sends or fx.persist):
+            self._apply(job, fx, now)
+            return
         self._apply(job, fx, now, event=("node_failed", node_id, failure_fields(failures)))
 
     def succeed(self, job_id: str, node_id: str, round_no: int) -> None:
