@@ -352,11 +352,18 @@ class Store(HostsMixin, RetentionMixin):
             fx = rounds.heartbeat(job, node_id, now, step, rate)
             if step is not None:
                 self.progress_jobs.add(job_id)
-            for line in fx.logs:  # stragglers: warnings
-                log.warning("%s", printable(line), extra={"rdzv": {"job": job_id, "round": job.round}})
-            if fx.persist or fx.sends:  # straggler_policy replace opened a round
-                fx.logs = []
+            # stragglers flagged (or no longer, or kept): warnings; the round a
+            # replacement opened (straggler_policy replace): its lines as every step's,
+            # and all of them after the save (nothing is said of a refused step)
+            events: list[str] = []
+            warnings: list[str] = []
+            for ln in fx.logs:
+                (events if isinstance(ln, logs.Line) and ln.fields.get("event") else warnings).append(ln)
+            if fx.persist or fx.sends or events:
+                fx.logs = events
                 self._apply(job, fx, now)
+            for line in warnings:
+                log.warning("%s", printable(line), extra=logs.extra(line))
 
     def since_progress(self) -> dict[str, float]:
         """Per job whose agents report progress: the most seconds any running

@@ -154,6 +154,34 @@ async def test_straggler_policy_replace_a_waiting_spare_takes_the_stragglers_pla
     assert any("is a straggler: 1 steps/s" in r.getMessage() for r in caplog.records)
 
 
+async def test_a_straggler_replacement_logs_its_lines_with_their_event_fields(
+    client, connect, monkeypatch, caplog
+) -> None:
+    """The round a replacement opens is logged as every round_opened line is
+    (event, reason, waiting_for, restarts), after the save; the straggler's
+    line names its node and the round it was flagged in."""
+    from rdzv_server.rounds import progress
+
+    monkeypatch.setattr(progress, "STRAGGLER_CHECK_S", 0.0)
+    caplog.set_level("INFO", logger="rdzv_server")
+    spec = JobSpec(min_nodes=3, max_nodes=3, straggler_policy="replace", straggler_window_s=0.001)
+    agents = await _form_spec(connect, "rl", ["n0", "n1", "n2"], spec)
+    spare = await connect()
+    await spare.send(join_msg("rl", "n3", spec=spec))
+    await spare.expect("joined")
+    await spare.expect("spare")
+    await _slow_n2(client, "rl", agents, 100)
+    for agent in agents:
+        await agent.expect("restart")
+    opened = [r for r in caplog.records if getattr(r, "rdzv", {}).get("event") == "round_opened"]
+    assert len(opened) == 1, [r.getMessage() for r in caplog.records]
+    f = opened[0].rdzv
+    assert f["job"] == "rl" and f["round"] == 1 and f["restarts"] == 0 and f["waiting_for"] is not None
+    assert "straggler: node(s) n2 (n2) replaced by a spare" in f["reason"]
+    flagged = [r for r in caplog.records if "is a straggler: 1 steps/s" in r.getMessage()]
+    assert len(flagged) == 1 and flagged[0].rdzv["node"] == "n2" and flagged[0].rdzv["round"] == 0
+
+
 async def test_straggler_policy_replace_without_a_spare_flags_only_and_says_so(
     client, connect, monkeypatch, caplog
 ) -> None:
