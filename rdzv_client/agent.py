@@ -136,6 +136,9 @@ class Agent(ServerReactions):
         self.signals: asyncio.Queue[int] = asyncio.Queue()
         self.sigint_count = 0
         self.status = StatusLine()
+        # where workers' stderr is copied (None: sys.stderr); with --log-format json the
+        # agent's original stderr, not its json stream: workers' output is left alone
+        self.worker_stderr: TextIO | None = None
         # this agent's private directory: the worker channel, error files without --log-dir;
         # a SIGKILLed agent's is removed by the next agent on the node (tmpdirs.py)
         self._dir = open_agent_dir()
@@ -577,7 +580,9 @@ class Agent(ServerReactions):
                 role_name=envs[lr].get("ROLE_NAME", "default"), rank=a.rank_offset + lr, local_rank=lr
             )
 
-        self.group = WorkerGroup(launch, envs, attempt=a.round, prefix_fn=prefix if template else None)
+        self.group = WorkerGroup(
+            launch, envs, attempt=a.round, prefix_fn=prefix if template else None, stderr=self.worker_stderr
+        )
         # workers that write to this terminal own it: no status line over their progress bars
         self.status.hold = launch.shares_console()
         try:
@@ -728,6 +733,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(EXIT_USAGE) from None
     if args.log_format == "json":
         agent.status = StatusLine(sys.stderr)
+        agent.worker_stderr = stderr
     code = asyncio.run(agent.run())
     raise SystemExit(code)
 

@@ -12,7 +12,8 @@ one. ``event`` is one of :data:`EVENTS` (the names of the event stream).
 Where a line says which job, round and node it is about: a :class:`Line` (the
 round machine's log lines: a ``str`` that carries them), ``extra={"rdzv":
 {...}}`` on a logging call, or a context function given to :func:`setup`
-(the agent: its job, node id and round). Rate limits (``conns.LogLimiter``,
+(the agent: its job, node id and round; only for a line that carries no
+fields of its own). Rate limits (``conns.LogLimiter``,
 ``audit.Audit``) sit in front of the logger and are the same in both formats.
 
 Standard library only: the agent imports this before its first join.
@@ -135,18 +136,19 @@ class JsonFormatter(logging.Formatter):
         out["time"] = _iso(record.created)
         out["level"] = record.levelname
         out["logger"] = record.name
-        if self.context is not None:
+        fields = getattr(record, "rdzv", None)
+        if isinstance(fields, Mapping):
+            # a record that says what it is about is about that, not about the
+            # context (the embedded server's lines in --standalone: no agent node id)
+            for key, value in fields.items():
+                if key in ("time", "level", "logger", "message"):
+                    continue  # a field never overrides what the record says
+                out[str(key)] = _plain(value)
+        elif self.context is not None:
             try:
                 out.update({k: v for k, v in self.context().items() if k in CORE_KEYS})
             except Exception:  # a log line never fails for its context
                 pass
-        fields = getattr(record, "rdzv", None)
-        if isinstance(fields, Mapping):
-            for key, value in fields.items():
-                if key in ("time", "level", "logger", "message"):
-                    continue  # a field never overrides what the record says
-                if value is not None or key not in out:
-                    out[str(key)] = _plain(value)
         out["message"] = printable(record.getMessage(), limit=MAX_MESSAGE)
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)

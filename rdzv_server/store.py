@@ -353,11 +353,18 @@ class Store(HostsMixin, RetentionMixin):
             fx = rounds.heartbeat(job, node_id, now, step, rate)
             if step is not None:
                 self.progress_jobs.add(job_id)
-            for line in fx.logs:  # stragglers: warnings
-                log.warning("%s", printable(line), extra={"rdzv": {"job": job_id, "round": job.round}})
-            if fx.persist or fx.sends:  # straggler_policy replace opened a round
-                fx.logs = []
+            # stragglers flagged (or no longer, or kept): warnings; the round a
+            # replacement opened (straggler_policy replace): its lines as every step's,
+            # and all of them after the save (nothing is said of a refused step)
+            events: list[str] = []
+            warnings: list[str] = []
+            for ln in fx.logs:
+                (events if isinstance(ln, logs.Line) and ln.fields.get("event") else warnings).append(ln)
+            if fx.persist or fx.sends or events:
+                fx.logs = events
                 self._apply(job, fx, now)
+            for line in warnings:
+                log.warning("%s", printable(line), extra=logs.extra(line))
 
     def since_progress(self) -> dict[str, float]:
         """Per job whose agents report progress: the most seconds any running
@@ -381,6 +388,11 @@ class Store(HostsMixin, RetentionMixin):
         job, now = self._job(job_id), self.clock()
         step = rounds.give_up if give_up else rounds.fail
         fx = step(job, node_id, round_no, failures, now)
+        # an in-place "collective" echo that changed nothing is no failure of this node
+        echo = not give_up and all(r.reason == "collective" for r in failures)
+        if echo and not (fx.logs or fx.sends or fx.persist):
+            self._apply(job, fx, now)
+            return
         self._apply(job, fx, now, event=("node_failed", node_id, failure_fields(failures)))
 
     def succeed(self, job_id: str, node_id: str, round_no: int) -> None:

@@ -224,6 +224,8 @@ def give_up(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], n
         if gone:  # a collective lost its peer: the peer's death is the root cause
             root = f"node {gone[0]} ({job.nodes[gone[0]].host}) connection lost"
     fx = Effects()
+    text = f"job {job.job_id} round {job.round}: worker failure on {cause}"
+    fx.logs.append(event_line(job, "node_failed", text, node.node_id, host=node.host, exit=first.model_dump()))
     if root == cause:
         fx.host_failures.append((node.host, f"worker failure: {first.describe()}"))
     job.root_cause = root

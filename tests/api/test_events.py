@@ -11,7 +11,7 @@ import sqlite3
 
 from rdzv_server.app import Settings
 from rdzv_server.keys import EVENTS, STORE
-from rdzv_server.protocol import ExitRecord, FailedMsg, SucceededMsg
+from rdzv_server.protocol import ExitRecord, FailedMsg, JobSpec, SucceededMsg
 from tests.api.conftest import TIMEOUT, form, join_msg
 
 DEADLINE = 10.0
@@ -103,6 +103,27 @@ async def test_a_failure_streams_the_exit_record_the_restart_and_the_new_round(c
     assert charged["restarts"] == 1 and charged["max_restarts"] == 3
     assert opened["round"] == 1 and "worker failure" in opened["reason"]
     assert state["state"] == "waiting" and state["previous"] == "running"
+    stream.close()
+
+
+async def test_an_in_place_collective_echo_is_no_node_failed_event(client, connect):
+    """In-place mode: a survivor whose collective broke reports an echo (reason
+    "collective") that changes nothing; only the peer whose worker really
+    failed shows as failed in the event stream."""
+    spec = JobSpec(min_nodes=2, max_nodes=2, restart_mode="in-place")
+    agents = [await connect() for _ in range(2)]
+    for agent, node in zip(agents, ("node1", "node2")):
+        await agent.send(join_msg("ev9", node, spec=spec))
+    for agent in agents:
+        await agent.expect("joined")
+        await agent.expect("assigned")
+    stream = await open_stream(client, "/v1/jobs/ev9/events")
+    echo = ExitRecord(local_rank=0, rank=0, pid=41, reason="collective", message="a collective failed")
+    await agents[0].send(FailedMsg(round=0, failures=[echo]))
+    rec = ExitRecord(local_rank=0, rank=1, pid=42, exit_code=3, message="boom")
+    await agents[1].send(FailedMsg(round=0, failures=[rec]))
+    got = await stream.until("node_failed")
+    assert [(e["event"], e["data"]["node"]) for e in got] == [("node_failed", "node2")], got
     stream.close()
 
 

@@ -4,6 +4,7 @@ form, the job view's per-node fields, /metrics, and hostile input."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -152,6 +153,75 @@ async def test_straggler_policy_replace_a_waiting_spare_takes_the_stragglers_pla
     assert [n["node_id"] for n in view["spares"]] == ["n2"]
     assert "straggler" in view["history"][-1]["reason"]
     assert any("is a straggler: 1 steps/s" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_straggler_replacement_logs_its_lines_with_their_event_fields(
+    client, connect, monkeypatch, caplog
+) -> None:
+    """The round a replacement opens is logged as every round_opened line is
+    (event, reason, waiting_for, restarts), after the save; the straggler's
+    line names its node and the round it was flagged in."""
+    from rdzv_server.rounds import progress
+
+    monkeypatch.setattr(progress, "STRAGGLER_CHECK_S", 0.0)
+    caplog.set_level("INFO", logger="rdzv_server")
+    spec = JobSpec(min_nodes=3, max_nodes=3, straggler_policy="replace", straggler_window_s=0.001)
+    agents = await _form_spec(connect, "rl", ["n0", "n1", "n2"], spec)
+    spare = await connect()
+    await spare.send(join_msg("rl", "n3", spec=spec))
+    await spare.expect("joined")
+    await spare.expect("spare")
+    await _slow_n2(client, "rl", agents, 100)
+    for agent in agents:
+        await agent.expect("restart")
+    opened = [r for r in caplog.records if getattr(r, "rdzv", {}).get("event") == "round_opened"]
+    assert len(opened) == 1, [r.getMessage() for r in caplog.records]
+    f = opened[0].rdzv
+    assert f["job"] == "rl" and f["round"] == 1 and f["restarts"] == 0 and f["waiting_for"] is not None
+    assert "straggler: node(s) n2 (n2) replaced by a spare" in f["reason"]
+    flagged = [r for r in caplog.records if "is a straggler: 1 steps/s" in r.getMessage()]
+    assert len(flagged) == 1 and flagged[0].rdzv["node"] == "n2" and flagged[0].rdzv["round"] == 0
+
+
+async def test_a_straggler_replacement_whose_save_fails_says_nothing(
+    make_client, connect, tmp_path, monkeypatch, caplog
+) -> None:
+    """Persist, then log: a replacement whose write fails is refused (its
+    agents reconnect) and no line says a round opened or a node was replaced."""
+    import sqlite3
+
+    from rdzv_server.app import Settings
+    from rdzv_server.keys import STORE
+    from rdzv_server.rounds import progress
+
+    monkeypatch.setattr(progress, "STRAGGLER_CHECK_S", 0.0)
+    client = await make_client(Settings(data_dir=tmp_path))
+    spec = JobSpec(min_nodes=3, max_nodes=3, straggler_policy="replace", straggler_window_s=0.001)
+    agents = await _form_spec(lambda: connect(on=client), "rf", ["n0", "n1", "n2"], spec)
+    spare = await connect(on=client)
+    await spare.send(join_msg("rf", "n3", spec=spec))
+    await spare.expect("joined")
+    await spare.expect("spare")
+    for agent, rate in zip(agents, (10.0, 10.0, 1.0)):
+        await agent.send(HeartbeatMsg(step=100, rate=rate))
+    for _ in range(500):
+        if all(n["steps_per_s"] is not None for n in (await _view(client, "rf"))["nodes"]):
+            break
+        await asyncio.sleep(0.01)
+
+    def broken(job, now):
+        raise sqlite3.OperationalError("disk I/O error")
+
+    monkeypatch.setattr(client.app[STORE].db, "save", broken)
+    caplog.clear()
+    for step in range(101, 104):  # the first slow check starts the window, a later one replaces
+        with contextlib.suppress(ConnectionResetError):  # refused at once: the connection is closing
+            await agents[0].send(HeartbeatMsg(step=step, rate=10.0))
+        await asyncio.sleep(0.01)
+    await agents[2].wait_closed()  # refused: its agents reconnect
+    assert any("cannot save state" in r.getMessage() for r in caplog.records)
+    said = [r.getMessage() for r in caplog.records if "replaced by a spare" in r.getMessage()]
+    assert said == [], said
 
 
 async def test_straggler_policy_replace_without_a_spare_flags_only_and_says_so(

@@ -96,3 +96,24 @@ def test_text_stays_the_default(cluster: Cluster) -> None:
     assert lines
     for line in lines:
         assert re.match(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (INFO|WARNING|ERROR) [\w.]+: ", line), line
+
+
+def test_workers_output_is_left_alone_with_json(cluster: Cluster) -> None:
+    """The agent's own lines are json; a worker's stdout and stderr reach the
+    agent's stdout and stderr (separate files here) as the worker wrote them,
+    never wrapped in the agent's json."""
+    server = cluster.start_server()
+    script = cluster.tmp / "talk.py"
+    script.write_text(
+        "import sys\nprint('worker-out-line', flush=True)\nprint('worker-err-line', file=sys.stderr, flush=True)\n"
+    )
+    run = cluster.run_agent(
+        "--endpoint", server.endpoint, "--job-id", "wo", "--local-addr", "127.0.0.1", "--nnodes", "1",
+        "--log-format", "json", str(script), timeout=90,
+    )  # fmt: skip
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    assert "worker-out-line" in run.stdout.splitlines(), run.stdout
+    err = run.stderr.splitlines()
+    assert "worker-err-line" in err, err
+    rows = [json.loads(line) for line in err if line != "worker-err-line"]  # the agent's own: every one json
+    assert rows and not any("worker-err-line" in r["message"] for r in rows), rows

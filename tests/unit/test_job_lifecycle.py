@@ -9,6 +9,7 @@ import json
 import pytest
 
 from rdzv_server import rounds
+from rdzv_server.logs import Line
 from rdzv_server.protocol import (
     DoneMsg,
     EvictedError,
@@ -78,6 +79,17 @@ def test_a_node_that_gives_up_fails_the_job_and_every_node_is_told():
     assert set(done) == {"a", "b"} and {m.state for m in done.values()} == {"failed"}
     assert done["a"].root_cause == job.root_cause
     assert fx.persist and fx.host_failures == [("b", "worker failure: " + BOOM.describe())]
+
+
+def test_a_give_up_writes_a_node_failed_line():
+    """The server log says which node's workers failed, as for a plain failure."""
+    job = form(["a", "b"], spec(min_nodes=2, max_nodes=2, max_restarts=100))
+    fx = rounds.give_up(job, "b", 0, [BOOM], 7.0)
+    failed = [ln for ln in fx.logs if isinstance(ln, Line) and ln.fields["event"] == "node_failed"]
+    assert len(failed) == 1, fx.logs
+    f = failed[0].fields
+    assert (f["job"], f["round"], f["node"], f["host"]) == (job.job_id, 0, "b", "b")
+    assert f["exit"]["pid"] == BOOM.pid and "RuntimeError: boom" in failed[0]
 
 
 def test_giving_up_after_a_peer_was_lost_names_the_lost_peer():

@@ -232,3 +232,16 @@ def test_log_format_flag_and_env_default(monkeypatch: pytest.MonkeyPatch):
     assert server_parser().parse_args([]).log_format == "text"
     with pytest.raises(SystemExit):
         server_parser().parse_args(["--log-format", "xml"])
+
+
+def test_a_records_own_fields_win_over_the_context_even_when_none():
+    """The embedded server (--standalone) logs through the agent's handler: a
+    server line about job j (no node) must not carry the agent's node id."""
+    agent = lambda: {"job": "agent-job", "node": "agent-node", "round": 7}  # noqa: E731
+    line = logs.Line("job j round 0 opened", "round_opened", job="j", round=0, node=None)
+    out = _format("%s", line, extra=logs.extra(line), context=agent)
+    assert (out["job"], out["round"], out["node"], out["event"]) == ("j", 0, None, "round_opened")
+    out = _format("job j deleted", extra={"rdzv": {"job": "j"}}, context=agent)
+    assert (out["job"], out["round"], out["node"]) == ("j", None, None)
+    out = _format("agent line", context=agent)  # no fields of its own: the context says what it is about
+    assert (out["job"], out["round"], out["node"]) == ("agent-job", 7, "agent-node")
