@@ -41,19 +41,7 @@ from .wire import printable
 
 log = logging.getLogger("rdzv_server.events")
 
-EVENT_TYPES = (
-    "round_opened",
-    "round_completed",
-    "node_joined",
-    "node_lost",
-    "node_evicted",
-    "node_succeeded",
-    "node_failed",
-    "restart_charged",
-    "job_state",
-    "host_cordoned",
-    "host_uncordoned",
-)
+# The event types are logs.EVENTS (one list for the stream and the json log's `event` field).
 GAP = "gap"  # the stream's marker: events a client asked for are no longer held
 
 DEFAULT_RING = 10_000

@@ -181,3 +181,17 @@ def test_a_collective_echo_loses_a_dropped_member_at_once() -> None:
     rounds.disconnect(job, "c", 1.0, grace_s=0.5)
     rounds.fail(job, "a", 0, _echo(0), 1.05)
     assert job.round == 1 and job.restarts == 0 and "c" not in job.nodes
+
+
+def test_the_agent_sends_exactly_what_a_worker_takes() -> None:
+    """The agent's IN_PLACE_VARS and the worker's ASSIGNED_VARS are two copies
+    (the worker module registers a signal handler on import, so the agent does
+    not import it): a name on one side only would be dropped by every worker."""
+    code = (
+        "from rdzv_client.agent import IN_PLACE_VARS\n"
+        "from rdzv_client.worker import ASSIGNED_VARS\n"
+        "print(sorted(set(IN_PLACE_VARS) ^ ASSIGNED_VARS), len(IN_PLACE_VARS) == len(set(IN_PLACE_VARS)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[]", "True"]
