@@ -106,33 +106,9 @@ def rest(path: str) -> dict:
 
 def agent(name: str) -> subprocess.Popen:
     if IN_PLACE:
-        return start(
-            name,
-            [
-                PY,
-                "-m",
-                "rdzv_client.agent",
-                "--endpoint",
-                f"127.0.0.1:{PORT}",
-                "--job-id",
-                JOB,
-                "--nnodes",
-                "2:3",
-                "--nproc-per-node",
-                "1",
-                "--local-addr",
-                "127.0.0.1",
-                "--max-restarts",
-                "3",
-                "--restart-mode",
-                "in-place",
-                "examples/train_inplace.py",
-                "--steps",
-                str(STEPS),
-                "--step-sleep",
-                "0.1",
-            ],
-        )
+        script = ["--restart-mode", "in-place", "examples/train_inplace.py"]
+    else:
+        script = ["examples/train_ddp.py", "--ckpt-every", "10", "--log-every", "10"]
     return start(
         name,
         [
@@ -151,15 +127,11 @@ def agent(name: str) -> subprocess.Popen:
             "127.0.0.1",
             "--max-restarts",
             "3",
-            "examples/train_ddp.py",
+            *script,
             "--steps",
             str(STEPS),
             "--step-sleep",
             "0.1",
-            "--ckpt-every",
-            "10",
-            "--log-every",
-            "10",
         ],
     )
 
