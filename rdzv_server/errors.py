@@ -20,6 +20,7 @@ HTTP status; the client maps codes (never messages) to its exceptions
     |   +-- NotJoinedError       a report on a connection that sent no join
     |   +-- UnauthorizedError    a missing or wrong bearer token
     +-- UnavailableError         the server cannot serve it now (its database); retry later
+    |   +-- NotLeaderError       an HA replica that is not the leader (header X-Rdzv-Leader: its URL)
     +-- DataDirError             (rdzv_server.store) the data directory cannot be used; no start
     +-- ...                      (transport errors live in the client)
 
@@ -56,6 +57,7 @@ class ErrorCode(str, Enum):
     NODE_SECRET_MISMATCH = "node_secret_mismatch"
     JOB_SECRET_MISMATCH = "job_secret_mismatch"
     FORBIDDEN = "forbidden"  # a cross-site request (its Origin is not the server's), or one without X-Rdzv-UI
+    NOT_LEADER = "not_leader"  # an HA replica (--etcd) that is not the leader; LEADER_HEADER names the leader
 
 
 ERROR_STATUS: dict[ErrorCode, int] = {
@@ -77,7 +79,13 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.NODE_SECRET_MISMATCH: 403,
     ErrorCode.JOB_SECRET_MISMATCH: 403,
     ErrorCode.FORBIDDEN: 403,
+    ErrorCode.NOT_LEADER: 503,
 }
+
+# On a ``not_leader`` refusal (REST or the agent channel's upgrade): the leader's
+# --advertise-url, when this replica knows one. A client follows it only if it is
+# one of the endpoints it was given (a replica is not trusted to send it elsewhere).
+LEADER_HEADER = "X-Rdzv-Leader"
 
 
 class RdzvError(Exception):
@@ -152,6 +160,17 @@ class UnavailableError(RdzvError):
     code = ErrorCode.UNAVAILABLE
 
 
+class NotLeaderError(UnavailableError):
+    """This replica is not the leader (an HA server on etcd): ask ``leader``
+    (its URL, from the LEADER_HEADER; None while no leader is known)."""
+
+    code = ErrorCode.NOT_LEADER
+
+    def __init__(self, message: str, code: ErrorCode | None = None, leader: str | None = None) -> None:
+        super().__init__(message, code)
+        self.leader = leader
+
+
 ERROR_CLASSES: dict[ErrorCode, type[RdzvError]] = {
     ErrorCode.BAD_REQUEST: RequestError,
     ErrorCode.VALIDATION_ERROR: RequestError,
@@ -171,6 +190,7 @@ ERROR_CLASSES: dict[ErrorCode, type[RdzvError]] = {
     ErrorCode.NODE_SECRET_MISMATCH: NodeSecretMismatchError,
     ErrorCode.JOB_SECRET_MISMATCH: JobSecretMismatchError,
     ErrorCode.FORBIDDEN: RequestError,
+    ErrorCode.NOT_LEADER: NotLeaderError,
 }
 
 

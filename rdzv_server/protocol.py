@@ -44,6 +44,7 @@ from pydantic import (
 from .errors import (  # noqa: F401  (re-exported: the wire contract is one import)
     ERROR_CLASSES,
     ERROR_STATUS,
+    LEADER_HEADER,
     MAX_ERROR_MESSAGE,
     ErrorCode,
     EvictedError,
@@ -53,6 +54,7 @@ from .errors import (  # noqa: F401  (re-exported: the wire contract is one impo
     JobSecretMismatchError,
     NodeSecretMismatchError,
     NotJoinedError,
+    NotLeaderError,
     RdzvError,
     RequestError,
     SpecMismatchError,

@@ -148,3 +148,6 @@ class Health(BaseModel):
     status: Literal["ok"] = "ok"
     jobs: int
     nodes: int
+    # standalone: SQLite or memory; leader/follower: an HA replica on etcd (--etcd)
+    role: Literal["standalone", "leader", "follower"] = "standalone"
+    leader: str | None = None  # the leader's --advertise-url, when known (HA only)
