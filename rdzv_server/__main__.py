@@ -28,6 +28,7 @@ from .conns import (
     raise_fd_limit,
 )
 from .database import DataDirError, free_bytes
+from .ha import DEFAULT_LEASE_TTL_S, DEFAULT_PREFIX, HASettings
 from .hosts import DEFAULT_HOST_FAILURES, HostRules
 from .store import DEFAULT_DISCONNECT_GRACE_S, DEFAULT_MAX_WAITING_JOBS
 
@@ -201,6 +202,43 @@ def build_parser() -> argparse.ArgumentParser:
         help="the first cool-down; each next one of the same host doubles, up to --host-cooldown-max",
     )
     p.add_argument("--host-cooldown-max", type=parse_duration, default="30m", metavar="DURATION")
+    ha = p.add_argument_group(
+        "high availability (etcd v3)",
+        "several rdzv-server replicas against one etcd cluster; one leads, the others answer not_leader "
+        "naming it (agents, the plugin and the CLI take a comma-separated list of the replicas)",
+    )
+    ha.add_argument(
+        "--etcd",
+        default=None,
+        metavar="URL[,URL...]",
+        help="keep job and host state in etcd (v3, its JSON gateway) instead of SQLite, and run as an HA "
+        "replica; e.g. http://etcd-0:2379,http://etcd-1:2379,http://etcd-2:2379 (not with --data-dir)",
+    )
+    ha.add_argument("--etcd-prefix", default=DEFAULT_PREFIX, help="the keys' prefix in etcd (one per rdzv deployment)")
+    ha.add_argument(
+        "--advertise-url",
+        default=None,
+        metavar="URL",
+        help="how agents reach this replica, e.g. http://rdzv-0.rdzv:29400; followers name the leader by it "
+        "(default: http(s)://HOST:PORT when --host is a concrete address)",
+    )
+    ha.add_argument(
+        "--etcd-lease-ttl",
+        type=int,
+        default=DEFAULT_LEASE_TTL_S,
+        metavar="SECONDS",
+        help="the leader's lease: a dead leader is replaced about this long after it died; a leader that "
+        "cannot renew it stops serving before it expires (2..60)",
+    )
+    ha.add_argument("--etcd-cacert", default=None, metavar="FILE", help="PEM CA bundle to verify etcd's certificate")
+    ha.add_argument("--etcd-cert", default=None, metavar="FILE", help="PEM client certificate for etcd")
+    ha.add_argument("--etcd-key", default=None, metavar="FILE", help="PEM private key for --etcd-cert")
+    ha.add_argument(
+        "--etcd-user",
+        default=None,
+        help="etcd user (auth enabled); the password comes from $RDZV_ETCD_PASSWORD or --etcd-password-file",
+    )
+    ha.add_argument("--etcd-password-file", default=None, metavar="FILE", help="a file holding the etcd password")
     p.add_argument(
         "--log-level", default=os.environ.get("RDZV_LOG_LEVEL", "INFO"), choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
@@ -214,9 +252,80 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _etcd_url(text: str) -> str:
+    url = text.strip().rstrip("/")
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in ("http", "https") or not rest or "/" in rest:
+        raise UsageError(f"--etcd: {text.strip()!r} is not an etcd client URL (http(s)://host:port)")
+    return url
+
+
+def ha_settings(args: argparse.Namespace, host: str, port: int, tls: bool) -> HASettings | None:
+    """--etcd and its options, checked (UsageError), or None without --etcd."""
+    if args.etcd is None:
+        for flag in ("advertise_url", "etcd_cacert", "etcd_cert", "etcd_key", "etcd_user", "etcd_password_file"):
+            if getattr(args, flag) is not None:
+                raise UsageError(f"--{flag.replace('_', '-')} needs --etcd")
+        return None
+    if args.data_dir is not None:
+        raise UsageError("--data-dir and --etcd exclude each other: with --etcd the state lives in etcd")
+    endpoints = list(dict.fromkeys(_etcd_url(u) for u in args.etcd.split(",") if u.strip()))
+    if not endpoints or len(endpoints) > 16:
+        raise UsageError("--etcd takes 1 to 16 comma-separated etcd client URLs")
+    if not 2 <= args.etcd_lease_ttl <= 60:
+        raise UsageError("--etcd-lease-ttl must be 2..60 seconds (etcd raises a shorter one to its minimum)")
+    prefix = args.etcd_prefix
+    if not prefix or not prefix.isprintable() or len(prefix) > 200:
+        raise UsageError("--etcd-prefix must be 1-200 printable characters")
+    prefix = prefix if prefix.endswith("/") else prefix + "/"
+    advertise = args.advertise_url
+    if advertise is None:
+        if host in ("0.0.0.0", "::", "") or port == 0:
+            raise UsageError("--etcd needs --advertise-url (how agents reach this replica) with this --host/--port")
+        advertise = f"{'https' if tls else 'http'}://{'[' + host + ']' if ':' in host else host}:{port}"
+    advertise = advertise.strip().rstrip("/")
+    a_scheme, sep, a_rest = advertise.partition("://")
+    if not sep or a_scheme not in ("http", "https") or not a_rest or "/" in a_rest or len(advertise) > 512:
+        raise UsageError(f"--advertise-url {advertise!r} is not http(s)://host:port")
+    ctx = None
+    if any(u.startswith("https://") for u in endpoints) or args.etcd_cacert or args.etcd_cert:
+        try:
+            ctx = ssl.create_default_context(cafile=args.etcd_cacert)
+            if args.etcd_cert or args.etcd_key:
+                if not (args.etcd_cert and args.etcd_key):
+                    raise UsageError("--etcd-cert and --etcd-key go together")
+                ctx.load_cert_chain(args.etcd_cert, args.etcd_key)
+        except (OSError, ssl.SSLError) as e:
+            raise UsageError(f"cannot load etcd TLS files: {e}") from None
+    password = None
+    if args.etcd_user is not None:
+        if args.etcd_password_file is not None:
+            try:
+                password = Path(args.etcd_password_file).read_text().rstrip("\r\n")
+            except OSError as e:
+                raise UsageError(f"--etcd-password-file: {e.strerror or e}") from None
+        else:
+            password = os.environ.get("RDZV_ETCD_PASSWORD")
+        if not password:
+            raise UsageError("--etcd-user needs a password: $RDZV_ETCD_PASSWORD or --etcd-password-file")
+    elif args.etcd_password_file is not None:
+        raise UsageError("--etcd-password-file needs --etcd-user")
+    return HASettings(
+        endpoints=endpoints,
+        advertise_url=advertise,
+        prefix=prefix,
+        lease_ttl_s=args.etcd_lease_ttl,
+        ssl_ctx=ctx,
+        user=args.etcd_user,
+        password=password,
+    )
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    if args.data_dir is None:
-        data_dir: Path | None = default_data_dir()
+    if getattr(args, "etcd", None) is not None:
+        data_dir: Path | None = None
+    elif args.data_dir is None:
+        data_dir = default_data_dir()
     elif args.data_dir.lower() in ("none", ":memory:"):
         data_dir = None
     else:
@@ -330,7 +439,13 @@ async def serve(
         scheme,
         host,
         bound,
-        settings.data_dir or "memory only",
+        settings.data_dir
+        or (
+            f"etcd {','.join(settings.ha.endpoints)} prefix {settings.ha.prefix}, HA replica "
+            f"{settings.ha.advertise_url}"
+            if settings.ha
+            else "memory only"
+        ),
         auth_note(host, settings.token),
     )
     free = free_bytes(settings.data_dir) if settings.data_dir is not None else None
@@ -369,6 +484,11 @@ def main(argv: list[str] | None = None) -> None:
     ctx = ssl_context(args.tls_cert, args.tls_key)
     if not 0 <= args.port <= 65535:
         raise SystemExit("rdzv-server: --port must be 0..65535")
+    try:
+        settings.ha = ha_settings(args, host, args.port, ctx is not None)
+    except UsageError as e:
+        print(f"rdzv-server: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     if not 0 < args.header_timeout <= 3600:
         raise SystemExit("rdzv-server: --header-timeout must be in (0, 3600] seconds")
     if args.max_connections < 1:

@@ -19,6 +19,7 @@ from . import __version__, handlers, sse, ui
 from .audit import Audit
 from .cursors import MAX_CURSOR_LEN
 from .events import DEFAULT_MAX_STREAMS, DEFAULT_QUEUE, DEFAULT_RING, EventLog
+from .ha import HASettings
 from .hosts import HostRules
 from .keys import AUDIT, EVENTS, EVENTS_KEEPALIVE, JOIN_DEADLINE, METRICS, OPENAPI, STORE, TOKEN
 from .metrics import Metrics
@@ -27,6 +28,7 @@ from .protocol import (
     DEFAULT_PAGE,
     HOST_PATTERN,
     ID_PATTERN,
+    LEADER_HEADER,
     MAX_BODY_BYTES,
     MAX_ERROR_MESSAGE,
     MAX_ID_LEN,
@@ -74,6 +76,7 @@ class Settings:
     event_queue: int = DEFAULT_QUEUE  # events queued per stream; a stream that falls this far behind is dropped
     max_event_streams: int = DEFAULT_MAX_STREAMS  # event streams open at once
     event_keepalive_s: float = 15.0  # a comment line on a quiet stream this often
+    ha: HASettings | None = None  # --etcd: an HA replica (rdzv_server.ha); then data_dir is None
     store_settings: StoreSettings = field(init=False)
 
     def __post_init__(self) -> None:
@@ -163,6 +166,21 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
                 {"WWW-Authenticate": "Bearer"},
             )
     return await handler(request)
+
+
+# What a replica that is not the leader still answers itself (everything else: not_leader).
+_ANY_REPLICA = frozenset({"/healthz", "/metrics", "/openapi.json"})
+
+
+@web.middleware
+async def leader_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """An HA replica serves only while it leads (rdzv_server.ha); otherwise
+    503 not_leader, naming the leader in LEADER_HEADER when it knows one."""
+    store = request.app[STORE]
+    if store.replica is None or store.serving or request.path in _ANY_REPLICA:
+        return await handler(request)
+    e = store.replica.refusal()
+    return _error(e.code, e.message, e.status, {LEADER_HEADER: e.leader} if e.leader else None)
 
 
 @web.middleware
@@ -360,12 +378,15 @@ def create_app(settings: Settings | None = None) -> web.Application:
     (raising DataDirError if its data cannot be used)."""
     settings = settings or Settings()
     app = web.Application(
-        client_max_size=MAX_BODY_BYTES, middlewares=[error_middleware, auth_middleware, latency_middleware]
+        client_max_size=MAX_BODY_BYTES,
+        middlewares=[error_middleware, auth_middleware, leader_middleware, latency_middleware],
     )
     metrics = Metrics()
     app[METRICS] = metrics
     events = EventLog(ring=settings.event_ring, queue=settings.event_queue, max_streams=settings.max_event_streams)
     app[STORE] = Store(settings.store_settings, metrics=metrics, events=events)
+    if settings.ha is not None:
+        app[STORE].use_replica(settings.ha.replica())
     app[TOKEN] = settings.token or ""
     app[JOIN_DEADLINE] = settings.join_deadline_s
     app[OPENAPI] = openapi_document()
@@ -407,6 +428,12 @@ async def _end_streams(app: web.Application) -> None:
 
 async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
     store = app[STORE]
+    if store.replica is not None:  # HA: the store opens when this replica is elected
+        await store.replica.start()
+        yield
+        await store.replica.stop()
+        await store.stop()
+        return
     store.open()
     await store.start()
     yield

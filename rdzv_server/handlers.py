@@ -48,6 +48,7 @@ from .protocol import (
     printable,
 )
 from .store import Store
+from .store_hosts import HOSTS_KEY
 
 log = logging.getLogger(__name__)
 
@@ -99,13 +100,16 @@ async def close_job(request: web.Request) -> web.Response:
     store = request.app[STORE]
     was_open = job_id in store.jobs and not store.jobs[job_id].finished
     job = store.close_job(job_id)
+    await store.flushed(job_id)
     if was_open and job.finished:
         request.app[AUDIT].event("close", f"job {job_id} closed on request from {printable(request.remote)}")
     return _json(CloseResult(job_id=job.job_id, state=job.state))
 
 
 async def delete_job(request: web.Request) -> web.Response:
-    job = request.app[STORE].delete_job(_job_id(request))
+    store = request.app[STORE]
+    job = store.delete_job(_job_id(request))
+    await store.flushed(job.job_id)
     request.app[AUDIT].event(
         "delete", f"job {job.job_id} ({job.state.value}) deleted on request from {printable(request.remote)}"
     )
@@ -152,6 +156,7 @@ async def cordon_host(request: web.Request) -> web.Response:
     host = request.match_info["host"]
     req = await _body(request, CordonRequest)
     view = request.app[STORE].cordon(host, req.reason, req.ttl_s, req.drain)
+    await request.app[STORE].flushed(HOSTS_KEY)
     ttl = f" for {req.ttl_s:g}s" if req.ttl_s is not None else ""
     text = (
         f"host {printable(host)} cordoned{ttl}{' with drain' if req.drain else ''} "
@@ -169,6 +174,7 @@ async def uncordon_host(request: web.Request) -> web.Response:
         if body.strip() not in (b"", b"{}"):
             raise RequestError("uncordon takes no body (or an empty JSON object)", ErrorCode.VALIDATION_ERROR)
     view = request.app[STORE].uncordon(host)
+    await request.app[STORE].flushed(HOSTS_KEY)
     text = f"host {printable(host)} uncordoned on request from {printable(request.remote)}"
     request.app[AUDIT].event("uncordon", Line(text, "host_uncordoned", host=host))
     return _json(view)
@@ -177,16 +183,24 @@ async def uncordon_host(request: web.Request) -> web.Response:
 async def report_health(request: web.Request) -> web.Response:
     host = request.match_info["host"]
     req = await _body(request, HealthReport)
-    return _json(request.app[STORE].report_health(host, req.job_id, req.reason))
+    view = request.app[STORE].report_health(host, req.job_id, req.reason)
+    await request.app[STORE].flushed(HOSTS_KEY)
+    return _json(view)
 
 
 async def healthz(request: web.Request) -> web.Response:
     store = request.app[STORE]
-    return _json(Health(jobs=len(store.jobs), nodes=store.live_nodes()))
+    r = store.replica
+    if r is None:
+        return _json(Health(jobs=len(store.jobs), nodes=store.live_nodes()))
+    role = "leader" if store.serving else "follower"
+    return _json(Health(jobs=len(store.jobs), nodes=store.live_nodes(), role=role, leader=r.leader_url))
 
 
 async def metrics(request: web.Request) -> web.Response:
     store = request.app[STORE]
+    if store.replica is not None:
+        request.app[METRICS].set_leader(store.serving)
     request.app[METRICS].set_progress(store.since_progress())
     request.app[METRICS].refresh(store.jobs.values(), store.hosts, store.clock())
     body = await request.app[METRICS].render_off_loop()
@@ -340,6 +354,8 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
                 frame = await ws.receive()
             if frame.type in _DONE_TYPES:
                 break
+            if not store.serving:  # an HA replica that stopped leading: its agents go to the new leader
+                break
             if frame.type != WSMsgType.TEXT:
                 if frame.type == WSMsgType.BINARY and not chan.refuse(
                     ErrorMsg(code=ErrorCode.BAD_REQUEST, message="send JSON text frames")
@@ -397,13 +413,13 @@ def _dispatch(
         store.heartbeat(*bound, msg.step, msg.rate)
     elif isinstance(msg, FailedMsg):
         store.fail(*bound, msg.round, msg.failures, give_up=msg.give_up)
-        chan.tell(AckMsg(of="failed"))
+        store.reply(bound[0], chan, AckMsg(of="failed"))  # after what the report caused is persisted
     elif isinstance(msg, SucceededMsg):
         store.succeed(*bound, msg.round)
-        chan.tell(AckMsg(of="succeeded"))
+        store.reply(bound[0], chan, AckMsg(of="succeeded"))
     elif isinstance(msg, LeaveMsg):
         store.leave(*bound, msg.reason, chan)
-        chan.tell(AckMsg(of="leave"))
+        store.reply(bound[0], chan, AckMsg(of="leave"))
         return None
     return bound
 

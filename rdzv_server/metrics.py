@@ -66,6 +66,7 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
         )
         self.agent_messages = Counter("rdzv_agent_messages", "Agent channel messages received", ["op"], registry=r)
+        self.ha_leader: Gauge | None = None  # only on an HA replica (--etcd): see set_leader
         self.since_progress = Gauge(
             "rdzv_job_since_progress_seconds",
             "Most seconds any node's step has not advanced (jobs whose workers call rdzv_client.worker.progress)",
@@ -205,6 +206,15 @@ class Metrics:
             self._remove_series(self.job_state, job_id, job_state)
         for node_state in _NODE_STATES:
             self._remove_series(self.job_nodes, job_id, node_state.value)
+
+    def set_leader(self, serving: bool) -> None:
+        """An HA replica (--etcd): rdzv_ha_leader is 1 while it leads and serves, else 0
+        (absent on a standalone server, so that "no leader" alerts see only replicas)."""
+        if self.ha_leader is None:
+            self.ha_leader = Gauge(
+                "rdzv_ha_leader", "1 while this HA replica leads and serves, 0 while it follows", registry=self.registry
+            )
+        self.ha_leader.set(1 if serving else 0)
 
     def set_progress(self, since: dict[str, float]) -> None:
         for job_id, seconds in since.items():

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import functools
 import heapq
 import json
 import logging
@@ -41,7 +42,7 @@ from . import logs, rounds
 from .cursors import decode_cursor, encode_cursor
 from .database import Database, DataDirError, free_bytes  # noqa: F401  (DataDirError: re-exported)
 from .events import EventLog, failure_fields
-from .hosts import HostRules, Hosts
+from .hosts import HostRecord, HostRules, Hosts
 from .protocol import (
     ErrorCode,
     ErrorMsg,
@@ -51,15 +52,20 @@ from .protocol import (
     JobNotFoundError,
     JobState,
     JoinMsg,
+    NotLeaderError,
     UnavailableError,
     printable,
 )
 from .rounds import Effects, Job
-from .store_hosts import HostsMixin
+from .store_hosts import HOSTS_KEY, HostsMixin
 from .store_retention import RetentionMixin
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from .ha import Replica
     from .metrics import Metrics
+    from .outbox import Outbox
     from .protocol import JobSummary, JobView
 
 log = logging.getLogger(__name__)
@@ -130,6 +136,21 @@ class Store(HostsMixin, RetentionMixin):
         self._refusals_unlogged = 0
         self.hosts = Hosts(settings.host_rules)  # host records across jobs (rdzv_server.hosts)
         self._unblock_at: float | None = None  # when the next host block ends (hosts.next_unblock)
+        # HA (--etcd, rdzv_server.ha): the replica's leadership, and writes queued with what waits
+        # for them (rdzv_server.outbox); _committed: each job's record as etcd last acknowledged it
+        self.replica: Replica | None = None
+        self.outbox: Outbox | None = None
+        self._committed: dict[str, str] = {}
+
+    @property
+    def durable(self) -> bool:
+        """Jobs outlive this process (SQLite or etcd)."""
+        return self.db is not None or self.replica is not None
+
+    @property
+    def serving(self) -> bool:
+        """Not an HA replica, or its leader with the state loaded and the lease surely alive."""
+        return self.replica is None or self.replica.serving
 
     # ------------------------------------------------------------ lifecycle
 
@@ -138,8 +159,11 @@ class Store(HostsMixin, RetentionMixin):
         if self.settings.data_dir is None:
             return
         self.db = Database(self.settings.data_dir)
-        self.jobs = self.db.load()
-        self.hosts.load(self.db.load_hosts())
+        self._loaded(self.db.load(), self.db.load_hosts(), str(self.db.path))
+
+    def _loaded(self, jobs: dict[str, Job], hosts: list[HostRecord], where: str) -> None:
+        self.jobs = jobs
+        self.hosts.load(hosts)
         now = self.clock()
         self._unblock_at = self.hosts.next_unblock(now)
         for job in self.jobs.values():
@@ -159,7 +183,7 @@ class Store(HostsMixin, RetentionMixin):
             log.info(
                 "loaded %d job(s) from %s (%d active); every node has %s to reconnect",
                 len(self.jobs),
-                self.db.path,
+                where,
                 len(self.active),
                 "a full heartbeat timeout",
             )
@@ -167,6 +191,111 @@ class Store(HostsMixin, RetentionMixin):
     async def start(self) -> None:
         self._last_tick = time.monotonic()
         self._tick_task = asyncio.create_task(self._run_ticks(), name="rdzv-tick")
+
+    # ------------------------------------------------------- HA (--etcd)
+
+    def use_replica(self, replica: Replica) -> None:
+        """Keep state in etcd through ``replica`` (rdzv_server.ha): serve only while it leads."""
+        from .outbox import Outbox
+
+        self.replica = replica
+        self.outbox = Outbox(self._remote_write, self._write_failed)
+        replica.on_elected = self.become_leader
+        replica.on_deposed = self.step_down
+
+    async def become_leader(self) -> None:
+        """Elected: load every job and host from etcd and serve them as a restarted server does."""
+        assert self.replica is not None
+        jobs, hosts = await self.replica.load()
+        if self.replica.role != "leader":
+            return
+        self.step_down("reloading", quiet=True)  # nothing may survive from an earlier term
+        self._committed = {j: json.dumps(rounds.to_record(job), separators=(",", ":")) for j, job in jobs.items()}
+        self._loaded(jobs, hosts, f"etcd (term {self.replica.term})")
+        await self.start()
+
+    def step_down(self, reason: str, quiet: bool = False) -> None:
+        """Not the leader any more: forget every job (the next leader has them in etcd),
+        drop every agent connection (agents reconnect and find the leader)."""
+        if self._tick_task is not None:
+            self._tick_task.cancel()
+            self._tick_task = None
+        if self.outbox is not None:
+            self.outbox.drop_all()
+        for chan in list(self.channels.values()):
+            chan.drop()
+        if not quiet and (self.jobs or self.channels):
+            log.warning("dropped %d agent connection(s) and %d job(s): %s", len(self.channels), len(self.jobs), reason)
+        self.channels.clear()
+        if self.metrics:
+            for job_id in self.jobs:
+                self.metrics.forget(job_id)
+        self.jobs, self._committed = {}, {}
+        self.active.clear()
+        self.waiting.clear()
+        self.progress_jobs.clear()
+        self._due, self._due_at, self._ended, self._order = [], {}, [], []
+        self.hosts = Hosts(self.settings.host_rules)
+        self._unblock_at = None
+        self.events.marks.clear()
+        self.events.close_all()
+
+    async def _remote_write(self, key: str, payload: object) -> None:
+        assert self.replica is not None
+        if key == HOSTS_KEY:
+            await self.replica.write(payload)  # type: ignore[arg-type]  # host ops
+            return
+        text = payload if isinstance(payload, str) else None
+        await self.replica.write([self.replica.job_put(key, text)])
+        if text is None:
+            self._committed.pop(key, None)
+        else:
+            self._committed[key] = text
+
+    def _write_failed(self, key: str, err: BaseException) -> None:
+        """A write to etcd failed: nothing queued behind it was announced. A job
+        goes back to its last written record and its agents reconnect."""
+        if key == HOSTS_KEY:
+            log.error("cannot save host records to etcd: %s", printable(str(err), 300))
+            return
+        job = self.jobs.get(key)
+        if job is None or not self.serving:
+            return  # removed, or this replica stepped down (and forgot everything)
+        log.error(
+            "job %s: cannot save state to etcd: %s; the change is refused, its agents reconnect",
+            key,
+            printable(str(err), 300),
+        )
+        text = self._committed.get(key)
+        try:
+            saved = rounds.from_record(json.loads(text)) if text is not None else None
+        except Exception:
+            saved = None
+        self._put_back(job, saved)
+        for chan in [self.channels.pop(k) for k in [k for k in self.channels if k[0] == key]]:
+            chan.drop()
+
+    def reply(self, job_id: str, chan: Channel, msg: BaseModel) -> None:
+        """Answer one agent (an ack) after what its report caused is written."""
+        text = msg.model_dump_json()
+        if self.outbox is not None:
+            self.outbox.publish(job_id, functools.partial(chan.deliver, text))
+        else:
+            chan.deliver(text)
+
+    async def flushed(self, key: str) -> None:
+        """Wait until what was queued for ``key`` (a job id, or HOSTS_KEY) is in etcd
+        (at once without HA); raise UnavailableError (or NotLeaderError) if it is not."""
+        if self.outbox is None:
+            return
+        try:
+            await self.outbox.flushed(key)
+        except NotLeaderError:
+            raise
+        except Exception as e:
+            raise UnavailableError(
+                f"the change could not be saved to etcd ({printable(str(e), 300)}); retry", ErrorCode.UNAVAILABLE
+            ) from e
 
     async def stop(self) -> None:
         if self._tick_task:
@@ -260,7 +389,7 @@ class Store(HostsMixin, RetentionMixin):
         job = self.jobs.get(msg.job_id)
         created = job is None
         if job is None:
-            if msg.run is not None and self.db is not None:
+            if msg.run is not None and self.durable:
                 # every job an agent heard of is on disk: this one ended and was removed (or deleted)
                 raise JobFinishedError(
                     f"job {msg.job_id!r} is not on this server any more (it ended and was removed or deleted); "
@@ -481,6 +610,42 @@ class Store(HostsMixin, RetentionMixin):
                 self.db.save(job, now)
             except sqlite3.Error as e:
                 self._rollback(job, created, e, requester)
+        publish = functools.partial(self._publish, job, fx, now, created, event, lost, new_run)
+        if self.outbox is not None:  # HA: announced once etcd holds it (rdzv_server.outbox)
+            if fx.persist:
+                self.outbox.write(job.job_id, json.dumps(rounds.to_record(job), separators=(",", ":")))
+            self.outbox.publish(job.job_id, publish)
+        else:
+            publish()
+        if job.finished:
+            if job.job_id in self.active:
+                self.active.discard(job.job_id)
+                self.waiting.discard(job.job_id)
+                self._due_at.pop(job.job_id, None)
+                heapq.heappush(self._ended, (job.ended_at or now, job.job_id))
+        else:
+            if job.forming:
+                self.waiting.add(job.job_id)
+            else:
+                self.waiting.discard(job.job_id)
+            self._schedule(job)
+        for host, reason in fx.host_failures:
+            self.host_failure(host, job.job_id, reason, now)
+
+    def _publish(
+        self,
+        job: Job,
+        fx: Effects,
+        now: float,
+        created: bool,
+        event: tuple[str, str, dict[str, object]] | None,
+        lost: tuple[str, str] | None,
+        new_run: str | None,
+    ) -> None:
+        """What everyone may hear of a step once it is persisted: events, log
+        lines, the agents' messages, dropped connections, metrics."""
+        if self.jobs.get(job.job_id) is not job:
+            return  # put back (a failed write) or forgotten (stepped down): never announced
         try:  # persisted: now it may be published
             self.events.observe(job, fx, now, node=event, lost=lost, created=created, new_run=new_run)
         except Exception:  # a bug here must not undo or block the step
@@ -500,23 +665,35 @@ class Store(HostsMixin, RetentionMixin):
             if chan is not None:
                 chan.drop()
         if job.finished:
-            if job.job_id in self.active:
-                self.active.discard(job.job_id)
-                self.waiting.discard(job.job_id)
-                self._due_at.pop(job.job_id, None)
-                heapq.heappush(self._ended, (job.ended_at or now, job.job_id))
             for key in [k for k in self.channels if k[0] == job.job_id]:
                 self.channels.pop(key)  # their agents close after the done message
-        else:
-            if job.forming:
-                self.waiting.add(job.job_id)
-            else:
-                self.waiting.discard(job.job_id)
-            self._schedule(job)
         if self.metrics:
             self.metrics.observe(job, fx)
-        for host, reason in fx.host_failures:
-            self.host_failure(host, job.job_id, reason, now)
+
+    def _put_back(self, job: Job, saved: Job | None) -> None:
+        """The job as last saved (None: never saved, so forgotten)."""
+        if saved is None:
+            self.jobs.pop(job.job_id, None)
+            self.active.discard(job.job_id)
+            self.waiting.discard(job.job_id)
+            self._due_at.pop(job.job_id, None)
+            self._unlist(job)
+            return
+        rounds.restored(saved, self.clock())
+        saved.gate = self.hosts
+        self.jobs[job.job_id] = saved
+        if saved.finished:
+            self.active.discard(saved.job_id)
+            self.waiting.discard(saved.job_id)
+        else:
+            self.active.add(saved.job_id)
+            if saved.forming:
+                self.waiting.add(saved.job_id)
+            else:
+                self.waiting.discard(saved.job_id)
+        self._due_at.pop(saved.job_id, None)
+        if not saved.finished:
+            self._schedule(saved)
 
     def _rollback(self, job: Job, created: bool, err: Exception, requester: Channel | None = None) -> None:
         """A write failed: nobody was told anything. Put the job back as it was
@@ -539,22 +716,7 @@ class Store(HostsMixin, RetentionMixin):
                 saved = rounds.from_record(json.loads(row[0])) if row else None
             except Exception:
                 saved = None
-        if saved is None:
-            self.jobs.pop(job.job_id, None)
-            self.active.discard(job.job_id)
-            self.waiting.discard(job.job_id)
-            self._due_at.pop(job.job_id, None)
-            self._unlist(job)
-        else:
-            rounds.restored(saved, self.clock())
-            saved.gate = self.hosts
-            self.jobs[job.job_id] = saved
-            if saved.forming:
-                self.waiting.add(saved.job_id)
-            else:
-                self.waiting.discard(saved.job_id)
-            self._due_at.pop(saved.job_id, None)
-            self._schedule(saved)
+        self._put_back(job, saved)
         error = UnavailableError(f"the server cannot save state ({err}); retry later", ErrorCode.UNAVAILABLE)
         if requester is not None:
             requester.deliver(ErrorMsg(code=error.code, message=error.message).model_dump_json())

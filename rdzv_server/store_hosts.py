@@ -29,7 +29,11 @@ from .protocol import (
 if TYPE_CHECKING:
     from .database import Database
     from .events import EventLog
+    from .ha import Replica
+    from .outbox import Outbox
     from .rounds import Effects, Job
+
+HOSTS_KEY = "\0hosts"  # the outbox's key for host records (rdzv_server.store.HOSTS_KEY)
 
 log = logging.getLogger("rdzv_server.store")  # the store's log, as before the split
 
@@ -40,6 +44,8 @@ class HostsMixin:
     # provided by Store
     clock: Callable[[], float]
     db: Database | None
+    replica: Replica | None
+    outbox: Outbox | None
     hosts: Hosts
     jobs: dict[str, Job]
     active: set[str]
@@ -51,6 +57,9 @@ class HostsMixin:
         def _apply(self, job: Job, fx: Effects, now: float) -> None: ...
 
     def _save_hosts(self, records: list[HostRecord], removed: list[str]) -> bool:
+        if self.outbox is not None and self.replica is not None:  # HA: queued in order (REST waits for it)
+            self.outbox.write(HOSTS_KEY, self.replica.host_ops(records, removed), coalesce=False)
+            return True
         if self.db is None:
             return True
         try:

@@ -19,7 +19,9 @@ from .protocol import ErrorCode, JobNotFinishedError, UnavailableError
 
 if TYPE_CHECKING:
     from .database import Database
+    from .ha import Replica
     from .metrics import Metrics
+    from .outbox import Outbox
     from .rounds import Job
     from .store import StoreSettings
 
@@ -34,6 +36,8 @@ class RetentionMixin:
     # provided by Store
     settings: StoreSettings
     db: Database | None
+    outbox: Outbox | None
+    replica: Replica | None
     metrics: Metrics | None
     jobs: dict[str, Job]
     _ended: list[tuple[float, str]]
@@ -79,6 +83,9 @@ class RetentionMixin:
         memory and metric series."""
         if self.db is not None:
             self.db.delete([j.job_id for j in jobs])
+        if self.outbox is not None and self.replica is not None:  # HA: queued behind the job's writes
+            for job in jobs:
+                self.outbox.write(job.job_id, None)
         for job in jobs:
             self.jobs.pop(job.job_id, None)
             self._unlist(job)

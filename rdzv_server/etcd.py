@@ -1,0 +1,272 @@
+"""A small client of etcd v3's JSON gateway (``/v3/kv/...``, ``/v3/lease/...``),
+on the aiohttp the server already uses: no gRPC, no protobuf, no new dependency.
+
+Only what the HA replicas need (:mod:`rdzv_server.ha`): range reads (paged),
+transactions (compare + puts/deletes), and leases (grant, keep-alive, revoke).
+Keys and values are bytes on the wire (base64 in the gateway's JSON); 64-bit
+numbers come back as strings, and fields at their zero value are left out
+(``succeeded`` is absent when a transaction's compare failed).
+
+Endpoints are tried in turn: a call that cannot reach one (refused, reset,
+timed out) goes to the next, up to one pass over the list, then raises
+:class:`EtcdUnavailable`. A transaction is safe to send again: every write of
+rdzv compares on the leader key, so a repeat writes the same values or nothing.
+Auth: ``user``/``password`` get a token from ``/v3/auth/authenticate``, renewed
+when etcd says it is no longer valid. TLS: an ``ssl.SSLContext`` (CA, client
+certificate)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import ssl
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 2.0
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024  # a page of ranges is far below this; a hostile endpoint is cut off
+RANGE_PAGE = 200  # keys per range request (a job's record can be large: pages stay small)
+MAX_TXN_OPS = 100  # etcd's default --max-txn-ops is 128
+
+
+class EtcdError(Exception):
+    """etcd refused a request (an error in its answer)."""
+
+
+class EtcdUnavailable(EtcdError):
+    """No endpoint answered (refused, reset, timed out), or the cluster has no quorum."""
+
+
+def b64(data: bytes | str) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode("ascii")
+
+
+def unb64(text: str | None) -> bytes:
+    return base64.b64decode(text) if text else b""
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The range end that covers every key starting with ``prefix`` (etcd's rule)."""
+    p = bytearray(prefix)
+    while p:
+        if p[-1] < 0xFF:
+            p[-1] += 1
+            return bytes(p)
+        p.pop()
+    return b"\0"
+
+
+@dataclass
+class KeyValue:
+    key: bytes
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int
+
+    @classmethod
+    def from_json(cls, kv: dict[str, Any]) -> KeyValue:
+        return cls(
+            key=unb64(kv.get("key")),
+            value=unb64(kv.get("value")),
+            create_revision=int(kv.get("create_revision", 0)),
+            mod_revision=int(kv.get("mod_revision", 0)),
+            lease=int(kv.get("lease", 0)),
+        )
+
+
+def put(key: bytes, value: bytes, lease: int = 0) -> dict[str, Any]:
+    """A transaction operation: put ``value`` at ``key`` (bound to ``lease`` if given)."""
+    op: dict[str, Any] = {"key": b64(key), "value": b64(value)}
+    if lease:
+        op["lease"] = str(lease)
+    return {"request_put": op}
+
+
+def delete(key: bytes) -> dict[str, Any]:
+    return {"request_delete_range": {"key": b64(key)}}
+
+
+def get(key: bytes) -> dict[str, Any]:
+    return {"request_range": {"key": b64(key)}}
+
+
+def created_at(key: bytes, revision: int) -> dict[str, Any]:
+    """A compare: ``key`` exists and was created at ``revision`` (0: it does not exist)."""
+    return {"key": b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": str(revision)}
+
+
+@dataclass
+class TxnResult:
+    succeeded: bool
+    revision: int  # the store's revision after the transaction
+    responses: list[dict[str, Any]]
+
+    def ranged(self, i: int) -> list[KeyValue]:
+        """The key-values of the i-th response (a ``request_range``)."""
+        r = self.responses[i].get("response_range", {}) if i < len(self.responses) else {}
+        return [KeyValue.from_json(kv) for kv in r.get("kvs", [])]
+
+
+class EtcdClient:
+    """etcd's v3 JSON gateway over one aiohttp session. Coroutines; open with
+    :meth:`start`, close with :meth:`close`."""
+
+    def __init__(
+        self,
+        endpoints: list[str],
+        *,
+        ssl_ctx: ssl.SSLContext | None = None,
+        user: str | None = None,
+        password: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        if not endpoints:
+            raise ValueError("no etcd endpoint")
+        self.endpoints = [e.rstrip("/") for e in endpoints]
+        self._i = 0
+        self._ssl = ssl_ctx
+        self._user, self._password = user, password
+        self._token: str | None = None
+        self.timeout_s = timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return self.endpoints[self._i]
+
+    async def start(self) -> None:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=64, ssl=self._ssl if self._ssl is not None else True),
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def call(self, path: str, body: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        """POST ``body`` to ``/v3/<path>`` on the current endpoint, then the next
+        ones while they cannot be reached; the answer's JSON. Raises EtcdError
+        for etcd's own refusals, EtcdUnavailable when no endpoint answered."""
+        await self.start()
+        assert self._session is not None
+        last: str = "no endpoint tried"
+        for _ in range(len(self.endpoints)):
+            url = f"{self.endpoint}/v3/{path}"
+            try:
+                return await self._post(url, body, timeout_s, reauth=True)
+            except EtcdUnavailable as e:
+                last = str(e)
+                self._i = (self._i + 1) % len(self.endpoints)
+        raise EtcdUnavailable(last)
+
+    async def _post(self, url: str, body: dict[str, Any], timeout_s: float | None, reauth: bool) -> dict[str, Any]:
+        assert self._session is not None
+        if self._user and self._token is None:
+            await self._authenticate(url.rsplit("/v3/", 1)[0])
+        headers = {"Authorization": self._token} if self._token else {}
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+        try:
+            async with self._session.post(url, json=body, headers=headers, timeout=timeout) as r:
+                raw = await r.content.read(MAX_RESPONSE_BYTES + 1)
+                status = r.status
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+            raise EtcdUnavailable(f"{url}: {type(e).__name__}: {e}"[:300]) from e
+        if len(raw) > MAX_RESPONSE_BYTES:
+            raise EtcdError(f"{url}: answer larger than {MAX_RESPONSE_BYTES} bytes")
+        try:
+            data = json.loads(raw) if raw else {}
+        except ValueError:
+            raise EtcdUnavailable(f"{url}: HTTP {status}, not JSON") from None
+        if not isinstance(data, dict):
+            raise EtcdError(f"{url}: HTTP {status}, unexpected answer")
+        if status >= 400 or "error" in data:
+            message = str(data.get("message") or data.get("error") or f"HTTP {status}")[:300]
+            code = data.get("code")
+            if reauth and self._user and ("token" in message or code == 16):  # Unauthenticated: token expired
+                self._token = None
+                return await self._post(url, body, timeout_s, reauth=False)
+            if code in (4, 14) or status in (502, 503, 504):  # DeadlineExceeded, Unavailable: no quorum / leader
+                raise EtcdUnavailable(f"{url}: {message}")
+            raise EtcdError(f"{url}: {message}")
+        return data
+
+    async def _authenticate(self, base: str) -> None:
+        assert self._session is not None
+        try:
+            async with self._session.post(
+                f"{base}/v3/auth/authenticate", json={"name": self._user, "password": self._password}
+            ) as r:
+                data = await r.json(content_type=None)
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as e:
+            raise EtcdUnavailable(f"{base}: cannot authenticate: {type(e).__name__}: {e}"[:300]) from e
+        token = data.get("token") if isinstance(data, dict) else None
+        if not token:
+            message = data.get("message", "no token") if isinstance(data, dict) else "no token"
+            raise EtcdError(f"{base}: etcd refused user {self._user!r}: {str(message)[:200]}")
+        self._token = str(token)
+
+    # --------------------------------------------------------------- kv
+
+    async def range_prefix(self, prefix: bytes) -> tuple[list[KeyValue], int]:
+        """Every key under ``prefix``, in pages, all read at one revision: (kvs, revision)."""
+        out: list[KeyValue] = []
+        end = prefix_end(prefix)
+        start, revision = prefix, 0
+        while True:
+            body: dict[str, Any] = {"key": b64(start), "range_end": b64(end), "limit": RANGE_PAGE}
+            if revision:
+                body["revision"] = str(revision)
+            data = await self.call("kv/range", body)
+            revision = revision or int(data.get("header", {}).get("revision", 0))
+            kvs = [KeyValue.from_json(kv) for kv in data.get("kvs", [])]
+            out.extend(kvs)
+            if not data.get("more") or not kvs:
+                return out, revision
+            start = kvs[-1].key + b"\0"
+
+    async def get(self, key: bytes) -> KeyValue | None:
+        data = await self.call("kv/range", {"key": b64(key)})
+        kvs = data.get("kvs", [])
+        return KeyValue.from_json(kvs[0]) if kvs else None
+
+    async def txn(
+        self,
+        compare: list[dict[str, Any]],
+        success: list[dict[str, Any]],
+        failure: list[dict[str, Any]] | None = None,
+        timeout_s: float | None = None,
+    ) -> TxnResult:
+        data = await self.call(
+            "kv/txn", {"compare": compare, "success": success, "failure": failure or []}, timeout_s=timeout_s
+        )
+        return TxnResult(
+            succeeded=bool(data.get("succeeded", False)),
+            revision=int(data.get("header", {}).get("revision", 0)),
+            responses=list(data.get("responses", [])),
+        )
+
+    # ------------------------------------------------------------ leases
+
+    async def grant(self, ttl_s: int) -> tuple[int, int]:
+        """A new lease: (id, the TTL etcd granted; it may raise a short one to its minimum)."""
+        data = await self.call("lease/grant", {"TTL": ttl_s})
+        return int(data["ID"]), int(data.get("TTL", ttl_s))
+
+    async def keepalive(self, lease: int, timeout_s: float | None = None) -> int:
+        """Refresh ``lease``: its remaining TTL (0: it is gone)."""
+        data = await self.call("lease/keepalive", {"ID": str(lease)}, timeout_s=timeout_s)
+        result = data.get("result", {})
+        return int(result.get("TTL", 0)) if isinstance(result, dict) else 0
+
+    async def revoke(self, lease: int) -> None:
+        await self.call("lease/revoke", {"ID": str(lease)})

@@ -1,0 +1,324 @@
+"""High availability: rdzv-server replicas on etcd v3 (``--etcd``).
+
+Several servers run against one etcd cluster; exactly one, the leader, serves
+agents and REST. Leadership is a key, ``<prefix>leader``, created in a
+transaction only if it does not exist and bound to the replica's lease
+(``--etcd-lease-ttl``, kept alive every TTL/4). The key's create revision is
+the leader's *term*: every write of job or host state is a transaction that
+compares the leader key's create revision with the term, so a deposed leader
+(its lease expired, the key gone or someone else's) cannot write anything.
+
+A replica stops serving (drops every agent connection, forgets the state,
+answers ``not_leader``) the moment its lease could have expired: a lease kept
+alive by a request sent at ``t`` lasts at least until ``t + TTL`` in etcd, so
+the replica counts from the *sending* of its last answered keep-alive and stops
+a margin before that. Nobody else can be elected before the lease expires: the
+leaderships never overlap. A write that etcd applied after the replica stopped
+serving is not announced (a write's answer is acted on only while serving).
+
+Followers read the leader key every ``POLL_S`` and campaign when it is gone;
+the new leader loads every job and host from etcd and serves them as a
+restarted server does (every node gets a full heartbeat timeout to reconnect;
+running workers are not restarted). Heartbeats never touch etcd; only round
+changes, job creation and host records do (see :mod:`rdzv_server.outbox`).
+
+Keys under the prefix (``/rdzv/`` by default): ``leader`` (JSON: url, id),
+``jobs/<job id>`` and ``hosts/<host>`` (JSON: ``by`` the replica id, ``term``,
+and the record as SQLite keeps it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import socket
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import etcd, rounds
+from .errors import NotLeaderError
+from .hosts import HostRecord
+from .rounds import Job
+from .wire import printable
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEASE_TTL_S = 2
+DEFAULT_PREFIX = "/rdzv/"
+POLL_S = 0.1  # a follower reads the leader key this often (a linearizable read; cheap)
+WATCHDOG_S = 0.05  # how often the leader checks that its lease is still surely alive
+MAX_URL = 512
+
+
+@dataclass
+class HASettings:
+    """``--etcd`` and its options (rdzv_server.__main__)."""
+
+    endpoints: list[str]
+    advertise_url: str
+    prefix: str = DEFAULT_PREFIX
+    lease_ttl_s: int = DEFAULT_LEASE_TTL_S
+    ssl_ctx: ssl.SSLContext | None = None
+    user: str | None = None
+    password: str | None = None
+
+    def replica(self) -> Replica:
+        client = etcd.EtcdClient(self.endpoints, ssl_ctx=self.ssl_ctx, user=self.user, password=self.password)
+        return Replica(client, self.advertise_url, self.prefix, self.lease_ttl_s)
+
+
+class StateError(Exception):
+    """The state in etcd cannot be loaded (a record that is not rdzv's)."""
+
+
+def _margin(ttl: float) -> float:
+    """Stop serving this long before the lease could expire (scheduling, clock rates)."""
+    return max(0.25, 0.15 * ttl)
+
+
+class Replica:
+    """One HA replica: its leadership, and the reads and writes of the state in etcd.
+
+    ``on_elected`` (a coroutine) loads and starts serving; ``on_deposed(reason)``
+    (plain) stops serving at once. Both are set by the app before :meth:`run`."""
+
+    def __init__(
+        self,
+        client: etcd.EtcdClient,
+        advertise_url: str,
+        prefix: str = DEFAULT_PREFIX,
+        lease_ttl_s: int = DEFAULT_LEASE_TTL_S,
+        replica_id: str | None = None,
+    ) -> None:
+        self.client = client
+        self.advertise_url = advertise_url
+        self.prefix = prefix.encode()
+        self.leader_key = self.prefix + b"leader"
+        self.lease_ttl_s = lease_ttl_s
+        self.id = replica_id or f"{socket.gethostname()[:64]}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.role = "follower"
+        self.term = 0  # the leader key's create revision while we lead
+        self.leader_url: str | None = None
+        self.ready = False  # leader and its state loaded: serving
+        self.lease = 0
+        self._ttl = float(lease_ttl_s)
+        self._lease_until = 0.0  # monotonic: the lease surely lives until then
+        self.on_elected: Callable[[], Awaitable[None]] | None = None
+        self.on_deposed: Callable[[str], None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._last_error_log = 0.0
+        self.elections = 0  # times this replica became leader
+
+    # ------------------------------------------------------------ state
+
+    @property
+    def serving(self) -> bool:
+        """Leader, state loaded, and the lease surely alive."""
+        return self.ready and self.role == "leader" and time.monotonic() < self._lease_until - _margin(self._ttl)
+
+    def refusal(self) -> NotLeaderError:
+        if self.role == "leader" and not self.ready:
+            why = "this replica was just elected leader and is loading the state; retry"
+        elif self.leader_url and self.leader_url != self.advertise_url:
+            why = f"this replica is not the leader; the leader is {self.leader_url}"
+        else:
+            why = "this replica is not the leader and no leader is known now (an election); retry"
+        return NotLeaderError(why, leader=self.leader_url if self.leader_url != self.advertise_url else None)
+
+    # ------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        await self.client.start()
+        self._tasks = [
+            asyncio.create_task(self._keepalive(), name="rdzv-ha-keepalive"),
+            asyncio.create_task(self._campaign(), name="rdzv-ha-campaign"),
+            asyncio.create_task(self._watchdog(), name="rdzv-ha-watchdog"),
+        ]
+
+    async def stop(self) -> None:
+        """Stop; a leader revokes its lease so that a follower takes over at once."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        was_leader = self.role == "leader"
+        self._depose("this replica is stopping", quiet=True)
+        if self.lease:
+            try:
+                await self.client.revoke(self.lease)
+                if was_leader:
+                    log.info("leadership handed over: lease revoked")
+            except etcd.EtcdError as e:
+                log.warning("could not revoke the lease (%s); a follower takes over when it expires", e)
+        await self.client.close()
+
+    def _depose(self, reason: str, quiet: bool = False) -> None:
+        if self.role != "leader":
+            return
+        self.role, self.term, self.ready = "follower", 0, False
+        self.leader_url = None
+        if not quiet:
+            log.error("leadership lost: %s; this replica stops serving (agents reconnect to the new leader)", reason)
+        if self.on_deposed is not None:
+            self.on_deposed(reason)
+
+    def _error(self, what: str, e: Exception) -> None:
+        now = time.monotonic()
+        if now - self._last_error_log >= 5.0:
+            self._last_error_log = now
+            log.warning("etcd: %s: %s", what, printable(str(e), 300))
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(WATCHDOG_S)
+            if self.role == "leader" and time.monotonic() >= self._lease_until - _margin(self._ttl):
+                self._depose(
+                    f"the lease could not be renewed in time (etcd unreachable or too slow; "
+                    f"--etcd-lease-ttl {self._ttl:g}s)"
+                )
+
+    async def _keepalive(self) -> None:
+        while True:
+            interval = max(0.1, self._ttl / 4)
+            if self.lease:
+                sent = time.monotonic()
+                try:
+                    left = await self.client.keepalive(self.lease, timeout_s=interval)
+                except etcd.EtcdError as e:
+                    self._error("lease keep-alive failed", e)
+                else:
+                    if left <= 0:
+                        self.lease = 0
+                        self._depose("the lease expired in etcd")
+                    else:
+                        self._lease_until = max(self._lease_until, sent + left)
+                await asyncio.sleep(max(0.0, interval - (time.monotonic() - sent)))
+            else:
+                await asyncio.sleep(interval)
+
+    async def _grant(self) -> None:
+        sent = time.monotonic()
+        self.lease, ttl = await self.client.grant(self.lease_ttl_s)
+        self._ttl = float(ttl)
+        self._lease_until = sent + ttl
+
+    async def _campaign(self) -> None:
+        while True:
+            try:
+                if self.role != "leader":
+                    await self._try_lead()
+            except etcd.EtcdError as e:
+                self._error("campaign", e)
+            except Exception:  # a bug here must not end the campaign for good
+                log.exception("campaign failed")
+            await asyncio.sleep(POLL_S)
+
+    async def _try_lead(self) -> None:
+        kv = await self.client.get(self.leader_key)
+        if kv is not None and not (self.lease and kv.lease == self.lease):
+            self.leader_url = _leader_url(kv.value)
+            return
+        if not self.lease or time.monotonic() >= self._lease_until - _margin(self._ttl):
+            await self._grant()
+        if kv is not None:  # the key is ours (our lease): we lead again in its term
+            term = kv.create_revision
+        else:
+            value = json.dumps({"url": self.advertise_url, "id": self.id}).encode()
+            r = await self.client.txn(
+                [etcd.created_at(self.leader_key, 0)],
+                [etcd.put(self.leader_key, value, self.lease)],
+                [etcd.get(self.leader_key)],
+            )
+            if not r.succeeded:
+                got = r.ranged(0)
+                self.leader_url = _leader_url(got[0].value) if got else None
+                return
+            term = r.revision
+        self.role, self.term, self.ready = "leader", term, False
+        self.leader_url = self.advertise_url
+        self.elections += 1
+        log.info(
+            "elected leader (term %d, lease %x, ttl %gs); loading the state from etcd", term, self.lease, self._ttl
+        )
+        try:
+            if self.on_elected is not None:
+                await self.on_elected()
+        except Exception as e:
+            if self.role == "leader" and self.term == term:
+                self._depose(f"cannot load the state: {e}")
+            raise
+        if self.role == "leader" and self.term == term:
+            self.ready = True
+
+    # ----------------------------------------------------- the state
+
+    def _wrap(self, record_json: str) -> bytes:
+        head = json.dumps({"by": self.id, "term": self.term}, separators=(",", ":"))
+        return (head[:-1] + ',"record":' + record_json + "}").encode()
+
+    async def load(self) -> tuple[dict[str, Job], list[HostRecord]]:
+        """Every job and host record under the prefix (raises StateError on a foreign record)."""
+        jobs: dict[str, Job] = {}
+        kvs, _ = await self.client.range_prefix(self.prefix + b"jobs/")
+        for kv in kvs:
+            name = kv.key[len(self.prefix) + 5 :].decode("utf-8", "replace")
+            try:
+                jobs[name] = rounds.from_record(json.loads(kv.value)["record"])
+            except Exception as e:
+                raise StateError(f"etcd key {printable(kv.key.decode('utf-8', 'replace'))}: not a job ({e!r})") from e
+        hosts: list[HostRecord] = []
+        kvs, _ = await self.client.range_prefix(self.prefix + b"hosts/")
+        for kv in kvs:
+            try:
+                hosts.append(HostRecord.from_record(json.loads(kv.value)["record"]))
+            except Exception as e:
+                raise StateError(f"etcd key {printable(kv.key.decode('utf-8', 'replace'))}: not a host ({e!r})") from e
+        return jobs, hosts
+
+    async def write(self, ops: list[dict[str, Any]]) -> None:
+        """Apply ``ops`` (etcd.put/delete) in one transaction, only while this
+        replica leads in its term. Raises NotLeaderError (and stops serving)
+        when it does not; etcd.EtcdError when etcd cannot be reached."""
+        for i in range(0, max(len(ops), 1), etcd.MAX_TXN_OPS):
+            if not self.serving:
+                raise self.refusal()
+            term = self.term
+            r = await self.client.txn(
+                [etcd.created_at(self.leader_key, term)], ops[i : i + etcd.MAX_TXN_OPS], [etcd.get(self.leader_key)]
+            )
+            if not r.succeeded:
+                got = r.ranged(0)
+                self.leader_url = _leader_url(got[0].value) if got else None
+                if self.term == term:
+                    self._depose("a write found the leader key changed (another replica leads)")
+                raise self.refusal()
+            if not self.serving:  # applied, but too late to announce: the next leader loads it
+                raise self.refusal()
+
+    def job_put(self, job_id: str, record_json: str | None) -> dict[str, Any]:
+        """The operation that writes a job's record (JSON text), or deletes it (None)."""
+        key = self.prefix + b"jobs/" + job_id.encode()
+        return etcd.delete(key) if record_json is None else etcd.put(key, self._wrap(record_json))
+
+    def host_ops(self, records: list[HostRecord], removed: list[str]) -> list[dict[str, Any]]:
+        ops = [etcd.delete(self.prefix + b"hosts/" + h.encode()) for h in removed]
+        ops += [
+            etcd.put(self.prefix + b"hosts/" + r.host.encode(), self._wrap(json.dumps(r.to_record()))) for r in records
+        ]
+        return ops
+
+
+def _leader_url(value: bytes) -> str | None:
+    try:
+        url = json.loads(value).get("url")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) > MAX_URL:
+        return None
+    return printable(url, limit=MAX_URL)
