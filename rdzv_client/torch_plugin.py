@@ -101,7 +101,7 @@ from rdzv_server.protocol import (
     printable,
 )
 
-from .client import AgentLink, RestClient, parse_endpoint
+from .client import AgentLink, Endpoints, RestClient, parse_endpoint
 from .exits import read_error_file
 from .launch import WITHHELD_FROM_WORKERS
 from .session import NodeSession, OutageWatch, route_addr
@@ -128,7 +128,8 @@ class RdzvRendezvousHandler(RendezvousHandler):
     def __init__(self, params: RendezvousParameters) -> None:
         self.params = params
         self.endpoint, self.run_id = _server_and_job(params)
-        _, host, port = parse_endpoint(self.endpoint)
+        self.endpoints = Endpoints(self.endpoint)  # HOST:PORT, or a list of them (HA replicas); a bad one: ValueError
+        _, host, port = parse_endpoint(self.endpoints.urls[0])
         self.token = params.get("token") or os.environ.get("RDZV_TOKEN") or None
         self.job_secret = params.get("job_secret") or os.environ.get("RDZV_JOB_SECRET") or None
         if self.job_secret is not None and not re.fullmatch(SECRET_PATTERN, self.job_secret):
