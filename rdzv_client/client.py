@@ -14,6 +14,12 @@ late agent of a finished run is then told so, never starting the next). A server
 hiccup therefore never reaches the agent's loop as an error: the loop just
 hears nothing until the server is back.
 
+Both take an endpoint list (``h1:29400,h2:29400``: the replicas of an HA
+server, one of which leads; :func:`parse_endpoints`): they go on to the next
+endpoint when one fails, or at once to the leader a ``not_leader`` refusal
+names if it is one of the list (:class:`EndpointTries`), and back off only
+after every endpoint failed.
+
 :class:`RestClient` wraps the REST paths for the ``rdzv`` command and tests
 (on aiohttp, imported when one is made).
 """
@@ -222,6 +228,8 @@ class AgentLink:
     for the forming round, or a join with ``resume_round`` while workers run,
     as its plain JSON object (:func:`rdzv_server.wire.join_fields`). Server
     messages arrive on :meth:`recv` in order, as protocol models.
+    ``endpoint`` may be a list; ``url`` is the endpoint in use (or being
+    tried), ``down_for()`` how long no endpoint of the list was reachable.
     """
 
     def __init__(

@@ -8,6 +8,9 @@ in its own process: ``--rdzv_conf job_id=NAME`` names the job there (accelerate
 has no --rdzv_id), ``--rdzv_conf server=HOST:PORT`` names the server when it is
 not at --main_process_ip:--main_process_port (or under --same_network), and the
 number of local workers comes from torch's WorkerSpec, not the command line.
+``--rdzv-endpoint=h1:29400,h2:29400`` names the replicas of an HA server
+(torchrun passes it through as is; ``--rdzv-conf server=`` cannot, torchrun
+splits it at commas): the link follows the leader among them.
 
 The handler keeps one :class:`~rdzv_client.client.AgentLink` on a
 background thread's event loop, so the server learns at once when this node
