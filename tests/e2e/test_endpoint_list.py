@@ -72,3 +72,20 @@ def test_an_agent_whose_server_dies_moves_to_the_next_of_its_list(cluster: Clust
     a.wait_exit(10)
     agent.wait_log(rf"link: leader is now {b.url}\b", timeout=30)
     assert agent.popen.poll() is None, agent.text()  # it did not give up
+
+
+@pytest.mark.timeout(60)
+def test_a_host_of_the_list_that_does_not_resolve_is_said_and_skipped(cluster: Cluster) -> None:
+    server = cluster.start_server()
+    argv = cluster.agent_argv(f"no-such-host.invalid:29400,{server.endpoint}", "dnslist", "2", 1)
+    agent = cluster.start("agent", [*argv, str(E2E_SCRIPTS / "loop.py")])
+    agent.wait_log(r"'no-such-host\.invalid' does not resolve: .*; trying the other servers of --endpoint", 30)
+    agent.wait_log(rf"link: leader is now {server.url}\b", 30)  # and it waits there for a second node
+    # none resolves: a usage error at once, naming the first
+    res = cluster.run_agent(
+        "--endpoint", "no-such-host.invalid:1, also-not.invalid:2", "--job-id", "dns", "--nnodes", "1", "x.py"
+    )
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    lines = [ln for ln in res.stderr.splitlines() if "rdzv-agent: error" in ln]
+    assert len(lines) == 1 and "'no-such-host.invalid' does not resolve" in lines[0], res.stderr
+    assert "Traceback" not in res.stderr
