@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, TextIO, cast
 from rdzv_server import logs
 from rdzv_server.wire import DEFAULT_MAX_RESTARTS, heartbeat_every, printable
 
-from .client import AgentLink, parse_endpoint
+from .client import AgentLink, parse_endpoint, parse_endpoints
 from .config import (  # noqa: F401 - build_parser, config_from_args, UsageError: the agent's public names
     DEFAULT_SERVER_TIMEOUT_S,
     AgentConfig,
@@ -240,19 +240,26 @@ class Agent(ServerReactions):
 
                 server = await start_embedded()
                 self.cfg.endpoint = f"127.0.0.1:{server[1]}"
-            _, host, port = parse_endpoint(self.cfg.endpoint)
-            try:
-                await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            except socket.gaierror as e:
-                if e.errno != socket.EAI_AGAIN:  # a name that does not exist will not start to
-                    print(
-                        f"rdzv-agent: error: server host {printable(host)!r} does not resolve: {e.strerror}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    return EXIT_USAGE
+            # every server of the list (HA replicas): one whose name does not exist will not start to;
+            # a usage error when none does (one of several may be a replica that is down)
+            unknown: list[str] = []
+            reach: tuple[str, int] | None = None  # the first that resolves: its route is our address
+            for url in parse_endpoints(self.cfg.endpoint):
+                _, host, port = parse_endpoint(url)
+                try:
+                    await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                except socket.gaierror as e:
+                    if e.errno != socket.EAI_AGAIN:
+                        unknown.append(f"server host {printable(host)!r} does not resolve: {e.strerror}")
+                        continue
+                reach = reach or (host, port)
+            if reach is None:
+                print(f"rdzv-agent: error: {unknown[0]}", file=sys.stderr, flush=True)
+                return EXIT_USAGE
+            for why in unknown:
+                self._say("%s; trying the other servers of --endpoint", why)
             if not self.session.addr:
-                self.session.addr = route_addr(host, port)
+                self.session.addr = route_addr(*reach)
             self._link = AgentLink(
                 self.cfg.endpoint, self.cfg.token, heartbeat_s=heartbeat_every(self.session.spec["heartbeat_timeout_s"])
             )

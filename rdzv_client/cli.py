@@ -142,7 +142,7 @@ def _global_flags(p: argparse.ArgumentParser, defaults: bool) -> None:
     p.add_argument(
         "--endpoint",
         default=os.environ.get("RDZV_ENDPOINT", "127.0.0.1:29400") if defaults else argparse.SUPPRESS,
-        help="server HOST:PORT (default $RDZV_ENDPOINT or 127.0.0.1:29400)",
+        help="server HOST:PORT, or a comma-separated list of HA replicas (default $RDZV_ENDPOINT or 127.0.0.1:29400)",
     )
     p.add_argument(
         "--token",

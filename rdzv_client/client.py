@@ -14,6 +14,12 @@ late agent of a finished run is then told so, never starting the next). A server
 hiccup therefore never reaches the agent's loop as an error: the loop just
 hears nothing until the server is back.
 
+Both take an endpoint list (``h1:29400,h2:29400``: the replicas of an HA
+server, one of which leads; :func:`parse_endpoints`): they go on to the next
+endpoint when one fails, or at once to the leader a ``not_leader`` refusal
+names if it is one of the list (:class:`EndpointTries`), and back off only
+after every endpoint failed.
+
 :class:`RestClient` wraps the REST paths for the ``rdzv`` command and tests
 (on aiohttp, imported when one is made).
 """
@@ -31,7 +37,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Itera
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
-from rdzv_server.errors import RdzvError, UnavailableError, error_from_body
+from rdzv_server.errors import LEADER_HEADER, NotLeaderError, RdzvError, UnavailableError, error_from_body
 from rdzv_server.wire import AGENT_PATH, HEARTBEAT_FRAME, printable
 
 from . import wsclient
@@ -58,6 +64,8 @@ MAX_MSG_BYTES = 4 * 1024 * 1024
 # An event stream that sent nothing (not even its keep-alive comment, every 15 s) this long is dead: reconnect.
 STREAM_READ_TIMEOUT_S = 45.0
 MAX_EVENT_BYTES = 1024 * 1024
+# The most endpoints (HA replicas) one --endpoint list may name.
+MAX_ENDPOINTS = 16
 
 
 def _dump(msg: dict[str, Any]) -> str:
@@ -112,6 +120,99 @@ def base_url(endpoint: str) -> str:
     return f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
+def parse_endpoints(text: str) -> list[str]:
+    """A comma-separated list of endpoints (each what :func:`parse_endpoint`
+    takes; whitespace around items ignored) -> their base URLs, in order,
+    duplicates removed. An empty or bad item, or more than MAX_ENDPOINTS, is a
+    ValueError of one line naming it. A single endpoint is a list of one."""
+    items = text.split(",")
+    if len(items) > MAX_ENDPOINTS:
+        raise ValueError(f"endpoint list of {len(items)} items: at most {MAX_ENDPOINTS}")
+    urls: list[str] = []
+    for n, item in enumerate(items, 1):
+        item = item.strip()
+        if not item:
+            raise ValueError(
+                f"endpoint list: item {n} of {len(items)} is empty" if len(items) > 1 else "the endpoint is empty"
+            )
+        url = base_url(item)
+        if url not in urls:
+            urls.append(url)
+    return urls
+
+
+class Endpoints:
+    """The servers of an endpoint list (HA replicas: one of them leads) and
+    ``good``, the index of the last one that answered: where the next tries
+    start. A hint of which one leads (``X-Rdzv-Leader``) is followed only to
+    an endpoint of this list: a replica must not send a client, and its
+    token, elsewhere (design.md "Endpoint lists and leader following")."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.urls = parse_endpoints(endpoint)
+        self.good = 0
+        self._said: collections.deque[str] = collections.deque(maxlen=8)  # ignored hints, said once
+
+    def tries(self) -> EndpointTries:
+        """A new sequence of tries (one per call or link), from the last good endpoint."""
+        return EndpointTries(self)
+
+    def index_of(self, leader: str) -> int | None:
+        """The index of the endpoint ``leader`` (a hint) names, or None (said once)."""
+        try:
+            url = base_url(leader).lower()
+        except ValueError:
+            url = None
+        for i, ours in enumerate(self.urls):
+            if ours.lower() == url:
+                return i
+        text = printable(leader, limit=200)
+        if text not in self._said:
+            self._said.append(text)
+            log.warning("ignoring the leader hint %r: not one of the endpoints given (%s)", text, ", ".join(self.urls))
+        return None
+
+
+class EndpointTries:
+    """Which endpoint of a list to try now (:attr:`url`), and after a failure
+    which next: the leader a refusal named if it is in the list and was not
+    tried since the last full cycle, else the next untried one, at once;
+    every endpoint failed: back off, then start over (the hint first)."""
+
+    def __init__(self, endpoints: Endpoints) -> None:
+        self.endpoints = endpoints
+        self.index = endpoints.good
+        self._tried: set[int] = set()
+
+    @property
+    def url(self) -> str:
+        return self.endpoints.urls[self.index]
+
+    def ok(self) -> None:
+        """The current endpoint answered: the next tries start here."""
+        self.endpoints.good = self.index
+        self._tried.clear()
+
+    def failed(self, leader: str | None = None) -> bool:
+        """The current endpoint failed (``leader``: the hint its refusal
+        carried). Moves to the endpoint to try next; True to try it at once,
+        False when every endpoint failed since the last full cycle (back off)."""
+        self._tried.add(self.index)
+        urls = self.endpoints.urls
+        hint = self.endpoints.index_of(leader) if leader else None
+        if hint is not None and hint not in self._tried:
+            self.index = hint
+            return True
+        for step in range(1, len(urls)):
+            i = (self.index + step) % len(urls)
+            if i not in self._tried:
+                self.index = i
+                return True
+        self._tried.clear()
+        self.index = hint if hint is not None else (self.index + 1) % len(urls)
+        return False
+
+
 def backoff_delays(start: float = BACKOFF_START_S, cap: float = BACKOFF_MAX_S) -> Iterator[float]:
     """Exponential backoff with full jitter: 0.05, 0.1, 0.2 ... capped."""
     delay = start
@@ -127,6 +228,8 @@ class AgentLink:
     for the forming round, or a join with ``resume_round`` while workers run,
     as its plain JSON object (:func:`rdzv_server.wire.join_fields`). Server
     messages arrive on :meth:`recv` in order, as protocol models.
+    ``endpoint`` may be a list; ``url`` is the endpoint in use (or being
+    tried), ``down_for()`` how long no endpoint of the list was reachable.
     """
 
     def __init__(
@@ -136,10 +239,13 @@ class AgentLink:
         ssl_ctx: ssl.SSLContext | bool | None = None,
         heartbeat_s: float = 2.0,
     ) -> None:
-        self.url = base_url(endpoint) + AGENT_PATH
-        scheme, self._host, self._port = parse_endpoint(endpoint)
+        # the servers to try (HA replicas: one leads), and the one in use or tried now
+        self.endpoints = Endpoints(endpoint)
+        self._tries = self.endpoints.tries()
+        self.url = self._tries.url + AGENT_PATH
+        self._in_use: str | None = None  # the base URL of the endpoint last connected to
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.ssl = _link_ssl(scheme, ssl_ctx)
+        self._ssl_ctx = ssl_ctx
         self.intent: dict[str, Any] | None = None
         # until the server's ``joined`` says otherwise: the first heartbeat must not
         # come later than the job's timeout allows
@@ -244,16 +350,26 @@ class AgentLink:
         since = self.down_since
         return 0.0 if since is None else time.monotonic() - since
 
+    async def _next(self, delays: Iterator[float], leader: str | None = None) -> None:
+        """The endpoint in use failed: on to the next one (the leader its
+        refusal named, if one of ours) at once, or after a backoff once every
+        endpoint of the list failed."""
+        if not self._tries.failed(leader):
+            await asyncio.sleep(next(delays))
+
     async def _run(self) -> None:
         delays = backoff_delays()
         while True:
+            base = self._tries.url
+            self.url = base + AGENT_PATH
+            scheme, host, port = parse_endpoint(base)
             try:
                 ws = await wsclient.connect(
-                    self._host,
-                    self._port,
+                    host,
+                    port,
                     AGENT_PATH,
                     headers=self.headers,
-                    ssl=self.ssl,
+                    ssl=_link_ssl(scheme, self._ssl_ctx),
                     timeout=CONNECT_TIMEOUT_S,
                     max_msg_size=MAX_MSG_BYTES,
                     ping_s=WS_PING_S,
@@ -261,24 +377,33 @@ class AgentLink:
             except wsclient.HandshakeError as e:
                 if e.status == 401:
                     self._messages.put_nowait(error_from_body("unauthorized", "the server refused the token"))
-                self.last_error = f"handshake refused: {e.status} {printable(e.message, 200)}"
-                await asyncio.sleep(next(delays))
+                leader = e.headers.get(LEADER_HEADER.lower()) if e.status == 503 else None
+                self.last_error = f"handshake refused: {e.status} {printable(e.message, 200)} ({base}"
+                if _refusal_code(e.body) == "not_leader" or leader:
+                    self.last_error += ": not the leader" + (f"; leader {printable(leader, 200)}" if leader else "")
+                self.last_error += ")"
+                await self._next(delays, leader)
                 continue
             except (wsclient.WSError, OSError, asyncio.TimeoutError) as e:
                 self.last_error = f"cannot reach {self.url}: {e or type(e).__name__}"
-                await asyncio.sleep(next(delays))
+                await self._next(delays)
                 continue
             except Exception as e:  # never let the link die: retry like any failed connect
                 log.warning("link to %s: connect failed: %s", self.url, printable(repr(e), 300), exc_info=True)
                 self.last_error = f"cannot reach {self.url}: {printable(type(e).__name__, 100)}"
-                await asyncio.sleep(next(delays))
+                await self._next(delays)
                 continue
+            self._tries.ok()
             self._ws = ws
             self.connected.set()
             self.down_since = None
             connected_at = time.monotonic()
-            if self.ever_connected:
+            if len(self.endpoints.urls) > 1 and base != self._in_use:
+                # which replica leads: once per switch (the first one is news too)
+                (log.warning if self._in_use else log.info)("link: leader is now %s", base)
+            elif self.ever_connected:
                 log.info("reconnected to %s", self.url)
+            self._in_use = base
             self.ever_connected = True
             self.last_error = None
             hb = asyncio.create_task(self._heartbeat(ws))
@@ -333,10 +458,10 @@ class AgentLink:
                 hb.cancel()
                 if not ws.closed:
                     await asyncio.wait([asyncio.ensure_future(ws.close())], timeout=1.0)
-            self.last_error = self.last_error or "connection closed by the server"
+            self.last_error = self.last_error or f"connection closed by the server ({base})"
             if time.monotonic() - connected_at >= STABLE_S:
                 delays = backoff_delays()
-            await asyncio.sleep(next(delays))
+            await self._next(delays)
 
     async def _heartbeat(self, ws: wsclient.WebSocket) -> None:
         try:
@@ -345,6 +470,29 @@ class AgentLink:
                 await ws.send_str(HEARTBEAT_FRAME)
         except (ConnectionError, RuntimeError, OSError):
             pass
+
+
+def _refusal(status: int, headers: Any, body: bytes, where: str) -> RdzvError:
+    """A REST refusal as its RdzvError (a ``not_leader`` with the leader its header names)."""
+    try:
+        data = json.loads(body)
+        err = error_from_body(data["code"], data["message"])
+    except (ValueError, KeyError, TypeError):
+        return RdzvError(f"HTTP {status} from {where}")
+    if isinstance(err, NotLeaderError):
+        leader = headers.get(LEADER_HEADER)
+        return NotLeaderError(f"{where}: {err.message}", leader=leader if isinstance(leader, str) else None)
+    return err
+
+
+def _refusal_code(body: bytes) -> str | None:
+    """The ``code`` of a refusal's JSON body ``{"code","message"}``, if it has one."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    code = data.get("code") if isinstance(data, dict) else None
+    return code if isinstance(code, str) else None
 
 
 async def _walk(fetch: Callable[[str | None], Awaitable[Any]], max_pages: int) -> list[Any]:
@@ -358,7 +506,11 @@ async def _walk(fetch: Callable[[str | None], Awaitable[Any]], max_pages: int) -
 
 class RestClient:
     """The REST API: jobs, one job, close, health. Errors come back as the
-    :class:`RdzvError` of their code; an unreachable server as UnavailableError."""
+    :class:`RdzvError` of their code; an unreachable server as UnavailableError.
+    ``endpoint`` may be a list (HA replicas): a call starts at the last one
+    that answered and, on an unreachable one or a ``not_leader`` refusal,
+    goes on to the leader it named (if in the list) or the next; it raises
+    the last error once every endpoint failed."""
 
     def __init__(
         self,
@@ -367,29 +519,41 @@ class RestClient:
         timeout: float = 10.0,
         ssl_ctx: ssl.SSLContext | bool | None = None,
     ) -> None:
-        self.base = base_url(endpoint)
+        self.endpoints = Endpoints(endpoint)
         import aiohttp
 
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.timeout = aiohttp.ClientTimeout(total=timeout)
         self.ssl = ssl_ctx if ssl_ctx is not None else True
 
+    @property
+    def base(self) -> str:
+        """The base URL of the endpoint that answered last (the first before any did)."""
+        return self.endpoints.urls[self.endpoints.good]
+
     async def _call(self, method: str, path: str, json_body: dict[str, Any] | None = None) -> Any:
         import aiohttp
 
-        try:
-            async with aiohttp.ClientSession(timeout=self.timeout) as s:  # noqa: SIM117 - the inner uses s
-                async with s.request(method, self.base + path, json=json_body, headers=self.headers, ssl=self.ssl) as r:
-                    body = await r.read()
-                    if r.status >= 400:
-                        try:
-                            data = json.loads(body)
-                            raise error_from_body(data["code"], data["message"])
-                        except (ValueError, KeyError, TypeError):
-                            raise RdzvError(f"HTTP {r.status} from {self.base}{path}") from None
-                    return body
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
-            raise UnavailableError(f"cannot reach rdzv server at {self.base}: {e or type(e).__name__}") from e
+        tries = self.endpoints.tries()
+        while True:
+            base = tries.url
+            try:
+                async with aiohttp.ClientSession(timeout=self.timeout) as s:  # noqa: SIM117 - the inner uses s
+                    async with s.request(method, base + path, json=json_body, headers=self.headers, ssl=self.ssl) as r:
+                        body = await r.read()
+                        if r.status >= 400:
+                            raise _refusal(r.status, r.headers, body, base + path)
+                        tries.ok()
+                        return body
+            except NotLeaderError as e:
+                err: RdzvError = e
+                leader = e.leader
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+                err = UnavailableError(f"cannot reach rdzv server at {base}: {e or type(e).__name__}")
+                err.__cause__ = e
+                leader = None
+            if not tries.failed(leader):  # every endpoint failed
+                raise err
 
     async def jobs(self, state: str | None = None, limit: int | None = None, cursor: str | None = None) -> JobList:
         """One page of jobs (the server's default page size unless ``limit``)."""
@@ -479,29 +643,33 @@ class RestClient:
         ``Last-Event-ID`` when the connection drops (``on_retry`` hears why).
         ``last_id``: start with the held events after it (0: all held);
         ``on_open`` is called each time the stream is open. A
-        refusal (token, a bad job id) raises its :class:`RdzvError`."""
+        refusal (token, a bad job id) raises its :class:`RdzvError`. With an
+        endpoint list, a dropped stream or a ``not_leader`` goes on to the
+        next endpoint (or the leader named) as :meth:`_call` does, backing
+        off once every endpoint failed."""
         import aiohttp
 
         path = f"/v1/jobs/{quote(job_id, safe='')}/events" if job_id else "/v1/events"
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout.total, sock_read=STREAM_READ_TIMEOUT_S)
         delays = backoff_delays(cap=BACKOFF_MAX_S)
+        tries = self.endpoints.tries()
+        several = len(self.endpoints.urls) > 1
         while True:
             headers = dict(self.headers)
             if last_id is not None:
                 headers["Last-Event-ID"] = str(last_id)
+            base, leader = tries.url, None
             try:
                 async with aiohttp.ClientSession(timeout=timeout, read_bufsize=MAX_EVENT_BYTES) as s:  # noqa: SIM117
-                    async with s.get(self.base + path, headers=headers, ssl=self.ssl) as r:
+                    async with s.get(base + path, headers=headers, ssl=self.ssl) as r:
                         if r.status >= 400:
-                            body = await r.read()
-                            try:
-                                data = json.loads(body)
-                                err = error_from_body(data["code"], data["message"])
-                            except (ValueError, KeyError, TypeError):
-                                err = RdzvError(f"HTTP {r.status} from {self.base}{path}")
+                            err = _refusal(r.status, r.headers, await r.read(), base + path)
                             if not isinstance(err, UnavailableError):  # a stream cap: retry like a drop
                                 raise err
+                            if isinstance(err, NotLeaderError):
+                                leader = err.leader
                             raise aiohttp.ClientError(err.message)
+                        tries.ok()
                         delays = backoff_delays(cap=BACKOFF_MAX_S)
                         if on_open is not None:
                             on_open()
@@ -513,8 +681,9 @@ class RestClient:
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as e:
                 why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             if on_retry is not None:
-                on_retry(printable(why, 300))
-            await asyncio.sleep(next(delays))
+                on_retry(printable(f"{base}: {why}" if several else why, 300))
+            if not tries.failed(leader):
+                await asyncio.sleep(next(delays))
 
 
 async def _sse(content: Any) -> AsyncIterator[dict[str, Any]]:

@@ -41,7 +41,7 @@ from rdzv_server.wire import (  # not protocol: no pydantic before the first joi
     is_valid_id,
 )
 
-from .client import parse_endpoint
+from .client import parse_endpoints
 from .launch import Std, parse_std
 
 if TYPE_CHECKING:
@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--rdzv_endpoint",
         dest="endpoint",
         default=os.environ.get("RDZV_ENDPOINT") or _env("rdzv_endpoint"),
-        help="rdzv-server HOST:PORT ($RDZV_ENDPOINT)",
+        help="rdzv-server HOST:PORT, or a comma-separated list of them: the replicas of an HA server ($RDZV_ENDPOINT)",
     )
     a(
         "--job-id",
@@ -591,7 +591,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     elif not endpoint:
         raise UsageError("no server: pass --endpoint HOST:PORT (or set RDZV_ENDPOINT), or use --standalone")
     try:
-        parse_endpoint(endpoint)
+        parse_endpoints(endpoint)  # HOST:PORT, or a list of them (HA replicas)
     except ValueError as e:
         raise UsageError(str(e)) from None
     job_id = conf_job_id or args.job_id or ("standalone" if standalone else None)

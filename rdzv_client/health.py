@@ -175,18 +175,27 @@ def check_disk(path: Path, min_free: int) -> str | None:
 
 
 def check_clock(endpoint: str | None, max_skew: float, timeout: float = 5.0) -> str | None:
+    """The clock against the server's; ``endpoint`` may be a list (HA
+    replicas, every one answers /healthz): the first that answers is asked."""
     if not endpoint:
         return None
-    url = endpoint if "://" in endpoint else f"http://{endpoint}"
+    from .client import parse_endpoints  # stdlib only, as this module at import
+
     try:
-        before = time.time()
-        with urllib.request.urlopen(
-            url.rstrip("/") + "/healthz", timeout=timeout, context=ssl.create_default_context()
-        ) as r:
-            date = r.headers.get("Date")
-        after = time.time()
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        return f"clock: cannot reach the server at {endpoint}: {getattr(e, 'reason', e)}"
+        urls = parse_endpoints(endpoint)
+    except ValueError as e:
+        return f"clock: {e}"
+    for url in urls:
+        try:
+            before = time.time()
+            with urllib.request.urlopen(url + "/healthz", timeout=timeout, context=ssl.create_default_context()) as r:
+                date = r.headers.get("Date")
+            after = time.time()
+            break
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            failed = f"clock: cannot reach the server at {url}: {getattr(e, 'reason', e)}"
+    else:
+        return failed
     if not date:
         return "clock: the server sent no Date header"
     try:

@@ -8,6 +8,9 @@ in its own process: ``--rdzv_conf job_id=NAME`` names the job there (accelerate
 has no --rdzv_id), ``--rdzv_conf server=HOST:PORT`` names the server when it is
 not at --main_process_ip:--main_process_port (or under --same_network), and the
 number of local workers comes from torch's WorkerSpec, not the command line.
+``--rdzv-endpoint=h1:29400,h2:29400`` names the replicas of an HA server
+(torchrun passes it through as is; ``--rdzv-conf server=`` cannot, torchrun
+splits it at commas): the link follows the leader among them.
 
 The handler keeps one :class:`~rdzv_client.client.AgentLink` on a
 background thread's event loop, so the server learns at once when this node
@@ -101,7 +104,7 @@ from rdzv_server.protocol import (
     printable,
 )
 
-from .client import AgentLink, RestClient, parse_endpoint
+from .client import AgentLink, Endpoints, RestClient, parse_endpoint
 from .exits import read_error_file
 from .launch import WITHHELD_FROM_WORKERS
 from .session import NodeSession, OutageWatch, route_addr
@@ -128,7 +131,8 @@ class RdzvRendezvousHandler(RendezvousHandler):
     def __init__(self, params: RendezvousParameters) -> None:
         self.params = params
         self.endpoint, self.run_id = _server_and_job(params)
-        _, host, port = parse_endpoint(self.endpoint)
+        self.endpoints = Endpoints(self.endpoint)  # HOST:PORT, or a list of them (HA replicas); a bad one: ValueError
+        _, host, port = parse_endpoint(self.endpoints.urls[0])
         self.token = params.get("token") or os.environ.get("RDZV_TOKEN") or None
         self.job_secret = params.get("job_secret") or os.environ.get("RDZV_JOB_SECRET") or None
         if self.job_secret is not None and not re.fullmatch(SECRET_PATTERN, self.job_secret):

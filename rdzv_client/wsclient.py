@@ -16,7 +16,9 @@ What the agent needs and nothing more:
   one reader waiting (as the agent's link does), or pongs go unnoticed.
 
 Binary messages are read and dropped (the agent channel is JSON text).
-A refused handshake raises :class:`HandshakeError` with the HTTP status; a
+A refused handshake raises :class:`HandshakeError` with the HTTP status, the
+response's headers and its small body (an HA replica's ``not_leader`` names
+the leader in a header); a
 broken connection or protocol ends :meth:`WebSocket.recv` with ``None``
 and leaves the reason in :attr:`WebSocket.close_reason`.
 """
@@ -33,6 +35,7 @@ import time
 
 GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 MAX_HEADER_BYTES = 16 * 1024
+MAX_REFUSAL_BODY_BYTES = 4096
 
 OP_CONT, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
 
@@ -42,12 +45,17 @@ class WSError(Exception):
 
 
 class HandshakeError(WSError):
-    """The server answered the upgrade with something other than 101 (or a bad accept)."""
+    """The server answered the upgrade with something other than 101 (or a bad accept).
+    ``headers``: the response's headers (names in lower case; bounded by
+    MAX_HEADER_BYTES); ``body``: its body when it said a Content-Length of
+    at most MAX_REFUSAL_BODY_BYTES (a refusal's JSON ``{"code","message"}``), else empty."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None, body: bytes = b"") -> None:
         super().__init__(f"{status} {message}")
         self.status = status
         self.message = message
+        self.headers = headers or {}
+        self.body = body
 
 
 def accept_key(key: str) -> str:
@@ -282,6 +290,17 @@ class _TooBig(WSError):
     pass
 
 
+async def _refusal_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> bytes:
+    """A refused upgrade's body, when it is small and says its length (else b"")."""
+    length = headers.get("content-length", "")
+    if not length.isdigit() or int(length) > MAX_REFUSAL_BODY_BYTES:
+        return b""
+    try:
+        return await reader.readexactly(int(length))
+    except (asyncio.IncompleteReadError, ConnectionError, OSError, ssl_mod.SSLError):
+        return b""
+
+
 async def connect(
     host: str,
     port: int,
@@ -341,7 +360,7 @@ async def _connect(
             if sep:
                 got[name.strip().lower()] = value.strip()
         if status != 101:
-            raise HandshakeError(status, reason)
+            raise HandshakeError(status, reason, got, await _refusal_body(reader, got))
         if got.get("upgrade", "").lower() != "websocket" or "upgrade" not in got.get("connection", "").lower():
             raise HandshakeError(status, "Invalid upgrade header")
         if got.get("sec-websocket-accept") != accept_key(key):

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests.helpers.procs import alive, descendants, wait_until
+from tests.helpers.procs import alive, descendants, free_port, wait_until
 from tests.helpers.torchrun import Rig, TorchrunProc
 
 pytestmark = pytest.mark.e2e
@@ -89,6 +89,19 @@ def test_two_nodes_form_train_and_succeed(rig: Rig) -> None:
         assert re.search(r"^done rank \d world 2 restart 0$", n.text(), re.M), n.text()[-2000:]
     view = rig.wait_job("form", lambda v: v["state"] == "succeeded", 5, "job succeeded")
     assert [r["round"] for r in view["history"]] == [0]
+
+
+@pytest.mark.timeout(60)
+def test_an_endpoint_list_goes_past_a_dead_endpoint(rig: Rig) -> None:
+    """--rdzv-endpoint DEAD,SERVER (HA replicas, issue 11): torchrun passes the list through, the handler
+    goes past the dead one, the job runs and succeeds."""
+    rig.start_server()
+    node = rig.torchrun(
+        "node0", "listed", "1", "--steps", "5", "--interval", "0.05", endpoint=f"127.0.0.1:{free_port()},{rig.endpoint}"
+    )
+    assert node.wait_exit(45) == 0, node.text()[-3000:]
+    assert re.search(r"^done rank 0 world 1 restart 0$", node.text(), re.M), node.text()[-2000:]
+    rig.wait_job("listed", lambda v: v["state"] == "succeeded", 5, "job succeeded")
 
 
 @pytest.mark.timeout(75)

@@ -74,15 +74,16 @@ class Rig(Cluster):
         script: Path = WORKER,
         max_restarts: int = 3,
         env: dict[str, str] | None = None,
+        endpoint: str | None = None,
     ) -> TorchrunProc:
         """``python -m torch.distributed.run --rdzv-backend=rdzv ... SCRIPT WORKER_ARGS``, one worker
-        (the default script gets ``--on-collective-error exit`` first)."""
+        (the default script gets ``--on-collective-error exit`` first); ``endpoint``: another --rdzv-endpoint."""
         argv = [
             sys.executable,
             "-m",
             "torch.distributed.run",
             "--rdzv-backend=rdzv",
-            f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-endpoint={endpoint or self.endpoint}",
             f"--rdzv-id={job_id}",
             f"--nnodes={nnodes}",
             "--nproc-per-node=1",
