@@ -180,6 +180,9 @@ async def leader_middleware(request: web.Request, handler: Handler) -> web.Strea
     if store.replica is None or store.serving or request.path in _ANY_REPLICA:
         return await handler(request)
     e = store.replica.refusal()
+    if e.leader and request.method == "GET" and (request.path == "/" or request.path.startswith("/ui")):
+        # a person's browser on a follower: the dashboard is on the leader
+        raise web.HTTPTemporaryRedirect(e.leader + request.rel_url.path_qs, headers={LEADER_HEADER: e.leader})
     return _error(e.code, e.message, e.status, {LEADER_HEADER: e.leader} if e.leader else None)
 
 
