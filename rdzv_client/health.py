@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--endpoint",
         default=os.environ.get("RDZV_ENDPOINT"),
-        help="rdzv server HOST:PORT for the clock check ($RDZV_ENDPOINT; none: no clock check)",
+        help="rdzv server HOST:PORT, or a list of HA replicas (the first that answers), for the clock check "
+        "($RDZV_ENDPOINT; none: no clock check)",
     )
     p.add_argument("--log-dir", default=os.environ.get("RDZV_LOG_DIR") or ".", help="where free disk is checked")
     p.add_argument("--min-free-disk", type=int, default=DEFAULT_MIN_FREE_DISK, metavar="BYTES")
