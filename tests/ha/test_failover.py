@@ -17,6 +17,7 @@ leader, to the agents back); they assert no timing.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -138,14 +139,16 @@ def elections(ha: HAServers) -> int:
     return sum(len(log_times(r, ELECTED)) for r in ha.replicas)
 
 
-def check_history(ha: HAServers) -> dict[int, tuple[str, str]]:
+def check_history(ha: HAServers) -> tuple[dict[int, tuple[str, str]], set[int]]:
     """etcd's history under the deployment's prefix: every job/host write by the
-    leader of its term while that leadership was live. Returns the terms."""
+    leader of its term while that leadership was live. Returns the terms
+    (term -> replica id, URL) and the terms the job's record was written in."""
     events = ha.events()
     problems = fencing_violations(events, ha.prefix)
     assert not problems, "\n".join(problems[:20])
-    assert any(e.key.startswith(ha.prefix + "jobs/") for e in events)  # the check had writes to check
-    return ha.leader_terms(events)
+    written = {json.loads(e.value)["term"] for e in events if e.key.startswith(ha.prefix + "jobs/") and e.value}
+    assert written  # the check had writes to check
+    return ha.leader_terms(events), written
 
 
 @pytest.mark.timeout(90)
@@ -166,8 +169,9 @@ def test_leader_killed_mid_training(ha: HAServers) -> None:
     job.same_workers()
     job.run_on(5)
     job.finish()
-    terms = check_history(ha)
+    terms, written = check_history(ha)
     assert len(terms) == 2 and {url for _, url in terms.values()} == {old.url, new.url}
+    assert written == set(terms)  # both leaderships wrote the job (the check covered both)
     print(
         f"\nleader kill -9: new leader's /healthz says leader {t_elected - t0:.2f}s after the kill "
         f"(its log: elected at +{log_times(new, ELECTED)[-1].timestamp() - t0:.2f}s); "
@@ -211,8 +215,9 @@ def test_leader_cut_off_from_etcd(ha: HAServers, etcd_cluster: EtcdCluster) -> N
     status, body = old.request("GET", "/v1/jobs/cutjob")  # back on etcd: a follower that names the leader
     assert status == 503 and body["code"] == "not_leader", (status, body)
     job.finish()
-    terms = check_history(ha)
+    terms, written = check_history(ha)
     assert len(terms) == 2 and {url for _, url in terms.values()} == {old.url, new.url}
+    assert written == set(terms)  # both leaderships wrote the job (the check covered both)
     print(
         f"\nleader's etcd member paused: old leader stopped serving at +{lost_at[0].timestamp() - t0:.2f}s, "
         f"new leader elected at +{elected_at[0].timestamp() - t0:.2f}s (its /healthz at +{t_elected - t0:.2f}s), "
@@ -268,6 +273,7 @@ def test_one_etcd_member_killed(ha: HAServers, etcd_cluster: EtcdCluster) -> Non
     etcd_cluster.restart(raft)
     job.finish()
     check_history(ha)
+    print(f"\nthe leader replica on etcd member {leader.index}: killed member {victim}, then raft leader {raft}")
 
 
 @pytest.mark.timeout(90)
