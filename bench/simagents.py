@@ -216,18 +216,20 @@ class ClientProc:
         endpoint walk and backoff); after a drop, resume the round it runs."""
         import aiohttp
 
-        from rdzv_client.client import STABLE_S, Endpoints, backoff_delays
+        from rdzv_client.client import STABLE_S, Endpoints, backoff_delays, election_wait
         from rdzv_server.errors import LEADER_HEADER
         from rdzv_server.wire import AGENT_PATH
 
         tries = Endpoints(self.url).tries()
         delays = backoff_delays()
+        down_since, not_leader = time.monotonic(), False
         while not node.stopping:
             leader = None
             try:
                 node.ws = await self.session.ws_connect(tries.url + AGENT_PATH, autoping=True)
             except aiohttp.WSServerHandshakeError as e:
                 leader = (e.headers or {}).get(LEADER_HEADER) if e.status == 503 else None
+                not_leader = not_leader or e.status == 503  # what a replica answers while it does not lead
                 node.refused += 1
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
                 node.refused += 1
@@ -252,10 +254,12 @@ class ClientProc:
                     return
                 if node.t_drop is None:
                     node.t_drop = time.time()
-                if time.monotonic() - connected_at >= STABLE_S:
+                down_since = time.monotonic()
+                if down_since - connected_at >= STABLE_S:
                     delays = backoff_delays()
             if not tries.failed(leader):
-                await asyncio.sleep(next(delays))
+                await asyncio.sleep(election_wait(next(delays), not_leader, time.monotonic() - down_since))
+                not_leader = False
 
     async def back(self, timeout: float) -> dict:
         """--follow: until every node that dropped has its assignment again (or ``timeout``)."""
