@@ -225,6 +225,11 @@ class Replica:
             self.leader_url = _leader_url(kv.value)
             return
         if not self.lease or time.monotonic() >= self._lease_until - _margin(self._ttl):
+            if kv is not None:
+                # the key is ours but our lease is not surely alive: lead again only if the
+                # keep-alive renews it; a new lease would not hold this key (it expires with the old one)
+                self.leader_url = None
+                return
             await self._grant()
         if kv is not None:  # the key is ours (our lease): we lead again in its term
             term = kv.create_revision
