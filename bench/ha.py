@@ -20,8 +20,10 @@ failover (rdzv)
     moment, a third real agent of the job is launched (a node that joins
     during the failover: the job's next round change, a scale-up to 3). From
     the kill: the new leader's "elected leader" and "loaded" log lines; every
-    simulated node's ``assigned`` on its new connection (its own clock); both
-    real agents' "link: leader is now <new leader>" log lines; the third
+    simulated node's resume taken by the new leader (its "node N
+    reconnected" lines) and its ``assigned`` read on the new connection (the
+    node's own clock); both real agents' "link: leader is now <new leader>"
+    log lines; the third
     agent's join accepted (the new leader's "arrived" line) and the scale-up
     round complete (its ``completed_at`` in the new leader's job view); and
     every worker of world 3 started (the workers' own stamps). Target: every
