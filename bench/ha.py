@@ -623,6 +623,14 @@ def main(argv: list[str] | None = None) -> None:
         Path(a.out).write_text(json.dumps(res, indent=1))
 
 
+def _terminated(signum: int, frame: object) -> None:
+    """SIGTERM: unwind through the ``finally`` blocks, which stop every
+    process by pid; a second SIGTERM (``timeout`` sends one to the group and
+    one to us) must not cut that cleanup short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stopped bench still cleans up (finally)
+    signal.signal(signal.SIGTERM, _terminated)
     main()
