@@ -24,8 +24,20 @@ stdin, answers come back as JSON lines on stdout:
     connect and join at once, every node (no warm-up);
 ``{"cmd": "stats"}``
     the counters (and the client process's CPU and RSS);
+``{"cmd": "back", "timeout": S}``
+    (``--follow`` only) wait up to S seconds until every node whose
+    connection dropped got its ``assigned`` again on a new one; the answer has
+    each node's ``[dropped, back]`` times (back None: not yet) and counts;
 ``{"cmd": "close"}``, ``{"cmd": "exit"}``
     close every connection; then also end the process.
+
+``--follow`` (HA replicas, bench/ha.py): URL is an endpoint list
+(``127.0.0.1:P1,127.0.0.1:P2``, as ``rdzv-agent --endpoint`` takes it) and each
+node is a link like the real agent's (rdzv_client.client's EndpointTries and
+backoff): it connects to the endpoint that answers, follows a ``not_leader``
+refusal's ``X-Rdzv-Leader`` hint within the list, and when its connection
+drops it reconnects and resumes its round (a join with ``resume_round`` and
+the node secret its ``joined`` gave it), as the agent does.
 
 Stdlib and aiohttp only, plus rdzv_server.protocol to build the join.
 """
@@ -65,6 +77,13 @@ class Node:
         "assigned",
         "errors",
         "why",
+        "secret",
+        "round",
+        "t_drop",
+        "t_back",
+        "link",
+        "refused",
+        "stopping",
     )
 
     def __init__(self, job_id: str, node_id: str, join_text: str):
@@ -81,6 +100,13 @@ class Node:
         self.assigned = asyncio.Event()
         self.errors = 0
         self.why = None
+        self.secret: str | None = None  # what ``joined`` issued (--follow: sent on a resume)
+        self.round: int | None = None  # the round of the last ``assigned``
+        self.t_drop: float | None = None  # --follow: when the connection first dropped
+        self.t_back: float | None = None  # ... and when ``assigned`` came again after that
+        self.link = None  # --follow: the task that keeps the node connected
+        self.refused = 0  # --follow: connection attempts refused (not_leader) or failed
+        self.stopping = False
 
 
 def _join_text(job_id: str, node_id: str, index: int, nnodes: int) -> str:
@@ -99,9 +125,10 @@ def _join_text(job_id: str, node_id: str, index: int, nnodes: int) -> str:
 
 
 class ClientProc:
-    def __init__(self, url: str, ws_ping: float | None):
+    def __init__(self, url: str, ws_ping: float | None, follow: bool = False):
         self.url = url
         self.ws_ping = ws_ping
+        self.follow = follow
         self.nodes: list[Node] = []
         self.session = None
         self.hb_sent = 0
@@ -134,12 +161,19 @@ class ClientProc:
                     continue
                 data = frame.data
                 if '"op":"assigned"' in data:
+                    now = time.time()
                     if node.t_recv is None:
-                        node.t_recv = time.time()
+                        node.t_recv = now
+                    if self.follow:
+                        node.round = json.loads(data)["assignment"]["round"]
+                        if node.t_drop is not None and node.t_back is None:
+                            node.t_back = now
                     node.assigned.set()
                 elif '"op":"joined"' in data:
+                    joined = json.loads(data)
+                    node.secret = joined.get("node_secret") or node.secret
                     if node.hb_task is None:
-                        node.hb_s = json.loads(data)["heartbeat_s"]
+                        node.hb_s = joined["heartbeat_s"]
                         node.hb_task = asyncio.ensure_future(self._heartbeat(node))
                 elif '"op":"evicted"' in data:
                     node.evicted += 1
@@ -177,6 +211,68 @@ class ClientProc:
         except Exception:
             pass
 
+    async def _link(self, node: Node, connected: asyncio.Event) -> None:
+        """--follow: keep the node connected as the agent's link does (the same
+        endpoint walk and backoff); after a drop, resume the round it runs."""
+        import aiohttp
+
+        from rdzv_client.client import STABLE_S, Endpoints, backoff_delays, election_wait
+        from rdzv_server.errors import LEADER_HEADER
+        from rdzv_server.wire import AGENT_PATH
+
+        tries = Endpoints(self.url).tries()
+        delays = backoff_delays()
+        down_since, not_leader = time.monotonic(), False
+        while not node.stopping:
+            leader = None
+            try:
+                node.ws = await self.session.ws_connect(tries.url + AGENT_PATH, autoping=True)
+            except aiohttp.WSServerHandshakeError as e:
+                leader = (e.headers or {}).get(LEADER_HEADER) if e.status == 503 else None
+                not_leader = not_leader or e.status == 503  # what a replica answers while it does not lead
+                node.refused += 1
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                node.refused += 1
+            else:
+                tries.ok()
+                node.closed, node.why = False, None
+                connected_at = time.monotonic()
+                if node.t_sent is not None:  # a reconnect: the join again, resuming the round it runs
+                    fields = json.loads(node.join_text)
+                    fields.update(resume_round=node.round, node_secret=node.secret)
+                    try:
+                        await node.ws.send_str(json.dumps(fields))
+                    except (ConnectionError, RuntimeError, OSError):
+                        pass
+                    if node.hb_s is not None:  # heartbeats on the new connection
+                        if node.hb_task is not None:
+                            node.hb_task.cancel()
+                        node.hb_task = asyncio.ensure_future(self._heartbeat(node))
+                connected.set()
+                await self._read(node)
+                if node.stopping:
+                    return
+                if node.t_drop is None:
+                    node.t_drop = time.time()
+                down_since = time.monotonic()
+                if down_since - connected_at >= STABLE_S:
+                    delays = backoff_delays()
+            if not tries.failed(leader):
+                await asyncio.sleep(election_wait(next(delays), not_leader, time.monotonic() - down_since))
+                not_leader = False
+
+    async def back(self, timeout: float) -> dict:
+        """--follow: until every node that dropped has its assignment again (or ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(n.t_drop is None or n.t_back is not None for n in self.nodes):
+                break
+            await asyncio.sleep(0.02)
+        return {
+            "times": [[n.t_drop, n.t_back] for n in self.nodes],
+            "refused": sum(n.refused for n in self.nodes),
+        }
+
     async def connect(self, specs: list[list]) -> dict:
         new = [Node(job, nid, _join_text(job, nid, idx, n)) for job, nid, idx, n in specs]
         t0 = time.time()
@@ -187,7 +283,13 @@ class ClientProc:
                 await self._connect(node)
             node.reader = asyncio.ensure_future(self._read(node))
 
-        await asyncio.gather(*(one(n) for n in new))
+        async def linked(node):
+            connected = asyncio.Event()
+            async with sem:
+                node.link = asyncio.ensure_future(self._link(node, connected))
+                await connected.wait()
+
+        await asyncio.gather(*((linked if self.follow else one)(n) for n in new))
         self.nodes.extend(new)
         return {"connected": len(new), "s": time.time() - t0, "retries": self.connect_retries}
 
@@ -244,6 +346,9 @@ class ClientProc:
     async def close(self) -> dict:
         nodes, self.nodes = self.nodes, []
         for n in nodes:
+            n.stopping = True
+            if n.link:
+                n.link.cancel()
             if n.hb_task:
                 n.hb_task.cancel()
         await asyncio.gather(*(n.ws.close() for n in nodes if n.ws is not None), return_exceptions=True)
@@ -275,6 +380,8 @@ class ClientProc:
                     out = await self.storm(cmd["nodes"])
                 elif op == "stats":
                     out = self.stats()
+                elif op == "back":
+                    out = await self.back(float(cmd.get("timeout", ASSIGN_TIMEOUT_S)))
                 elif op == "close":
                     out = await self.close()
                 elif op == "exit":
@@ -287,18 +394,20 @@ class ClientProc:
             await self.session.close()
 
 
-def client_main(url: str, ws_ping: float | None) -> None:
+def client_main(url: str, ws_ping: float | None, follow: bool = False) -> None:
     C.raise_nofile()
-    asyncio.run(ClientProc(url, ws_ping).serve())
+    asyncio.run(ClientProc(url, ws_ping, follow).serve())
 
 
 class Clients:
     """The client processes, driven over pipes."""
 
-    def __init__(self, n: int, url: str, ws_ping: float | None):
+    def __init__(self, n: int, url: str, ws_ping: float | None, follow: bool = False):
         argv = [sys.executable, "-m", "bench.simagents", url]
         if ws_ping is None:
             argv.append("--no-ws-ping")
+        if follow:
+            argv.append("--follow")
         self.procs = [
             subprocess.Popen(
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=C.ROOT, start_new_session=True
@@ -357,10 +466,11 @@ def node_specs(job_id: str, n: int, base: int = 0) -> list[list]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.simagents", description=__doc__.split("\n\n")[0])
-    p.add_argument("url", help="the server's agent URL, http://HOST:PORT/v1/agent")
+    p.add_argument("url", help="the server's agent URL, http://HOST:PORT/v1/agent (--follow: HOST:PORT,HOST:PORT..)")
     p.add_argument("--no-ws-ping", action="store_true", help="send no WebSocket pings (the agent does, 5 s)")
+    p.add_argument("--follow", action="store_true", help="follow the leader of an endpoint list; reconnect on a drop")
     a = p.parse_args(argv)
-    client_main(a.url, None if a.no_ws_ping else 5.0)
+    client_main(a.url, None if a.no_ws_ping else 5.0, a.follow)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,13 @@ log = logging.getLogger(__name__)
 
 BACKOFF_START_S = 0.05
 BACKOFF_MAX_S = 3.0
+# A replica answered not_leader: an HA election is on (the dead leader's key
+# lives until its lease expires, 2 s by default), and a leader is due any
+# moment. The link's waits between cycles of its list stay this short then,
+# for the first NOT_LEADER_FAST_S of the outage; after that (etcd itself is
+# down, say) it backs off as for any outage.
+NOT_LEADER_BACKOFF_MAX_S = 0.5
+NOT_LEADER_FAST_S = 15.0
 CONNECT_TIMEOUT_S = 5.0
 # Detects a frozen or cut-off server (wsclient pings after this long without a
 # frame and gives up after half of it without an answer); the workers keep
@@ -221,6 +228,17 @@ def backoff_delays(start: float = BACKOFF_START_S, cap: float = BACKOFF_MAX_S) -
         delay = min(cap, delay * 2)
 
 
+def election_wait(delay: float, not_leader: bool, down_s: float) -> float:
+    """The wait after a failed cycle of the list: ``delay`` (the backoff's),
+    or, when a replica of that cycle said not_leader and the server has been
+    unreachable for less than NOT_LEADER_FAST_S, at most
+    NOT_LEADER_BACKOFF_MAX_S (jittered over its upper half: agents that all
+    lost the same leader do not retry in step)."""
+    if not_leader and down_s < NOT_LEADER_FAST_S and delay > NOT_LEADER_BACKOFF_MAX_S:
+        return random.uniform(NOT_LEADER_BACKOFF_MAX_S / 2, NOT_LEADER_BACKOFF_MAX_S)
+    return delay
+
+
 class AgentLink:
     """One agent's channel to the server.
 
@@ -263,6 +281,7 @@ class AgentLink:
         self._background: set[asyncio.Task[Any]] = set()
         self._pending: list[str] = []  # reports to re-send after a reconnect, until acked
         self._secret: tuple[str, str] | None = None  # (node id, the node secret the server issued it)
+        self._not_leader = False  # a replica of this cycle of the list said not_leader: an election
         self.run: int | None = None  # the job's run the first ``joined`` named (design.md "Job lifecycle")
 
     async def start(self) -> None:
@@ -353,9 +372,11 @@ class AgentLink:
     async def _next(self, delays: Iterator[float], leader: str | None = None) -> None:
         """The endpoint in use failed: on to the next one (the leader its
         refusal named, if one of ours) at once, or after a backoff once every
-        endpoint of the list failed."""
+        endpoint of the list failed (short while replicas say an election is
+        on: NOT_LEADER_BACKOFF_MAX_S)."""
         if not self._tries.failed(leader):
-            await asyncio.sleep(next(delays))
+            await asyncio.sleep(election_wait(next(delays), self._not_leader, self.down_for()))
+            self._not_leader = False
 
     async def _run(self) -> None:
         delays = backoff_delays()
@@ -380,6 +401,7 @@ class AgentLink:
                 leader = e.headers.get(LEADER_HEADER.lower()) if e.status == 503 else None
                 self.last_error = f"handshake refused: {e.status} {printable(e.message, 200)} ({base}"
                 if _refusal_code(e.body) == "not_leader" or leader:
+                    self._not_leader = True
                     self.last_error += ": not the leader" + (f"; leader {printable(leader, 200)}" if leader else "")
                 self.last_error += ")"
                 await self._next(delays, leader)

@@ -114,6 +114,19 @@ class TxnResult:
         return [KeyValue.from_json(kv) for kv in r.get("kvs", [])]
 
 
+async def _read_body(content: aiohttp.StreamReader) -> bytes:
+    """The whole body, up to MAX_RESPONSE_BYTES + 1 bytes (one more says: too
+    large). ``read(n)`` returns what has arrived, not n bytes: a large answer
+    (a page of job records) comes in many reads."""
+    raw = bytearray()
+    while len(raw) <= MAX_RESPONSE_BYTES:
+        chunk = await content.read(MAX_RESPONSE_BYTES + 1 - len(raw))
+        if not chunk:
+            break
+        raw += chunk
+    return bytes(raw)
+
+
 class EtcdClient:
     """etcd's v3 JSON gateway over one aiohttp session. Coroutines; open with
     :meth:`start`, close with :meth:`close`."""
@@ -177,7 +190,7 @@ class EtcdClient:
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         try:
             async with self._session.post(url, json=body, headers=headers, timeout=timeout) as r:
-                raw = await r.content.read(MAX_RESPONSE_BYTES + 1)
+                raw = await _read_body(r.content)
                 status = r.status
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
             raise EtcdUnavailable(f"{url}: {type(e).__name__}: {e}"[:300]) from e

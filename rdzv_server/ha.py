@@ -232,6 +232,8 @@ class Replica:
                 # another replica would be elected while this one still serves (seen in
                 # tests/ha/test_failover.py: two replicas said leader). The keep-alive renews the
                 # old lease first (or finds it gone, and the key goes with it).
+                # (found by bench.ha too: a leader deposed by its watchdog under load re-led this way)
+                self.leader_url = None
                 return
             await self._grant()
         if kv is not None:  # the key is ours (our lease): we lead again in its term

@@ -195,3 +195,77 @@ async def test_the_event_stream_follows_the_hint(client, follower) -> None:
         await asyncio.gather(reader, return_exceptions=True)
     assert f.hits == ["/v1/events"]
     assert len(retries) == 1 and retries[0].startswith(f.url) and "not the leader" in retries[0]
+
+
+async def _waits(monkeypatch: pytest.MonkeyPatch, link: AgentLink, n: int, on_start=None) -> list[float]:
+    """The first ``n`` backoff waits the link takes after a full cycle of its
+    list failed (its ``_next``'s sleeps), taken at once (not slept)."""
+    import sys
+
+    real_sleep = asyncio.sleep
+    waits: list[float] = []
+    enough = asyncio.Event()
+
+    async def sleep(delay: float, *args: object) -> object:
+        if sys._getframe(1).f_code.co_name == "_next":
+            waits.append(delay)
+            if len(waits) >= n:
+                enough.set()
+            delay = 0.0
+        return await real_sleep(delay, *args)
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    await link.start()
+    try:
+        if on_start is not None:
+            on_start()
+        await asyncio.wait_for(enough.wait(), T)
+    finally:
+        await link.close()
+        monkeypatch.undo()
+    return waits[:n]
+
+
+async def test_while_replicas_say_not_leader_the_link_retries_within_a_short_cap(follower, monkeypatch) -> None:
+    """The leader died (its port refuses), the followers answer not_leader (one
+    still names the dead leader, as it does until the lease expires): an
+    election is on and a leader is due within the lease TTL, so the waits
+    between cycles stay short instead of growing to BACKOFF_MAX_S (an agent
+    that slept 1.6-3 s here came back that long after the new leader)."""
+    from rdzv_client.client import NOT_LEADER_BACKOFF_MAX_S
+
+    dead = f"127.0.0.1:{free_port()}"
+    f = await follower(f"http://{dead}")
+    c = await follower(None)
+    link = AgentLink(f"{dead},{f.endpoint},{c.endpoint}", heartbeat_s=1.0)
+    waits = await _waits(monkeypatch, link, 12)
+    assert max(waits) <= NOT_LEADER_BACKOFF_MAX_S, waits
+    assert min(waits[-4:]) >= NOT_LEADER_BACKOFF_MAX_S / 2, waits  # still jittered, still backing off
+    assert len(f.hits) >= 12 and len(c.hits) >= 12
+
+
+async def test_with_no_replica_answering_the_backoff_grows_as_before(follower, monkeypatch) -> None:
+    from rdzv_client.client import BACKOFF_MAX_S, NOT_LEADER_BACKOFF_MAX_S
+
+    link = AgentLink(f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}", heartbeat_s=1.0)
+    waits = await _waits(monkeypatch, link, 12)
+    assert max(waits) > NOT_LEADER_BACKOFF_MAX_S and max(waits) <= BACKOFF_MAX_S, waits
+
+
+async def test_not_leader_for_longer_than_an_election_backs_off_as_before(follower, monkeypatch) -> None:
+    """etcd itself is down: every replica says not_leader for long. Past
+    NOT_LEADER_FAST_S of it the link backs off as for any outage (thousands of
+    agents must not poll the replicas twice a second for the whole outage)."""
+    import time
+
+    from rdzv_client.client import NOT_LEADER_BACKOFF_MAX_S, NOT_LEADER_FAST_S
+
+    f = await follower(None)
+    c = await follower(None)
+    link = AgentLink(f"{f.endpoint},{c.endpoint}", heartbeat_s=1.0)
+
+    def long_down() -> None:
+        link.down_since = time.monotonic() - NOT_LEADER_FAST_S - 1.0
+
+    waits = await _waits(monkeypatch, link, 12, on_start=long_down)
+    assert max(waits) > NOT_LEADER_BACKOFF_MAX_S, waits
