@@ -22,6 +22,8 @@ import base64
 import json
 import logging
 import ssl
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +146,7 @@ class EtcdClient:
             raise ValueError("no etcd endpoint")
         self.endpoints = [e.rstrip("/") for e in endpoints]
         self._i = 0
+        self._ti = 0  # the keep-alive thread's position in the list (call_blocking)
         self._ssl = ssl_ctx
         self._user, self._password = user, password
         self._token: str | None = None
@@ -268,6 +271,67 @@ class EtcdClient:
             responses=list(data.get("responses", [])),
         )
 
+    # ------------------------------------------- blocking, for a thread
+
+    def call_blocking(self, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """:meth:`call` with the standard library, blocking: for the lease
+        keep-alive thread (rdzv_server.ha), which must not wait for a busy event
+        loop. Tries the endpoints in turn from its own position."""
+        last = "no endpoint tried"
+        for _ in range(len(self.endpoints)):
+            base = self.endpoints[self._ti]
+            try:
+                return self._post_blocking(base, path, body, timeout_s, reauth=True)
+            except EtcdUnavailable as e:
+                last = str(e)
+                self._ti = (self._ti + 1) % len(self.endpoints)
+        raise EtcdUnavailable(last)
+
+    def _post_blocking(
+        self, base: str, path: str, body: dict[str, Any], timeout_s: float, reauth: bool
+    ) -> dict[str, Any]:
+        if self._user and self._token is None:
+            data = self._urlopen(
+                f"{base}/v3/auth/authenticate", {"name": self._user, "password": self._password}, timeout_s
+            )
+            if not data.get("token"):
+                raise EtcdError(
+                    f"{base}: etcd refused user {self._user!r}: {str(data.get('message', 'no token'))[:200]}"
+                )
+            self._token = str(data["token"])
+        data = self._urlopen(f"{base}/v3/{path}", body, timeout_s)
+        if "error" in data or ("code" in data and "message" in data):
+            message, code = str(data.get("message") or data.get("error"))[:300], data.get("code")
+            if reauth and self._user and ("token" in message or code == 16):
+                self._token = None
+                return self._post_blocking(base, path, body, timeout_s, reauth=False)
+            if code in (4, 14):
+                raise EtcdUnavailable(f"{base}: {message}")
+            raise EtcdError(f"{base}: {message}")
+        return data
+
+    def _urlopen(self, url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
+        req.add_header("Content-Type", "application/json")
+        if self._token:
+            req.add_header("Authorization", self._token)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s, context=self._ssl) as r:
+                raw = r.read(MAX_RESPONSE_BYTES + 1)
+        except urllib.error.HTTPError as e:  # etcd's refusals come with a JSON body
+            raw = e.read(64 * 1024)
+            if e.code in (502, 503, 504) and not raw:
+                raise EtcdUnavailable(f"{url}: HTTP {e.code}") from None
+        except (OSError, ValueError) as e:  # refused, reset, timed out (URLError is an OSError)
+            raise EtcdUnavailable(f"{url}: {type(e).__name__}: {e}"[:300]) from e
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            raise EtcdUnavailable(f"{url}: not JSON") from None
+        if not isinstance(data, dict):
+            raise EtcdError(f"{url}: unexpected answer")
+        return data
+
     # ------------------------------------------------------------ leases
 
     async def grant(self, ttl_s: int) -> tuple[int, int]:
@@ -278,8 +342,16 @@ class EtcdClient:
     async def keepalive(self, lease: int, timeout_s: float | None = None) -> int:
         """Refresh ``lease``: its remaining TTL (0: it is gone)."""
         data = await self.call("lease/keepalive", {"ID": str(lease)}, timeout_s=timeout_s)
-        result = data.get("result", {})
-        return int(result.get("TTL", 0)) if isinstance(result, dict) else 0
+        return _ttl_of(data)
+
+    def keepalive_blocking(self, lease: int, timeout_s: float) -> int:
+        """:meth:`keepalive` from a thread (standard library, blocking)."""
+        return _ttl_of(self.call_blocking("lease/keepalive", {"ID": str(lease)}, timeout_s))
 
     async def revoke(self, lease: int) -> None:
         await self.call("lease/revoke", {"ID": str(lease)})
+
+
+def _ttl_of(keepalive_answer: dict[str, Any]) -> int:
+    result = keepalive_answer.get("result", {})
+    return int(result.get("TTL", 0)) if isinstance(result, dict) else 0
