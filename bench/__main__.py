@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     scale = None
     if not a.no_server_scale:
         if a.smoke:
-            scale = server_scale.run([8], 1, None, [50], 2.0, n_clients=1, log=log)
+            scale = server_scale.run([8], 1, None, [20], 1.0, n_clients=1, log=log)
         elif a.quick:
             scale = server_scale.run([256], 2, None, [], 0, log=log)
         else:

@@ -406,10 +406,11 @@ def _floor_s(code: str, reps: int = 3) -> float:
     return best
 
 
-def row_join_sent(cl: Cluster, bound: float) -> Outcome:
+def row_join_sent(cl: Cluster, bound: float, floor_reps: int = 3) -> Outcome:
     """Agent launched -> its first word reaches the rendezvous endpoint: for
     rdzv the join frame, for torchrun its first bytes to the c10d store. No
-    round forms: a listener stands in for the server (FirstContact)."""
+    round forms: a listener stands in for the server (FirstContact). The
+    import costs beside it are the best of ``floor_reps`` runs each."""
     port = C.free_port()
     listener = FirstContact(port, ws=cl.launcher == "rdzv")
     cl.endpoint = f"127.0.0.1:{port}"
@@ -423,9 +424,10 @@ def row_join_sent(cl: Cluster, bound: float) -> Outcome:
         info = {"agent_cpu_s": listener.cpu_s}
         if cl.launcher == "rdzv":
             info.update(
-                python_floor_s=_floor_s("pass"),
-                aiohttp_import_s=_floor_s("import aiohttp"),
-                protocol_import_s=_floor_s("import rdzv_server.protocol"),
+                floor_reps=floor_reps,
+                python_floor_s=_floor_s("pass", floor_reps),
+                aiohttp_import_s=_floor_s("import aiohttp", floor_reps),
+                protocol_import_s=_floor_s("import rdzv_server.protocol", floor_reps),
             )
         return Outcome(listener.at - agent.launched_at, info=info)
     finally:
@@ -550,7 +552,7 @@ def plan(quick: bool = False, smoke: bool = False) -> list[Row]:
             Row(
                 "join_sent",
                 "0. Start-up: agent launched -> join sent",
-                lambda cl: row_join_sent(cl, 30),
+                lambda cl: row_join_sent(cl, 30, floor_reps=1),
                 launchers=("rdzv",),
                 server=False,
             ),
@@ -760,7 +762,8 @@ def info_lines(results: dict) -> list[str]:
     floors = [o.info for o in results.get("join_sent", {}).get("rdzv", []) if "aiohttp_import_s" in o.info]
     if floors:
         lines.append(
-            "- row 0, what a bare `python -c` costs here (best of 3, wall, per run's median): nothing "
+            f"- row 0, what a bare `python -c` costs here (best of {floors[0].get('floor_reps', 3)}, wall, "
+            "per run's median): nothing "
             f"{C.median([f['python_floor_s'] for f in floors]) * 1000:.0f} ms, `import aiohttp` "
             f"{C.median([f['aiohttp_import_s'] for f in floors]) * 1000:.0f} ms, `import "
             f"rdzv_server.protocol` (pydantic and the wire models) "

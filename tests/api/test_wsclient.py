@@ -404,10 +404,13 @@ async def test_the_link_leaves_a_frozen_server_and_rejoins(monkeypatch: pytest.M
             await link.close()
 
 
-async def test_a_bug_in_handling_a_message_does_not_end_the_link(client, monkeypatch, caplog) -> None:
+async def test_a_bug_in_handling_a_message_does_not_end_the_link(make_client, monkeypatch, caplog) -> None:
     """Seen once in a full run: an agent's link stopped for good after a scale-up join and showed
     'server unreachable (no answer)' until --server-timeout. Whatever goes wrong while one connection
     is handled, the link says so once and reconnects: here the first `joined` makes it raise."""
+    # the rejoin without the node's secret is refused, and the server closes that connection at its
+    # join deadline: 2 s here (default 10), then the link reconnects and the node is assigned
+    client = await make_client(Settings(join_deadline_s=2.0))
     link = AgentLink(f"127.0.0.1:{client.server.port}", heartbeat_s=1.0)
     real = link._learn_secret
     calls = []

@@ -16,10 +16,10 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(115)]
 
 
-def _run(tmp_path: Path, only: str) -> tuple[str, dict]:
+def _run(tmp_path: Path, only: str, *flags: str) -> tuple[str, dict]:
     out = tmp_path / "failures.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.failures", "--smoke", "--only", only, "--out", str(out)],
+        [sys.executable, "-m", "bench.failures", "--smoke", "--only", only, *flags, "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -32,8 +32,9 @@ def _run(tmp_path: Path, only: str) -> tuple[str, dict]:
 
 
 def test_hang_row_smoke(tmp_path: Path) -> None:
-    table, data = _run(tmp_path, "hang")
-    assert "13. Worker hangs" in table
+    # --hang-timeout 3 (default 5): the workers step every 0.1 s, as in the e2e hang tests
+    table, data = _run(tmp_path, "hang", "--hang-timeout", "3")
+    assert "13. Worker hangs" in table and "`--hang-timeout 3`" in table
     (rdzv,) = data["hang"]["rdzv"]
     assert rdzv["failure"] is None and rdzv["value"] > 0, rdzv
     assert rdzv["info"]["hang_reported_s"] > 0 and rdzv["info"]["stop_to_first_step"] > 0, rdzv

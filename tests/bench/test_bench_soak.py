@@ -19,7 +19,19 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(115)]
 def test_soak_smoke(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.soak_hang", "--minutes", "0.1", "--hang-timeout", "30", "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "bench.soak_hang",
+            "--minutes",
+            "0.05",
+            "--hogs",
+            "1",
+            "--hang-timeout",
+            "30",
+            "--out",
+            str(out),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -131,8 +131,8 @@ def test_a_worker_that_exited_without_finished_is_not_hung(cluster: Cluster) -> 
         server,
         "early",
         "progress_exit.py",
-        "--seconds",
-        "12",
+        "--seconds",  # rank 1 outlives rank 0's exit by over twice the hang timeout
+        "7",
         nnodes="1",
         nproc=2,
         flags=("--hang-timeout", "3", "--max-restarts", "2"),

@@ -45,7 +45,7 @@ def host_agent(
 @pytest.mark.timeout(120)
 def test_a_host_that_fails_three_times_is_cooled_down_while_a_spare_takes_over(cluster: Cluster) -> None:
     server = cluster.start_server("--host-failures", "3", "--host-cooldown", "10m")
-    args = ("loop.py", "--steps", "25", "--interval", "0.1", "--fail-if-env", "E2E_ALWAYS_FAIL")
+    args = ("loop.py", "--steps", "10", "--interval", "0.1", "--fail-if-env", "E2E_ALWAYS_FAIL")
     flags = ("--max-restarts", "5")
     bad = host_agent(cluster, server, "cool", "bad", *args, nnodes="2:2", flags=flags, env={"E2E_ALWAYS_FAIL": "1"})
     good = host_agent(cluster, server, "cool", "good", *args, nnodes="2:2", flags=flags)

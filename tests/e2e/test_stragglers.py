@@ -25,6 +25,8 @@ def _agent(cluster: Cluster, server, job: str, host: str, policy: str, steps: in
         "progress_loop.py",
         "--steps",
         str(steps),
+        "--later-steps",  # round 1 (after a replacement) only has to reach its end
+        "40",
         "--interval",
         "0.05",
         "--sync-every",

@@ -6,6 +6,8 @@ does (the tests parse it and SIGSTOP a worker by its pid).
   ``--stop-rank`` stops itself (SIGSTOP) after step S, as a frozen process.
 * ``--sync-every N``: the all_reduce runs every N steps (default 1; 0: only a
   barrier at the end), so that ranks can progress at their own pace.
+* ``--later-steps N``: attempts after the first (restart 1 and on) run N steps
+  instead of ``--steps`` (a test that needs a long first round only).
 * ``E2E_STEP_INTERVAL`` in the environment overrides ``--interval`` (one slow
   node: stragglers).
 """
@@ -32,13 +34,15 @@ def main() -> None:
     p.add_argument("--stop-self-at", type=int, default=0)
     p.add_argument("--stop-rank", type=int, default=0)
     p.add_argument("--sync-every", type=int, default=1)
+    p.add_argument("--later-steps", type=int, default=0)
     args = p.parse_args()
     interval = float(os.environ.get("E2E_STEP_INTERVAL", args.interval))
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
-    for step in range(1, args.steps + 1):
+    steps = args.later_steps if args.later_steps and restart != "0" else args.steps
+    for step in range(1, steps + 1):
         t = torch.ones(1)
         if args.sync_every and step % args.sync_every == 0:
             dist.all_reduce(t)  # ALL_REDUCE_LINE
