@@ -86,14 +86,16 @@ def record(etcd: EtcdCluster, key: str) -> dict[str, Any] | None:
     return None if raw is None else json.loads(raw)
 
 
-def refused(s: Server, method: str, path: str, body: Any = None) -> tuple[int, dict[str, Any], dict[str, str]]:
+def refused(
+    s: Server, method: str, path: str, body: Any = None, timeout: float = 5.0
+) -> tuple[int, dict[str, Any], dict[str, str]]:
     """One raw HTTP call: (status, JSON body, headers), whatever the status."""
     data = None if body is None else json.dumps(body).encode()
     if data is None and method == "POST":
         data = b""
     req = urllib.request.Request(s.url + path, method=method, data=data, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=5.0) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read() or b"null"), dict(r.headers)
     except urllib.error.HTTPError as e:
         with e:
@@ -291,18 +293,23 @@ async def test_a_paused_leader_is_fenced(ha: HAServers, agents: Agents) -> None:
     writes_before = len(fenced(ha))
 
     os.kill(old.pid, signal.SIGSTOP)
+    paused_at = time.monotonic()
     try:
         # queued in the stopped process's sockets: a join that would form a round, and a cordon
         await second.send(join_msg("fenced", "n2", (2, 2)))
-        cordon, cordon_out = _in_thread(lambda: refused(old, "POST", "/v1/hosts/late/cordon", {"reason": "late"}))
+        # (answered only once the process runs again: a deadline past the whole pause)
+        cordon, cordon_out = _in_thread(
+            lambda: refused(old, "POST", "/v1/hosts/late/cordon", {"reason": "late"}, timeout=60)
+        )
         new = ha.leader(timeout=10 * TTL, exclude=(old,))
         new_kv = leader_kv(ha.etcd, ha.prefix)
         assert new_kv is not None and new_kv["url"] == new.url and new_kv["term"] > old_kv["term"], new_kv
         assert post(new, "/v1/hosts/h9/cordon", {"reason": "maintenance"})["cordoned"] is True
-        time.sleep(TTL)  # the old lease is long gone; nothing more to wait for
+        # paused for more than 2 TTLs in all (a duration, not a condition: nothing to poll)
+        time.sleep(max(0.0, paused_at + 2.5 * TTL - time.monotonic()))
     finally:
         os.kill(old.pid, signal.SIGCONT)
-    cordon.join(15)
+    cordon.join(30)
     assert cordon_out, "the cordon sent to the paused leader got no answer"
     status, answer, _ = cordon_out[0]
     assert status == 503 and answer["code"] == "not_leader", (status, answer)
@@ -409,24 +416,31 @@ async def test_delete_removes_the_key(ha: HAServers, agents: Agents) -> None:
 async def test_a_foreign_leader_key_is_never_named(ha: HAServers, value: bytes) -> None:
     """A leader key that is not a replica's (no lease: it never goes away): the
     replica never leads, answers not_leader, and names no leader unless the
-    value is an http(s) URL, which it then sends escaped (one header line)."""
-    ha.etcd.put(ha.prefix + "leader", value)
+    value is an http(s) URL, which it then sends escaped (one header line).
+    The key first names a plain URL, so that the replica is seen reading it."""
+    first = "http://127.0.0.1:9"
+    ha.etcd.put(ha.prefix + "leader", json.dumps({"url": first, "id": "someone"}))
     r = ha.start_replica()
-    status, answer, headers = refused(r, "GET", "/v1/jobs")
-    assert status == 503 and answer["code"] == "not_leader", (status, answer)
-    h = r.health()
-    assert h is not None and h["role"] == "follower", h
+
+    def leader_header() -> str | None:
+        status, answer, headers = refused(r, "GET", "/v1/jobs")
+        assert status == 503 and answer["code"] == "not_leader", (status, answer)
+        assert "Set-Cookie" not in headers, headers
+        return headers.get(LEADER_HEADER)
+
+    wait_until(lambda: leader_header() == first, 10, "the replica naming the key's URL")
+    ha.etcd.put(ha.prefix + "leader", value)
     if b"http://" in value:
-        headers = wait_until(
-            lambda: (lambda hs: hs if LEADER_HEADER in hs else None)(refused(r, "GET", "/v1/jobs")[2]), 10, "a header"
-        )
-        named = headers[LEADER_HEADER]
-        assert "\r" not in named and "\n" not in named and "Set-Cookie" not in headers, headers
+        named = wait_until(lambda: (lambda h: h if h != first else None)(leader_header()), 10, "the new header")
+        assert "\r" not in named and "\n" not in named, named
+        assert named.startswith("http://"), named
     else:
-        assert LEADER_HEADER not in headers and h["leader"] is None, (headers, h)
+        wait_until(lambda: leader_header() is None, 10, "no leader named")
+        h = r.health()
+        assert h is not None and h["role"] == "follower" and h["leader"] is None, h
         status, upgrade_headers = await upgrade(r)
         assert status == 503 and LEADER_HEADER not in upgrade_headers, (status, upgrade_headers)
-    assert r.running
+    assert r.running and r.role() == "follower"
     assert ha.etcd.get(ha.prefix + "leader") == value  # nobody took it over
 
 
