@@ -44,6 +44,8 @@ from tests.helpers.etcd import EtcdCluster, b64, unb64
 from tests.helpers.ha import HAServers, fencing_violations
 from tests.helpers.procs import Server, wait_until
 
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
 TTL = 2.0  # the replicas' --etcd-lease-ttl
 
 
@@ -215,7 +217,6 @@ REST_CALLS = [
 ]
 
 
-@pytest.mark.slow
 async def test_followers_refuse_and_name_the_leader(ha: HAServers) -> None:
     ha.start(3)
     leader = ha.leader()
@@ -245,7 +246,6 @@ async def test_followers_refuse_and_name_the_leader(ha: HAServers) -> None:
     assert (await upgrade(leader))[0] == 101
 
 
-@pytest.mark.slow
 async def test_sigterm_hands_over_and_revokes_the_lease(ha: HAServers) -> None:
     ha.start(3)
     old = ha.leader()
@@ -276,7 +276,6 @@ def _in_thread(fn: Any) -> tuple[threading.Thread, list[Any]]:
     return t, out
 
 
-@pytest.mark.slow
 async def test_a_paused_leader_is_fenced(ha: HAServers, agents: Agents) -> None:
     """SIGSTOP the leader past its lease: another is elected and changes things;
     the old one, resumed with a join and a cordon waiting in its sockets,
@@ -329,7 +328,6 @@ async def test_a_paused_leader_is_fenced(ha: HAServers, agents: Agents) -> None:
     assert "leadership lost" in old.text(), old.text()[-2000:]
 
 
-@pytest.mark.slow
 async def test_what_a_leader_answered_survives_its_kill(ha: HAServers, agents: Agents) -> None:
     ha.start(3)
     a = ha.leader()
@@ -356,7 +354,6 @@ async def test_what_a_leader_answered_survives_its_kill(ha: HAServers, agents: A
     fenced(ha)
 
 
-@pytest.mark.slow
 async def test_no_etcd_quorum_no_serving(ha: HAServers, agents: Agents) -> None:
     """2 of 3 etcd members paused: the leader stops serving (drops its agents,
     refuses the upgrade, names no leader); resumed: a replica serves again."""
@@ -384,7 +381,6 @@ async def test_no_etcd_quorum_no_serving(ha: HAServers, agents: Agents) -> None:
     fenced(ha)
 
 
-@pytest.mark.slow
 async def test_delete_removes_the_key(ha: HAServers, agents: Agents) -> None:
     ha.start(2)
     leader = ha.leader()
@@ -401,7 +397,6 @@ async def test_delete_removes_the_key(ha: HAServers, agents: Agents) -> None:
     assert writes[-1][1:3] == (ha.prefix + "jobs/gone", ""), writes  # the last write: the delete
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "value",
     [
@@ -444,7 +439,6 @@ async def test_a_foreign_leader_key_is_never_named(ha: HAServers, value: bytes) 
     assert ha.etcd.get(ha.prefix + "leader") == value  # nobody took it over
 
 
-@pytest.mark.slow
 async def test_unknown_leader_is_not_named(ha: HAServers) -> None:
     """A replica started while etcd has no quorum knows no leader: it names none."""
     for i in (1, 2):
@@ -464,7 +458,6 @@ async def test_unknown_leader_is_not_named(ha: HAServers) -> None:
     assert ha.leader(timeout=30) is r
 
 
-@pytest.mark.slow
 async def test_prefixes_are_separate_deployments(ha: HAServers, agents: Agents) -> None:
     other = HAServers(ha.cluster, ha.etcd, prefix=ha.prefix.rstrip("/") + "-b/", lease_ttl=int(TTL))
     ha.start(2)
