@@ -397,6 +397,23 @@ async def test_delete_removes_the_key(ha: HAServers, agents: Agents) -> None:
     assert writes[-1][1:3] == (ha.prefix + "jobs/gone", ""), writes  # the last write: the delete
 
 
+async def test_retention_removes_the_key(ha: HAServers, agents: Agents) -> None:
+    """--retain-finished on an HA leader: a finished job's key goes from etcd,
+    so the next leader does not bring the job back."""
+    ha.start(2, flags=("--retain-finished", "1s"))
+    leader = ha.leader()
+    await agents.form(leader, "old", ["o1"])
+    await agents.form(leader, "live", ["l1"])
+    post(leader, "/v1/jobs/old/close")
+    wait_until(lambda: ha.etcd.get(ha.prefix + "jobs/old") is None, 20, "the finished job's key removed")
+    assert refused(leader, "GET", "/v1/jobs/old")[0] == 404
+    ha.kill9(leader)
+    new = ha.leader(timeout=10 * TTL)
+    assert refused(new, "GET", "/v1/jobs/old")[0] == 404
+    assert new.get("/v1/jobs/live")["state"] == "running"
+    fenced(ha)
+
+
 @pytest.mark.parametrize(
     "value",
     [
