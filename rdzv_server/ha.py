@@ -225,6 +225,14 @@ class Replica:
             self.leader_url = _leader_url(kv.value)
             return
         if not self.lease or time.monotonic() >= self._lease_until - _margin(self._ttl):
+            if kv is not None:
+                # The key is bound to our lease, which etcd still holds (it restores leases
+                # after an outage of the whole cluster) but we have not renewed in time. Leading
+                # on it with a new lease would leave the key to expire with the old one, and
+                # another replica would be elected while this one still serves (seen in
+                # tests/ha/test_failover.py: two replicas said leader). The keep-alive renews the
+                # old lease first (or finds it gone, and the key goes with it).
+                return
             await self._grant()
         if kv is not None:  # the key is ours (our lease): we lead again in its term
             term = kv.create_revision

@@ -30,6 +30,9 @@ by pid, with everything else the test started)::
   hand-over) act on a replica by its pid;
 * :func:`log_times` reads the timestamps of a replica's log lines matching a
   pattern (the server's text log: ``2026-01-01 12:00:00,123 LEVEL ...``);
+* :meth:`HAServers.leader_lease` is the lease the leader key is bound to in
+  etcd now, :func:`elected_lease` the lease a replica said it was elected
+  with (its log);
 * :meth:`HAServers.leader_terms` and :func:`fencing_violations` read etcd's
   history under the prefix: which replica held which term, and every job or
   host write that was not made by the replica holding the live leader key of
@@ -51,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from .cluster import E2E_SCRIPTS, Cluster
-from .etcd import EtcdCluster, Event
+from .etcd import EtcdCluster, Event, b64
 from .procs import Proc, Server, free_port, wait_healthy, wait_until
 
 LEASE_TTL_S = 2
@@ -200,6 +203,15 @@ class HAServers:
                 out[e.revision] = (str(v.get("id")), str(v.get("url")))
         return out
 
+    def leader_lease(self) -> int | None:
+        """The lease the leader key is bound to in etcd now (None: no leader key)."""
+        answer = self.etcd.call("/v3/kv/range", {"key": b64(self.prefix + "leader")}, member=self._live_member())
+        kvs = answer.get("kvs") or []
+        return int(kvs[0].get("lease", 0)) if kvs else None
+
+    def _live_member(self) -> int:
+        return next(i for i, m in enumerate(self.etcd.members) if m.running and not m.paused)
+
     # ------------------------------------------------------------ stopping
 
     def kill9(self, replica: Replica, timeout: float = 10.0) -> None:
@@ -245,6 +257,12 @@ def log_times(proc: Proc, pattern: str) -> list[dt.datetime]:
         if m and rx.search(line):
             out.append(dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f"))
     return out
+
+
+def elected_lease(replica: Proc) -> int | None:
+    """The lease of the replica's latest "elected leader (term N, lease HEX, ..." log line."""
+    found = re.findall(r"elected leader \(term \d+, lease ([0-9a-f]+)", replica.text())
+    return int(found[-1], 16) if found else None
 
 
 def fencing_violations(events: list[Event], prefix: str) -> list[str]:
