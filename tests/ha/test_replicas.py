@@ -13,7 +13,9 @@ nothing (checked in etcd's history); what a leader said it saved is in etcd
 and served by the next leader after a kill -9; a leader that loses etcd's
 quorum stops serving and one serves again once etcd is back; DELETE removes
 the job's key; a leader that is not known (or not a URL) is never named;
-deployments under two prefixes of one etcd are separate.
+deployments under two prefixes of one etcd are separate; and, in process, a
+replica that still believes it leads is refused by etcd itself when its term
+is gone (the compare of every write).
 
 Every test that changes something ends by checking etcd's history under its
 prefix: each write of job or host state was made by the replica holding the
@@ -507,3 +509,39 @@ async def test_prefixes_are_separate_deployments(ha: HAServers, agents: Agents) 
         assert refused(f, "GET", "/v1/jobs")[2].get(LEADER_HEADER) == lb.url
     assert {k for _, k, _, _ in fenced(ha)} == {ha.prefix + "jobs/only-a", ha.prefix + "hosts/ha"}
     assert {k for _, k, _, _ in fenced(other)} == {other.prefix + "jobs/only-b"}
+
+
+async def test_a_write_in_a_lost_term_is_refused_by_etcd(etcd_cluster: EtcdCluster) -> None:
+    """The last line of the fence, alone: a replica that still believes it
+    leads (its lease alive, so its own checks pass) writes in a term whose
+    leader key was replaced behind its back. etcd refuses the transaction
+    (the compare on the key's create revision), nothing is written, and the
+    replica steps down naming the new leader. (In the process tests above the
+    replica's own lease checks stop it first.)"""
+    from rdzv_server import etcd as etcd_client
+    from rdzv_server.errors import NotLeaderError
+    from rdzv_server.ha import Replica as HAReplica
+
+    prefix = "/fence-unit/"
+    deposed: list[str] = []
+    r = HAReplica(etcd_client.EtcdClient(etcd_cluster.endpoints), "http://127.0.0.1:1", prefix, 2)
+    r.on_deposed = deposed.append
+    await r.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not r.serving:
+            assert time.monotonic() < deadline, "the replica never led"
+            await asyncio.sleep(0.05)
+        await r.write([r.job_put("before", '{"n":1}')])  # in its term: written
+        assert record(etcd_cluster, prefix + "jobs/before") is not None
+        # another leadership, behind its back: the key deleted and created again
+        etcd_cluster.call("/v3/kv/deleterange", {"key": b64(prefix + "leader")})
+        etcd_cluster.put(prefix + "leader", json.dumps({"url": "http://127.0.0.1:2", "id": "other"}))
+        assert r.serving  # its lease lives: only etcd can tell
+        with pytest.raises(NotLeaderError) as e:
+            await r.write([r.job_put("after", '{"n":2}')])
+        assert e.value.leader == "http://127.0.0.1:2"
+        assert etcd_cluster.get(prefix + "jobs/after") is None
+        assert not r.serving and r.role == "follower" and deposed, (r.role, deposed)
+    finally:
+        await r.stop()
