@@ -331,10 +331,11 @@ class Replica:
                 [etcd.created_at(self.leader_key, term)], ops[i : i + etcd.MAX_TXN_OPS], [etcd.get(self.leader_key)]
             )
             if not r.succeeded:
-                got = r.ranged(0)
-                self.leader_url = _leader_url(got[0].value) if got else None
                 if self.term == term:
                     self._depose("a write found the leader key changed (another replica leads)")
+                # after _depose (which forgets the leader): the refusal names the one just read
+                got = r.ranged(0)
+                self.leader_url = _leader_url(got[0].value) if got else None
                 raise self.refusal()
             if not self.serving:  # applied, but too late to announce: the next leader loads it
                 raise self.refusal()
