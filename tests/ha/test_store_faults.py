@@ -1,0 +1,90 @@
+"""The HA store when one write to etcd fails while the leader keeps its lease
+(issue 11 review): the real app in process as the only replica, a real
+3-member etcd, and one write made to fail at the replica's write (an etcd
+that timed out or refused that one transaction; the lease lives on).
+
+A refused change must change nothing: what the REST answer said was not
+done is still there to retry, in memory as in etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from rdzv_server import etcd
+from rdzv_server.app import Settings, create_app
+from rdzv_server.ha import HASettings
+from rdzv_server.keys import STORE
+from rdzv_server.protocol import AGENT_PATH
+from tests.api.conftest import Agent, join_msg
+from tests.helpers.etcd import EtcdCluster
+
+pytestmark = [pytest.mark.e2e]
+
+PREFIX = "/review/"
+T = 20.0  # deadline on every wait
+
+
+@pytest.fixture
+async def leader(etcd_cluster: EtcdCluster) -> AsyncIterator[TestClient]:
+    ha = HASettings(endpoints=etcd_cluster.endpoints, advertise_url="http://127.0.0.1:9", prefix=PREFIX)
+    client = TestClient(TestServer(create_app(Settings(ha=ha))))
+    await client.start_server()
+    try:
+        deadline = time.monotonic() + T
+        while not client.app[STORE].serving:
+            assert time.monotonic() < deadline, "the replica never led"
+            await asyncio.sleep(0.05)
+        yield client
+    finally:
+        await client.close()
+
+
+def fail_next_delete(client: TestClient) -> list[str]:
+    """The replica's next write that deletes a key raises EtcdUnavailable (once)."""
+    replica = client.app[STORE].replica
+    real = replica.write
+    seen: list[str] = []
+
+    async def write(ops: list[dict[str, Any]]) -> None:
+        if not seen and any("request_delete_range" in op for op in ops):
+            seen.append("failed")
+            raise etcd.EtcdUnavailable("etcd: injected timeout of one transaction")
+        await real(ops)
+
+    replica.write = write
+    return seen
+
+
+async def test_a_delete_etcd_refused_leaves_the_job_to_delete_again(
+    leader: TestClient, etcd_cluster: EtcdCluster
+) -> None:
+    agent = Agent(await leader.ws_connect(AGENT_PATH))
+    await agent.send(join_msg("j", "n1", (1, 1)))
+    await agent.expect("joined")
+    await agent.expect("assigned")
+    r = await leader.post("/v1/jobs/j/close")
+    assert r.status == 200, await r.text()
+    await agent.close()
+    assert etcd_cluster.get(PREFIX + "jobs/j") is not None
+    seen = fail_next_delete(leader)
+    r = await leader.delete("/v1/jobs/j")
+    assert seen == ["failed"]
+    assert r.status == 503, await r.text()
+    assert (await r.json())["code"] == "unavailable"
+    # not deleted: still in etcd, so still here (a retry must find it, not 404)
+    assert etcd_cluster.get(PREFIX + "jobs/j") is not None
+    r = await leader.get("/v1/jobs/j")
+    assert r.status == 200, await r.text()
+    assert (await r.json())["state"] == "closed"
+    listed = await (await leader.get("/v1/jobs")).json()
+    assert [j["job_id"] for j in listed["jobs"]] == ["j"]
+    r = await leader.delete("/v1/jobs/j")  # the retry
+    assert r.status == 200, await r.text()
+    assert etcd_cluster.get(PREFIX + "jobs/j") is None
+    assert (await leader.get("/v1/jobs/j")).status == 404
