@@ -316,6 +316,8 @@ class Store(HostsMixin, RetentionMixin):
         except NotLeaderError:
             raise
         except Exception as e:
+            if self.replica is not None and not self.serving:  # stepped down meanwhile: clients go on to the leader
+                raise self.replica.refusal() from e
             raise UnavailableError(
                 f"the change could not be saved to etcd ({printable(str(e), 300)}); retry", ErrorCode.UNAVAILABLE
             ) from e

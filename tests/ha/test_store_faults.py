@@ -88,3 +88,31 @@ async def test_a_delete_etcd_refused_leaves_the_job_to_delete_again(
     assert r.status == 200, await r.text()
     assert etcd_cluster.get(PREFIX + "jobs/j") is None
     assert (await leader.get("/v1/jobs/j")).status == 404
+
+
+async def test_a_rest_change_cut_short_by_a_step_down_answers_not_leader(leader: TestClient) -> None:
+    """The leader steps down while a REST change waits for its write: the
+    answer is not_leader (a client of an endpoint list goes on to the next
+    replica), not a plain 'unavailable' that makes the CLI give up."""
+    agent = Agent(await leader.ws_connect(AGENT_PATH))
+    await agent.send(join_msg("k", "n1", (1, 1)))
+    await agent.expect("joined")
+    await agent.expect("assigned")
+    replica = leader.app[STORE].replica
+    real = replica.write
+    held = asyncio.Event()
+    release = asyncio.Event()
+
+    async def write(ops: list[dict[str, Any]]) -> None:
+        held.set()
+        await release.wait()
+        await real(ops)
+
+    replica.write = write
+    close = asyncio.ensure_future(leader.post("/v1/jobs/k/close"))
+    await asyncio.wait_for(held.wait(), T)
+    replica._depose("the test deposes it")  # what the watchdog does when the lease is not renewed in time
+    r = await asyncio.wait_for(close, T)
+    release.set()
+    assert r.status == 503, await r.text()
+    assert (await r.json())["code"] == "not_leader", await r.text()
