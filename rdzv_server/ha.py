@@ -55,6 +55,7 @@ DEFAULT_PREFIX = "/rdzv/"
 POLL_S = 0.1  # a follower reads the leader key this often (a linearizable read; cheap)
 WATCHDOG_S = 0.05  # how often the leader checks that its lease is still surely alive
 MAX_URL = 512
+LOAD_RETRY_S = 5.0  # an elected replica that found a record not rdzv's loads again this often
 
 
 @dataclass
@@ -243,6 +244,8 @@ class Replica:
                     await self._try_lead()
             except etcd.EtcdError as e:
                 self._error("campaign", e)
+            except StateError:  # said by _depose (which key); it stays until someone removes it: retry slowly
+                await asyncio.sleep(LOAD_RETRY_S)
             except Exception:  # a bug here must not end the campaign for good
                 log.exception("campaign failed")
             await asyncio.sleep(POLL_S)

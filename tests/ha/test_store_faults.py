@@ -116,3 +116,30 @@ async def test_a_rest_change_cut_short_by_a_step_down_answers_not_leader(leader:
     release.set()
     assert r.status == 503, await r.text()
     assert (await r.json())["code"] == "not_leader", await r.text()
+
+
+async def test_a_record_that_is_not_rdzvs_is_named_at_a_bounded_rate(
+    etcd_cluster: EtcdCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A key under the prefix that is not a job record: the elected replica
+    cannot load the state and does not serve (it says which key), but it
+    retries at a bounded rate: not a full load of every job and an error
+    line with a traceback every poll (10 a second) for as long as it stays."""
+    etcd_cluster.put(PREFIX + "jobs/bad", "not a record")
+    ha = HASettings(endpoints=etcd_cluster.endpoints, advertise_url="http://127.0.0.1:9", prefix=PREFIX)
+    client = TestClient(TestServer(create_app(Settings(ha=ha))))
+    await client.start_server()
+    try:
+        replica = client.app[STORE].replica
+        deadline = time.monotonic() + T
+        while not replica.elections:
+            assert time.monotonic() < deadline, "the replica was never elected"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(3.0)
+        assert not client.app[STORE].serving
+        named = [r for r in caplog.records if "jobs/bad" in r.getMessage()]
+        assert named, [r.getMessage() for r in caplog.records]
+        errors = [r for r in caplog.records if r.levelname in ("ERROR", "WARNING") and r.name.startswith("rdzv")]
+        assert replica.elections <= 3 and len(errors) <= 6, (replica.elections, len(errors))
+    finally:
+        await client.close()
