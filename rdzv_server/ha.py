@@ -359,7 +359,7 @@ class Replica:
 def _leader_url(value: bytes) -> str | None:
     try:
         url = json.loads(value).get("url")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):  # RecursionError: JSON nested too deep
         return None
     if not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) > MAX_URL:
         return None
