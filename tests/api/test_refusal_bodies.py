@@ -1,0 +1,58 @@
+"""Refusals whose body is JSON nested too deep to parse (a broken or hostile
+replica of an endpoint list): the agent's link treats it as any refusal and
+goes on to the next endpoint; the REST client raises its one-line error. The
+real link and REST client against a tiny aiohttp peer that refuses everything."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from rdzv_client.client import AgentLink, RestClient
+from rdzv_server.errors import RdzvError
+
+T = 10.0  # deadline on every wait
+DEEP = b"[" * 3000  # under the link's refusal body limit, past the JSON parser's recursion limit
+
+
+@pytest.fixture
+async def refuser() -> AsyncIterator[tuple[str, list[str]]]:
+    hits: list[str] = []
+
+    async def refuse(request: web.Request) -> web.Response:
+        hits.append(request.path)
+        return web.Response(body=DEEP, status=503, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", refuse)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    yield f"127.0.0.1:{server.port}", hits
+    await server.close()
+
+
+async def test_the_link_survives_a_refusal_nested_too_deep(refuser: tuple[str, list[str]]) -> None:
+    endpoint, hits = refuser
+    link = AgentLink(endpoint)
+    await link.start()
+    try:
+        deadline = time.monotonic() + T
+        while len(hits) < 3:  # it keeps trying
+            assert link._task is not None and not link._task.done(), link._task
+            assert time.monotonic() < deadline, hits
+            await asyncio.sleep(0.05)
+        assert link.last_error and "503" in link.last_error, link.last_error
+    finally:
+        await link.close()
+
+
+async def test_a_rest_call_raises_a_plain_error_on_a_refusal_nested_too_deep(refuser: tuple[str, list[str]]) -> None:
+    endpoint, _ = refuser
+    with pytest.raises(RdzvError) as e:
+        await RestClient(endpoint).jobs()
+    assert "HTTP 503" in str(e.value)
