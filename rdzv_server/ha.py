@@ -118,6 +118,7 @@ class Replica:
         self._stopping = threading.Event()
         self._lease_lock = threading.Lock()  # (lease, _lease_until): the keep-alive thread writes them too
         self._last_error_log = 0.0
+        self._read_at = 0.0  # monotonic: the last answered read of the leader key (what leader_url says)
         self.elections = 0  # times this replica became leader
 
     # ------------------------------------------------------------ state
@@ -244,6 +245,8 @@ class Replica:
                     await self._try_lead()
             except etcd.EtcdError as e:
                 self._error("campaign", e)
+                if self.role != "leader" and time.monotonic() - self._read_at > self._ttl:
+                    self.leader_url = None  # that leadership may be over by now: name none rather than a dead one
             except StateError:  # said by _depose (which key); it stays until someone removes it: retry slowly
                 await asyncio.sleep(LOAD_RETRY_S)
             except Exception:  # a bug here must not end the campaign for good
@@ -252,6 +255,7 @@ class Replica:
 
     async def _try_lead(self) -> None:
         kv = await self.client.get(self.leader_key)
+        self._read_at = time.monotonic()
         if kv is not None and not (self.lease and kv.lease == self.lease):
             self.leader_url = _leader_url(kv.value)
             return

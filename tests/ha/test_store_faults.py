@@ -143,3 +143,34 @@ async def test_a_record_that_is_not_rdzvs_is_named_at_a_bounded_rate(
         assert replica.elections <= 3 and len(errors) <= 6, (replica.elections, len(errors))
     finally:
         await client.close()
+
+
+async def test_a_follower_cut_off_from_etcd_stops_naming_the_leader(etcd_cluster: EtcdCluster) -> None:
+    """All of etcd goes down: the leader stops serving within its lease, and a
+    follower that cannot read the leader key any more stops naming the old
+    leader (in X-Rdzv-Leader and /healthz) once that leadership may be over,
+    rather than naming it for as long as the outage lasts."""
+    from rdzv_server.ha import Replica
+
+    a = Replica(etcd.EtcdClient(etcd_cluster.endpoints), "http://127.0.0.1:11", PREFIX, 2, replica_id="a")
+    b = Replica(etcd.EtcdClient(etcd_cluster.endpoints), "http://127.0.0.1:12", PREFIX, 2, replica_id="b")
+    await a.start()
+    try:
+        deadline = time.monotonic() + T
+        while not a.serving:
+            assert time.monotonic() < deadline, "a never led"
+            await asyncio.sleep(0.05)
+        await b.start()
+        while b.leader_url != a.advertise_url:
+            assert time.monotonic() < deadline, b.leader_url
+            await asyncio.sleep(0.05)
+        for i in range(3):
+            etcd_cluster.kill(i)
+        await asyncio.sleep(3 * 2.0)  # three TTLs
+        assert not a.serving and a.role == "follower"
+        assert b.role == "follower"
+        assert b.leader_url is None, b.leader_url
+        assert b.refusal().leader is None
+    finally:
+        await b.stop()
+        await a.stop()
