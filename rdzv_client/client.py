@@ -722,7 +722,7 @@ async def _sse(content: Any) -> AsyncIterator[dict[str, Any]]:
         if data:
             try:
                 obj = json.loads("\n".join(data))
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: JSON nested too deep
                 obj = None
             data = []
             if isinstance(obj, dict):

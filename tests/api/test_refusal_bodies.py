@@ -56,3 +56,28 @@ async def test_a_rest_call_raises_a_plain_error_on_a_refusal_nested_too_deep(ref
     with pytest.raises(RdzvError) as e:
         await RestClient(endpoint).jobs()
     assert "HTTP 503" in str(e.value)
+
+
+async def test_an_event_nested_too_deep_is_skipped_and_the_stream_goes_on() -> None:
+    """An event stream whose one event's data is JSON nested too deep: that
+    event is skipped (as one that is not a JSON object is), the next arrives."""
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        r = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await r.prepare(request)
+        await r.write(b"id: 1\ndata: " + DEEP + b"\n\n")
+        await r.write(b'id: 2\ndata: {"id": 2, "type": "after"}\n\n')
+        await asyncio.sleep(T)
+        return r
+
+    app = web.Application()
+    app.router.add_get("/v1/events", stream)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        events = RestClient(f"127.0.0.1:{server.port}").events()
+        first = await asyncio.wait_for(events.__anext__(), T)
+        assert first["type"] == "after", first
+        await events.aclose()
+    finally:
+        await server.close()
