@@ -1,7 +1,8 @@
 """Refusals whose body is JSON nested too deep to parse (a broken or hostile
 replica of an endpoint list): the agent's link treats it as any refusal and
-goes on to the next endpoint; the REST client raises its one-line error. The
-real link and REST client against a tiny aiohttp peer that refuses everything."""
+goes on to the next endpoint; the REST client raises its one-line error; an
+event stream skips such an event. The real link and REST client against tiny
+aiohttp peers."""
 
 from __future__ import annotations
 
