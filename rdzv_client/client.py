@@ -499,7 +499,7 @@ def _refusal(status: int, headers: Any, body: bytes, where: str) -> RdzvError:
     try:
         data = json.loads(body)
         err = error_from_body(data["code"], data["message"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: JSON nested too deep
         return RdzvError(f"HTTP {status} from {where}")
     if isinstance(err, NotLeaderError):
         leader = headers.get(LEADER_HEADER)
@@ -511,7 +511,7 @@ def _refusal_code(body: bytes) -> str | None:
     """The ``code`` of a refusal's JSON body ``{"code","message"}``, if it has one."""
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested too deep (the link must not die of it)
         return None
     code = data.get("code") if isinstance(data, dict) else None
     return code if isinstance(code, str) else None
@@ -722,7 +722,7 @@ async def _sse(content: Any) -> AsyncIterator[dict[str, Any]]:
         if data:
             try:
                 obj = json.loads("\n".join(data))
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: JSON nested too deep
                 obj = None
             data = []
             if isinstance(obj, dict):

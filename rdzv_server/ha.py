@@ -55,6 +55,7 @@ DEFAULT_PREFIX = "/rdzv/"
 POLL_S = 0.1  # a follower reads the leader key this often (a linearizable read; cheap)
 WATCHDOG_S = 0.05  # how often the leader checks that its lease is still surely alive
 MAX_URL = 512
+LOAD_RETRY_S = 5.0  # an elected replica that found a record not rdzv's loads again this often
 
 
 @dataclass
@@ -117,6 +118,7 @@ class Replica:
         self._stopping = threading.Event()
         self._lease_lock = threading.Lock()  # (lease, _lease_until): the keep-alive thread writes them too
         self._last_error_log = 0.0
+        self._read_at = 0.0  # monotonic: the last answered read of the leader key (what leader_url says)
         self.elections = 0  # times this replica became leader
 
     # ------------------------------------------------------------ state
@@ -243,12 +245,17 @@ class Replica:
                     await self._try_lead()
             except etcd.EtcdError as e:
                 self._error("campaign", e)
+                if self.role != "leader" and time.monotonic() - self._read_at > self._ttl:
+                    self.leader_url = None  # that leadership may be over by now: name none rather than a dead one
+            except StateError:  # said by _depose (which key); it stays until someone removes it: retry slowly
+                await asyncio.sleep(LOAD_RETRY_S)
             except Exception:  # a bug here must not end the campaign for good
                 log.exception("campaign failed")
             await asyncio.sleep(POLL_S)
 
     async def _try_lead(self) -> None:
         kv = await self.client.get(self.leader_key)
+        self._read_at = time.monotonic()
         if kv is not None and not (self.lease and kv.lease == self.lease):
             self.leader_url = _leader_url(kv.value)
             return
@@ -356,7 +363,7 @@ class Replica:
 def _leader_url(value: bytes) -> str | None:
     try:
         url = json.loads(value).get("url")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):  # RecursionError: JSON nested too deep
         return None
     if not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) > MAX_URL:
         return None

@@ -259,8 +259,11 @@ class Store(HostsMixin, RetentionMixin):
             log.error("cannot save host records to etcd: %s", printable(str(err), 300))
             return
         job = self.jobs.get(key)
-        if job is None or not self.serving:
-            return  # removed, or this replica stepped down (and forgot everything)
+        if not self.serving:
+            return  # this replica stepped down (and forgot everything)
+        if job is None:  # a removal (DELETE, retention) etcd did not apply: the job is back, to remove again
+            self._unremove(key, err)
+            return
         log.error(
             "job %s: cannot save state to etcd: %s; the change is refused, its agents reconnect",
             key,
@@ -274,6 +277,26 @@ class Store(HostsMixin, RetentionMixin):
         self._put_back(job, saved)
         for chan in [self.channels.pop(k) for k in [k for k in self.channels if k[0] == key]]:
             chan.drop()
+
+    def _unremove(self, job_id: str, err: BaseException) -> None:
+        """A removed job whose key etcd still holds: put it back as last written
+        (a DELETE's retry finds it; retention tries again in a minute), so that
+        memory says what etcd and the next leader say."""
+        text = self._committed.get(job_id)
+        try:
+            saved = rounds.from_record(json.loads(text)) if text is not None else None
+        except Exception:
+            saved = None
+        if saved is None:
+            return  # never written: nothing in etcd to remove
+        log.error(
+            "job %s: cannot remove it from etcd: %s; it stays (removal tried again)", job_id, printable(str(err), 300)
+        )
+        self._put_back(saved, saved)
+        bisect.insort(self._order, (saved.created_at, job_id))
+        if saved.finished:
+            due = self.clock() - self.settings.retain_finished_s + 60.0
+            heapq.heappush(self._ended, (due, job_id))
 
     def reply(self, job_id: str, chan: Channel, msg: BaseModel) -> None:
         """Answer one agent (an ack) after what its report caused is written."""
@@ -293,6 +316,8 @@ class Store(HostsMixin, RetentionMixin):
         except NotLeaderError:
             raise
         except Exception as e:
+            if self.replica is not None and not self.serving:  # stepped down meanwhile: clients go on to the leader
+                raise self.replica.refusal() from e
             raise UnavailableError(
                 f"the change could not be saved to etcd ({printable(str(e), 300)}); retry", ErrorCode.UNAVAILABLE
             ) from e
