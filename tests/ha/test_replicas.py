@@ -25,6 +25,7 @@ live leader key of its term (tests/helpers/ha.py ``fencing_violations``).
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import signal
@@ -214,9 +215,20 @@ REST_CALLS = [
     ("POST", "/v1/hosts/h1/health", {"job_id": "j1", "reason": "test"}),
     ("GET", "/v1/events?since=0", None),
     ("GET", "/v1/jobs/j1/events?since=0", None),
-    ("GET", "/ui", None),
     ("GET", "/no/such/path", None),
 ]
+
+
+def ui_redirect(s: Server, path: str) -> tuple[int, dict[str, str]]:
+    """GET ``path`` without following a redirect: (status, headers)."""
+    conn = http.client.HTTPConnection(s.host, s.port, timeout=5.0)
+    try:
+        conn.request("GET", path)
+        r = conn.getresponse()
+        r.read()
+        return r.status, dict(r.getheaders())
+    finally:
+        conn.close()
 
 
 async def test_followers_refuse_and_name_the_leader(ha: HAServers) -> None:
@@ -235,6 +247,11 @@ async def test_followers_refuse_and_name_the_leader(ha: HAServers) -> None:
             assert answer["code"] == "not_leader", (method, path, answer)
             assert leader.url in answer["message"], answer
             assert headers.get(LEADER_HEADER) == leader.url, (method, path, headers)
+        # a person's browser on a follower's dashboard goes to the leader's (API calls get the 503 above)
+        for path in ("/ui", "/ui/jobs/j1?x=1", "/"):
+            status, headers = ui_redirect(f, path)
+            assert status == 307 and headers.get("Location") == leader.url + path, (path, status, headers)
+            assert headers.get(LEADER_HEADER) == leader.url, headers
         status, headers = await upgrade(f)
         assert status == 503 and headers.get(LEADER_HEADER) == leader.url, (status, headers)
         assert metric(f, "rdzv_ha_leader") == 0
