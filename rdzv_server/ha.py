@@ -172,6 +172,12 @@ class Replica:
                 log.warning("could not revoke the lease (%s); a follower takes over when it expires", e)
         await self.client.close()
 
+    def reload(self, reason: str) -> None:
+        """Stop serving now and, if the lease still holds the leader key, lead
+        again in the same term with the state loaded afresh from etcd."""
+        log.warning("stepping aside to reload the state from etcd: %s", reason)
+        self._depose(reason, quiet=True)
+
     def _depose(self, reason: str, quiet: bool = False) -> None:
         if self.role != "leader":
             return

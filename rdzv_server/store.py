@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from . import logs, rounds
+from . import etcd, logs, rounds
 from .cursors import decode_cursor, encode_cursor
 from .database import Database, DataDirError, free_bytes  # noqa: F401  (DataDirError: re-exported)
 from .events import EventLog, failure_fields
@@ -89,6 +89,7 @@ DEFAULT_RETAIN_FINISHED_S = 7 * 24 * 3600.0
 DEFAULT_MAX_WAITING_JOBS = 1000
 DEFAULT_MIN_FREE_DISK = 64 * 1024 * 1024
 REFUSAL_LOG_INTERVAL_S = 10.0
+BIG_RECORD = 1_000_000  # bytes of a job's record past which a refused etcd write names its size
 
 
 @dataclass
@@ -246,7 +247,15 @@ class Store(HostsMixin, RetentionMixin):
             await self.replica.write(payload)  # type: ignore[arg-type]  # host ops
             return
         text = payload if isinstance(payload, str) else None
-        await self.replica.write([self.replica.job_put(key, text)])
+        try:
+            await self.replica.write([self.replica.job_put(key, text)])
+        except etcd.EtcdError as e:
+            if text is not None and len(text) > BIG_RECORD:  # say why a big job cannot re-form
+                raise etcd.EtcdError(
+                    f"{e}; the job's record is {len(text)} bytes: etcd refuses requests over its "
+                    "--max-request-bytes (1.5 MiB by default, about 3,500 nodes); raise it on etcd"
+                ) from e
+            raise
         if text is None:
             self._committed.pop(key, None)
         else:
@@ -256,7 +265,15 @@ class Store(HostsMixin, RetentionMixin):
         """A write to etcd failed: nothing queued behind it was announced. A job
         goes back to its last written record and its agents reconnect."""
         if key == HOSTS_KEY:
-            log.error("cannot save host records to etcd: %s", printable(str(err), 300))
+            # The host change is in effect here but not in etcd (and the ones queued behind it
+            # were dropped): stop serving and load the state again from etcd, so that nothing
+            # stays in effect that the next leader would not know of. Agents reconnect.
+            log.error(
+                "cannot save host records to etcd: %s; reloading the state from etcd (agents reconnect)",
+                printable(str(err), 300),
+            )
+            if self.replica is not None and self.serving:
+                self.replica.reload("a host record could not be saved to etcd")
             return
         job = self.jobs.get(key)
         if not self.serving:
