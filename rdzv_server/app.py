@@ -21,7 +21,7 @@ from .cursors import MAX_CURSOR_LEN
 from .events import DEFAULT_MAX_STREAMS, DEFAULT_QUEUE, DEFAULT_RING, EventLog
 from .ha import HASettings
 from .hosts import HostRules
-from .keys import AUDIT, EVENTS, EVENTS_KEEPALIVE, JOIN_DEADLINE, METRICS, OPENAPI, STORE, TOKEN
+from .keys import AUDIT, EVENTS, EVENTS_KEEPALIVE, JOIN_DEADLINE, METRICS, OPENAPI, STORE, THROTTLE, TOKEN
 from .metrics import Metrics
 from .protocol import (
     AGENT_PATH,
@@ -56,6 +56,7 @@ from .store import (
     Store,
     StoreSettings,
 )
+from .throttle import AuthThrottle
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,14 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         )
     token = request.app[TOKEN]
     if token and request.path != "/healthz" and not ui.public(request.path):
+        throttle, remote = request.app[THROTTLE], request.remote or "?"
+        if throttle.blocked(remote):  # too many wrong tokens from here lately: no more guesses for now
+            return _error(
+                ErrorCode.RATE_LIMITED,
+                f"too many wrong tokens from {printable(remote, 64)}; retry after the window",
+                429,
+                {"Retry-After": throttle.retry_after(remote)},
+            )
         given = request.headers.get("Authorization", "")
         scheme, _, value = given.partition(" ")
         # surrogateescape: a header that is not UTF-8 is simply wrong, not a crash
@@ -155,6 +164,10 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
                 )
             return await handler(request)
         if not bearer:
+            if throttle.failed(remote):
+                request.app[AUDIT].event(
+                    "throttle", f"{printable(remote, 64)} sent {throttle.limit} wrong tokens: refused for a while"
+                )
             request.app[AUDIT].event(
                 "token",
                 f"token rejected: {request.method} {printable(request.path, 200)} from {printable(request.remote)}",
@@ -221,7 +234,7 @@ def openapi_document() -> dict[str, Any]:
     def resp(name: str, desc: str = "OK") -> dict[str, Any]:
         return {"description": desc, "content": {"application/json": {"schema": ref(name)}}}
 
-    errors = {str(s): resp("ErrorBody", "refused") for s in (400, 401, 404, 405, 409, 413, 422, 503)}
+    errors = {str(s): resp("ErrorBody", "refused") for s in (400, 401, 404, 405, 409, 413, 422, 429, 503)}
     job_param = {
         "name": "job_id",
         "in": "path",
@@ -264,7 +277,7 @@ def openapi_document() -> dict[str, Any]:
 
     secured: list[dict[str, list[str]]] = [{"bearer": []}]
     job_errors = {"401": errors["401"], "404": errors["404"], "422": errors["422"]}
-    return {
+    doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {
             "title": "rdzv",
@@ -374,6 +387,12 @@ def openapi_document() -> dict[str, Any]:
             },
         },
     }
+    # wherever a wrong token is answered 401, too many of them from one address are answered 429
+    for ops in doc["paths"].values():
+        for op in ops.values():
+            if "401" in op.get("responses", {}):
+                op["responses"]["429"] = errors["429"]
+    return doc
 
 
 def create_app(settings: Settings | None = None) -> web.Application:
@@ -394,6 +413,7 @@ def create_app(settings: Settings | None = None) -> web.Application:
     app[JOIN_DEADLINE] = settings.join_deadline_s
     app[OPENAPI] = openapi_document()
     app[AUDIT] = Audit()
+    app[THROTTLE] = AuthThrottle()
     app[EVENTS] = events
     app[EVENTS_KEEPALIVE] = settings.event_keepalive_s
     app.on_shutdown.append(_end_streams)

@@ -58,6 +58,7 @@ class ErrorCode(str, Enum):
     JOB_SECRET_MISMATCH = "job_secret_mismatch"
     FORBIDDEN = "forbidden"  # a cross-site request (its Origin is not the server's), or one without X-Rdzv-UI
     NOT_LEADER = "not_leader"  # an HA replica (--etcd) that is not the leader; LEADER_HEADER names the leader
+    RATE_LIMITED = "rate_limited"  # too many wrong tokens from this address lately; see Retry-After
 
 
 ERROR_STATUS: dict[ErrorCode, int] = {
@@ -80,6 +81,7 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.JOB_SECRET_MISMATCH: 403,
     ErrorCode.FORBIDDEN: 403,
     ErrorCode.NOT_LEADER: 503,
+    ErrorCode.RATE_LIMITED: 429,
 }
 
 # On a ``not_leader`` refusal (REST or the agent channel's upgrade): the leader's
@@ -191,6 +193,7 @@ ERROR_CLASSES: dict[ErrorCode, type[RdzvError]] = {
     ErrorCode.JOB_SECRET_MISMATCH: JobSecretMismatchError,
     ErrorCode.FORBIDDEN: RequestError,
     ErrorCode.NOT_LEADER: NotLeaderError,
+    ErrorCode.RATE_LIMITED: RequestError,
 }
 
 

@@ -6,6 +6,7 @@ from .audit import Audit
 from .events import EventLog
 from .metrics import Metrics
 from .store import Store
+from .throttle import AuthThrottle
 
 STORE = web.AppKey("store", Store)
 METRICS = web.AppKey("metrics", Metrics)
@@ -15,3 +16,4 @@ JOIN_DEADLINE = web.AppKey("join_deadline", float)  # seconds a new agent WebSoc
 AUDIT = web.AppKey("audit", Audit)
 EVENTS = web.AppKey("events", EventLog)  # the event log behind /v1/events
 EVENTS_KEEPALIVE = web.AppKey("events_keepalive", float)  # seconds between keep-alive comments on a quiet stream
+THROTTLE = web.AppKey("throttle", AuthThrottle)  # wrong tokens per client address (429 past the limit)

@@ -22,7 +22,7 @@ from importlib import resources
 
 from aiohttp import web
 
-from .keys import AUDIT, TOKEN
+from .keys import AUDIT, THROTTLE, TOKEN
 from .protocol import ErrorCode, RequestError, UnauthorizedError, printable
 
 COOKIE = "rdzv_session"
@@ -98,7 +98,12 @@ async def login(request: web.Request) -> web.Response:
         raise RequestError('login takes {"token": "..."}', ErrorCode.VALIDATION_ERROR)
     if not token:
         return web.json_response({"auth": False})
+    throttle, remote = request.app[THROTTLE], request.remote or "?"
+    if throttle.blocked(remote):  # the same count as wrong bearer tokens (rdzv_server.throttle)
+        body = {"code": ErrorCode.RATE_LIMITED.value, "message": f"too many wrong tokens from {printable(remote, 64)}"}
+        return web.json_response(body, status=429, headers={"Retry-After": throttle.retry_after(remote)})
     if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode()):
+        throttle.failed(remote)
         request.app[AUDIT].event("token", f"token rejected: /ui login from {printable(request.remote)}")
         raise UnauthorizedError("wrong token", ErrorCode.UNAUTHORIZED)
     resp = web.json_response({"auth": True})

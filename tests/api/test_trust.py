@@ -8,9 +8,12 @@ import asyncio
 import logging
 import sqlite3
 
+import aiohttp
+
 from rdzv_server.app import Settings
-from rdzv_server.keys import STORE
-from rdzv_server.protocol import ExitRecord, FailedMsg, JobSpec, LeaveMsg, SucceededMsg
+from rdzv_server.keys import STORE, THROTTLE
+from rdzv_server.protocol import AGENT_PATH, ExitRecord, FailedMsg, JobSpec, LeaveMsg, SucceededMsg
+from rdzv_server.throttle import DEFAULT_LIMIT
 
 from .conftest import form, join_msg
 from .test_hostile import expect_error, snapshot, wait_view
@@ -278,11 +281,47 @@ async def test_a_rejected_token_is_audited_and_rate_limited(make_client, caplog)
     assert resp.status == 401
     lines = [line for line in audit_lines(caplog) if "token rejected" in line]
     assert len(lines) == 1 and "127.0.0.1" in lines[0] and "GET /v1/jobs/x\\ny" in lines[0], lines
-    for _ in range(200):
-        assert (await client.get("/v1/jobs", headers={"Authorization": "Bearer nope"})).status == 401
+    statuses = [(await client.get("/v1/jobs", headers={"Authorization": "Bearer nope"})).status for _ in range(200)]
+    # wrong tokens are refused (401) until the address is throttled (429: no more guesses for a while)
+    assert statuses == [401] * (DEFAULT_LIMIT - 1) + [429] * (200 - DEFAULT_LIMIT + 1), statuses
     lines = [line for line in audit_lines(caplog) if "token rejected" in line]
     assert 1 < len(lines) <= 20, len(lines)
     assert_one_line_each(audit_lines(caplog))
+
+
+async def test_an_address_that_guesses_tokens_is_refused_for_a_window(make_client, caplog):
+    """limit wrong tokens (bearer or /ui login: one count) from one address and it
+    is refused with 429 and Retry-After for the window, even with the right token;
+    after the window the right token works again. Nothing is counted for it."""
+    caplog.set_level(logging.INFO)
+    client = await make_client(Settings(token="s3cret"))
+    throttle = client.app[THROTTLE]
+    throttle.limit, throttle.window_s = 4, 1.0
+    good = {"Authorization": "Bearer s3cret"}
+    assert (await client.get("/v1/jobs", headers=good)).status == 200
+    for _ in range(2):
+        assert (await client.get("/v1/jobs", headers={"Authorization": "Bearer guess"})).status == 401
+    assert (await client.post("/ui/login", json={"token": "guess"})).status == 401
+    assert (await client.get("/v1/jobs", headers=good)).status == 200  # 3 wrong: not yet
+    assert (await client.get("/v1/jobs")).status == 401  # no token at all counts too: the 4th
+    for req in (
+        client.get("/v1/jobs", headers=good),
+        client.post("/ui/login", json={"token": "s3cret"}),
+        client.ws_connect(AGENT_PATH, headers=good),
+    ):
+        try:
+            resp = await req
+        except aiohttp.WSServerHandshakeError as e:
+            assert e.status == 429
+            continue
+        assert resp.status == 429, await resp.text()
+        body = await resp.json()
+        assert body["code"] == "rate_limited" and 1 <= int(resp.headers["Retry-After"]) <= 1, (body, resp.headers)
+    assert (await client.get("/healthz")).status == 200  # never guarded
+    assert any("sent 4 wrong tokens" in line for line in audit_lines(caplog))
+    await asyncio.sleep(1.1)  # the window passes
+    assert (await client.get("/v1/jobs", headers=good)).status == 200
+    assert (await client.post("/ui/login", json={"token": "s3cret"})).status == 200
 
 
 async def test_closing_a_job_on_request_is_audited_once(client, connect, caplog):
