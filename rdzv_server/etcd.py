@@ -185,10 +185,13 @@ class EtcdClient:
                 self._i = (self._i + 1) % len(self.endpoints)
         raise EtcdUnavailable(last)
 
-    async def _post(self, url: str, body: dict[str, Any], timeout_s: float | None, reauth: bool) -> dict[str, Any]:
+    async def _post(
+        self, url: str, body: dict[str, Any], timeout_s: float | None, reauth: bool, auth: bool = True
+    ) -> dict[str, Any]:
         assert self._session is not None
-        if self._user and self._token is None:
-            await self._authenticate(url.rsplit("/v3/", 1)[0])
+        if auth and self._user and self._token is None:  # (not for the authenticate request itself)
+            answer = await self._post(_auth_url(url), self._credentials(), timeout_s, reauth=False, auth=False)
+            self._token = _token_of(url, answer)
         headers = {"Authorization": self._token} if self._token else {}
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         try:
@@ -197,39 +200,16 @@ class EtcdClient:
                 status = r.status
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
             raise EtcdUnavailable(f"{url}: {type(e).__name__}: {e}"[:300]) from e
-        if len(raw) > MAX_RESPONSE_BYTES:
-            raise EtcdError(f"{url}: answer larger than {MAX_RESPONSE_BYTES} bytes")
         try:
-            data = json.loads(raw) if raw else {}
-        except ValueError:
-            raise EtcdUnavailable(f"{url}: HTTP {status}, not JSON") from None
-        if not isinstance(data, dict):
-            raise EtcdError(f"{url}: HTTP {status}, unexpected answer")
-        if status >= 400 or "error" in data:
-            message = str(data.get("message") or data.get("error") or f"HTTP {status}")[:300]
-            code = data.get("code")
-            if reauth and self._user and ("token" in message or code == 16):  # Unauthenticated: token expired
-                self._token = None
-                return await self._post(url, body, timeout_s, reauth=False)
-            if code in (4, 14) or status in (502, 503, 504):  # DeadlineExceeded, Unavailable: no quorum / leader
-                raise EtcdUnavailable(f"{url}: {message}")
-            raise EtcdError(f"{url}: {message}")
-        return data
+            return _answer(url, status, raw)
+        except _Expired:
+            if not (reauth and self._user):
+                raise
+            self._token = None
+            return await self._post(url, body, timeout_s, reauth=False)
 
-    async def _authenticate(self, base: str) -> None:
-        assert self._session is not None
-        try:
-            async with self._session.post(
-                f"{base}/v3/auth/authenticate", json={"name": self._user, "password": self._password}
-            ) as r:
-                data = await r.json(content_type=None)
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as e:
-            raise EtcdUnavailable(f"{base}: cannot authenticate: {type(e).__name__}: {e}"[:300]) from e
-        token = data.get("token") if isinstance(data, dict) else None
-        if not token:
-            message = data.get("message", "no token") if isinstance(data, dict) else "no token"
-            raise EtcdError(f"{base}: etcd refused user {self._user!r}: {str(message)[:200]}")
-        self._token = str(token)
+    def _credentials(self) -> dict[str, Any]:
+        return {"name": self._user, "password": self._password}
 
     # --------------------------------------------------------------- kv
 
@@ -290,47 +270,33 @@ class EtcdClient:
     def _post_blocking(
         self, base: str, path: str, body: dict[str, Any], timeout_s: float, reauth: bool
     ) -> dict[str, Any]:
+        url = f"{base}/v3/{path}"
         if self._user and self._token is None:
-            data = self._urlopen(
-                f"{base}/v3/auth/authenticate", {"name": self._user, "password": self._password}, timeout_s
+            self._token = _token_of(
+                url, _answer(_auth_url(url), *self._urlopen(_auth_url(url), self._credentials(), timeout_s))
             )
-            if not data.get("token"):
-                raise EtcdError(
-                    f"{base}: etcd refused user {self._user!r}: {str(data.get('message', 'no token'))[:200]}"
-                )
-            self._token = str(data["token"])
-        data = self._urlopen(f"{base}/v3/{path}", body, timeout_s)
-        if "error" in data or ("code" in data and "message" in data):
-            message, code = str(data.get("message") or data.get("error"))[:300], data.get("code")
-            if reauth and self._user and ("token" in message or code == 16):
-                self._token = None
-                return self._post_blocking(base, path, body, timeout_s, reauth=False)
-            if code in (4, 14):
-                raise EtcdUnavailable(f"{base}: {message}")
-            raise EtcdError(f"{base}: {message}")
-        return data
+        try:
+            return _answer(url, *self._urlopen(url, body, timeout_s))
+        except _Expired:
+            if not (reauth and self._user):
+                raise
+            self._token = None
+            return self._post_blocking(base, path, body, timeout_s, reauth=False)
 
-    def _urlopen(self, url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    def _urlopen(self, url: str, body: dict[str, Any], timeout_s: float) -> tuple[int, bytes]:
+        """One blocking POST: (status, body) of any answer; EtcdUnavailable when none came."""
         req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
         req.add_header("Content-Type", "application/json")
         if self._token:
             req.add_header("Authorization", self._token)
         try:
             with urllib.request.urlopen(req, timeout=timeout_s, context=self._ssl) as r:
-                raw = r.read(MAX_RESPONSE_BYTES + 1)
+                return r.status, r.read(MAX_RESPONSE_BYTES + 1)
         except urllib.error.HTTPError as e:  # etcd's refusals come with a JSON body
-            raw = e.read(64 * 1024)
-            if e.code in (502, 503, 504) and not raw:
-                raise EtcdUnavailable(f"{url}: HTTP {e.code}") from None
+            with e:
+                return e.code, e.read(MAX_RESPONSE_BYTES + 1)
         except (OSError, ValueError) as e:  # refused, reset, timed out (URLError is an OSError)
             raise EtcdUnavailable(f"{url}: {type(e).__name__}: {e}"[:300]) from e
-        try:
-            data = json.loads(raw)
-        except ValueError:
-            raise EtcdUnavailable(f"{url}: not JSON") from None
-        if not isinstance(data, dict):
-            raise EtcdError(f"{url}: unexpected answer")
-        return data
 
     # ------------------------------------------------------------ leases
 
@@ -339,19 +305,50 @@ class EtcdClient:
         data = await self.call("lease/grant", {"TTL": ttl_s})
         return int(data["ID"]), int(data.get("TTL", ttl_s))
 
-    async def keepalive(self, lease: int, timeout_s: float | None = None) -> int:
-        """Refresh ``lease``: its remaining TTL (0: it is gone)."""
-        data = await self.call("lease/keepalive", {"ID": str(lease)}, timeout_s=timeout_s)
-        return _ttl_of(data)
-
     def keepalive_blocking(self, lease: int, timeout_s: float) -> int:
-        """:meth:`keepalive` from a thread (standard library, blocking)."""
-        return _ttl_of(self.call_blocking("lease/keepalive", {"ID": str(lease)}, timeout_s))
+        """Refresh ``lease`` from a thread (standard library, blocking; the
+        lease's keep-alive must not wait for a busy event loop): its remaining
+        TTL (0: it is gone)."""
+        result = self.call_blocking("lease/keepalive", {"ID": str(lease)}, timeout_s).get("result", {})
+        return int(result.get("TTL", 0)) if isinstance(result, dict) else 0
 
     async def revoke(self, lease: int) -> None:
         await self.call("lease/revoke", {"ID": str(lease)})
 
 
-def _ttl_of(keepalive_answer: dict[str, Any]) -> int:
-    result = keepalive_answer.get("result", {})
-    return int(result.get("TTL", 0)) if isinstance(result, dict) else 0
+class _Expired(EtcdError):
+    """etcd no longer takes the auth token (it expires): authenticate again."""
+
+
+def _auth_url(url: str) -> str:
+    return url.rsplit("/v3/", 1)[0] + "/v3/auth/authenticate"
+
+
+def _answer(url: str, status: int, raw: bytes) -> dict[str, Any]:
+    """An answer of the gateway (either transport's) as its JSON object, or the
+    error it is: EtcdUnavailable for no quorum, no leader or not an answer of
+    etcd's; _Expired for an expired token; EtcdError for any other refusal."""
+    if len(raw) > MAX_RESPONSE_BYTES:
+        raise EtcdError(f"{url}: answer larger than {MAX_RESPONSE_BYTES} bytes")
+    try:
+        data = json.loads(raw) if raw else {}
+    except (ValueError, RecursionError):
+        raise EtcdUnavailable(f"{url}: HTTP {status}, not JSON") from None
+    if not isinstance(data, dict):
+        raise EtcdError(f"{url}: HTTP {status}, unexpected answer")
+    if status >= 400 or "error" in data:
+        message = str(data.get("message") or data.get("error") or f"HTTP {status}")[:300]
+        code = data.get("code")
+        if "token" in message or code == 16:  # Unauthenticated
+            raise _Expired(f"{url}: {message}")
+        if code in (4, 14) or status in (502, 503, 504):  # DeadlineExceeded, Unavailable: no quorum / leader
+            raise EtcdUnavailable(f"{url}: {message}")
+        raise EtcdError(f"{url}: {message}")
+    return data
+
+
+def _token_of(url: str, answer: dict[str, Any]) -> str:
+    token = answer.get("token")
+    if not token:
+        raise EtcdError(f"{url}: etcd gave no auth token: {str(answer.get('message', ''))[:200]}")
+    return str(token)
