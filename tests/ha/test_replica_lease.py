@@ -49,21 +49,29 @@ async def test_a_deposed_leader_does_not_lead_again_on_the_key_of_its_old_lease(
         await client.close()
 
 
+async def elected(etcd_cluster: EtcdCluster, prefix: str) -> tuple[Replica, list[str]]:
+    """A started replica, alone on ``prefix``, once it leads; and the reasons it is deposed for."""
+    replica = Replica(EtcdClient(etcd_cluster.endpoints), "http://127.0.0.1:1", prefix=prefix, lease_ttl_s=2)
+    deposed: list[str] = []
+    replica.on_deposed = deposed.append
+    await replica.start()
+    deadline = time.monotonic() + T
+    while not (replica.role == "leader" and replica.ready):
+        if time.monotonic() > deadline:
+            await replica.stop()
+            raise AssertionError("not elected")
+        await asyncio.sleep(0.05)
+    return replica, deposed
+
+
 async def test_a_blocked_event_loop_does_not_cost_the_leadership(etcd_cluster: EtcdCluster) -> None:
     """The keep-alive runs in a thread of its own: a loop that does not run for
     longer than the lease TTL (a reconnect storm on a starved machine; here a
     blocking sleep) still finds its lease renewed and keeps leading in its term.
     With the keep-alive on the loop the watchdog deposed it (bench.ha saw it)."""
-    client = EtcdClient(etcd_cluster.endpoints)
-    replica = Replica(client, "http://127.0.0.1:1", prefix="/blocked-loop/", lease_ttl_s=2, replica_id="r1")
-    deposed: list[str] = []
-    replica.on_deposed = deposed.append
-    await replica.start()
+    replica, deposed = await elected(etcd_cluster, "/blocked-loop/")
+    client = replica.client
     try:
-        deadline = time.monotonic() + T
-        while not (replica.role == "leader" and replica.ready):
-            assert time.monotonic() < deadline, "not elected"
-            await asyncio.sleep(0.05)
         term, lease = replica.term, replica.lease
         time.sleep(3.0)  # the loop is blocked for 1.5 lease TTLs
         assert replica.serving, "the lease was not renewed while the loop was blocked"
@@ -78,16 +86,8 @@ async def test_a_blocked_event_loop_does_not_cost_the_leadership(etcd_cluster: E
 
 async def test_a_replica_whose_etcd_is_gone_stops_serving_though_its_thread_runs(etcd_cluster: EtcdCluster) -> None:
     """The other side: no answered keep-alive, no leadership, thread or not."""
-    client = EtcdClient(etcd_cluster.endpoints)
-    replica = Replica(client, "http://127.0.0.1:1", prefix="/etcd-gone/", lease_ttl_s=2, replica_id="r1")
-    deposed: list[str] = []
-    replica.on_deposed = deposed.append
-    await replica.start()
+    replica, deposed = await elected(etcd_cluster, "/etcd-gone/")
     try:
-        deadline = time.monotonic() + T
-        while not (replica.role == "leader" and replica.ready):
-            assert time.monotonic() < deadline, "not elected"
-            await asyncio.sleep(0.05)
         for i in range(3):
             etcd_cluster.pause(i)
         try:
