@@ -26,19 +26,20 @@ every assertion message); ``RDZV_CHAOS_EVENTS`` changes the number of events.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
 import time
 import urllib.error
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.helpers.cluster import FaultCluster, assigned_ranks
-from tests.helpers.procs import Proc, Server, descendants, free_port, wait_until
+from tests.helpers.chaos import ChaosMonitor, check_the_end
+from tests.helpers.cluster import FaultCluster
+from tests.helpers.procs import Proc, Server, descendants, free_port
 
 torch = pytest.importorskip("torch")
 
@@ -59,69 +60,18 @@ REASONS = ("connection lost", "no heartbeat", "worker failure", "scale-up", "lef
 
 
 @dataclass
-class Monitor:
-    """Samples REST and the checkpoint on every poll, and checks as it goes."""
+class Monitor(ChaosMonitor):
+    """The job's view from the one server (None while it (re)starts)."""
 
-    seed: int
-    ckpt: Path
     server: Server | None = None
-    steps: list[int] = field(default_factory=list)
-    rounds: list[int] = field(default_factory=list)
-    owners: dict[tuple[int, int], str] = field(default_factory=dict)
-    last_view: dict | None = None
-    log: list[str] = field(default_factory=list)
 
-    def fail(self, what: str) -> None:
-        raise AssertionError(f"[chaos seed {self.seed}] {what}\nevents: {self.log}")
-
-    def ckpt_step(self) -> int | None:
-        try:
-            return int(torch.load(self.ckpt / "checkpoint.pt", map_location="cpu", weights_only=True)["step"])
-        except FileNotFoundError:
+    def view(self) -> dict[str, Any] | None:
+        if self.server is None or self.server.popen.poll() is not None:
             return None
-
-    def sample(self) -> dict | None:
-        step = self.ckpt_step()
-        if step is not None:
-            if self.steps and step < self.steps[-1]:
-                self.fail(f"the checkpoint went back from step {self.steps[-1]} to {step}")
-            self.steps.append(step)
-        view = None
-        if self.server is not None and self.server.popen.poll() is None:
-            try:
-                view = self.server.job(JOB)
-            except (OSError, urllib.error.URLError, ValueError):
-                view = None  # (re)starting
-        if view is not None:
-            if self.rounds and view["round"] < self.rounds[-1]:
-                self.fail(f"round went back from {self.rounds[-1]} to {view['round']}")
-            self.rounds.append(view["round"])
-            if view["state"] == "running":
-                seen = {}
-                for n in view["nodes"]:
-                    if n["group_rank"] is None:
-                        continue
-                    key = (view["round"], n["group_rank"])
-                    if key in seen:
-                        self.fail(f"round {key[0]} has group rank {key[1]} twice: {seen[key]}, {n['node_id']}")
-                    seen[key] = n["node_id"]
-                    if self.owners.setdefault(key, n["node_id"]) != n["node_id"]:
-                        self.fail(f"round {key[0]} group rank {key[1]} was {self.owners[key]}, now {n['node_id']}")
-            self.last_view = view
-        return view
-
-    def step(self) -> int:
-        return self.steps[-1] if self.steps else 0
-
-    def until(self, pred, timeout: float, what: str):
-        def check():
-            view = self.sample()
-            return pred(view)
-
         try:
-            return wait_until(check, timeout, what, interval=0.1)
-        except AssertionError as e:
-            self.fail(f"{e}\nlast view: {json.dumps(self.last_view)[:3000]}")
+            return self.server.job(JOB)  # type: ignore[no-any-return]
+        except (OSError, urllib.error.URLError, ValueError):
+            return None  # (re)starting
 
 
 @pytest.mark.timeout(170)
@@ -220,35 +170,9 @@ def test_seeded_chaos(fcluster: FaultCluster, tmp_path: Path) -> None:
         f"[chaos] seed {SEED}: {final['state']} in {elapsed:.1f}s, round {final['round']}, "
         f"restarts {final['restarts']}, checkpoint steps sampled {len(mon.steps)}"
     )
-    if final["state"] != "succeeded":
-        mon.fail(f"the job {final['state']}: {final.get('root_cause')}")
-    for a in live:
-        try:
-            code = a.wait_exit(30)
-        except AssertionError as e:
-            mon.fail(str(e))
-        if code != 0:
-            mon.fail(f"{a.name} exited {code}:\n{a.text()[-2000:]}")
-    if mon.ckpt_step() != STEPS:
-        mon.fail(f"final checkpoint step {mon.ckpt_step()} != {STEPS}")
-
+    check_the_end(mon, final, live, dead, STEPS, REASONS)
     history = final["history"]
-    if [h["round"] for h in history] != list(range(final["round"] + 1)):
-        mon.fail(f"history does not list every round: {[h['round'] for h in history]}")
-    for h in history[1:]:
-        if not any(r in h["reason"] for r in REASONS):
-            mon.fail(f"round {h['round']} has no known reason: {h['reason']!r}")
     failures = sum("worker failure" in h["reason"] for h in history)
     if failures != final["restarts"]:
         mon.fail(f"{failures} rounds for worker failures but {final['restarts']} restarts counted")
-    evicted = [a.name for a in live if "evicted (" in a.text()]
-    if evicted:
-        mon.fail(f"live nodes were evicted (only killed nodes may be lost): {evicted}")
-    shared = {k: v for k, v in assigned_ranks(*live, *dead).items() if len(v) > 1}
-    if shared:
-        mon.fail(f"(round, group rank) given to more than one node: {shared}")
-    for key, node in mon.owners.items():
-        told = assigned_ranks(*live, *dead).get(key)
-        if told is not None and told != {node}:
-            mon.fail(f"REST said {key} is {node}, the agents say {told}")
     assert elapsed < 150, f"[chaos seed {SEED}] took {elapsed:.0f}s"

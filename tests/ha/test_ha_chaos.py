@@ -33,22 +33,22 @@ every assertion message); ``RDZV_CHAOS_EVENTS`` changes the number of events.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import time
 import urllib.error
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers.cluster import TRAIN, Cluster, assigned_ranks, managed
+from tests.helpers.chaos import ChaosMonitor, check_the_end
+from tests.helpers.cluster import TRAIN, Cluster, managed
 from tests.helpers.etcd import EtcdCluster
 from tests.helpers.ha import HAServers, Replica, fencing_violations
-from tests.helpers.procs import Proc, wait_healthy, wait_until
+from tests.helpers.procs import Proc, wait_healthy
 
 torch = pytest.importorskip("torch")
 
@@ -78,31 +78,15 @@ def ha(etcd_cluster: EtcdCluster, cluster: Cluster) -> HAServers:
 
 
 @dataclass
-class Monitor:
-    """Samples the job's view (from whichever replica leads) and the
-    checkpoint on every poll, and checks as it goes."""
+class Monitor(ChaosMonitor):
+    """The job's view from whichever replica leads."""
 
-    seed: int
-    ha: HAServers
-    ckpt: Path
-    steps: list[int] = field(default_factory=list)
-    rounds: list[int] = field(default_factory=list)
-    owners: dict[tuple[int, int], str] = field(default_factory=dict)
-    last_view: dict[str, Any] | None = None
-    log: list[str] = field(default_factory=list)
+    ha: HAServers | None = None
     _at: int = 0  # the replica that answered last
-
-    def fail(self, what: str) -> None:
-        raise AssertionError(f"[ha chaos seed {self.seed}] {what}\nevents: {self.log}")
-
-    def ckpt_step(self) -> int | None:
-        try:
-            return int(torch.load(self.ckpt / "checkpoint.pt", map_location="cpu", weights_only=True)["step"])
-        except FileNotFoundError:
-            return None
 
     def view(self) -> dict[str, Any] | None:
         """The job's view from the replica that leads (None: none answers it now)."""
+        assert self.ha is not None
         n = len(self.ha.replicas)
         for i in range(n):
             r = self.ha.replicas[(self._at + i) % n]
@@ -117,39 +101,8 @@ class Monitor:
                 return body  # type: ignore[no-any-return]
         return None
 
-    def sample(self) -> dict[str, Any] | None:
-        step = self.ckpt_step()
-        if step is not None:
-            if self.steps and step < self.steps[-1]:
-                self.fail(f"the checkpoint went back from step {self.steps[-1]} to {step}")
-            self.steps.append(step)
-        view = self.view()
-        if view is not None:
-            if self.rounds and view["round"] < self.rounds[-1]:
-                self.fail(f"round went back from {self.rounds[-1]} to {view['round']}")
-            self.rounds.append(view["round"])
-            if view["state"] == "running":
-                seen: dict[tuple[int, int], str] = {}
-                for n in view["nodes"]:
-                    if n["group_rank"] is None:
-                        continue
-                    key = (view["round"], n["group_rank"])
-                    if key in seen:
-                        self.fail(f"round {key[0]} has group rank {key[1]} twice: {seen[key]}, {n['node_id']}")
-                    seen[key] = n["node_id"]
-                    if self.owners.setdefault(key, n["node_id"]) != n["node_id"]:
-                        self.fail(f"round {key[0]} group rank {key[1]} was {self.owners[key]}, now {n['node_id']}")
-            self.last_view = view
-        return view
-
-    def step(self) -> int:
-        return self.steps[-1] if self.steps else 0
-
-    def until(self, pred: Callable[[dict[str, Any] | None], Any], timeout: float, what: str) -> Any:
-        try:
-            return wait_until(lambda: pred(self.sample()), timeout, what, interval=0.1)
-        except AssertionError as e:
-            self.fail(f"{e}\nroles: {self.ha.roles()}\nlast view: {json.dumps(self.last_view)[:3000]}")
+    def context(self) -> str:
+        return f"\nroles: {self.ha.roles() if self.ha is not None else None}"
 
     def wait(self, seconds: float) -> None:
         """Keep sampling for ``seconds``."""
@@ -184,7 +137,7 @@ def test_seeded_ha_chaos(ha: HAServers, tmp_path: Path) -> None:
 
     ha.start(3)
     ckpt = tmp_path / "ckpt"
-    mon = Monitor(SEED, ha, ckpt)
+    mon = Monitor(SEED, ckpt, ha, label="ha chaos")
     n_agents = 0
 
     def new_agent() -> Proc:
@@ -277,38 +230,12 @@ def test_seeded_ha_chaos(ha: HAServers, tmp_path: Path) -> None:
         f"({chaos_s:.1f}s of chaos: {kills}), round {final['round']}, restarts {final['restarts']}, "
         f"checkpoint steps sampled {len(mon.steps)}, leaders elected {len(ha.leader_terms())}"
     )
-    if final["state"] != "succeeded":
-        mon.fail(f"the job {final['state']}: {final.get('root_cause')}")
-    for a in live:
-        try:
-            code = a.wait_exit(30)
-        except AssertionError as e:
-            mon.fail(str(e))
-        if code != 0:
-            mon.fail(f"{a.name} exited {code}:\n{a.text()[-2000:]}")
-    if mon.ckpt_step() != STEPS:
-        mon.fail(f"final checkpoint step {mon.ckpt_step()} != {STEPS}")
-
+    check_the_end(mon, final, live, dead, STEPS, REASONS)
     history = final["history"]
-    if [h["round"] for h in history] != list(range(final["round"] + 1)):
-        mon.fail(f"history does not list every round: {[h['round'] for h in history]}")
-    for h in history[1:]:
-        if not any(r in h["reason"] for r in REASONS):
-            mon.fail(f"round {h['round']} has no known reason: {h['reason']!r}")
     # a leader or etcd member killed opens no round (failover is a server restart: nodes keep
     # their round); a node killed opens at most two: its loss, and its replacement's scale-up
     if final["round"] > 2 * kills["kill_node"]:
         mon.fail(f"{final['round']} rounds for {kills['kill_node']} node kill(s): {history}")
-    evicted = [a.name for a in live if "evicted (" in a.text()]
-    if evicted:
-        mon.fail(f"live nodes were evicted (only killed nodes may be lost): {evicted}")
-    told = assigned_ranks(*live, *dead)
-    shared = {k: v for k, v in told.items() if len(v) > 1}
-    if shared:
-        mon.fail(f"(round, group rank) given to more than one node: {shared}")
-    for key, node in mon.owners.items():
-        if told.get(key, {node}) != {node}:
-            mon.fail(f"REST said {key} is {node}, the agents say {told[key]}")
     problems = fencing_violations(ha.events(), ha.prefix)
     if problems:
         mon.fail(f"writes outside their leadership in etcd: {problems}")
