@@ -308,8 +308,17 @@ class EtcdCluster:
         m = self.members[i]
         if not m.running:
             raise RuntimeError(f"etcd member {m.name} is not running")
-        os.kill(self.pid(i), signal.SIGSTOP)
+        pid = self.pid(i)
+        os.kill(pid, signal.SIGSTOP)
         m.paused = True
+        # SIGSTOP reaches each of etcd's threads in turn: a thread busy on another core can
+        # still answer a request for a moment (a put went through "2 of 3 paused" once in CI).
+        # Return only once every thread is stopped.
+        deadline = time.monotonic() + 5.0
+        while not _all_stopped(pid):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"etcd member {m.name} (pid {pid}) did not stop within 5s of SIGSTOP")
+            time.sleep(0.005)
 
     def resume(self, i: int) -> None:
         """SIGCONT member ``i``."""
@@ -500,3 +509,20 @@ def _messages(stream: Any, deadline: float) -> Iterator[dict[str, Any]]:
             return
         if line.strip():
             yield json.loads(line)
+
+
+def _all_stopped(pid: int) -> bool:
+    """Every thread of ``pid`` is stopped (state T in /proc/PID/task/*/stat)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True  # gone: it answers nothing either
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, IndexError):
+            continue
+        if state not in ("T", "t"):
+            return False
+    return True
