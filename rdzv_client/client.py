@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
 from rdzv_server.errors import LEADER_HEADER, NotLeaderError, RdzvError, UnavailableError, error_from_body
+from rdzv_server.tasks import cancel_and_wait
 from rdzv_server.wire import AGENT_PATH, HEARTBEAT_FRAME, printable
 
 from . import wsclient
@@ -288,9 +289,7 @@ class AgentLink:
         self._task = asyncio.create_task(self._run(), name="rdzv-link")
 
     async def close(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait(self._task)  # not one cancel: a connect's wait_for may swallow it
         if self._ws is not None and not self._ws.closed:
             await asyncio.wait([asyncio.ensure_future(self._ws.close())], timeout=1.0)
 

@@ -103,6 +103,7 @@ from rdzv_server.protocol import (
     is_valid_id,
     printable,
 )
+from rdzv_server.tasks import cancel_and_wait
 
 from .client import AgentLink, Endpoints, RestClient, parse_endpoint
 from .exits import read_error_file
@@ -473,9 +474,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
                     await asyncio.sleep(0.1)  # let the frame go out
             except asyncio.TimeoutError:
                 pass
-            self._dispatcher.cancel()
-            self._watchdog.cancel()
-            await asyncio.gather(self._dispatcher, self._watchdog, return_exceptions=True)
+            await cancel_and_wait(self._dispatcher, self._watchdog)
             await self.session.link.close()
 
         try:

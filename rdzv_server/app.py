@@ -56,6 +56,7 @@ from .store import (
     Store,
     StoreSettings,
 )
+from .tasks import cancel_and_wait
 from .throttle import AuthThrottle
 
 log = logging.getLogger(__name__)
@@ -474,9 +475,5 @@ async def _audit_ctx(app: web.Application) -> AsyncIterator[None]:
 
     task = asyncio.create_task(flush_every_second(), name="rdzv-audit")
     yield
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
+    await cancel_and_wait(task)
     audit.flush()

@@ -46,6 +46,7 @@ from . import etcd, rounds
 from .errors import NotLeaderError
 from .hosts import HostRecord
 from .rounds import Job
+from .tasks import cancel_and_wait
 from .wire import printable
 
 log = logging.getLogger(__name__)
@@ -153,9 +154,7 @@ class Replica:
 
     async def stop(self) -> None:
         """Stop; a leader revokes its lease so that a follower takes over at once."""
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(*self._tasks)
         self._tasks = []
         self._stopping.set()
         if self._ka_thread is not None:

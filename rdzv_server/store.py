@@ -59,6 +59,7 @@ from .protocol import (
 from .rounds import Effects, Job
 from .store_hosts import HOSTS_KEY, HostsMixin
 from .store_retention import RetentionMixin
+from .tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -340,12 +341,7 @@ class Store(HostsMixin, RetentionMixin):
             ) from e
 
     async def stop(self) -> None:
-        if self._tick_task:
-            self._tick_task.cancel()
-            try:
-                await self._tick_task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._tick_task)
         for chan in list(self.channels.values()):
             chan.drop()
         self.channels.clear()

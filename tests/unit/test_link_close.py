@@ -1,0 +1,42 @@
+"""AgentLink.close() ends the link even when its connect swallows the
+cancellation (asyncio.wait_for does, before Python 3.12, when the cancel
+arrives as the connect finishes: CPython gh-86296; CI hung 120 s on it)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from rdzv_client import client, wsclient
+from rdzv_client.client import AgentLink
+
+T = 5.0  # deadline on every wait
+
+
+async def test_close_ends_a_link_whose_connect_swallowed_the_cancel(monkeypatch: pytest.MonkeyPatch) -> None:
+    tries = 0
+    swallow = True
+
+    async def connect(*args: Any, **kwargs: Any) -> wsclient.WebSocket:
+        nonlocal tries
+        tries += 1
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            if not swallow:
+                raise
+            # what wait_for does when the refusal came in the same step as the cancel
+        raise wsclient.HandshakeError(503, "Service Unavailable")
+
+    monkeypatch.setattr(client.wsclient, "connect", connect)
+    link = AgentLink("127.0.0.1:9")
+    await link.start()
+    while tries < 1:
+        await asyncio.sleep(0.01)
+    closing = asyncio.ensure_future(link.close())
+    done, _ = await asyncio.wait([closing], timeout=T)  # not wait_for: its cancel would be swallowed too
+    swallow = False  # let a failed test end
+    assert closing in done, f"close() still waiting after {T} s; the link tried {tries} times"
+    assert link._task is not None and link._task.done()
