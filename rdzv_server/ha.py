@@ -16,7 +16,17 @@ a margin before that. Nobody else can be elected before the lease expires: the
 leaderships never overlap. A write that etcd applied after the replica stopped
 serving is not announced (a write's answer is acted on only while serving).
 
-Followers read the leader key every ``POLL_S`` and campaign when it is gone;
+Followers read the leader key every ``POLL_S`` and campaign when it is gone.
+A leader whose *process* died (killed, crashed) leaves its key until its lease
+expires; followers see that sooner: each poll opens a TCP connection to the
+leader's ``--advertise-url``, and once a connection there succeeded in this
+term, ``TAKEOVER_REFUSALS`` refused connections in a row (nothing listens:
+the process is gone) make the follower revoke the leader's lease, and the next
+poll elects a new leader at once. This is an optimisation, not what safety
+rests on: a wrongly revoked leader cannot write (its term's key is gone, its
+fenced writes fail) and stops serving at its next keep-alive. A leader that is
+stopped, frozen or cut off (connections time out rather than being refused)
+still loses its place only when its lease expires.
 the new leader loads every job and host from etcd and serves them as a
 restarted server does (every node gets a full heartbeat timeout to reconnect;
 running workers are not restarted). Heartbeats never touch etcd; only round
@@ -41,6 +51,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from . import etcd, rounds
 from .errors import NotLeaderError
@@ -56,6 +67,8 @@ DEFAULT_PREFIX = "/rdzv/"
 POLL_S = 0.1  # a follower reads the leader key this often (a linearizable read; cheap)
 WATCHDOG_S = 0.05  # how often the leader checks that its lease is still surely alive
 MAX_URL = 512
+PROBE_TIMEOUT_S = 0.3  # a follower's TCP connect to the leader (refused at once when nothing listens)
+TAKEOVER_REFUSALS = 2  # refused connections in a row, after one that succeeded, that revoke the leader's lease
 LOAD_RETRY_S = 5.0  # an elected replica that found a record not rdzv's loads again this often
 
 
@@ -121,6 +134,11 @@ class Replica:
         self._last_error_log = 0.0
         self._read_at = 0.0  # monotonic: the last answered read of the leader key (what leader_url says)
         self.elections = 0  # times this replica became leader
+        # the leader we probe (its key's lease and create revision), whether it was ever reached, refusals in a row
+        self._probed: tuple[int, int] = (0, 0)
+        self._reached = False
+        self._refused = 0
+        self.takeovers = 0  # dead leaders' leases this replica revoked
 
     # ------------------------------------------------------------ state
 
@@ -263,6 +281,7 @@ class Replica:
         self._read_at = time.monotonic()
         if kv is not None and not (self.lease and kv.lease == self.lease):
             self.leader_url = _leader_url(kv.value)
+            await self._probe_leader(kv)
             return
         if not self.lease or time.monotonic() >= self._lease_until - _margin(self._ttl):
             if kv is not None:
@@ -305,6 +324,40 @@ class Replica:
             raise
         if self.role == "leader" and self.term == term:
             self.ready = True
+
+    async def _probe_leader(self, kv: etcd.KeyValue) -> None:
+        """Revoke the lease of a leader whose process is gone (see the module
+        docstring): its advertise URL was reached in this term and now refuses."""
+        url = self.leader_url
+        if url is None or not kv.lease:
+            return
+        if self._probed != (kv.lease, kv.create_revision):
+            self._probed, self._reached, self._refused = (kv.lease, kv.create_revision), False, 0
+        alive = await _listening(url)
+        if alive is None:  # no answer in time, a name that does not resolve: a partition is not a death
+            self._refused = 0
+            return
+        if alive:
+            self._reached, self._refused = True, 0
+            return
+        if not self._reached:  # never reached: a wrong --advertise-url must not cost a leadership
+            return
+        self._refused += 1
+        if self._refused < TAKEOVER_REFUSALS:
+            return
+        self._reached, self._refused = False, 0
+        log.warning(
+            "the leader %s refuses connections (its process is gone): revoking its lease %x so that a replica "
+            "takes over now",
+            url,
+            kv.lease,
+        )
+        try:
+            await self.client.revoke(kv.lease)
+            self.takeovers += 1
+        except etcd.EtcdError as e:  # gone already (it expired, another replica revoked it), or etcd is away
+            self._error("revoking the lease of a leader that is gone", e)
+        self.leader_url = None
 
     # ----------------------------------------------------- the state
 
@@ -363,6 +416,27 @@ class Replica:
             etcd.put(self.prefix + b"hosts/" + r.host.encode(), self._wrap(json.dumps(r.to_record()))) for r in records
         ]
         return ops
+
+
+async def _listening(url: str) -> bool | None:
+    """Whether a process listens at ``url``'s host and port: True (a TCP
+    connection opened; it is closed at once, nothing is sent), False (refused),
+    None (no answer within PROBE_TIMEOUT_S, or the name does not resolve)."""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return None
+    if not host:
+        return None
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), PROBE_TIMEOUT_S)
+    except ConnectionRefusedError:
+        return False
+    except (OSError, asyncio.TimeoutError):
+        return None
+    writer.transport.abort()  # a reset: no TIME_WAIT left behind at 10 probes a second
+    return True
 
 
 def _leader_url(value: bytes) -> str | None:
