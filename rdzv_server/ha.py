@@ -128,6 +128,7 @@ class Replica:
         self.on_elected: Callable[[], Awaitable[None]] | None = None
         self.on_deposed: Callable[[str], None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._probe: asyncio.Task[None] | None = None  # a connect to the leader's advertise URL, in flight
         self._ka_thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._lease_lock = threading.Lock()  # (lease, _lease_until): the keep-alive thread writes them too
@@ -172,8 +173,8 @@ class Replica:
 
     async def stop(self) -> None:
         """Stop; a leader revokes its lease so that a follower takes over at once."""
-        await cancel_and_wait(*self._tasks)
-        self._tasks = []
+        await cancel_and_wait(*self._tasks, self._probe)
+        self._tasks, self._probe = [], None
         self._stopping.set()
         if self._ka_thread is not None:
             await asyncio.to_thread(self._ka_thread.join, 10.0)  # at most one keep-alive's timeouts
@@ -281,7 +282,8 @@ class Replica:
         self._read_at = time.monotonic()
         if kv is not None and not (self.lease and kv.lease == self.lease):
             self.leader_url = _leader_url(kv.value)
-            await self._probe_leader(kv)
+            if self._probe is None or self._probe.done():  # beside the poll: a slow probe must not slow it
+                self._probe = asyncio.create_task(self._probe_leader(kv), name="rdzv-ha-probe")
             return
         if not self.lease or time.monotonic() >= self._lease_until - _margin(self._ttl):
             if kv is not None:
@@ -327,7 +329,14 @@ class Replica:
 
     async def _probe_leader(self, kv: etcd.KeyValue) -> None:
         """Revoke the lease of a leader whose process is gone (see the module
-        docstring): its advertise URL was reached in this term and now refuses."""
+        docstring): its advertise URL was reached in this term and now refuses.
+        A task of its own (nobody awaits it): it says its errors itself."""
+        try:
+            await self._probe_once(kv)
+        except Exception:  # a bug here must not go unsaid
+            log.exception("probing the leader")
+
+    async def _probe_once(self, kv: etcd.KeyValue) -> None:
         url = self.leader_url
         if url is None or not kv.lease:
             return
@@ -357,7 +366,8 @@ class Replica:
             self.takeovers += 1
         except etcd.EtcdError as e:  # gone already (it expired, another replica revoked it), or etcd is away
             self._error("revoking the lease of a leader that is gone", e)
-        self.leader_url = None
+        if self.leader_url == url:
+            self.leader_url = None
 
     # ----------------------------------------------------- the state
 
