@@ -63,7 +63,7 @@ def free_port() -> int:
 SHOW = re.compile(
     r"(started rank \d+/\d+|step \d+0 loss|done step|round \d+:|job .*(succeeded|failed|closed)"
     r"|opened|complete|lost|left|evicted|spare|synced round|membership changed|step \d+0 rank 0 "
-    r"|elected leader|leadership|leader is now|reconnected)"
+    r"|elected leader|leadership|leader is now|reconnected|revoking its lease)"
 )
 
 
@@ -77,7 +77,7 @@ def pump(name: str, proc: subprocess.Popen) -> None:
         if SHOW.search(line) and "numpy" not in line.lower():
             short = re.sub(r"^\[rdzv-agent [\d:]+\] ", "", line)
             short = re.sub(r"job \S+ node \S+: ", "", short)
-            short = re.sub(r"^[\d-]+ [\d:,]+ INFO rdzv_server[.\w]*: ", "", short)
+            short = re.sub(r"^[\d-]+ [\d:,]+ (INFO|WARNING) rdzv_server[.\w]*: ", "", short)
             print(f"{stamp()} {name:>8} | {short}", flush=True)
 
 
@@ -293,8 +293,15 @@ def main_ha() -> int:
     new = f"server-{ports.index(PORT) + 1}"
     wait_for(r"step \d+ loss .* world_size 3", time.monotonic(), 60)
     job = rest(f"/v1/jobs/{JOB}")
+    with new_line:
+        revoked = any(at >= t_kill and "revoking its lease" in line for at, _, line in lines)
+    how = (
+        "a replica found the dead leader's port refusing connections and revoked its etcd lease"
+        if revoked
+        else "the dead leader's etcd lease, 2 s, had to expire"
+    )
     say(
-        f"{new} was elected {elected:.1f}s after the kill (the dead leader's etcd lease, 2 s, had to expire); "
+        f"{new} was elected {elected:.1f}s after the kill ({how}); "
         f"the agents followed it; the job is still in round {job['round']} (was {round_before}), "
         f"restarts charged {job['restarts']}: the workers never stopped"
     )
