@@ -8,7 +8,10 @@ reported as a hang, and the next round runs to the end.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import time
 import urllib.request
 
 from tests.helpers.cluster import E2E_SCRIPTS as SCRIPTS
@@ -83,6 +86,45 @@ def test_a_frozen_peer_leaves_the_other_blocked_in_all_reduce_both_detected(clus
     view = server.job("hang2")
     assert view["state"] == "succeeded", view
     assert "hung after step 5" in _history_reasons(view), view["history"]
+
+
+def test_an_agent_that_ran_late_does_not_call_its_stepping_worker_hung(cluster: Cluster) -> None:
+    """The agent itself gets no CPU for longer than the hang timeout (a loaded
+    machine; here SIGSTOP) while its worker keeps stepping: what the worker
+    sent meanwhile counts, the worker is not hung and the job goes on."""
+    server = cluster.start_server()
+    agent = cluster.start_agent(
+        server,
+        "late",
+        SCRIPT,
+        "--steps",
+        "100000",
+        "--interval",
+        "0.05",
+        nnodes="1",
+        # --heartbeat-timeout: the stall must not make the server drop the node
+        flags=("--hang-timeout", "3", "--max-restarts", "0", "--heartbeat-timeout", "60"),
+    )
+    agent.wait_log(r"^\[0\]: step 10 rank 0 ", 90)
+    os.kill(agent.pid, signal.SIGSTOP)
+    try:
+        time.sleep(5)  # the agent's stall, longer than the hang timeout (not a wait for a condition)
+        # a stopped agent has nothing in flight: a higher step comes from a check after the stall
+        before = server.job("late")["nodes"][0]["step"] or 0
+    finally:
+        os.kill(agent.pid, signal.SIGCONT)
+    # the worker went on meanwhile; the agent's first check after the stall sends its
+    # latest step, unless it calls the worker hung (then nothing is sent: it reports)
+    view = server.wait_job(
+        "late",
+        lambda v: v["state"] != "running" or (bool(v["nodes"]) and (v["nodes"][0]["step"] or 0) > before),
+        60,
+        "the step sent after the agent's stall",
+    )
+    assert " hung: " not in agent.text(), agent.text()[-3000:]
+    assert view["state"] == "running" and view["restarts"] == 0 and agent.popen.poll() is None, view
+    server.close_job("late")
+    assert agent.wait_exit(60) == 1
 
 
 def test_torch_file_timer_expiry_kills_the_worker_and_counts_as_a_failure(cluster: Cluster) -> None:
