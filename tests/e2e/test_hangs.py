@@ -16,6 +16,7 @@ import urllib.request
 
 from tests.helpers.cluster import E2E_SCRIPTS as SCRIPTS
 from tests.helpers.cluster import Cluster
+from tests.helpers.procs import wait_until
 
 SCRIPT = SCRIPTS / "progress_loop.py"
 ALL_REDUCE_LINE = next(i for i, line in enumerate(SCRIPT.read_text().splitlines(), 1) if "ALL_REDUCE_LINE" in line)
@@ -63,13 +64,22 @@ def test_a_stopped_worker_is_detected_its_stack_logged_and_the_next_round_runs(c
 
 def test_a_frozen_peer_leaves_the_other_blocked_in_all_reduce_both_detected(cluster: Cluster) -> None:
     server = cluster.start_server()
-    flags = ("--hang-timeout", "6", "--max-restarts", "4")
-    agents = [
-        cluster.start_agent(
-            server, "hang2", SCRIPT, "--steps", "20", "--stop-self-at", "5", "--stop-rank", "1", nnodes="2", flags=flags
-        )
-        for _ in range(2)
-    ]
+    # Rank 1 freezes for good (--stay-stopped): its agent's SIGCONT, sent for the stack
+    # dump, does not thaw it and its SIGTERM does not end it, so rank 0 stays blocked
+    # however late its own agent looks (on a loaded machine it may look seconds after
+    # rank 1's agent acted). The test ends the frozen process once both agents said
+    # their rank hung; --stop-timeout is only the backstop of rank 1's agent.
+    flags = ("--hang-timeout", "6", "--max-restarts", "4", "--stop-timeout", "60")
+    args = ("--steps", "20", "--stop-self-at", "5", "--stop-rank", "1", "--stay-stopped")
+    agents = [cluster.start_agent(server, "hang2", SCRIPT, *args, nnodes="2", flags=flags) for _ in range(2)]
+
+    def hung(rank: int) -> re.Match[str] | None:
+        rx = re.compile(rf"local rank 0 \(rank {rank}\) pid (\d+) hung: ")
+        return next((m for m in (rx.search(a.text()) for a in agents) if m), None)
+
+    frozen = wait_until(lambda: hung(1), 90, "rank 1's agent saying its frozen rank hung")
+    wait_until(lambda: hung(0), 60, "rank 0's agent saying its rank hung too, blocked in all_reduce")
+    os.kill(int(frozen.group(1)), signal.SIGKILL)  # the frozen process ends at last: its agent's stop returns
     for a in agents:
         assert a.wait_exit(110) == 0, a.text()[-3000:]
     texts = [a.text() for a in agents]
