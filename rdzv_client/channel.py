@@ -36,6 +36,7 @@ from rdzv_server.wire import printable
 log = logging.getLogger("rdzv_agent")
 
 MAX_DATAGRAM = 64
+MAX_DRAIN = 1024  # datagrams one hang check reads from the socket itself
 MAX_STEP = 2**53
 MAX_TIMERS = 1024
 MAX_LINE = 4096  # PIPE_BUF: torch's client refuses larger requests
@@ -83,6 +84,7 @@ class WorkerChannel:
         self.parked: dict[int, int] = {}
         self.on_parked: Callable[[int, int], None] | None = None
         self._transport: asyncio.DatagramTransport | None = None
+        self._sock: socket.socket | None = None
 
     async def start(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -91,11 +93,13 @@ class WorkerChannel:
         sock.setblocking(False)
         loop = asyncio.get_running_loop()
         self._transport, _ = await loop.create_datagram_endpoint(lambda: _Protocol(self), sock=sock)
+        self._sock = sock
 
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
             self._transport = None
+        self._sock = None
         if self._own_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -154,8 +158,27 @@ class WorkerChannel:
         finally:
             s.close()
 
+    def drain(self, now: float) -> None:
+        """Take in the datagrams still waiting in the socket, as received at
+        ``now`` (at most MAX_DRAIN: the queue is short, this never loops long)."""
+        sock = self._sock
+        if sock is None:
+            return
+        for _ in range(MAX_DRAIN):
+            try:
+                data = sock.recv(MAX_DATAGRAM + 1)  # longer than MAX_DATAGRAM: dropped, as on the transport
+            except OSError:  # BlockingIOError: none left
+                return
+            self.received(data, now)
+
     def hung(self, timeout_s: float, now: float) -> list[int]:
-        """Local ranks that called progress() once and then not for ``timeout_s``."""
+        """Local ranks that called progress() once and then not for ``timeout_s``.
+
+        The datagrams waiting in the socket count first: when the agent's loop
+        ran late (a loaded machine gave it no CPU for seconds), the transport
+        has not read what workers sent meanwhile, and a worker that kept
+        calling progress() is not hung."""
+        self.drain(now)
         return sorted(lr for lr, rp in self.ranks.items() if not rp.finished and now - rp.at > timeout_s)
 
     def sample(self, now: float) -> tuple[int, float | None] | None:

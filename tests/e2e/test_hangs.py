@@ -8,11 +8,15 @@ reported as a hang, and the next round runs to the end.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import time
 import urllib.request
 
 from tests.helpers.cluster import E2E_SCRIPTS as SCRIPTS
 from tests.helpers.cluster import Cluster
+from tests.helpers.procs import wait_until
 
 SCRIPT = SCRIPTS / "progress_loop.py"
 ALL_REDUCE_LINE = next(i for i, line in enumerate(SCRIPT.read_text().splitlines(), 1) if "ALL_REDUCE_LINE" in line)
@@ -60,13 +64,22 @@ def test_a_stopped_worker_is_detected_its_stack_logged_and_the_next_round_runs(c
 
 def test_a_frozen_peer_leaves_the_other_blocked_in_all_reduce_both_detected(cluster: Cluster) -> None:
     server = cluster.start_server()
-    flags = ("--hang-timeout", "6", "--max-restarts", "4")
-    agents = [
-        cluster.start_agent(
-            server, "hang2", SCRIPT, "--steps", "20", "--stop-self-at", "5", "--stop-rank", "1", nnodes="2", flags=flags
-        )
-        for _ in range(2)
-    ]
+    # Rank 1 freezes for good (--stay-stopped): its agent's SIGCONT, sent for the stack
+    # dump, does not thaw it and its SIGTERM does not end it, so rank 0 stays blocked
+    # however late its own agent looks (on a loaded machine it may look seconds after
+    # rank 1's agent acted). The test ends the frozen process once both agents said
+    # their rank hung; --stop-timeout is only the backstop of rank 1's agent.
+    flags = ("--hang-timeout", "6", "--max-restarts", "4", "--stop-timeout", "60")
+    args = ("--steps", "20", "--stop-self-at", "5", "--stop-rank", "1", "--stay-stopped")
+    agents = [cluster.start_agent(server, "hang2", SCRIPT, *args, nnodes="2", flags=flags) for _ in range(2)]
+
+    def hung(rank: int) -> re.Match[str] | None:
+        rx = re.compile(rf"local rank 0 \(rank {rank}\) pid (\d+) hung: ")
+        return next((m for m in (rx.search(a.text()) for a in agents) if m), None)
+
+    frozen = wait_until(lambda: hung(1), 90, "rank 1's agent saying its frozen rank hung")
+    wait_until(lambda: hung(0), 60, "rank 0's agent saying its rank hung too, blocked in all_reduce")
+    os.kill(int(frozen.group(1)), signal.SIGKILL)  # the frozen process ends at last: its agent's stop returns
     for a in agents:
         assert a.wait_exit(110) == 0, a.text()[-3000:]
     texts = [a.text() for a in agents]
@@ -83,6 +96,45 @@ def test_a_frozen_peer_leaves_the_other_blocked_in_all_reduce_both_detected(clus
     view = server.job("hang2")
     assert view["state"] == "succeeded", view
     assert "hung after step 5" in _history_reasons(view), view["history"]
+
+
+def test_an_agent_that_ran_late_does_not_call_its_stepping_worker_hung(cluster: Cluster) -> None:
+    """The agent itself gets no CPU for longer than the hang timeout (a loaded
+    machine; here SIGSTOP) while its worker keeps stepping: what the worker
+    sent meanwhile counts, the worker is not hung and the job goes on."""
+    server = cluster.start_server()
+    agent = cluster.start_agent(
+        server,
+        "late",
+        SCRIPT,
+        "--steps",
+        "100000",
+        "--interval",
+        "0.05",
+        nnodes="1",
+        # --heartbeat-timeout: the stall must not make the server drop the node
+        flags=("--hang-timeout", "3", "--max-restarts", "0", "--heartbeat-timeout", "60"),
+    )
+    agent.wait_log(r"^\[0\]: step 10 rank 0 ", 90)
+    os.kill(agent.pid, signal.SIGSTOP)
+    try:
+        time.sleep(5)  # the agent's stall, longer than the hang timeout (not a wait for a condition)
+        # a stopped agent has nothing in flight: a higher step comes from a check after the stall
+        before = server.job("late")["nodes"][0]["step"] or 0
+    finally:
+        os.kill(agent.pid, signal.SIGCONT)
+    # the worker went on meanwhile; the agent's first check after the stall sends its
+    # latest step, unless it calls the worker hung (then nothing is sent: it reports)
+    view = server.wait_job(
+        "late",
+        lambda v: v["state"] != "running" or (bool(v["nodes"]) and (v["nodes"][0]["step"] or 0) > before),
+        60,
+        "the step sent after the agent's stall",
+    )
+    assert " hung: " not in agent.text(), agent.text()[-3000:]
+    assert view["state"] == "running" and view["restarts"] == 0 and agent.popen.poll() is None, view
+    server.close_job("late")
+    assert agent.wait_exit(60) == 1
 
 
 def test_torch_file_timer_expiry_kills_the_worker_and_counts_as_a_failure(cluster: Cluster) -> None:

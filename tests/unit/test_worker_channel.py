@@ -133,6 +133,33 @@ async def test_virtual_local_rank_workers_are_told_apart_on_the_channel() -> Non
         ch.close()
 
 
+async def test_progress_sent_while_the_agent_ran_late_is_not_a_hang() -> None:
+    """The agent's loop ran late (a loaded machine: it got no CPU for longer
+    than the hang timeout) while its worker kept calling progress(): the
+    datagrams waiting in the socket count before a hang is judged."""
+    ch = WorkerChannel(nproc=1)
+    await ch.start()
+    try:
+        ch.new_round(0)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "RDZV_AGENT_SOCKET": ch.path}
+        env.update(TORCHELASTIC_RESTART_COUNT="0", LOCAL_RANK="0")
+        env.pop("RDZV_LOCAL_RANK", None)
+        # os._exit: no finished() at exit, the watch goes on (a worker still in its loop)
+        code = "import os, sys\nfrom rdzv_client.worker import progress\nprogress(int(sys.argv[1]))\nos._exit(0)\n"
+        p = await asyncio.create_subprocess_exec(sys.executable, "-c", code, "1", env=env)
+        assert await asyncio.wait_for(p.wait(), 60) == 0
+        await _until(lambda: 0 in ch.ranks and ch.ranks[0].step == 1)
+        # the event loop does not run from here to the check: the agent is late
+        assert subprocess.run([sys.executable, "-c", code, "2"], env=env, timeout=60).returncode == 0
+        time.sleep(1.2)
+        assert ch.hung(1.0, time.monotonic()) == [] and ch.ranks[0].step == 2
+        # nothing came since: hung one timeout later
+        time.sleep(1.2)
+        assert ch.hung(1.0, time.monotonic()) == [0]
+    finally:
+        ch.close()
+
+
 def test_progress_heartbeat_form_is_validated_and_the_plain_frame_unchanged() -> None:
     assert HeartbeatMsg().model_dump_json() == HEARTBEAT_FRAME
     msg = AGENT_MESSAGE.validate_json(HeartbeatMsg(step=7, rate=2.5).model_dump_json())

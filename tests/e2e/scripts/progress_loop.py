@@ -4,6 +4,9 @@ does (the tests parse it and SIGSTOP a worker by its pid).
 
 * ``--stop-self-at S``: in the first attempt (restart 0), the worker of
   ``--stop-rank`` stops itself (SIGSTOP) after step S, as a frozen process.
+  With ``--stay-stopped`` it stays frozen, as a process stuck for good: it
+  ignores SIGTERM and stops itself again whenever it is continued (the
+  agent's SIGCONT lets it write its stack, nothing more); only SIGKILL ends it.
 * ``--sync-every N``: the all_reduce runs every N steps (default 1; 0: only a
   barrier at the end), so that ranks can progress at their own pace.
 * ``--later-steps N``: attempts after the first (restart 1 and on) run N steps
@@ -35,6 +38,7 @@ def main() -> None:
     p.add_argument("--stop-rank", type=int, default=0)
     p.add_argument("--sync-every", type=int, default=1)
     p.add_argument("--later-steps", type=int, default=0)
+    p.add_argument("--stay-stopped", action="store_true")
     args = p.parse_args()
     interval = float(os.environ.get("E2E_STEP_INTERVAL", args.interval))
 
@@ -49,6 +53,10 @@ def main() -> None:
         print(f"step {step} rank {rank} world {world} restart {restart} pid {os.getpid()}", flush=True)
         progress(step)
         if step == args.stop_self_at and restart == "0" and rank == args.stop_rank:
+            if args.stay_stopped:
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                while True:
+                    os.kill(os.getpid(), signal.SIGSTOP)
             os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(interval)
     finished()  # teardown is not a hang
