@@ -30,6 +30,7 @@ from .conns import (
 from .database import DataDirError, free_bytes
 from .ha import DEFAULT_LEASE_TTL_S, DEFAULT_PREFIX, HASettings
 from .hosts import DEFAULT_HOST_FAILURES, HostRules
+from .keys import STORE
 from .store import DEFAULT_DISCONNECT_GRACE_S, DEFAULT_MAX_WAITING_JOBS
 
 log = logging.getLogger("rdzv_server")
@@ -219,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--advertise-url",
         default=None,
         metavar="URL",
-        help="how agents reach this replica, e.g. http://rdzv-0.rdzv:29400; followers name the leader by it "
+        help="how agents reach this replica itself (not a load balancer), e.g. http://rdzv-0.rdzv:29400; "
+        "followers name the leader by it and probe it to replace a dead leader at once "
         "(default: http(s)://HOST:PORT when --host is a concrete address)",
     )
     ha.add_argument(
@@ -466,6 +468,12 @@ async def serve(
         await stop.wait()
     finally:
         log.info("rdzv-server stopping")
+        replica = app[STORE].replica
+        if replica is not None:
+            # Hand over while still listening: closing the listener first would make the
+            # followers take this live replica for dead (its port refuses) and revoke its
+            # lease while it still serves; and its agents would wait the shutdown timeout.
+            await replica.stop()
         await runner.cleanup()
 
 

@@ -12,21 +12,27 @@ A replica stops serving (drops every agent connection, forgets the state,
 answers ``not_leader``) the moment its lease could have expired: a lease kept
 alive by a request sent at ``t`` lasts at least until ``t + TTL`` in etcd, so
 the replica counts from the *sending* of its last answered keep-alive and stops
-a margin before that. Nobody else can be elected before the lease expires: the
-leaderships never overlap. A write that etcd applied after the replica stopped
+a margin before that. Nobody else can be elected before the lease expires or is
+revoked, so the leaderships never overlap, except that a leader whose lease a
+follower revoked (see below) serves until its next read of its key (a poll):
+it can change nothing then, every write being fenced. A write that etcd applied after the replica stopped
 serving is not announced (a write's answer is acted on only while serving).
 
 Followers read the leader key every ``POLL_S`` and campaign when it is gone.
 A leader whose *process* died (killed, crashed) leaves its key until its lease
-expires; followers see that sooner: each poll opens a TCP connection to the
-leader's ``--advertise-url``, and once a connection there succeeded in this
-term, ``TAKEOVER_REFUSALS`` refused connections in a row (nothing listens:
+expires; followers see that sooner: beside each poll, a probe opens a TCP
+connection to the leader's ``--advertise-url`` (its name resolved once a term;
+the address that answered is probed after that), and once one succeeded in
+this term, ``TAKEOVER_REFUSALS`` refused connections in a row (nothing listens:
 the process is gone) make the follower revoke the leader's lease, and the next
 poll elects a new leader at once. This is an optimisation, not what safety
-rests on: a wrongly revoked leader cannot write (its term's key is gone, its
-fenced writes fail) and stops serving at its next keep-alive. A leader that is
-stopped, frozen or cut off (connections time out rather than being refused)
-still loses its place only when its lease expires.
+rests on: a leader revoked by mistake (a firewall that rejects connections
+looks like a death) cannot write (its term's key is gone, its fenced writes
+fail), and it stops serving when it next reads its key (every poll) or its
+lease (every keep-alive). A leader that is frozen or cut off (connections time
+out rather than being refused) still loses its place only when its lease
+expires. A replica stopped by SIGTERM hands over (revokes its own lease)
+before it closes its port.
 the new leader loads every job and host from etcd and serves them as a
 restarted server does (every node gets a full heartbeat timeout to reconnect;
 running workers are not restarted). Heartbeats never touch etcd; only round
@@ -131,13 +137,14 @@ class Replica:
         self._probe: asyncio.Task[None] | None = None  # a connect to the leader's advertise URL, in flight
         self._ka_thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._stopped = False
         self._lease_lock = threading.Lock()  # (lease, _lease_until): the keep-alive thread writes them too
         self._last_error_log = 0.0
         self._read_at = 0.0  # monotonic: the last answered read of the leader key (what leader_url says)
         self.elections = 0  # times this replica became leader
-        # the leader we probe (its key's lease and create revision), whether it was ever reached, refusals in a row
+        # the leader we probe (its key's lease and create revision), the address of it we reached, refusals in a row
         self._probed: tuple[int, int] = (0, 0)
-        self._reached = False
+        self._addr: tuple[str, int] | None = None
         self._refused = 0
         self.takeovers = 0  # dead leaders' leases this replica revoked
 
@@ -162,6 +169,7 @@ class Replica:
     async def start(self) -> None:
         await self.client.start()
         self._stopping.clear()
+        self._stopped = False
         self._ka_thread = threading.Thread(
             target=self._keepalive, args=(asyncio.get_running_loop(),), name="rdzv-ha-keepalive", daemon=True
         )
@@ -172,7 +180,11 @@ class Replica:
         ]
 
     async def stop(self) -> None:
-        """Stop; a leader revokes its lease so that a follower takes over at once."""
+        """Stop; a leader revokes its lease so that a follower takes over at once.
+        Once: a second call does nothing."""
+        if self._stopped:
+            return
+        self._stopped = True
         await cancel_and_wait(*self._tasks, self._probe)
         self._tasks, self._probe = [], None
         self._stopping.set()
@@ -267,6 +279,8 @@ class Replica:
             try:
                 if self.role != "leader":
                     await self._try_lead()
+                else:
+                    await self._check_key()
             except etcd.EtcdError as e:
                 self._error("campaign", e)
                 if self.role != "leader" and time.monotonic() - self._read_at > self._ttl:
@@ -276,6 +290,15 @@ class Replica:
             except Exception:  # a bug here must not end the campaign for good
                 log.exception("campaign failed")
             await asyncio.sleep(POLL_S)
+
+    async def _check_key(self) -> None:
+        """(leader) Stop serving when the leader key of this term is gone: a
+        follower revoked the lease (it took this replica for dead), or someone
+        deleted the key. The keep-alive would tell within TTL/4; this, within a poll."""
+        term = self.term
+        kv = await self.client.get(self.leader_key)
+        if self.role == "leader" and self.term == term and (kv is None or kv.create_revision != term):
+            self._depose("the leader key of this term is gone from etcd (its lease was revoked, or the key deleted)")
 
     async def _try_lead(self) -> None:
         kv = await self.client.get(self.leader_key)
@@ -340,21 +363,28 @@ class Replica:
         url = self.leader_url
         if url is None or not kv.lease:
             return
-        if self._probed != (kv.lease, kv.create_revision):
-            self._probed, self._reached, self._refused = (kv.lease, kv.create_revision), False, 0
-        alive = await _listening(url)
-        if alive is None:  # no answer in time, a name that does not resolve: a partition is not a death
+        if self._probed != (kv.lease, kv.create_revision):  # a new term: find its address again
+            self._probed, self._addr, self._refused = (kv.lease, kv.create_revision), None, 0
+        if self._addr is None:
+            # Resolved once a term, then that one address is probed: a name with several
+            # addresses (IPv6 and IPv4) gives no plain "refused" for the name as a whole.
+            # No timeout on the lookup: this task is the only probe, so one lookup at most
+            # is in flight, and the leader-key poll does not wait for it.
+            for addr in await _addresses(url):
+                if await _listening(addr):
+                    self._addr = addr
+                    return
+            return  # never reached: a wrong --advertise-url must not cost a leadership
+        alive = await _listening(self._addr)
+        if alive is None:  # no answer in time: a host that died or a partition is not a dead process
             self._refused = 0
             return
         if alive:
-            self._reached, self._refused = True, 0
-            return
-        if not self._reached:  # never reached: a wrong --advertise-url must not cost a leadership
+            self._refused = 0
             return
         self._refused += 1
         if self._refused < TAKEOVER_REFUSALS:
             return
-        self._reached, self._refused = False, 0
         log.warning(
             "the leader %s refuses connections (its process is gone): revoking its lease %x so that a replica "
             "takes over now",
@@ -363,9 +393,11 @@ class Replica:
         )
         try:
             await self.client.revoke(kv.lease)
-            self.takeovers += 1
         except etcd.EtcdError as e:  # gone already (it expired, another replica revoked it), or etcd is away
             self._error("revoking the lease of a leader that is gone", e)
+            return  # the next refusal tries again (until the key read changes)
+        self.takeovers += 1
+        self._addr, self._refused = None, 0
         if self.leader_url == url:
             self.leader_url = None
 
@@ -428,19 +460,29 @@ class Replica:
         return ops
 
 
-async def _listening(url: str) -> bool | None:
-    """Whether a process listens at ``url``'s host and port: True (a TCP
-    connection opened; it is closed at once, nothing is sent), False (refused),
-    None (no answer within PROBE_TIMEOUT_S, or the name does not resolve)."""
+async def _addresses(url: str) -> list[tuple[str, int]]:
+    """The addresses ``url``'s host resolves to, with its port (none when it
+    does not parse or resolve)."""
     try:
         parts = urlsplit(url)
         host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError:
-        return None
+        return []
     if not host:
-        return None
+        return []
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), PROBE_TIMEOUT_S)
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, ValueError):  # UnicodeError (a ValueError): a label too long, an empty one
+        return []
+    return list(dict.fromkeys((str(info[4][0]), int(info[4][1])) for info in infos))
+
+
+async def _listening(addr: tuple[str, int]) -> bool | None:
+    """Whether a process listens at ``addr`` (an IP address and port): True (a
+    TCP connection opened; it is reset at once, nothing is sent), False
+    (refused), None (no answer within PROBE_TIMEOUT_S, or another error)."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(*addr), PROBE_TIMEOUT_S)
     except ConnectionRefusedError:
         return False
     except (OSError, asyncio.TimeoutError):

@@ -49,9 +49,9 @@ async def test_a_deposed_leader_does_not_lead_again_on_the_key_of_its_old_lease(
         await client.close()
 
 
-async def elected(etcd_cluster: EtcdCluster, prefix: str) -> tuple[Replica, list[str]]:
+async def elected(etcd_cluster: EtcdCluster, prefix: str, ttl: int = 2) -> tuple[Replica, list[str]]:
     """A started replica, alone on ``prefix``, once it leads; and the reasons it is deposed for."""
-    replica = Replica(EtcdClient(etcd_cluster.endpoints), "http://127.0.0.1:1", prefix=prefix, lease_ttl_s=2)
+    replica = Replica(EtcdClient(etcd_cluster.endpoints), "http://127.0.0.1:1", prefix=prefix, lease_ttl_s=ttl)
     deposed: list[str] = []
     replica.on_deposed = deposed.append
     await replica.start()
@@ -100,5 +100,22 @@ async def test_a_replica_whose_etcd_is_gone_stops_serving_though_its_thread_runs
         finally:
             for i in range(3):
                 etcd_cluster.resume(i)
+    finally:
+        await replica.stop()
+
+
+async def test_a_leader_whose_lease_was_revoked_stops_serving_within_a_poll(etcd_cluster: EtcdCluster) -> None:
+    """A follower that took a live leader for dead revokes its lease (ha.py's
+    takeover): the leader reads its key at every poll and stops serving as soon
+    as the key is gone, not at its next keep-alive (TTL/4: 7.5 s here)."""
+    replica, deposed = await elected(etcd_cluster, "/revoked/", ttl=30)
+    try:
+        etcd_cluster.call("/v3/lease/revoke", {"ID": replica.lease})
+        deadline = time.monotonic() + 5.0  # under the keep-alive's 7.5 s
+        while replica.role == "leader":
+            assert time.monotonic() < deadline, "still leading with its lease revoked"
+            await asyncio.sleep(0.05)
+        assert not replica.serving
+        assert deposed and "leader key of this term is gone" in deposed[0], deposed
     finally:
         await replica.stop()

@@ -17,10 +17,11 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.ha.test_replicas import leader_kv, lease_ttl
+from tests.ha.test_replicas import Agents, leader_kv, lease_ttl
 from tests.helpers.cluster import Cluster, managed
 from tests.helpers.etcd import EtcdCluster
 from tests.helpers.ha import HAServers, fencing_violations
@@ -42,6 +43,13 @@ def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]
 @pytest.fixture
 def ha(etcd_cluster: EtcdCluster, cluster: Cluster) -> HAServers:
     return HAServers(cluster, etcd_cluster, lease_ttl=TTL)
+
+
+@pytest.fixture
+async def agents() -> Any:
+    a = Agents()
+    yield a
+    await a.close()
 
 
 def no_fencing_violations(ha: HAServers) -> None:
@@ -100,3 +108,18 @@ async def test_a_leader_never_reached_keeps_its_place(ha: HAServers) -> None:
     assert leader_kv(ha.etcd, ha.prefix) == before
     assert ha.leader() is first
     assert [r.name for r in ha.replicas if REVOKING in r.text()] == []
+
+
+async def test_a_stopped_leader_hands_over_itself(ha: HAServers, agents: Agents) -> None:
+    """SIGTERM with an agent connected: the leader revokes its own lease while
+    it still listens (closing its port first would have the followers take it
+    for dead while it still served, and its own revoke would fail)."""
+    ha.start(3)
+    old = ha.leader()
+    await agents.form(old, "held", ["n1"])  # an agent's connection: the server's shutdown waits on it
+    time.sleep(0.5)
+    assert ha.stop(old) == 0, old.text()[-2000:]
+    ha.leader(exclude=(old,))
+    assert "leadership handed over: lease revoked" in old.text(), old.text()[-2000:]
+    assert [r.name for r in ha.replicas if REVOKING in r.text()] == []
+    no_fencing_violations(ha)

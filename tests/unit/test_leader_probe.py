@@ -1,8 +1,9 @@
 """What a follower's probe of the leader's advertise URL makes of what it
-finds there (rdzv_server/ha.py ``_listening``): a listener is alive, a closed
-port is refused (the process is gone), a listener that takes no connection
-(its backlog full: a frozen or swamped process) or a URL that does not
-parse is unknown, never a death. Real sockets on loopback."""
+finds there (rdzv_server/ha.py ``_addresses``, ``_listening``): a listener is
+alive, a closed port is refused (the process is gone), a listener that takes
+no connection (its backlog full: a frozen or swamped process) is unknown,
+never a death; a URL that does not parse, or whose name cannot be looked up,
+has no address (it is never probed). Real sockets on loopback."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from rdzv_server.ha import _listening
+from rdzv_server.ha import _addresses, _listening
 
 
 @pytest.fixture
@@ -28,7 +29,7 @@ def port_of(s: socket.socket) -> int:
 
 
 async def test_a_listener_is_alive(listener: socket.socket) -> None:
-    assert await _listening(f"http://127.0.0.1:{port_of(listener)}") is True
+    assert await _listening(("127.0.0.1", port_of(listener))) is True
 
 
 async def test_a_closed_port_is_refused() -> None:
@@ -36,12 +37,11 @@ async def test_a_closed_port_is_refused() -> None:
     s.bind(("127.0.0.1", 0))
     port = port_of(s)
     s.close()  # bound, never listened: nothing listens there
-    assert await _listening(f"http://127.0.0.1:{port}") is False
+    assert await _listening(("127.0.0.1", port)) is False
 
 
 async def test_a_listener_that_takes_no_connection_is_unknown(listener: socket.socket) -> None:
     """Never accepted, its queue full: the kernel drops new SYNs and the connect times out."""
-    url = f"http://127.0.0.1:{port_of(listener)}"
     held = []
     for _ in range(8):  # fill the accept queue (backlog 0 still queues one or two)
         c = socket.socket()
@@ -52,12 +52,27 @@ async def test_a_listener_that_takes_no_connection_is_unknown(listener: socket.s
             pass
         held.append(c)
     try:
-        assert await _listening(url) is None
+        assert await _listening(("127.0.0.1", port_of(listener))) is None
     finally:
         for c in held:
             c.close()
 
 
-@pytest.mark.parametrize("url", ["http://[::1:29400", "not a url", "http://:80"])
-async def test_urls_that_do_not_parse_are_unknown(url: str) -> None:
-    assert await _listening(url) is None
+async def test_a_url_names_its_addresses() -> None:
+    assert await _addresses("http://127.0.0.1:29400") == [("127.0.0.1", 29400)]
+    assert await _addresses("https://127.0.0.1") == [("127.0.0.1", 443)]
+    assert await _addresses("http://[::1]:29400") == [("::1", 29400)]
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://[::1:29400",  # does not parse
+        "not a url",
+        "http://:80",
+        "http://rdzv-0..svc:29400",  # an empty label: UnicodeError from the lookup, not a traceback per poll
+        "http://" + "a" * 64 + ".example:29400",  # a label over 63 characters
+    ],
+)
+async def test_urls_without_an_address_have_none(url: str) -> None:
+    assert await _addresses(url) == []
