@@ -284,12 +284,14 @@ class AgentLink:
         self._secret: tuple[str, str] | None = None  # (node id, the node secret the server issued it)
         self._not_leader = False  # a replica of this cycle of the list said not_leader: an election
         self.run: int | None = None  # the job's run the first ``joined`` named (design.md "Job lifecycle")
+        self._closing = False  # close() was called
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="rdzv-link")
 
     async def close(self) -> None:
-        await cancel_and_wait(self._task)  # not one cancel: a connect's wait_for may swallow it
+        self._closing = True  # the loop ends even if the cancel is swallowed (a connect's wait_for may)
+        await cancel_and_wait(self._task)
         if self._ws is not None and not self._ws.closed:
             await asyncio.wait([asyncio.ensure_future(self._ws.close())], timeout=1.0)
 
@@ -373,13 +375,15 @@ class AgentLink:
         refusal named, if one of ours) at once, or after a backoff once every
         endpoint of the list failed (short while replicas say an election is
         on: NOT_LEADER_BACKOFF_MAX_S)."""
+        if self._closing:
+            return
         if not self._tries.failed(leader):
             await asyncio.sleep(election_wait(next(delays), self._not_leader, self.down_for()))
             self._not_leader = False
 
     async def _run(self) -> None:
         delays = backoff_delays()
-        while True:
+        while not self._closing:
             base = self._tries.url
             self.url = base + AGENT_PATH
             scheme, host, port = parse_endpoint(base)
