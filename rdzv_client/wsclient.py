@@ -29,6 +29,7 @@ import asyncio
 import base64
 import hashlib
 import os
+import socket
 import ssl as ssl_mod
 import struct
 import time
@@ -311,10 +312,27 @@ async def connect(
     timeout: float = 5.0,
     max_msg_size: int = 4 * 1024 * 1024,
     ping_s: float | None = None,
+    user_timeout_s: float | None = None,
 ) -> WebSocket:
     """Open a WebSocket to ``host:port`` at ``path`` (TLS when ``ssl`` is a
-    context). ``timeout`` bounds TCP, TLS and the upgrade together."""
-    return await asyncio.wait_for(_connect(host, port, path, headers or {}, ssl, max_msg_size, ping_s), timeout)
+    context). ``timeout`` bounds TCP, TLS and the upgrade together.
+    ``user_timeout_s``: the connection fails once data sent stays unacknowledged
+    this long (TCP_USER_TIMEOUT, Linux): a peer *host* that died or was cut off
+    is noticed at the next send, not at the next ping's timeout."""
+    return await asyncio.wait_for(
+        _connect(host, port, path, headers or {}, ssl, max_msg_size, ping_s, user_timeout_s), timeout
+    )
+
+
+def _set_user_timeout(writer: asyncio.StreamWriter, seconds: float | None) -> None:
+    option = getattr(socket, "TCP_USER_TIMEOUT", None)  # Linux only
+    sock = writer.get_extra_info("socket")
+    if seconds is None or option is None or sock is None:
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, option, int(seconds * 1000))
+    except OSError:  # not a TCP socket (a test's pipe), or refused: the ping still detects a dead peer
+        pass
 
 
 async def _connect(
@@ -325,11 +343,13 @@ async def _connect(
     ssl: ssl_mod.SSLContext | None,
     max_msg_size: int,
     ping_s: float | None,
+    user_timeout_s: float | None = None,
 ) -> WebSocket:
     reader, writer = await asyncio.open_connection(
         host, port, ssl=ssl, server_hostname=host if ssl else None, limit=MAX_HEADER_BYTES
     )
     try:
+        _set_user_timeout(writer, user_timeout_s)
         key = base64.b64encode(os.urandom(16)).decode()
         host_header = f"[{host}]" if ":" in host else host
         lines = [

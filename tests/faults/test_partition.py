@@ -150,3 +150,43 @@ def test_cut_off_node_is_fenced_and_comes_back_as_a_new_node(
         f"partition: re-formed {opened['started_at'] - cut_at:.2f}s after the cut; "
         f"back in round 2 {back_after:.2f}s after the heal"
     )
+
+
+@pytest.mark.parametrize("netlab", [1], indirect=True)
+@pytest.mark.timeout(120)
+def test_a_server_whose_host_vanished_is_noticed_at_the_next_heartbeat(
+    netlab: NetLab, fcluster: FaultCluster, tmp_path: Path
+) -> None:
+    """The agent's cable to the server is pulled: nothing answers, nothing
+    resets, as when the server's host dies (an HA leader's machine). The
+    agent's next heartbeat stays unacknowledged and the kernel fails the
+    connection after TCP_USER_TIMEOUT_S: the link is down within a heartbeat
+    interval plus that, in time to reach a new HA leader within its grace; the
+    ping alone (WS_PING_S + half of it) took over 22 s. Plugged back, the agent
+    resumes; the workers never stopped."""
+    port = free_port()
+    server = fcluster.start_server_at(
+        port, tmp_path / "data", "--insecure", host=netlab.hub_addr, name="server", netns=netlab.hub,
+        request_via=netlab.in_hub,
+    )  # fmt: skip
+    stop = tmp_path / "stop"
+    agent = fcluster.start_ranks_agent(
+        server.endpoint, "cable", "n0", stop, nnodes="1", interval=0.05, netns=netlab.node_ns(0),
+        # the server keeps the node (no eviction in the test's window): this is about the agent's side
+        flags=("--local-addr", netlab.node_addr(0), "--heartbeat-timeout", "60"),
+    )  # fmt: skip
+    wait_until(lambda: any(t.step >= 3 for t in Ticks.of(agent)), 60, "the node training")
+    netlab.cut(0)
+    cut_at = time.monotonic()
+    # the agent's outage notice comes OUTAGE_NOTICE_AFTER_S (2 s) after the link went down
+    agent.wait_log(r"server unreachable for \d+s", 16.0)  # by the ping: 22.5 s + 2 s
+    noticed = time.monotonic() - cut_at
+    pids = descendants(agent.pid)
+    netlab.heal(0)
+    agent.wait_log(r"server .* reachable again", 40)
+    assert descendants(agent.pid) == pids, "the workers were restarted"
+    stop.touch()
+    assert agent.wait_exit(40) == 0, agent.text()[-3000:]
+    view = server.job("cable")
+    assert (view["state"], view["round"], view["restarts"]) == ("succeeded", 0, 0), view
+    print(f"cable pulled: the agent said the server unreachable {noticed:.1f}s later")
