@@ -27,8 +27,9 @@ failover (rdzv)
     agent's join accepted (the new leader's "arrived" line) and the scale-up
     round complete (its ``completed_at`` in the new leader's job view); and
     every worker of world 3 started (the workers' own stamps). Target: every
-    node back and the round change accepted in under 3 s, most of which is
-    the lease TTL (2 s): a dead leader's key lives until its lease expires.
+    node back and the round change accepted in under 3 s. A dead leader's key
+    would live until its lease (2 s) expires; the followers find the killed
+    process's port refusing connections and revoke the lease first (ha.py).
 failover (torchrun, same run)
     a 2-node torchrun job (``--nnodes 1:2``, c10d, same worker) whose first
     agent hosts the c10d store: SIGKILL that node; what the survivor does
