@@ -85,6 +85,12 @@ class Channel(Protocol):
         """Close the connection so the agent reconnects."""
 
 
+# After an election, on top of the heartbeat timeout: agents of a leader whose
+# host died learn it only when a heartbeat goes unacknowledged for the link's
+# TCP_USER_TIMEOUT_S (4 s), up to a heartbeat interval (2 s) after the death;
+# the new leader is elected about a lease TTL (2 s) after it. Without this,
+# 6 s (the default heartbeat timeout) left them ~1 s to spare.
+FAILOVER_GRACE_S = 5.0
 DEFAULT_DISCONNECT_GRACE_S = 0.5  # a dropped connection has this long to come back (--disconnect-grace)
 DEFAULT_RETAIN_FINISHED_S = 7 * 24 * 3600.0
 DEFAULT_MAX_WAITING_JOBS = 1000
@@ -163,7 +169,9 @@ class Store(HostsMixin, RetentionMixin):
         self.db = Database(self.settings.data_dir)
         self._loaded(self.db.load(), self.db.load_hosts(), str(self.db.path))
 
-    def _loaded(self, jobs: dict[str, Job], hosts: list[HostRecord], where: str) -> None:
+    def _loaded(self, jobs: dict[str, Job], hosts: list[HostRecord], where: str, extra_s: float = 0.0) -> None:
+        """Serve ``jobs``: every node gets a full heartbeat timeout to reconnect,
+        starting ``extra_s`` from now."""
         self.jobs = jobs
         self.hosts.load(hosts)
         now = self.clock()
@@ -172,7 +180,7 @@ class Store(HostsMixin, RetentionMixin):
             job.gate = self.hosts
             self._order.append((job.created_at, job.job_id))
             if not job.finished:
-                rounds.restored(job, now)
+                rounds.restored(job, now + extra_s)
                 self.events.mark(job)
                 self.active.add(job.job_id)
                 if job.forming:
@@ -187,7 +195,7 @@ class Store(HostsMixin, RetentionMixin):
                 len(self.jobs),
                 where,
                 len(self.active),
-                "a full heartbeat timeout",
+                "a full heartbeat timeout" + (f" + {extra_s:g}s" if extra_s else ""),
             )
 
     async def start(self) -> None:
@@ -213,7 +221,7 @@ class Store(HostsMixin, RetentionMixin):
             return
         self.step_down("reloading", quiet=True)  # nothing may survive from an earlier term
         self._committed = {j: json.dumps(rounds.to_record(job), separators=(",", ":")) for j, job in jobs.items()}
-        self._loaded(jobs, hosts, f"etcd (term {self.replica.term})")
+        self._loaded(jobs, hosts, f"etcd (term {self.replica.term})", FAILOVER_GRACE_S)
         await self.start()
 
     def step_down(self, reason: str, quiet: bool = False) -> None:
