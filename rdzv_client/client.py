@@ -296,6 +296,7 @@ class AgentLink:
         self._closing = False  # close() was called
 
     async def start(self) -> None:
+        self._closing = False
         self._task = asyncio.create_task(self._run(), name="rdzv-link")
 
     async def close(self) -> None:
@@ -428,6 +429,9 @@ class AgentLink:
                 self.last_error = f"cannot reach {self.url}: {printable(type(e).__name__, 100)}"
                 await self._next(delays)
                 continue
+            if self._closing:  # close() came while connecting (its cancel swallowed): say nothing on it
+                await asyncio.wait([asyncio.ensure_future(ws.close())], timeout=1.0)
+                return
             self._tries.ok()
             self._ws = ws
             self.connected.set()

@@ -145,6 +145,7 @@ class Replica:
         # the leader we probe (its key's lease and create revision), the address of it we reached, refusals in a row
         self._probed: tuple[int, int] = (0, 0)
         self._addr: tuple[str, int] | None = None
+        self._lookup: tuple[str, asyncio.Future[list[tuple[str, int]]]] | None = None  # (url, its lookup)
         self._refused = 0
         self.takeovers = 0  # dead leaders' leases this replica revoked
 
@@ -368,9 +369,16 @@ class Replica:
         if self._addr is None:
             # Resolved once a term, then that one address is probed: a name with several
             # addresses (IPv6 and IPv4) gives no plain "refused" for the name as a whole.
-            # No timeout on the lookup: this task is the only probe, so one lookup at most
-            # is in flight, and the leader-key poll does not wait for it.
-            for addr in await _addresses(url):
+            # One lookup at a time, in a daemon thread (a resolver that hangs must not
+            # hold the process's exit); a probe waits for it PROBE_TIMEOUT_S at most.
+            if self._lookup is None or self._lookup[0] != url:
+                self._lookup = (url, _addresses(url))
+            found = self._lookup[1]
+            await asyncio.wait([found], timeout=PROBE_TIMEOUT_S)
+            if not found.done():
+                return
+            self._lookup = None
+            for addr in found.result():
                 if await _listening(addr):
                     self._addr = addr
                     return
@@ -460,21 +468,37 @@ class Replica:
         return ops
 
 
-async def _addresses(url: str) -> list[tuple[str, int]]:
+def _addresses(url: str) -> asyncio.Future[list[tuple[str, int]]]:
     """The addresses ``url``'s host resolves to, with its port (none when it
-    does not parse or resolve)."""
+    does not parse or resolve), looked up in a daemon thread of its own."""
+    loop = asyncio.get_running_loop()
+    found: asyncio.Future[list[tuple[str, int]]] = loop.create_future()
     try:
         parts = urlsplit(url)
         host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError:
-        return []
+        host, port = None, 0
     if not host:
-        return []
-    try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (OSError, ValueError):  # UnicodeError (a ValueError): a label too long, an empty one
-        return []
-    return list(dict.fromkeys((str(info[4][0]), int(info[4][1])) for info in infos))
+        found.set_result([])
+        return found
+
+    def settle(addrs: list[tuple[str, int]]) -> None:
+        if not found.done():
+            found.set_result(addrs)
+
+    def lookup() -> None:
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            addrs = list(dict.fromkeys((str(info[4][0]), int(info[4][1])) for info in infos))
+        except (OSError, ValueError):  # UnicodeError (a ValueError): a label too long, an empty one
+            addrs = []
+        try:
+            loop.call_soon_threadsafe(settle, addrs)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    threading.Thread(target=lookup, name="rdzv-ha-lookup", daemon=True).start()
+    return found
 
 
 async def _listening(addr: tuple[str, int]) -> bool | None:

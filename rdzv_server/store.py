@@ -180,7 +180,7 @@ class Store(HostsMixin, RetentionMixin):
             job.gate = self.hosts
             self._order.append((job.created_at, job.job_id))
             if not job.finished:
-                rounds.restored(job, now + extra_s)
+                rounds.restored(job, now, extra_s)
                 self.events.mark(job)
                 self.active.add(job.job_id)
                 if job.forming:
@@ -410,8 +410,9 @@ class Store(HostsMixin, RetentionMixin):
     def _schedule(self, job: Job, also: float | None = None) -> None:
         """Queue the job for the tick at rounds.next_due. An entry already
         queued is at or before every node's deadline (those only move later,
-        but for ``also``: a dropped connection's), so then only the job's own
-        deadlines are looked at: O(1) per join or report, not O(nodes)."""
+        but for ``also``: a dropped connection's, or a join's after a failover's
+        longer grace), so then only the job's own deadlines are looked at: O(1)
+        per join or report, not O(nodes)."""
         queued = self._due_at.get(job.job_id)
         if queued is None:
             at = rounds.next_due(job)
@@ -485,6 +486,9 @@ class Store(HostsMixin, RetentionMixin):
         if self.metrics:
             self.metrics.joins.labels(job.job_id).inc()
         self._apply(job, fx, now, created=created, requester=chan, event=joined, new_run=ended)
+        if job.job_id in self._due_at:
+            # its deadline is now + timeout: sooner than a failover's longer grace already queued
+            self._schedule(job, also=now + job.spec.heartbeat_timeout_s)
 
     def _check_room(self, job_id: str, chan: Channel) -> None:
         """Refuse a new job (unavailable: its agent retries later) when too many

@@ -299,9 +299,9 @@ def grace(job: Job, now: float, *, stall: bool = False) -> None:
         if stall and node.graced:
             continue  # silent through a whole grace already: the next tick judges it as usual
         node.graced = stall
-        node.last_seen = now
-        if not node.connected:
-            node.lost_deadline = now + timeout
+        node.last_seen = max(node.last_seen, now)
+        if not node.connected:  # never sooner than a grace it has already (a failover's, longer)
+            node.lost_deadline = max(node.lost_deadline or now, now + timeout)
             node.dropped = False  # the drop was the server's doing, not the node's death
     if stall and job.graced_at is not None and now - job.graced_at < timeout:
         return
@@ -313,11 +313,15 @@ def grace(job: Job, now: float, *, stall: bool = False) -> None:
         job.join_deadline = max(job.join_deadline, now + timeout)
 
 
-def restored(job: Job, now: float) -> None:
-    """A job loaded from disk: nobody is connected yet; give everyone a timeout."""
+def restored(job: Job, now: float, extra_s: float = 0.0) -> None:
+    """A job loaded from disk (or by a new HA leader): nobody is connected yet;
+    give everyone a heartbeat timeout, plus ``extra_s``, to come back."""
     for node in job.nodes.values():
-        node.connected, node.dropped = False, False
+        node.connected, node.dropped, node.lost_deadline = False, False, None
     grace(job, now)
+    if extra_s:
+        for node in job.nodes.values():
+            node.lost_deadline = now + job.spec.heartbeat_timeout_s + extra_s
 
 
 def tick(job: Job, now: float) -> Effects:
@@ -330,8 +334,9 @@ def tick(job: Job, now: float) -> Effects:
     for node in list(job.nodes.values()):
         if node.state == SUCCEEDED:
             continue
-        if node.lost_deadline is not None and now >= node.lost_deadline:
-            fx.merge(_lose(job, node.node_id, "connection lost", now, evict=True))
+        if node.lost_deadline is not None:  # not connected: judged by the grace it was given
+            if now >= node.lost_deadline:
+                fx.merge(_lose(job, node.node_id, "connection lost", now, evict=True))
         elif now - node.last_seen >= timeout:
             fx.host_failures.append((node.host, f"evicted: no heartbeat for {timeout:g}s"))
             fx.merge(_lose(job, node.node_id, f"no heartbeat for {timeout:g}s", now, evict=True))
@@ -381,9 +386,9 @@ def next_due(job: Job, nodes: bool = True) -> float | None:
     for node in job.nodes.values() if nodes else ():
         if node.state == SUCCEEDED:
             continue
-        if node.lost_deadline is not None and node.lost_deadline < due:
-            due = node.lost_deadline
-        if node.last_seen + timeout < due:
+        if node.lost_deadline is not None:
+            due = min(due, node.lost_deadline)
+        elif node.last_seen + timeout < due:
             due = node.last_seen + timeout
     if job.forming:
         for t in (job.last_call_deadline, job.join_deadline):

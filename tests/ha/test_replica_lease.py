@@ -110,6 +110,11 @@ async def test_a_leader_whose_lease_was_revoked_stops_serving_within_a_poll(etcd
     as the key is gone, not at its next keep-alive (TTL/4: 7.5 s here)."""
     replica, deposed = await elected(etcd_cluster, "/revoked/", ttl=30)
     try:
+        # the keep-alive thread ends (it would learn of the revoke at its next pass, 7.5 s
+        # apart); the lease was renewed under 7.5 s ago, so the watchdog keeps still for 20 s
+        replica._stopping.set()
+        assert replica._ka_thread is not None
+        await asyncio.to_thread(replica._ka_thread.join, 10.0)
         etcd_cluster.call("/v3/lease/revoke", {"ID": replica.lease})
         deadline = time.monotonic() + 5.0  # under the keep-alive's 7.5 s
         while replica.role == "leader":

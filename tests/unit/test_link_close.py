@@ -40,3 +40,52 @@ async def test_close_ends_a_link_whose_connect_swallowed_the_cancel(monkeypatch:
     swallow = False  # let a failed test end
     assert closing in done, f"close() still waiting after {T} s; the link tried {tries} times"
     assert link._task is not None and link._task.done()
+
+
+class FakeSocket:
+    """What a connect that succeeded returns: records what is sent."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.sent: list[str] = []
+        self.close_reason = None
+
+    async def send_str(self, text: str) -> None:
+        self.sent.append(text)
+
+    async def close(self) -> None:
+        self.closed = True
+
+    def __aiter__(self) -> FakeSocket:
+        return self
+
+    async def __anext__(self) -> str:
+        await asyncio.sleep(3600)
+        raise StopAsyncIteration
+
+
+async def test_a_connect_that_succeeds_as_close_is_called_sends_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cancel is swallowed and the connect returns a socket: the link must
+    not say its join on it (the agent is stopping), and close() returns."""
+    sockets: list[FakeSocket] = []
+    entered = asyncio.Event()
+
+    async def connect(*args: Any, **kwargs: Any) -> FakeSocket:
+        entered.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass  # what wait_for does when the connect completed in the same step as the cancel
+        sockets.append(FakeSocket())
+        return sockets[-1]
+
+    monkeypatch.setattr(client.wsclient, "connect", connect)
+    link = AgentLink("127.0.0.1:9")
+    link.set_intent({"op": "join", "node_id": "n1"}, send=False)
+    await link.start()
+    await asyncio.wait_for(entered.wait(), T)
+    closing = asyncio.ensure_future(link.close())
+    done, _ = await asyncio.wait([closing], timeout=T)
+    assert closing in done, "close() still waiting"
+    assert sockets and sockets[0].sent == [] and sockets[0].closed, [s.sent for s in sockets]
+    assert not link.connected.is_set()

@@ -629,6 +629,30 @@ def test_restored_job_waits_a_heartbeat_timeout_for_its_nodes():
     assert set(sent(fx, EvictedMsg)) == {"c"} and job.round == 1
 
 
+def test_a_failover_grace_is_longer_and_a_stall_does_not_shorten_it():
+    """A new HA leader gives every node the heartbeat timeout (6 s) plus
+    extra_s (5 s): c, not back, is lost at 111, not 106; a stall grace on the
+    way (at 102) does not bring that forward; a, back at 101 and silent after,
+    is judged by its heartbeat as usual (lost at 107, before c)."""
+    job = rounds.from_record(record(form(["a", "b", "c"])))
+    rounds.restored(job, 100.0, extra_s=5.0)
+    assert rounds.next_due(job) == 111.0
+    rounds.join(job, join_msg("a", sp=job.spec, resume=0), 101.0)
+    rounds.join(job, join_msg("b", sp=job.spec, resume=0), 101.0)
+    rounds.grace(job, 102.0, stall=True)
+    assert job.nodes["c"].lost_deadline == 111.0
+    assert rounds.next_due(job) == 108.0  # a and b: heard from at 102 (the stall's grace)
+    rounds.heartbeat(job, "b", 107.5)
+    rounds.heartbeat(job, "b", 110.5)
+    assert not rounds.tick(job, 107.99).sends
+    fx = rounds.tick(job, 108.0)
+    assert set(sent(fx, EvictedMsg)) == {"a"}
+    rounds.heartbeat(job, "b", 110.9)
+    assert "c" not in sent(rounds.tick(job, 110.99), EvictedMsg)
+    fx = rounds.tick(job, 111.0)
+    assert "c" in sent(fx, EvictedMsg)
+
+
 def _job_in_every_state() -> list[rounds.Job]:
     forming = rounds.new_job("j", spec(), 0.0)
     rounds.join(forming, join_msg("a", lws=3, rank=1), 0.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+from rdzv_server import rounds
 from rdzv_server import store as store_mod
 from rdzv_server.protocol import SERVER_MESSAGE, JobSpec, JobState, JoinMsg
 from rdzv_server.store import STALL_S, Store, StoreSettings
@@ -179,3 +180,40 @@ def test_a_cordon_ttl_that_runs_out_admits_the_held_node_on_the_next_tick():
     job = store.jobs["j"]
     assert job.state == JobState.RUNNING and sorted(job.order) == ["a", "b"]
     assert "assigned" in a.ops and "assigned" in b.ops
+
+
+class Keeper(Recorder):
+    """A recorder that also keeps the node secret its ``joined`` issued."""
+
+    secret: str | None = None
+
+    def deliver(self, text: str) -> None:
+        msg = SERVER_MESSAGE.validate_json(text)
+        self.ops.append(msg.op)
+        if msg.op == "joined" and getattr(msg, "node_secret", None):
+            self.secret = msg.node_secret
+
+
+def test_after_a_failover_grace_a_node_back_and_silent_is_judged_by_its_heartbeat():
+    """A new HA leader loads the job with a longer grace (heartbeat timeout 6 s
+    + 5 s, to 1011). Node a is back at 1001 and then silent: it is lost at 1007,
+    a heartbeat timeout after its rejoin; the tick queued at the grace's end
+    (1011) must not be the first to look at it."""
+    clock = [1000.0]
+    first = make_store(clock)
+    spec = JobSpec(min_nodes=2, max_nodes=2, heartbeat_timeout_s=6.0)
+    chan_a, chan_b = Keeper(), Keeper()
+    first.join(join("j", "a", spec), chan_a)
+    first.join(join("j", "b", spec), chan_b)
+    record = rounds.to_record(first.jobs["j"])
+
+    store = make_store(clock)  # the new leader
+    store._loaded({"j": rounds.from_record(record)}, [], "etcd (test)", extra_s=5.0)
+    clock[0] = 1001.0
+    back = join("j", "a", spec).model_copy(update={"resume_round": 0, "node_secret": chan_a.secret})
+    store.join(back, Keeper())
+    job = store.jobs["j"]
+    assert job.nodes["a"].connected
+    clock[0] = 1007.5
+    plain_tick(store)
+    assert "a" not in job.nodes, "a node silent for 6.5 s after its rejoin was kept until the failover grace's end"
