@@ -147,7 +147,6 @@ class Replica:
         self._addr: tuple[str, int] | None = None
         self._lookup: tuple[str, asyncio.Future[list[tuple[str, int]]]] | None = None  # (url, its lookup)
         self._refused = 0
-        self.takeovers = 0  # dead leaders' leases this replica revoked
 
     # ------------------------------------------------------------ state
 
@@ -383,12 +382,8 @@ class Replica:
                     self._addr = addr
                     return
             return  # never reached: a wrong --advertise-url must not cost a leadership
-        alive = await _listening(self._addr)
-        if alive is None:  # no answer in time: a host that died or a partition is not a dead process
-            self._refused = 0
-            return
-        if alive:
-            self._refused = 0
+        if await _listening(self._addr) is not False:  # alive, or no answer in time: a host that died or a
+            self._refused = 0  # partition is not a dead process
             return
         self._refused += 1
         if self._refused < TAKEOVER_REFUSALS:
@@ -404,7 +399,6 @@ class Replica:
         except etcd.EtcdError as e:  # gone already (it expired, another replica revoked it), or etcd is away
             self._error("revoking the lease of a leader that is gone", e)
             return  # the next refusal tries again (until the key read changes)
-        self.takeovers += 1
         self._addr, self._refused = None, 0
         if self.leader_url == url:
             self.leader_url = None

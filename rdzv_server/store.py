@@ -170,8 +170,8 @@ class Store(HostsMixin, RetentionMixin):
         self._loaded(self.db.load(), self.db.load_hosts(), str(self.db.path))
 
     def _loaded(self, jobs: dict[str, Job], hosts: list[HostRecord], where: str, extra_s: float = 0.0) -> None:
-        """Serve ``jobs``: every node gets a full heartbeat timeout to reconnect,
-        starting ``extra_s`` from now."""
+        """Serve ``jobs``: every node gets a full heartbeat timeout, plus
+        ``extra_s``, to reconnect."""
         self.jobs = jobs
         self.hosts.load(hosts)
         now = self.clock()

@@ -319,9 +319,8 @@ def restored(job: Job, now: float, extra_s: float = 0.0) -> None:
     for node in job.nodes.values():
         node.connected, node.dropped, node.lost_deadline = False, False, None
     grace(job, now)
-    if extra_s:
-        for node in job.nodes.values():
-            node.lost_deadline = now + job.spec.heartbeat_timeout_s + extra_s
+    for node in job.nodes.values():
+        node.lost_deadline = now + job.spec.heartbeat_timeout_s + extra_s
 
 
 def tick(job: Job, now: float) -> Effects:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.cluster import FaultCluster, managed
-from tests.helpers.netlab import NetLab, netns_unavailable
+from tests.helpers.netlab import netlab_or_skip
 
 
 @pytest.fixture
@@ -32,13 +32,5 @@ def netlab(request: pytest.FixtureRequest):
     """A NetLab with ``request.param`` nodes (default 3); skipped where namespaces cannot be made.
     Ask for it before ``fcluster``, so that the processes in the namespaces are
     stopped before the namespaces are deleted."""
-    why = netns_unavailable()
-    if why:
-        pytest.skip(why)
-    lab = NetLab(getattr(request, "param", 3))
-    try:
-        lab.setup()
+    with netlab_or_skip(getattr(request, "param", 3)) as lab:
         yield lab
-    finally:
-        errors = lab.cleanup()
-        assert not errors, f"could not delete namespaces: {errors}"

@@ -37,7 +37,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.chaos import ChaosMonitor, check_the_end
+from tests.helpers.chaos import ChaosMonitor, agent_flags, check_the_end, draw_plan
 from tests.helpers.cluster import FaultCluster
 from tests.helpers.procs import Proc, Server, descendants, free_port
 
@@ -78,9 +78,7 @@ class Monitor(ChaosMonitor):
 def test_seeded_chaos(fcluster: FaultCluster, tmp_path: Path) -> None:
     print(f"\n[chaos] seed {SEED} ({N_EVENTS} events; RDZV_CHAOS_SEED={SEED} reproduces this run)")
     rng = random.Random(SEED)
-    plan = list(KINDS) + [rng.choice(KINDS) for _ in range(max(0, N_EVENTS - len(KINDS)))]
-    rng.shuffle(plan)
-    plan = plan[:N_EVENTS]
+    plan = draw_plan(rng, KINDS, N_EVENTS)
 
     port, data, ckpt = free_port(), tmp_path / "data", tmp_path / "ckpt"
     server = fcluster.start_server_at(port, data, name="server")
@@ -105,18 +103,7 @@ def test_seeded_chaos(fcluster: FaultCluster, tmp_path: Path) -> None:
             "--log-every",
             "2",
             nnodes=f"2:{MAX_LIVE}",
-            # --storm-restarts 0: worker kills come faster than --min-round-s and
-            # train_ddp.py reports no steps; chaos is not a restart storm
-            flags=(
-                "--heartbeat-timeout",
-                f"{HB_TIMEOUT:g}",
-                "--max-restarts",
-                "50",
-                "--scale-up-window",
-                "3",
-                "--storm-restarts",
-                "0",
-            ),
+            flags=agent_flags(HB_TIMEOUT),
         )
 
     live = [new_agent() for _ in range(3)]

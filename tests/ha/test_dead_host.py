@@ -27,7 +27,7 @@ import pytest
 
 from tests.helpers.cluster import FaultCluster, NsServer, Ticks, managed
 from tests.helpers.etcd import etcd_binary
-from tests.helpers.netlab import NetLab, netns_unavailable
+from tests.helpers.netlab import NetLab, netlab_or_skip
 from tests.helpers.procs import descendants, wait_healthy, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -40,16 +40,8 @@ PREFIX = "/dead-host/"
 
 @pytest.fixture
 def netlab() -> Iterator[NetLab]:
-    why = netns_unavailable()
-    if why:
-        pytest.skip(why)
-    lab = NetLab(REPLICAS + AGENTS, subnet="10.213.9")
-    try:
-        lab.setup()
+    with netlab_or_skip(REPLICAS + AGENTS, subnet="10.213.9") as lab:
         yield lab
-    finally:
-        errors = lab.cleanup()
-        assert not errors, f"could not delete namespaces: {errors}"
 
 
 @pytest.fixture

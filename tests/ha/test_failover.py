@@ -20,14 +20,13 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers.cluster import RANKS, Cluster, Ticks, managed
+from tests.helpers.cluster import RANKS, Ticks
 from tests.helpers.etcd import EtcdCluster
 from tests.helpers.ha import HAServers, Replica, elected_lease, fencing_violations, log_times
 from tests.helpers.procs import Proc, wait_until
@@ -36,17 +35,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ELECTED = r"elected leader \(term \d+"
 LOST = r"leadership lost: "
-
-
-@pytest.fixture
-def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    yield from managed(Cluster(tmp=tmp_path), request)
-
-
-@pytest.fixture
-def ha(etcd_cluster: EtcdCluster, cluster: Cluster) -> HAServers:
-    # etcd first: torn down last, after the cluster killed replicas and agents
-    return HAServers(cluster, etcd_cluster)
 
 
 def snapshot(view: dict[str, Any]) -> tuple[Any, ...]:

@@ -37,16 +37,14 @@ import os
 import random
 import time
 import urllib.error
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers.chaos import ChaosMonitor, check_the_end
-from tests.helpers.cluster import TRAIN, Cluster, managed
-from tests.helpers.etcd import EtcdCluster
+from tests.helpers.chaos import ChaosMonitor, agent_flags, check_the_end, draw_plan
+from tests.helpers.cluster import TRAIN
 from tests.helpers.ha import HAServers, Replica, fencing_violations
 from tests.helpers.procs import Proc, wait_healthy
 
@@ -64,17 +62,6 @@ NODES = 3
 JOB = "hachaos"
 HB_TIMEOUT = 6.0
 REASONS = ("connection lost", "no heartbeat", "worker failure", "scale-up", "left")
-
-
-@pytest.fixture
-def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    yield from managed(Cluster(tmp=tmp_path), request)
-
-
-@pytest.fixture
-def ha(etcd_cluster: EtcdCluster, cluster: Cluster) -> HAServers:
-    # etcd first: torn down last, after the cluster killed replicas and agents
-    return HAServers(cluster, etcd_cluster)
 
 
 @dataclass
@@ -131,9 +118,7 @@ def restart_replica(ha: HAServers, dead: Replica) -> Replica:
 def test_seeded_ha_chaos(ha: HAServers, tmp_path: Path) -> None:
     print(f"\n[ha chaos] seed {SEED} ({N_EVENTS} events; RDZV_CHAOS_SEED={SEED} reproduces this run)")
     rng = random.Random(SEED)
-    plan = list(KINDS) + [rng.choice(KINDS) for _ in range(max(0, N_EVENTS - len(KINDS)))]
-    rng.shuffle(plan)
-    plan = plan[:N_EVENTS]
+    plan = draw_plan(rng, KINDS, N_EVENTS)
 
     ha.start(3)
     ckpt = tmp_path / "ckpt"
@@ -158,17 +143,7 @@ def test_seeded_ha_chaos(ha: HAServers, tmp_path: Path) -> None:
             "2",
             nnodes=f"2:{NODES}",
             name=f"agent{n_agents}",
-            # as in tests/faults/test_chaos.py: a node's kill and its replacement land in one round
-            flags=(
-                "--heartbeat-timeout",
-                f"{HB_TIMEOUT:g}",
-                "--max-restarts",
-                "50",
-                "--scale-up-window",
-                "3",
-                "--storm-restarts",
-                "0",
-            ),
+            flags=agent_flags(HB_TIMEOUT),
         )
 
     live = [new_agent() for _ in range(NODES)]

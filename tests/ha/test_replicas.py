@@ -33,8 +33,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -42,26 +40,14 @@ import pytest
 
 from rdzv_server.protocol import AGENT_PATH, LEADER_HEADER
 from tests.api.conftest import Agent, join_msg
-from tests.helpers.cluster import Cluster, managed
+from tests.ha.conftest import Agents
 from tests.helpers.etcd import EtcdCluster, b64, unb64
-from tests.helpers.ha import HAServers, fencing_violations
+from tests.helpers.ha import LEASE_TTL_S, HAServers, fencing_violations
 from tests.helpers.procs import Server, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-TTL = 2.0  # the replicas' --etcd-lease-ttl
-
-
-@pytest.fixture
-def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    """The processes of the test (replicas); stopped by pid, logs printed on failure."""
-    yield from managed(Cluster(tmp=tmp_path), request)
-
-
-@pytest.fixture
-def ha(etcd_cluster: EtcdCluster, cluster: Cluster) -> HAServers:
-    # etcd first: torn down last, after the cluster killed the replicas
-    return HAServers(cluster, etcd_cluster, lease_ttl=int(TTL))
+TTL = float(LEASE_TTL_S)  # the replicas' --etcd-lease-ttl (tests/ha/conftest.py's ha)
 
 
 # ---------------------------------------------------------------- reading
@@ -143,35 +129,6 @@ def kill9(s: Server) -> None:
 # ------------------------------------------------------------ simulated agents
 
 
-class Agents:
-    """Simulated agents over real WebSockets (aiohttp) to a replica."""
-
-    def __init__(self) -> None:
-        self.session = aiohttp.ClientSession()
-        self.open: list[Agent] = []
-
-    async def connect(self, s: Server) -> Agent:
-        agent = Agent(await self.session.ws_connect(s.url + AGENT_PATH, timeout=aiohttp.ClientWSTimeout(ws_close=2)))
-        self.open.append(agent)
-        return agent
-
-    async def form(self, s: Server, job_id: str, nodes: list[str]) -> list[Agent]:
-        """Join ``nodes`` to a new job (nnodes n:n) and wait for their assignments."""
-        n = len(nodes)
-        agents = [await self.connect(s) for _ in nodes]
-        for agent, node in zip(agents, nodes):
-            await agent.send(join_msg(job_id, node, (n, n)))
-        for agent in agents:
-            await agent.expect("joined", timeout=10)
-            await agent.expect("assigned", timeout=10)
-        return agents
-
-    async def close(self) -> None:
-        for agent in self.open:
-            await agent.close()
-        await self.session.close()
-
-
 async def dropped(agent: Agent, timeout: float = 10.0) -> None:
     """The server closed the agent's connection (messages sent before the close are skipped)."""
     deadline = time.monotonic() + timeout
@@ -180,13 +137,6 @@ async def dropped(agent: Agent, timeout: float = 10.0) -> None:
         if frame.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED):
             return
         assert frame.type == aiohttp.WSMsgType.TEXT, frame
-
-
-@pytest.fixture
-async def agents() -> Any:
-    a = Agents()
-    yield a
-    await a.close()
 
 
 async def upgrade(s: Server) -> tuple[int, dict[str, str]]:

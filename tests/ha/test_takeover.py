@@ -15,16 +15,14 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.ha.test_replicas import Agents, leader_kv, lease_ttl
-from tests.helpers.cluster import Cluster, managed
+from tests.ha.conftest import Agents
+from tests.ha.test_replicas import fenced, leader_kv, lease_ttl
+from tests.helpers.cluster import Cluster
 from tests.helpers.etcd import EtcdCluster
-from tests.helpers.ha import HAServers, fencing_violations
+from tests.helpers.ha import HAServers
 from tests.helpers.procs import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -36,25 +34,9 @@ REVOKING = "refuses connections (its process is gone): revoking its lease"
 
 
 @pytest.fixture
-def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    yield from managed(Cluster(tmp=tmp_path), request)
-
-
-@pytest.fixture
 def ha(etcd_cluster: EtcdCluster, cluster: Cluster) -> HAServers:
+    """The replicas of tests/ha/conftest.py, with a 30 s lease."""
     return HAServers(cluster, etcd_cluster, lease_ttl=TTL)
-
-
-@pytest.fixture
-async def agents() -> Any:
-    a = Agents()
-    yield a
-    await a.close()
-
-
-def no_fencing_violations(ha: HAServers) -> None:
-    problems = fencing_violations(ha.events(), ha.prefix)
-    assert not problems, problems
 
 
 async def test_a_killed_leader_is_replaced_before_its_lease_expires(ha: HAServers) -> None:
@@ -73,7 +55,7 @@ async def test_a_killed_leader_is_replaced_before_its_lease_expires(ha: HAServer
     assert lease_ttl(ha.etcd, before["lease"]) == -1  # revoked, with TTL - took seconds left
     revokers = [r for r in ha.replicas if r is not old and REVOKING in r.text()]
     assert revokers, [r.text()[-1500:] for r in ha.replicas if r is not old]
-    no_fencing_violations(ha)
+    fenced(ha)
 
 
 async def test_a_frozen_leader_keeps_its_place(ha: HAServers) -> None:
@@ -122,4 +104,4 @@ async def test_a_stopped_leader_hands_over_itself(ha: HAServers, agents: Agents)
     ha.leader(exclude=(old,))
     assert "leadership handed over: lease revoked" in old.text(), old.text()[-2000:]
     assert [r.name for r in ha.replicas if REVOKING in r.text()] == []
-    no_fencing_violations(ha)
+    fenced(ha)

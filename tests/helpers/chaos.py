@@ -12,6 +12,7 @@ agents' own logs agree with what REST said about ranks."""
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,26 @@ from typing import Any
 
 from .cluster import assigned_ranks
 from .procs import Proc, wait_until
+
+
+def draw_plan(rng: random.Random, kinds: Sequence[str], n: int) -> list[str]:
+    """``n`` events in a seeded order: every kind once (when ``n`` allows), the rest drawn."""
+    plan = list(kinds) + [rng.choice(kinds) for _ in range(max(0, n - len(kinds)))]
+    rng.shuffle(plan)
+    return plan[:n]
+
+
+def agent_flags(heartbeat_timeout_s: float) -> tuple[str, ...]:
+    """The chaos runs' agent flags: a budget that kills never spend, a node's
+    kill and its replacement land in one round (the scale-up window), and
+    --storm-restarts 0: worker kills come faster than --min-round-s and
+    train_ddp.py reports no steps; chaos is not a restart storm."""
+    return (
+        "--heartbeat-timeout", f"{heartbeat_timeout_s:g}",
+        "--max-restarts", "50",
+        "--scale-up-window", "3",
+        "--storm-restarts", "0",
+    )  # fmt: skip
 
 
 @dataclass

@@ -10,8 +10,12 @@ import os
 import shutil
 import subprocess
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+import pytest
 
 _CLONE_NEWNET = 0x40000000
 
@@ -40,6 +44,23 @@ def netns_unavailable() -> str | None:
     finally:
         _ip("netns", "del", probe, check=False)
     return None
+
+
+@contextmanager
+def netlab_or_skip(n: int, **kw: str) -> Iterator[NetLab]:
+    """A set-up :class:`NetLab` of ``n`` nodes for one test, deleted after it
+    (fails the test if it cannot be); skips the test, saying why, where
+    namespaces cannot be made (not root, no iproute2)."""
+    why = netns_unavailable()
+    if why:
+        pytest.skip(why)
+    lab = NetLab(n, **kw)
+    try:
+        lab.setup()
+        yield lab
+    finally:
+        errors = lab.cleanup()
+        assert not errors, f"could not delete namespaces: {errors}"
 
 
 @dataclass
