@@ -221,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--job-secret",
         dest="job_secret",
         default=None,
-        help="the job's secret: the first node sets it, every other node must bring the same "
+        help="the job's secret (16-256 printable ASCII characters): the first node sets it, every other node "
+        "and the job id's next run must bring the same "
         "(default: $RDZV_JOB_SECRET, better than the flag, which other users see in ps)",
     )
     a(
