@@ -374,7 +374,7 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
                     break
                 continue
             counter.labels(msg.op).inc()
-            # a job secret: guessing it is slowed (rdzv_server.guesses); the right one never is refused
+            # a job secret: guessing it is slowed (rdzv_server.guesses); the right one is never refused
             held = guesses.hold(msg.job_id, chan.peer) if isinstance(msg, JoinMsg) and msg.job_secret else 0.0
             if held:
                 await asyncio.sleep(held)

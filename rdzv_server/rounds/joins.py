@@ -65,7 +65,7 @@ def _check_owner(job: Job, msg: JoinMsg) -> None:
     """A finished job's next run: an id whose last run had a job secret is
     owned by whoever knows that secret; a join without it (or with another) is
     refused and changes nothing. An id whose last run had none is anyone's (as
-    any new job id is). The owner may change every setting, the secret too."""
+    any new job id is). The owner may change every other setting."""
     if job.secret_hash is None:
         return
     if msg.job_secret is not None and hmac.compare_digest(job.secret_hash, job_secret_hash(job.job_id, msg.job_secret)):
