@@ -33,12 +33,11 @@ from rdzv_server.wire import (  # not protocol: no pydantic before the first joi
     DEFAULT_STRAGGLER_POLICY,
     DEFAULT_STRAGGLER_WINDOW_S,
     HOST_PATTERN,
-    MAX_SECRET_LEN,
     RESTART_MODES,
-    SECRET_PATTERN,
     STRAGGLER_POLICIES,
     check_spec,
     is_valid_id,
+    job_secret_problem,
 )
 
 from .client import parse_endpoints
@@ -222,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--job-secret",
         dest="job_secret",
         default=None,
-        help="the job's secret: the first node sets it, every other node must bring the same "
+        help="the job's secret (16-256 printable ASCII characters): the first node sets it, every other node "
+        "and the job id's next run must bring the same "
         "(default: $RDZV_JOB_SECRET, better than the flag, which other users see in ps)",
     )
     a(
@@ -624,10 +624,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         raise UsageError(str(e)) from None
     node_rank = int(args.node_rank) if args.node_rank is not None else None
     job_secret = args.job_secret if args.job_secret is not None else os.environ.get("RDZV_JOB_SECRET") or None
-    if job_secret is not None and not re.fullmatch(SECRET_PATTERN, job_secret):
-        raise UsageError(
-            f"the job secret (--job-secret or RDZV_JOB_SECRET) must be 1-{MAX_SECRET_LEN} printable ASCII characters"
-        )
+    if job_secret is not None and (why := job_secret_problem(job_secret)):
+        raise UsageError(f"the job secret (--job-secret or RDZV_JOB_SECRET) {why}")
     try:
         spec_check = check_spec(
             min_nodes=min_nodes,

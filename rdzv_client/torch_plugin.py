@@ -52,7 +52,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import socket
 import sys
 import threading
@@ -82,8 +81,6 @@ from rdzv_server.protocol import (
     MAX_ERROR_MESSAGE,
     MAX_FAILURES_PER_REPORT,
     MAX_RESTARTS,
-    MAX_SECRET_LEN,
-    SECRET_PATTERN,
     AckMsg,
     AssignedMsg,
     Assignment,
@@ -101,6 +98,7 @@ from rdzv_server.protocol import (
     StatusMsg,
     heartbeat_interval,
     is_valid_id,
+    job_secret_problem,
     printable,
 )
 from rdzv_server.tasks import cancel_and_wait
@@ -136,11 +134,8 @@ class RdzvRendezvousHandler(RendezvousHandler):
         _, host, port = parse_endpoint(self.endpoints.urls[0])
         self.token = params.get("token") or os.environ.get("RDZV_TOKEN") or None
         self.job_secret = params.get("job_secret") or os.environ.get("RDZV_JOB_SECRET") or None
-        if self.job_secret is not None and not re.fullmatch(SECRET_PATTERN, self.job_secret):
-            raise ValueError(
-                f"rdzv: the job secret (--rdzv-conf job_secret=... or RDZV_JOB_SECRET) must be "
-                f"1-{MAX_SECRET_LEN} printable ASCII characters"
-            )
+        if self.job_secret is not None and (why := job_secret_problem(self.job_secret)):
+            raise ValueError(f"rdzv: the job secret (--rdzv-conf job_secret=... or RDZV_JOB_SECRET) {why}")
         # torchrun's workers inherit this process's environment: the credentials stay with us
         for name in WITHHELD_FROM_WORKERS:
             os.environ.pop(name, None)

@@ -19,9 +19,10 @@ from . import __version__, handlers, sse, ui
 from .audit import Audit
 from .cursors import MAX_CURSOR_LEN
 from .events import DEFAULT_MAX_STREAMS, DEFAULT_QUEUE, DEFAULT_RING, EventLog
+from .guesses import GuessThrottle
 from .ha import HASettings
 from .hosts import HostRules
-from .keys import AUDIT, EVENTS, EVENTS_KEEPALIVE, JOIN_DEADLINE, METRICS, OPENAPI, STORE, THROTTLE, TOKEN
+from .keys import AUDIT, EVENTS, EVENTS_KEEPALIVE, GUESSES, JOIN_DEADLINE, METRICS, OPENAPI, STORE, THROTTLE, TOKEN
 from .metrics import Metrics
 from .protocol import (
     AGENT_PATH,
@@ -415,6 +416,7 @@ def create_app(settings: Settings | None = None) -> web.Application:
     app[OPENAPI] = openapi_document()
     app[AUDIT] = Audit()
     app[THROTTLE] = AuthThrottle()
+    app[GUESSES] = GuessThrottle()
     app[EVENTS] = events
     app[EVENTS_KEEPALIVE] = settings.event_keepalive_s
     app.on_shutdown.append(_end_streams)

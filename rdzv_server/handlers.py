@@ -15,7 +15,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from pydantic import BaseModel, ValidationError
 
 from .conns import LogLimiter
-from .keys import AUDIT, JOIN_DEADLINE, METRICS, OPENAPI, STORE
+from .keys import AUDIT, GUESSES, JOIN_DEADLINE, METRICS, OPENAPI, STORE
 from .logs import Line
 from .metrics import CONTENT_TYPE_LATEST
 from .protocol import (
@@ -37,6 +37,7 @@ from .protocol import (
     HeartbeatMsg,
     HostList,
     JobList,
+    JobSecretMismatchError,
     JobState,
     JoinMsg,
     LeaveMsg,
@@ -330,6 +331,7 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
     A connection that has not joined (yet, or since it left) within the join
     deadline is closed."""
     store = request.app[STORE]
+    guesses = request.app[GUESSES]
     counter = request.app[METRICS].agent_messages
     join_deadline = request.app[JOIN_DEADLINE]
     ws = web.WebSocketResponse(max_msg_size=MAX_BODY_BYTES, autoping=True, heartbeat=None)
@@ -372,6 +374,12 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
                     break
                 continue
             counter.labels(msg.op).inc()
+            # a job secret: guessing it is slowed (rdzv_server.guesses); the right one is never refused
+            held = guesses.hold(msg.job_id, chan.peer) if isinstance(msg, JoinMsg) and msg.job_secret else 0.0
+            if held:
+                await asyncio.sleep(held)
+                if not store.serving:
+                    break
             try:
                 now_bound = _dispatch(store, msg, bound, chan)
             except RdzvError as e:
@@ -381,6 +389,11 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
                         f"join refused: job {msg.job_id} node {msg.node_id} from "
                         f"{printable(request.remote)}: {e.code.value}: {e.message}",
                     )
+                    if msg.job_secret and isinstance(e, JobSecretMismatchError):
+                        guesses.wrong(msg.job_id, chan.peer)
+                        if held:  # one guess per connection while slowed
+                            chan.tell(ErrorMsg(code=e.code, message=f"{e.message} ({guesses.why})"))
+                            break
                 if not chan.refuse(ErrorMsg(code=e.code, message=e.message)):
                     break
                 continue

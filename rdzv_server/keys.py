@@ -4,6 +4,7 @@ from aiohttp import web
 
 from .audit import Audit
 from .events import EventLog
+from .guesses import GuessThrottle
 from .metrics import Metrics
 from .store import Store
 from .throttle import AuthThrottle
@@ -17,3 +18,4 @@ AUDIT = web.AppKey("audit", Audit)
 EVENTS = web.AppKey("events", EventLog)  # the event log behind /v1/events
 EVENTS_KEEPALIVE = web.AppKey("events_keepalive", float)  # seconds between keep-alive comments on a quiet stream
 THROTTLE = web.AppKey("throttle", AuthThrottle)  # wrong tokens per client address (429 past the limit)
+GUESSES = web.AppKey("guesses", GuessThrottle)  # wrong job secrets per job id and address (joins slowed past the limit)

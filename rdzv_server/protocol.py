@@ -104,9 +104,11 @@ from .wire import (  # noqa: F401  (re-exported: the wire contract is one import
     MAX_RESTARTS,
     MAX_SECRET_LEN,
     MAX_TIMEOUT_S,
+    MIN_JOB_SECRET_LEN,
     SECRET_PATTERN,
     heartbeat_every,
     is_valid_id,
+    job_secret_problem,
     printable,
 )
 
@@ -128,6 +130,7 @@ RunNo = Annotated[int, Field(ge=1, le=2**53)]
 Seconds = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)]
 # Node and job secrets: printable ASCII, never shown in a repr (logs, tracebacks).
 Secret = Annotated[str, Field(min_length=1, max_length=MAX_SECRET_LEN, pattern=SECRET_PATTERN)]
+JobSecret = Annotated[str, Field(min_length=MIN_JOB_SECRET_LEN, max_length=MAX_SECRET_LEN, pattern=SECRET_PATTERN)]
 
 
 # ------------------------------------------------------------------ job spec
@@ -230,8 +233,10 @@ class JoinMsg(_Strict):
 
     ``node_secret``: what the server's ``joined`` handed this node id when it
     created it; every later join naming that node id must carry it.
-    ``job_secret``: optional; the first join of a job sets it, every later
-    join must carry the same one (a job created without one refuses it).
+    ``job_secret``: optional (at least ``MIN_JOB_SECRET_LEN`` characters);
+    the first join of a job sets it, every later join must carry the same one
+    (a job created without one refuses it), and so must a join that starts
+    the id's next run (the id is owned: design.md "Job lifecycle").
     ``run``: set by an agent once a ``joined`` told it its run; a join of
     another run than the job's, or any but a fresh join to a finished job, is
     told ``job_finished``; ``new_run`` false makes every join to a finished
@@ -248,7 +253,7 @@ class JoinMsg(_Strict):
     requested_rank: int | None = Field(default=None, ge=0, lt=MAX_NODES)
     resume_round: RoundNo | None = None
     node_secret: Secret | None = Field(default=None, repr=False)
-    job_secret: Secret | None = Field(default=None, repr=False)
+    job_secret: JobSecret | None = Field(default=None, repr=False)
     # the run of the job this agent belongs to (its first ``joined`` said it); None: a
     # fresh agent, which starts the next run of a finished job (design.md "Job lifecycle")
     run: RunNo | None = None

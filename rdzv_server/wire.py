@@ -39,6 +39,9 @@ HOST_PATTERN = r"^[A-Za-z0-9._:\[\]%-]+$"
 # Node and job secrets: printable ASCII, never shown in a repr (logs, tracebacks).
 SECRET_PATTERN = r"^[\x20-\x7e]+$"
 MAX_SECRET_LEN = 256
+# A job secret guards a job id (and owns it for its next runs): at least this long,
+# so that guessing it is hopeless (e.g. `openssl rand -hex 16`, 32 characters).
+MIN_JOB_SECRET_LEN = 16
 
 DEFAULT_LAST_CALL_S = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT_S = 6.0
@@ -199,3 +202,16 @@ def join_fields(
         "run": run,
         "new_run": new_run,
     }
+
+
+def job_secret_problem(secret: str) -> str | None:
+    """What is wrong with ``secret`` as a job secret (None: nothing); the
+    agent and the torchrun plugin refuse it at start, the server's ``JoinMsg``
+    with ``validation_error``."""
+    if MIN_JOB_SECRET_LEN <= len(secret) <= MAX_SECRET_LEN and re.fullmatch(SECRET_PATTERN, secret):
+        return None
+    odd = "" if re.fullmatch(SECRET_PATTERN, secret) else ", not all printable ASCII"
+    return (
+        f"must be {MIN_JOB_SECRET_LEN}-{MAX_SECRET_LEN} printable ASCII characters "
+        f"(this one has {len(secret)} characters{odd}; make one with `openssl rand -hex 16`)"
+    )

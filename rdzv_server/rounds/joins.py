@@ -3,9 +3,9 @@
 assignment.
 
 Order of checks: the run (a late agent of a finished or earlier run is told
-``job_finished``; a fresh join to a finished job starts its next run), the job
-secret, the whole spec, and for a known node its node secret; only then does
-anything change."""
+``job_finished``; a fresh join to a finished job starts its next run if it
+owns the id: :func:`_check_owner`), the job secret, the whole spec, and for a
+known node its node secret; only then does anything change."""
 
 from __future__ import annotations
 
@@ -59,6 +59,23 @@ def _check_job_secret(job: Job, msg: JoinMsg) -> None:
         )
     if not hmac.compare_digest(job.secret_hash, job_secret_hash(job.job_id, msg.job_secret)):
         raise JobSecretMismatchError(f"wrong job secret for job {job.job_id!r}")
+
+
+def _check_owner(job: Job, msg: JoinMsg) -> None:
+    """A finished job's next run: an id whose last run had a job secret is
+    owned by whoever knows that secret; a join without it (or with another) is
+    refused and changes nothing. An id whose last run had none is anyone's (as
+    any new job id is). The owner may change every other setting."""
+    if job.secret_hash is None:
+        return
+    if msg.job_secret is not None and hmac.compare_digest(job.secret_hash, job_secret_hash(job.job_id, msg.job_secret)):
+        return
+    raise JobSecretMismatchError(
+        f"job id {job.job_id!r} is owned by its run {job.run} ({job.state.value}), which had a job secret; "
+        f"this join brings {'another' if msg.job_secret is not None else 'none'}: a new run of this id needs "
+        "the same job secret (--job-secret or RDZV_JOB_SECRET), or an operator's "
+        f"`rdzv delete {job.job_id}` releases the id; or pick another job id"
+    )
 
 
 def _show(value: object) -> str:
@@ -145,6 +162,7 @@ def join(job: Job, msg: JoinMsg, now: float, node_secret: str | None = None) -> 
     (the forming round, a scale-up, or a spare)."""
     _check_run(job, msg)
     if job.finished:  # a fresh agent: the job id's next run, with this join's settings
+        _check_owner(job, msg)
         new_run(job, msg.spec, now, msg.job_secret)
         started = join(job, msg, now, node_secret)  # (once: the job is not finished any more)
         started.persist = True

@@ -97,7 +97,7 @@ async def test_a_new_run_takes_the_settings_and_job_secret_of_its_first_join(cli
     await client.post("/v1/jobs/recfg/close")
     assert (await until(agents[0], "done")).state == "closed"
     other = await connect()
-    await other.send(join_msg("recfg", "x", nnodes=(1, 2), job_secret="s2"))
+    await other.send(join_msg("recfg", "x", nnodes=(1, 2), job_secret="run-2-secret-0123456789"))
     assert (await other.expect("joined")).run == 2
     view = await get_json(client, "/v1/jobs/recfg")
     assert (view["run"], view["min_nodes"], view["max_nodes"]) == (2, 1, 2), view

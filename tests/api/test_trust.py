@@ -136,7 +136,7 @@ async def test_job_secret_guards_a_job(client, connect, caplog, tmp_path):
     and the secret shows nowhere; the right secret joins."""
     caplog.set_level(logging.DEBUG)
     first = await connect()
-    await first.send(join_msg("guarded", "node1", job_secret="team-s3cret"))
+    await first.send(join_msg("guarded", "node1", job_secret="team-s3cret-0123456789"))
     await first.expect("joined")
     plain = await connect()
     await plain.send(join_msg("open", "node1"))
@@ -145,36 +145,37 @@ async def test_job_secret_guards_a_job(client, connect, caplog, tmp_path):
     squatter = await connect()
     await squatter.send(join_msg("guarded", "node2"))
     assert "requires a job secret" in await expect_error(squatter, "job_secret_mismatch")
-    await squatter.send(join_msg("guarded", "node2", job_secret="guess"))
+    await squatter.send(join_msg("guarded", "node2", job_secret="guess-0123456789abcdef"))
     assert "wrong job secret" in await expect_error(squatter, "job_secret_mismatch")
-    await squatter.send(join_msg("open", "node2", job_secret="team-s3cret"))
+    await squatter.send(join_msg("open", "node2", job_secret="team-s3cret-0123456789"))
     assert "created without a job secret" in await expect_error(squatter, "job_secret_mismatch")
-    await squatter.send(join_msg("guarded", "node1", job_secret="guess"))  # a known node: the job secret first
+    # a known node: the job secret first
+    await squatter.send(join_msg("guarded", "node1", job_secret="guess-0123456789abcdef"))
     await expect_error(squatter, "job_secret_mismatch")
     assert await snapshot(client) == before
     second = await connect()
-    await second.send(join_msg("guarded", "node2", job_secret="team-s3cret"))
+    await second.send(join_msg("guarded", "node2", job_secret="team-s3cret-0123456789"))
     await second.expect("joined")
     assert (await second.expect("assigned")).assignment.world_size == 2
     texts = [await (await client.get(p)).text() for p in ("/v1/jobs", "/v1/jobs/guarded", "/metrics")]
-    assert not any("team-s3cret" in t for t in texts + server_lines(caplog))
+    assert not any("team-s3cret-0123456789" in t for t in texts + server_lines(caplog))
 
 
 async def test_job_secret_is_kept_on_disk_as_a_hash(make_client, connect, tmp_path):
     """A job secret outlives a restart (still required) and is not in the database in the clear."""
     first = await make_client(Settings(data_dir=tmp_path))
     agent = await connect(on=first)
-    await agent.send(join_msg("kept", "node1", job_secret="team-s3cret"))
+    await agent.send(join_msg("kept", "node1", job_secret="team-s3cret-0123456789"))
     await agent.expect("joined")
     await first.close()
     raw = (tmp_path / "rdzv.db").read_bytes() + b"".join(p.read_bytes() for p in tmp_path.glob("rdzv.db-*"))
-    assert b"team-s3cret" not in raw
+    assert b"team-s3cret-0123456789" not in raw
     second = await make_client(Settings(data_dir=tmp_path))
     squatter = await connect(on=second)
     await squatter.send(join_msg("kept", "node2"))
     await expect_error(squatter, "job_secret_mismatch")
     member = await connect(on=second)
-    await member.send(join_msg("kept", "node2", job_secret="team-s3cret"))
+    await member.send(join_msg("kept", "node2", job_secret="team-s3cret-0123456789"))
     await member.expect("joined")
 
 

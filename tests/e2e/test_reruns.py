@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +105,30 @@ def test_torchruns_default_job_id_runs_twice_under_the_plugin(rig: Rig) -> None:
         view = rig.wait_job("none", lambda v: v["state"] == "succeeded", 10, f"run {run} succeeded")
         assert view["run"] == run, view
     assert [(r["run"], r["state"]) for r in view["runs"]] == [(1, "succeeded")], view["runs"]
+
+
+@pytest.mark.timeout(150)
+def test_an_owned_job_id_reruns_only_with_its_job_secret(cluster: Cluster) -> None:
+    """Issue 19 item 3: run 1 of "nightly" had a job secret. A stranger's agent
+    (no secret, or its own) exits 2 at once saying how the id is reused, and
+    the job still shows run 1; the team's same command starts run 2."""
+    server = cluster.start_server()
+    owner = {"RDZV_JOB_SECRET": "team-nightly-0123456789"}
+    args = ("loop.py", "--steps", "3")
+    first = cluster.start_agent(server, "nightly", *args, nnodes="1", env=owner)
+    assert first.wait_exit(60) == 0, first.text()[-3000:]
+    server.wait_job("nightly", lambda v: v["state"] == "succeeded", 10, "run 1 succeeded")
+    base = ["--endpoint", server.endpoint, "--job-id", "nightly", "--local-addr", "127.0.0.1", "--nnodes", "1:2"]
+    script = str(Path(__file__).parent / "scripts" / "loop.py")
+    for env in ({}, {"RDZV_JOB_SECRET": "stranger-0123456789abc"}):
+        proc = cluster.run_agent(*base, script, env=env)
+        assert proc.returncode == 2, (env, proc.stderr[-3000:])
+        errors = [line for line in proc.stderr.splitlines() if "error" in line]
+        assert len(errors) == 1 and "owned by its run 1" in errors[0], proc.stderr[-3000:]
+        assert "rdzv delete nightly" in errors[0] and "team-nightly" not in proc.stderr, errors
+    view = server.job("nightly")
+    assert (view["run"], view["state"]) == (1, "succeeded"), view
+    second = cluster.start_agent(server, "nightly", *args, nnodes="1", env=owner)
+    assert second.wait_exit(60) == 0, second.text()[-3000:]
+    view = server.wait_job("nightly", lambda v: v["state"] == "succeeded", 10, "run 2 succeeded")
+    assert view["run"] == 2 and [(r["run"], r["state"]) for r in view["runs"]] == [(1, "succeeded")], view

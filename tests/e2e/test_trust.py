@@ -104,7 +104,9 @@ def test_job_secret_and_spec_guard_a_job_and_workers_see_neither_secret(cluster:
     script = str(Path(__file__).parent / "scripts" / "env_dump.py")
     refused = {
         "no secret": cluster.run_agent(*base, script, str(out), env={"RDZV_TOKEN": token}),
-        "other secret": cluster.run_agent(*base, "--job-secret", "guess", script, str(out), env={"RDZV_TOKEN": token}),
+        "other secret": cluster.run_agent(
+            *base, "--job-secret", "guess-0123456789abcdef", script, str(out), env={"RDZV_TOKEN": token}
+        ),
         "other max-restarts": cluster.run_agent(*base, "--max-restarts", "0", script, str(out), env=env),
     }
     expected = {

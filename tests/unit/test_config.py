@@ -444,7 +444,7 @@ def test_standalone_is_one_node_with_its_own_server() -> None:
         ("PET_LOCAL_ADDR", "10.9.8.7", "local_addr", "10.9.8.7"),
         ("PET_LOCAL_RANKS_FILTER", "0", "local_ranks_filter", {0}),
         ("RDZV_TOKEN", "tok", "token", "tok"),
-        ("RDZV_JOB_SECRET", "sec", "job_secret", "sec"),
+        ("RDZV_JOB_SECRET", "sec-0123456789abcdef", "job_secret", "sec-0123456789abcdef"),
         ("RDZV_SERVER_TIMEOUT", "42", "server_timeout_s", 42.0),
     ],
 )

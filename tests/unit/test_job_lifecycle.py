@@ -16,6 +16,7 @@ from rdzv_server.protocol import (
     ExitRecord,
     FailedMsg,
     JobFinishedError,
+    JobSecretMismatchError,
     JobSpec,
     JobState,
     JoinedMsg,
@@ -179,6 +180,42 @@ def test_a_fresh_join_to_a_finished_job_starts_the_next_run(how):
     assert (prev.started_at, prev.ended_at) == (0.0, 2.0)
     rounds.tick(job, 11.0)  # last call
     assert job.state == JobState.RUNNING and job.run_started_at == 10.0
+
+
+OWNER = "team-secret-0123456789"  # job secrets are at least 16 characters
+
+
+@pytest.mark.parametrize("how", ["succeed", "fail", "close"])
+@pytest.mark.parametrize("stranger", [{}, {"job_secret": "stranger-secret-0123"}])
+def test_a_finished_job_with_a_secret_is_owned_a_stranger_cannot_start_its_next_run(how, stranger):
+    """Issue 19 item 3: the last run had a job secret, so the id is owned by
+    whoever knows it. A fresh join without it, or with another, is refused
+    (saying how to reuse the id) and changes nothing: the job still shows the
+    ended run. The owner then starts run 2, with other settings if it likes."""
+    sp = spec(min_nodes=1, max_nodes=2)
+    job = rounds.new_job("j", sp, 0.0, job_secret=OWNER)
+    rounds.join(job, join_msg("a", sp, job_secret=OWNER), 0.0)
+    rounds.tick(job, 1.0)
+    finish(job, how, 2.0)
+    before = record(job)
+    with pytest.raises(JobSecretMismatchError, match="owned by its run 1.*same job secret.*rdzv delete j"):
+        rounds.join(job, join_msg("x", spec(min_nodes=1, max_nodes=1), **stranger), 3.0)
+    assert record(job) == before and job.run == 1 and job.finished
+    sp2 = spec(min_nodes=1, max_nodes=3)  # the owner may change the settings
+    fx = rounds.join(job, join_msg("y", sp2, job_secret=OWNER), 4.0)
+    assert job.run == 2 and job.state == JobState.WAITING and job.spec == sp2
+    assert sent(fx, JoinedMsg)["y"].run == 2 and fx.persist
+    assert job.secret_hash == rounds.job_secret_hash("j", OWNER)
+
+
+def test_a_finished_job_without_a_secret_is_anyones_next_run():
+    """No job secret: as before, any fresh join starts the next run, a secret
+    it brings becomes the new run's (and owns the id from then on)."""
+    sp = spec(min_nodes=1, max_nodes=1)
+    job = form(["a"], sp)
+    finish(job, "succeed", 2.0)
+    rounds.join(job, join_msg("x", sp, job_secret=OWNER), 3.0)
+    assert job.run == 2 and job.secret_hash == rounds.job_secret_hash("j", OWNER)
 
 
 @pytest.mark.parametrize(

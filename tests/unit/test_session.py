@@ -53,7 +53,7 @@ def session() -> NodeSession:
         nproc=2,
         spec=JobSpec(min_nodes=1, max_nodes=2),
         addr="127.0.0.1",
-        job_secret="s3cret",
+        job_secret="s3cret-0123456789abcdef",
         requested_rank=1,
     )
     s.link = RecordingLink()
@@ -72,7 +72,7 @@ def test_join_builds_a_fresh_join_and_forgets_the_round(session: NodeSession) ->
         2,
         1,
     )
-    assert msg.resume_round is None and msg.job_secret == "s3cret" and 0 < msg.master_port < 65536
+    assert msg.resume_round is None and msg.job_secret == "s3cret-0123456789abcdef" and 0 < msg.master_port < 65536
 
 
 def test_resume_keeps_the_round_and_its_master_port_without_sending(session: NodeSession) -> None:

@@ -126,3 +126,13 @@ def test_importing_the_plugin_before_torchs_registry_still_registers_it() -> Non
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "True", out.stderr[-2000:]
+
+
+def test_a_short_job_secret_is_refused_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 19 item 7: a job secret is at least 16 characters (from --rdzv-conf or the environment)."""
+    with pytest.raises(ValueError, match=r"job secret .*must be 16-256 printable ASCII characters \(this one has 3"):
+        handler(job_secret="abc")
+    monkeypatch.setenv("RDZV_JOB_SECRET", "0123456789abcde")
+    with pytest.raises(ValueError, match="this one has 15"):
+        handler()
+    assert handler(job_secret="0123456789abcdef").job_secret == "0123456789abcdef"

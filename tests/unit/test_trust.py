@@ -123,16 +123,16 @@ def test_every_spec_field_must_match(field, value):
 def test_job_secret_is_set_by_the_first_join_and_required_after():
     """A job created with a secret refuses joins without it or with another,
     saying which; the right one joins; the record holds only a hash."""
-    job = rounds.new_job("j", spec(), 0.0, job_secret="team-secret")
-    _join(job, "a", 0.0, job_secret="team-secret")
+    job = rounds.new_job("j", spec(), 0.0, job_secret="team-secret-0123456789")
+    _join(job, "a", 0.0, job_secret="team-secret-0123456789")
     before = record(job)
     with pytest.raises(JobSecretMismatchError, match="requires a job secret"):
         _join(job, "b", 0.1)
     with pytest.raises(JobSecretMismatchError, match="wrong job secret"):
-        _join(job, "b", 0.1, job_secret="guess")
+        _join(job, "b", 0.1, job_secret="guess-0123456789abcdef")
     assert record(job) == before
-    _join(job, "b", 0.2, job_secret="team-secret")
-    assert "team-secret" not in json.dumps(rounds.to_record(job))
+    _join(job, "b", 0.2, job_secret="team-secret-0123456789")
+    assert "team-secret-0123456789" not in json.dumps(rounds.to_record(job))
     assert rounds.from_record(json.loads(json.dumps(rounds.to_record(job)))).secret_hash == job.secret_hash
 
 
@@ -142,14 +142,14 @@ def test_a_job_without_a_secret_refuses_a_join_that_brings_one():
     _join(job, "a", 0.0)
     before = record(job)
     with pytest.raises(JobSecretMismatchError, match="was created without a job secret"):
-        _join(job, "b", 0.1, job_secret="mine")
+        _join(job, "b", 0.1, job_secret="mine-0123456789abcdef")
     assert record(job) == before
 
 
 def test_same_job_secret_in_another_job_hashes_differently():
     """The stored hash depends on the job id: equal secrets of two jobs do not show as equal hashes."""
-    one = rounds.new_job("j1", spec(), 0.0, job_secret="same")
-    two = rounds.new_job("j2", spec(), 0.0, job_secret="same")
+    one = rounds.new_job("j1", spec(), 0.0, job_secret="same-0123456789abcdef")
+    two = rounds.new_job("j2", spec(), 0.0, job_secret="same-0123456789abcdef")
     assert one.secret_hash and two.secret_hash and one.secret_hash != two.secret_hash
 
 
@@ -247,17 +247,25 @@ def test_worker_env_withholds_the_agents_credentials():
 
 
 def test_agent_job_secret_from_flag_or_environment(monkeypatch):
-    """--job-secret, else $RDZV_JOB_SECRET; a secret that is not printable ASCII is a usage error;
-    the config's repr never shows it."""
+    """--job-secret, else $RDZV_JOB_SECRET; a secret that is not printable ASCII, or shorter
+    than 16 characters, is a usage error; the config's repr never shows it."""
     from rdzv_client.agent import UsageError, build_parser, config_from_args
 
     argv = ["--endpoint", "127.0.0.1:1", "--job-id", "j", "train.py"]
-    monkeypatch.setenv("RDZV_JOB_SECRET", "from-env")
-    assert config_from_args(build_parser().parse_args(argv)).job_secret == "from-env"
-    cfg = config_from_args(build_parser().parse_args(["--job-secret", "from-flag", *argv]))
-    assert cfg.job_secret == "from-flag" and "from-flag" not in repr(cfg)
-    monkeypatch.setenv("RDZV_JOB_SECRET", "two\nlines")
+    monkeypatch.setenv("RDZV_JOB_SECRET", "from-env-0123456789")
+    assert config_from_args(build_parser().parse_args(argv)).job_secret == "from-env-0123456789"
+    cfg = config_from_args(build_parser().parse_args(["--job-secret", "from-flag-0123456789", *argv]))
+    assert cfg.job_secret == "from-flag-0123456789" and "from-flag" not in repr(cfg)
+    monkeypatch.setenv("RDZV_JOB_SECRET", "two\nlines-0123456789")
     with pytest.raises(UsageError, match="job secret"):
         config_from_args(build_parser().parse_args(argv))
+    for short in ("x", "s3cret", "0123456789abcde"):  # 15 characters: one too few
+        monkeypatch.setenv("RDZV_JOB_SECRET", short)
+        with pytest.raises(UsageError, match=f"must be 16-256 printable ASCII characters \\(this one has {len(short)}"):
+            config_from_args(build_parser().parse_args(argv))
+        with pytest.raises(UsageError, match="must be 16"):
+            config_from_args(build_parser().parse_args(["--job-secret", short, *argv]))
+    monkeypatch.setenv("RDZV_JOB_SECRET", "0123456789abcdef")  # 16: enough
+    assert config_from_args(build_parser().parse_args(argv)).job_secret == "0123456789abcdef"
     monkeypatch.delenv("RDZV_JOB_SECRET")
     assert config_from_args(build_parser().parse_args(argv)).job_secret is None

@@ -92,7 +92,10 @@ def test_a_refused_spec_names_the_field() -> None:
 
 def test_join_fields_is_joinmsg_field_for_field() -> None:
     spec = check_spec(min_nodes=1, max_nodes=4, max_restarts=0, last_call_s=2, join_timeout_s=30)
-    for extra in ({}, {"requested_rank": 3, "resume_round": 7, "node_secret": "n s", "job_secret": "j"}):
+    for extra in (
+        {},
+        {"requested_rank": 3, "resume_round": 7, "node_secret": "n s", "job_secret": "j 0123456789abcdef"},
+    ):
         plain = join_fields(
             job_id="job-1",
             node_id="h-1-abc",
@@ -136,7 +139,7 @@ def test_the_agents_first_join_is_a_valid_joinmsg() -> None:
                 "--node-rank",
                 "1",
                 "--job-secret",
-                "sec",
+                "sec-0123456789abcdef",
                 "true",
             ]
         )
@@ -152,7 +155,12 @@ def test_the_agents_first_join_is_a_valid_joinmsg() -> None:
     )
     msg = JoinMsg.model_validate_json(json.dumps(s.join_msg()))
     assert msg.spec == cfg.spec() == JobSpec(min_nodes=1, max_nodes=3, max_restarts=2, last_call_s=0.25)
-    assert (msg.host, msg.requested_rank, msg.job_secret, msg.resume_round) == ("my-host", 1, "sec", None)
+    assert (msg.host, msg.requested_rank, msg.job_secret, msg.resume_round) == (
+        "my-host",
+        1,
+        "sec-0123456789abcdef",
+        None,
+    )
 
 
 def test_the_agent_imports_neither_pydantic_nor_aiohttp_before_its_join(tmp_path) -> None:
@@ -171,3 +179,21 @@ def test_the_agent_imports_neither_pydantic_nor_aiohttp_before_its_join(tmp_path
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_job_secret_is_16_to_256_printable_characters_in_one_place() -> None:
+    """Issue 19 item 7: the agent's check (job_secret_problem) and the server's JoinMsg agree."""
+    from pydantic import ValidationError
+
+    from rdzv_server.wire import MIN_JOB_SECRET_LEN, job_secret_problem
+
+    base = dict(job_id="j", node_id="n", host="h", addr="127.0.0.1", local_world_size=1, master_port=1)
+    for secret in ("", "x", "a" * (MIN_JOB_SECRET_LEN - 1), "a" * 257, "tab\there-0123456789", "é" * 20):
+        assert job_secret_problem(secret), secret
+        with pytest.raises(ValidationError, match="job_secret"):
+            JoinMsg(**base, spec=JobSpec(min_nodes=1, max_nodes=1), job_secret=secret)
+    for secret in ("a" * MIN_JOB_SECRET_LEN, "a" * 256, "with spaces and ~ 0123"):
+        assert job_secret_problem(secret) is None
+        assert JoinMsg(**base, spec=JobSpec(min_nodes=1, max_nodes=1), job_secret=secret).job_secret == secret
+    # a node secret (issued by the server) keeps its own rule
+    assert JoinMsg(**base, spec=JobSpec(min_nodes=1, max_nodes=1), node_secret="n").node_secret == "n"
