@@ -12,7 +12,8 @@ crash of the bench. While an attack runs, a separate process polls
 ``/healthz`` (one request at a time, each on a new connection, 20 ms apart) and
 a thread samples the server's VmRSS (/proc/PID/status) every 20 ms.
 
-The probes (bench/hostile_probes.py; row 9's fake servers: bench/hostile_fakes.py):
+The probes (1-3, 10: bench/hostile_probes.py; 4-8: bench/hostile_access.py; 9 and its
+fake servers: bench/hostile_fakes.py):
 
 1. failure loop: one joined client loops ``failed`` reports (8 exit records
    of 4-byte characters, as big as a frame allows) for S seconds;
@@ -31,10 +32,13 @@ The probes (bench/hostile_probes.py; row 9's fake servers: bench/hostile_fakes.p
 7. slots: ``--max-connections 300`` held by 300 joined WebSockets of one
    address, then a real join from another; 1,000 event streams that never
    read, then a dashboard's stream;
-8. throttle: 20 wrong tokens from 127.0.0.1, then the right one;
+8. throttle: job-secret guesses a token holder makes in a few seconds
+   (reconnecting when closed for errors); 20 wrong tokens from 127.0.0.1,
+   then the right one; whether a 1-character ``--token`` is taken;
 9. broken servers: a real ``rdzv-agent --server-timeout 5`` against fake
    servers that close after the upgrade, never answer the join, or answer
-   ``unavailable``: does it exit within 10 s;
+   ``unavailable``: does it exit within 10 s (and, not judged: how often it
+   rejoins a server that answers every join with ``evicted``);
 10. heartbeat flood: one joined client sends heartbeat frames as fast as it
     can for S seconds: server CPU and ``/healthz``.
 
@@ -52,6 +56,7 @@ import asyncio
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -69,6 +74,7 @@ TARGET_RSS_MB = 300.0
 TARGET_HEALTHZ_P99_S = 0.100
 OTHER_ADDR = "127.0.0.2"  # "another client": loopback, but not the attacker's address
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+ANSWER_S = 10.0  # how long the bench waits for any one answer
 
 
 @dataclass
@@ -262,6 +268,20 @@ def session(local_addr: str | None = None, **kw: Any) -> Any:
     return aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=30), **kw)
 
 
+def never_reading(port: int, request: bytes) -> socket.socket | None:
+    """A connected socket that sent ``request`` and will never read (a tiny receive buffer)."""
+    s = socket.socket()
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.settimeout(5)
+        s.connect(("127.0.0.1", port))
+        s.sendall(request)
+        return s
+    except OSError:
+        s.close()
+        return None
+
+
 # ------------------------------------------------------------------ table
 
 
@@ -286,9 +306,9 @@ Probe = Callable[[Ctx], Awaitable[Result]]
 
 
 def plan() -> dict[str, tuple[str, Probe]]:
-    from . import hostile_fakes, hostile_probes
+    from . import hostile_access, hostile_fakes, hostile_probes
 
-    probes = {**hostile_probes.PROBES, **hostile_fakes.PROBES}
+    probes = {**hostile_probes.PROBES, **hostile_access.PROBES, **hostile_fakes.PROBES}
     return {k: probes[k] for k in sorted(probes, key=int)}
 
 

@@ -5,7 +5,8 @@ servers that are broken on purpose (aiohttp apps in the bench's own loop, on
 * ``closes``: accepts the WebSocket upgrade, then closes the connection;
 * ``silent``: accepts the upgrade, reads the join, never answers;
 * ``unavailable``: answers every join with an ``unavailable`` error frame and
-  closes, as the real server refuses a new job (``--max-waiting-jobs``, a full disk).
+  closes, as the real server refuses a new job (``--max-waiting-jobs``, a full disk);
+* ``evicts`` (not judged: how often the agent rejoins): answers every join with ``evicted``.
 
 The agent (``--no-python true``: it never gets as far as a worker) has
 ``--server-timeout`` + 5 s to exit; then the bench waits 5 s more, to tell
@@ -28,6 +29,7 @@ from .hostile import Ctx, Result
 SERVER_TIMEOUT_S = 5.0
 GRACE_S = 5.0  # the target: exit within --server-timeout + GRACE_S
 EXTRA_WAIT_S = 5.0  # after the target, to tell a late exit from none
+JUDGED = ("closes", "silent", "unavailable")
 
 
 def _app(mode: str) -> Any:
@@ -41,15 +43,21 @@ def _app(mode: str) -> Any:
             await ws.close()
             return ws
         async for frame in ws:  # silent: read, never answer
-            if mode == "unavailable" and frame.type == web.WSMsgType.TEXT and '"join"' in frame.data:
+            if frame.type != web.WSMsgType.TEXT or '"join"' not in frame.data:
+                continue
+            request.app["joins"] += 1
+            if mode == "unavailable":
                 err = {"op": "error", "code": "unavailable", "message": "too many jobs wait: retry later"}
                 await ws.send_str(json.dumps(err))
                 await ws.close()
                 break
+            if mode == "evicts":
+                await ws.send_str(json.dumps({"op": "evicted", "reason": "evicted by a broken server"}))
         return ws
 
     app = web.Application()
     app["upgrades"] = 0
+    app["joins"] = 0
     app.router.add_get("/v1/agent", agent)
     return app
 
@@ -79,7 +87,7 @@ async def _one(ctx: Ctx, mode: str) -> dict[str, Any]:
     ]
     env = dict(os.environ, TMPDIR=str(ctx.tmp))  # its run directory goes with the bench's
     proc = C.Proc(f"agent-{mode}", argv, log, env=env, cwd=C.ROOT)
-    bound = SERVER_TIMEOUT_S + GRACE_S + EXTRA_WAIT_S
+    bound = bound_s()
     try:
         with contextlib.suppress(subprocess.TimeoutExpired):
             await asyncio.to_thread(proc.popen.wait, bound)
@@ -94,29 +102,39 @@ async def _one(ctx: Ctx, mode: str) -> dict[str, Any]:
         "rc": rc,
         "s": took,
         "upgrades": app["upgrades"],
+        "joins": app["joins"],
         "lines": text.count("\n"),
         "warnings": text.count("WARNING"),
     }
 
 
 async def probe_broken(ctx: Ctx) -> Result:
-    runs = await asyncio.gather(*(_one(ctx, m) for m in ("closes", "silent", "unavailable")))
+    runs = await asyncio.gather(*(_one(ctx, m) for m in (*JUDGED, "evicts")))
+    evicts = runs.pop()
     limit = SERVER_TIMEOUT_S + GRACE_S
 
     def cell(r: dict[str, Any]) -> str:
         how = (
             f"exit {r['rc']} after {r['s']:.1f} s"
             if r["rc"] is not None
-            else f"still running after {SERVER_TIMEOUT_S + GRACE_S + EXTRA_WAIT_S:g} s (stopped)"
+            else f"still running after {bound_s():g} s (stopped)"
         )
-        return f"{r['mode']}: {how}, {r['upgrades']} connections, {r['lines']} log lines"
+        return f"{r['mode']}: {how}, {r['upgrades']} connections, {r['joins']} joins, {r['lines']} log lines"
 
     did = (
         f"broken servers: a real `rdzv-agent --server-timeout {SERVER_TIMEOUT_S:g}` against a fake server that "
-        "closes after the upgrade / never answers the join / answers `unavailable` (three at once)"
+        "closes after the upgrade / never answers the join / answers `unavailable` (at once; not judged: one "
+        "that answers every join with `evicted`)"
     )
+    rejoins = f"; evicts (not judged): {evicts['joins']:,} joins in {evicts['s'] or bound_s():.0f} s"
     met = all(r["rc"] is not None and r["s"] is not None and r["s"] <= limit for r in runs)
-    return Result("9", did, "; ".join(cell(r) for r in runs), f"each exits within {limit:g} s", met, {"runs": runs})
+    measured = "; ".join(cell(r) for r in runs) + rejoins
+    return Result("9", did, measured, f"each exits within {limit:g} s", met, {"runs": runs, "evicts": evicts})
+
+
+def bound_s() -> float:
+    """How long an agent is given before it is stopped."""
+    return SERVER_TIMEOUT_S + GRACE_S + EXTRA_WAIT_S
 
 
 PROBES = {"9": ("broken servers", probe_broken)}
