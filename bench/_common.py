@@ -280,13 +280,15 @@ def server_argv(port: int, data_dir: Path, python: str = sys.executable) -> list
 
 
 class BenchServer:
-    """A real rdzv-server process, healthy once constructed; ``stop()`` ends it."""
+    """A real rdzv-server process, healthy once constructed; ``stop()`` ends it.
+    ``extra``: more server flags (``--token T``, ``--max-connections N``)."""
 
-    def __init__(self, tmp: Path, python: str = sys.executable):
+    def __init__(self, tmp: Path, python: str = sys.executable, extra: list[str] | None = None):
         self.data = tmp / "data"
         self.log = tmp / "server.log"
         self.port = free_port()
-        self.proc = Proc("server", server_argv(self.port, self.data, python), self.log, cwd=ROOT)
+        argv = server_argv(self.port, self.data, python) + list(extra or [])
+        self.proc = Proc("server", argv, self.log, cwd=ROOT)
         self.url = f"http://127.0.0.1:{self.port}"
         if not wait_until(lambda: http_get(self.url + "/healthz", 1.0) or self.proc.poll() is not None, 20):
             raise RuntimeError("server did not start:\n" + self.proc.text()[-2000:])
