@@ -43,7 +43,7 @@ from typing import Any
 from .conns import LogLimiter
 from .protocol import JobState
 from .rounds import Effects, Job
-from .sizes import clip
+from .sizes import TRUNCATED, clip
 from .wire import printable
 
 log = logging.getLogger("rdzv_server.events")
@@ -415,19 +415,28 @@ def _tail(job: Job, after_round: int) -> list[Any]:
 
 
 def failure_fields(failures: list[Any]) -> dict[str, Any]:
-    """A node_failed event's fields from its exit records (bounded, printable)."""
+    """A node_failed event's fields from its exit records (bounded, printable;
+    ``truncated`` true when a text was clipped)."""
     first = min(failures, key=lambda r: (r.timestamp or float("inf"), r.rank))
-    return {
-        "cause": clip(printable(first.describe()), MAX_FAILURE_TEXT),
+    clipped = False
+
+    def text(value: str) -> str:
+        nonlocal clipped
+        out = clip(printable(value), MAX_FAILURE_TEXT)
+        clipped = clipped or out.endswith(TRUNCATED)
+        return out
+
+    fields: dict[str, Any] = {
+        "cause": text(first.describe()),
         "failures": [
-            {
-                k: (clip(printable(v), MAX_FAILURE_TEXT) if isinstance(v, str) else v)
-                for k, v in r.model_dump(mode="json").items()
-            }
+            {k: (text(v) if isinstance(v, str) else v) for k, v in r.model_dump(mode="json").items()}
             for r in failures[:MAX_FAILURES]
         ],
         "failures_omitted": max(0, len(failures) - MAX_FAILURES),
     }
+    if clipped:
+        fields["truncated"] = True
+    return fields
 
 
 def fit(body: dict[str, Any], max_bytes: int) -> str:

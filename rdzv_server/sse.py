@@ -108,9 +108,10 @@ async def _write(resp: web.StreamResponse, data: bytes, timeout: float) -> None:
 async def _replay(
     resp: web.StreamResponse, log_: EventLog, sub: Subscriber, last_id: int, until: int, timeout: float
 ) -> None:
-    """The held events after ``last_id`` (after the gap marker's id, when one was sent), a chunk at a time from the ring (no
-    copy of the replay is built): a stream that cannot take it before its
-    events leave the ring, or its queue of live events fills, is dropped."""
+    """The held events after ``last_id`` (the gap marker's id when one was
+    sent), a chunk at a time from the ring (no copy of the replay is built): a
+    stream that cannot take it before its events leave the ring, or whose
+    queue of live events fills meanwhile, is dropped."""
     cursor = last_id
     while cursor < until - 1 and not sub.dropped:
         chunk, cursor, lost = log_.read(cursor, sub.job, until, CHUNK_BYTES)
