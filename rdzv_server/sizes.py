@@ -20,7 +20,7 @@ TRUNCATED = "...[truncated]"  # the marker a clipped text ends with
 MAX_REASON_BYTES = 1024  # a round's reason, the job's root cause and end reason, as JSON
 MAX_CAUSE_BYTES = 768  # a failure's description within a reason (the rest: what it cost, e.g. "restart 3/5")
 MAX_OLD_REASON_BYTES = 96  # a round's reason once it is older than the newest RECENT_REASONS rounds
-RECENT_REASONS = 100  # rounds whose reasons are kept at MAX_REASON_BYTES (what a job view lists)
+RECENT_REASONS = 20  # the newest rounds, whose reasons are kept at MAX_REASON_BYTES
 
 
 def json_len(text: str) -> int:

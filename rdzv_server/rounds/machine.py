@@ -76,7 +76,7 @@ _DONE_STATE: dict[JobState, Literal["succeeded", "failed", "closed"]] = {
 }
 
 STATUS_PUSH_INTERVAL_S = 1.0
-MAX_HISTORY = 1000
+MAX_HISTORY = 200  # round records a job keeps (its first two and the newest; see _open_round)
 MAX_RUNS = 20  # summaries of a job id's previous runs kept (older ones are dropped)
 
 

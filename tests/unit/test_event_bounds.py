@@ -117,7 +117,7 @@ def test_a_failure_loop_keeps_the_job_record_bounded() -> None:
     assert all(json_len(r.reason) <= MAX_REASON_BYTES for r in job.history)
     assert all(json_len(r.reason) <= MAX_OLD_REASON_BYTES for r in job.history[2 : -RECENT_REASONS - 1])
     bound = rounds.MAX_HISTORY * (160 + MAX_OLD_REASON_BYTES) + (RECENT_REASONS + 2) * MAX_REASON_BYTES + 8192
-    assert len(record) <= bound < 400_000
+    assert len(record) <= bound < 100_000, len(record)
     # and it ends with a root cause clipped as well
     exit_ = [ExitRecord(local_rank=0, rank=0, pid=1, exit_code=1, message=WIDE * 4096)]
     job.spec = job.spec.model_copy(update={"max_restarts": job.restarts})
