@@ -169,6 +169,8 @@ async def _since(request: web.Request, log_: EventLog, job: str | None, since: i
         tail = f'],"gap":{json.dumps(gap)},"last_id":{cursor},"more":{json.dumps(more)}}}'
         await _write(resp, tail.encode(), timeout)
         await resp.write_eof()
+    except ConnectionError:
+        pass  # the client went away
     except _Stalled:
         if request.transport is not None:
             request.transport.abort()
