@@ -48,7 +48,7 @@ from ..protocol import (
     StatusMsg,
     printable,
 )
-from ..sizes import MAX_CAUSE_BYTES, MAX_OLD_REASON_BYTES, MAX_REASON_BYTES, RECENT_REASONS, clip
+from ..sizes import MAX_CAUSE_BYTES, MAX_REASON_BYTES, clip
 from .model import (
     REJOINING,
     RUNNING,
@@ -66,6 +66,7 @@ from .model import (
     move,
     natural_key,
 )
+from .records import add_round
 from .views import waiting_info
 
 # The job state a done message names (only an ended job gets one).
@@ -439,14 +440,7 @@ def _open_round(job: Job, reason: str, now: float) -> Effects:
     job.join_deadline = now + job.spec.join_timeout_s
     job.status_dirty = True
     reason = clip(reason, MAX_REASON_BYTES)
-    job.history.append(RoundRecord(round=job.round, reason=reason, started_at=now))
-    # bounded in count and bytes (a failure loop must not grow the job's record): the run's
-    # first two records (its start, what first re-formed it) stay, older ones go, and a
-    # reason older than the newest RECENT_REASONS rounds is cut short
-    del job.history[2 : -(MAX_HISTORY - 2)]
-    aged = len(job.history) - 1 - RECENT_REASONS
-    if aged >= 2:
-        job.history[aged].reason = clip(job.history[aged].reason, MAX_OLD_REASON_BYTES)
+    add_round(job, RoundRecord(round=job.round, reason=reason, started_at=now), MAX_HISTORY)
     restart = RestartMsg(round=job.round, reason=reason)  # one message for all members
     for node in list(job.nodes.values()):
         node.group_rank = None
