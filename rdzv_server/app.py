@@ -18,7 +18,16 @@ from pydantic.json_schema import models_json_schema
 from . import __version__, handlers, sse, ui
 from .audit import Audit
 from .cursors import MAX_CURSOR_LEN
-from .events import DEFAULT_MAX_STREAMS, DEFAULT_QUEUE, DEFAULT_RING, EventLog
+from .events import (
+    DEFAULT_MAX_STREAMS,
+    DEFAULT_MAX_STREAMS_PER_ADDR,
+    DEFAULT_QUEUE,
+    DEFAULT_QUEUE_BYTES,
+    DEFAULT_RING,
+    DEFAULT_RING_BYTES,
+    DEFAULT_WRITE_TIMEOUT_S,
+    EventLog,
+)
 from .guesses import GuessThrottle
 from .ha import HASettings
 from .hosts import HostRules
@@ -78,6 +87,10 @@ class Settings:
     event_ring: int = DEFAULT_RING  # events kept for Last-Event-ID replay
     event_queue: int = DEFAULT_QUEUE  # events queued per stream; a stream that falls this far behind is dropped
     max_event_streams: int = DEFAULT_MAX_STREAMS  # event streams open at once
+    event_ring_bytes: int = DEFAULT_RING_BYTES  # bytes of events kept (oldest go first)
+    event_queue_bytes: int = DEFAULT_QUEUE_BYTES  # bytes queued per stream; beyond, the stream is dropped
+    max_event_streams_per_addr: int = DEFAULT_MAX_STREAMS_PER_ADDR  # event streams open from one address
+    event_write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S  # a stream whose socket does not drain is dropped
     event_keepalive_s: float = 15.0  # a comment line on a quiet stream this often
     ha: HASettings | None = None  # --etcd: an HA replica (rdzv_server.ha); then data_dir is None
     store_settings: StoreSettings = field(init=False)
@@ -407,7 +420,15 @@ def create_app(settings: Settings | None = None) -> web.Application:
     )
     metrics = Metrics()
     app[METRICS] = metrics
-    events = EventLog(ring=settings.event_ring, queue=settings.event_queue, max_streams=settings.max_event_streams)
+    events = EventLog(
+        ring=settings.event_ring,
+        queue=settings.event_queue,
+        max_streams=settings.max_event_streams,
+        ring_bytes=settings.event_ring_bytes,
+        queue_bytes=settings.event_queue_bytes,
+        max_streams_per_addr=settings.max_event_streams_per_addr,
+        write_timeout_s=settings.event_write_timeout_s,
+    )
     app[STORE] = Store(settings.store_settings, metrics=metrics, events=events)
     if settings.ha is not None:
         app[STORE].use_replica(settings.ha.replica())

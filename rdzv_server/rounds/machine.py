@@ -48,6 +48,7 @@ from ..protocol import (
     StatusMsg,
     printable,
 )
+from ..sizes import MAX_CAUSE_BYTES, MAX_REASON_BYTES, clip
 from .model import (
     REJOINING,
     RUNNING,
@@ -65,6 +66,7 @@ from .model import (
     move,
     natural_key,
 )
+from .records import add_round
 from .views import waiting_info
 
 # The job state a done message names (only an ended job gets one).
@@ -75,7 +77,7 @@ _DONE_STATE: dict[JobState, Literal["succeeded", "failed", "closed"]] = {
 }
 
 STATUS_PUSH_INTERVAL_S = 1.0
-MAX_HISTORY = 1000
+MAX_HISTORY = 200  # round records a job keeps (its first two and the newest; see _open_round)
 MAX_RUNS = 20  # summaries of a job id's previous runs kept (older ones are dropped)
 
 
@@ -157,7 +159,7 @@ def fail(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], now:
         )
     first = min(failures, key=lambda r: (r.timestamp or float("inf"), r.rank))
     # signal and message came over the network: one line, control characters escaped
-    cause = printable(f"node {node.node_id} ({node.host}) {first.describe()}")
+    cause = clip(printable(f"node {node.node_id} ({node.host}) {first.describe()}"), MAX_CAUSE_BYTES)
     fx = Effects()
     text = f"job {job.job_id} round {job.round}: worker failure on {cause}"
     fx.logs.append(event_line(job, "node_failed", text, node.node_id, host=node.host, exit=first.model_dump()))
@@ -215,7 +217,7 @@ def give_up(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], n
             f"{job.round}{' and the node succeeded' if node.state == SUCCEEDED else ''}"
         )
     first = min(failures, key=lambda r: (r.timestamp or float("inf"), r.rank))
-    cause = printable(f"node {node.node_id} ({node.host}) {first.describe()}")
+    cause = clip(printable(f"node {node.node_id} ({node.host}) {first.describe()}"), MAX_CAUSE_BYTES)
     root = cause
     if round_no < job.round:  # its round had already ended: what ended it came first
         root = next((r.reason for r in reversed(job.history) if r.round == round_no + 1), cause)
@@ -229,8 +231,12 @@ def give_up(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], n
     if root == cause:
         fx.host_failures.append((node.host, f"worker failure: {first.describe()}"))
     job.root_cause = root
-    why = printable(
-        f"node {node.node_id} ({node.host}) gave up (its launcher's restart budget is spent) after {first.describe()}"
+    why = clip(
+        printable(
+            f"node {node.node_id} ({node.host}) gave up (its launcher's restart budget is spent) after "
+            f"{first.describe()}"
+        ),
+        MAX_CAUSE_BYTES,
     )
     return fx.merge(_end(job, JobState.FAILED, why + ("" if root == cause else f"; first: {root}"), now))
 
@@ -433,8 +439,8 @@ def _open_round(job: Job, reason: str, now: float) -> Effects:
     job.scale_up_deadline = None
     job.join_deadline = now + job.spec.join_timeout_s
     job.status_dirty = True
-    job.history.append(RoundRecord(round=job.round, reason=reason, started_at=now))
-    del job.history[:-MAX_HISTORY]
+    reason = clip(reason, MAX_REASON_BYTES)
+    add_round(job, RoundRecord(round=job.round, reason=reason, started_at=now), MAX_HISTORY)
     restart = RestartMsg(round=job.round, reason=reason)  # one message for all members
     for node in list(job.nodes.values()):
         node.group_rank = None
@@ -578,6 +584,7 @@ def _assignment(job: Job, node: Node) -> Assignment:
 
 
 def _end(job: Job, state: JobState, reason: str, now: float, stop: Literal["no_progress"] | None = None) -> Effects:
+    reason = clip(reason, MAX_REASON_BYTES)
     job.state = state
     job.end_reason = reason
     job.ended_at = now

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..protocol import JobSpec, JobState
+from ..sizes import MAX_OLD_REASON_BYTES, RECENT_REASONS, clip
 from ..wire import (
     DEFAULT_IN_PLACE_TIMEOUT_S,
     DEFAULT_MIN_ROUND_S,
@@ -41,6 +42,19 @@ _STORM_DEFAULTS: dict[str, Any] = {
 _RUN_DEFAULTS: dict[str, Any] = {"run": 1, "runs": [], "run_started_at": None}
 # in-place re-formation's spec fields, left out at their defaults likewise
 _IN_PLACE_DEFAULTS = {"restart_mode": "process", "in_place_timeout_s": DEFAULT_IN_PLACE_TIMEOUT_S}
+
+
+def add_round(job: Job, rec: RoundRecord, max_rounds: int) -> None:
+    """Append a round record, keeping the history bounded in count and bytes
+    (a failure loop must not grow the job's record, rewritten at each step):
+    the run's first two records (its start, and what first re-formed it: the
+    first failure) stay, the oldest after them go beyond ``max_rounds``, and a
+    reason older than the newest RECENT_REASONS rounds is cut short."""
+    job.history.append(rec)
+    del job.history[2 : -(max_rounds - 2)]
+    aged = len(job.history) - 1 - RECENT_REASONS
+    if aged >= 2:
+        job.history[aged].reason = clip(job.history[aged].reason, MAX_OLD_REASON_BYTES)
 
 
 def _known(state: NodeState | None) -> NodeState:

@@ -321,8 +321,14 @@ async function start() {
       await renderJob(jobId);
       // the job's recent events for the list, then live ones from there (a replay would only redraw)
       const path = "/v1/jobs/" + encodeURIComponent(jobId) + "/events";
-      const held = await api(path + "?since=0");
-      for (const ev of held.events.slice(-MAX_EVENTS_SHOWN)) addEvent(ev);
+      // (an answer holds ~4 MiB at most: "more" says ask again from its last_id)
+      let held = await api(path + "?since=0");
+      let recent = held.events.slice(-MAX_EVENTS_SHOWN);
+      while (held.more) {
+        held = await api(path + "?since=" + held.last_id);
+        recent = recent.concat(held.events).slice(-MAX_EVENTS_SHOWN);
+      }
+      for (const ev of recent) addEvent(ev);
       listen(path + "?last_event_id=" + held.last_id, addEvent);
     }
   } catch (e) {
