@@ -5,6 +5,7 @@ from aiohttp import web
 from .audit import Audit
 from .events import EventLog
 from .metrics import Metrics
+from .quotas import AddressBuckets
 from .store import Store
 from .throttle import AuthThrottle
 
@@ -17,3 +18,5 @@ AUDIT = web.AppKey("audit", Audit)
 EVENTS = web.AppKey("events", EventLog)  # the event log behind /v1/events
 EVENTS_KEEPALIVE = web.AppKey("events_keepalive", float)  # seconds between keep-alive comments on a quiet stream
 THROTTLE = web.AppKey("throttle", AuthThrottle)  # wrong tokens per client address (429 past the limit)
+IDLE_TIMEOUT = web.AppKey("idle_timeout", float)  # seconds a joined agent WebSocket may send nothing
+HEALTH_REPORTS = web.AppKey("health_reports", AddressBuckets)  # health reports per client address

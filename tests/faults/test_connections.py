@@ -213,7 +213,9 @@ def test_at_the_fd_limit_the_log_stays_small_and_health_comes_back(fcluster: Fau
 def test_connections_beyond_max_connections_are_closed_at_once(fcluster: FaultCluster, tmp_path: Path) -> None:
     """--max-connections 20 and 30 clients that hold half-sent requests: 10 are closed
     at once (long before the header timeout), /healthz answers once the others go."""
-    server = fcluster.start_server_at(free_port(), tmp_path / "data", "--max-connections", "20", name="server")
+    server = fcluster.start_server_at(
+        free_port(), tmp_path / "data", "--max-connections", "20", "--max-connections-per-address", "0", name="server"
+    )
     server.wait_log(r"at most 20 connections", 5)
     held = []
     for _ in range(30):
