@@ -6,8 +6,8 @@ single client can exhaust a cap that every client shares.
   the cap is no lever any more: a job counts against its creator's address
   only while some node of it is connected (``--max-waiting-jobs-per-address``),
   and when the cap is full a waiting job that no connected node holds (every
-  node left or dropped) is closed to make room (:func:`rounds.reclaim`,
-  the newest such job first). So one address can hold at most its quota of
+  node left or dropped) is closed to make room (:func:`rounds.reclaim`;
+  one with no node left first, then the newest). So one address can hold at most its quota of
   jobs; the rest of the table is either held by others or reclaimable.
 * **Health reports** (:class:`AddressBuckets`): ``POST /v1/hosts/{host}/health``
   per address through a token bucket (429 ``rate_limited`` beyond it).
@@ -156,8 +156,9 @@ class Room:
                 f"{len(store.waiting)} jobs are waiting for nodes on this server (--max-waiting-jobs "
                 f"{s.max_waiting_jobs}), each held by a connected node; job {job_id!r} is not created: retry later"
             )
-        # the newest unheld job goes first: an old one is likelier to be a team's that comes back
-        victim = max(unheld, key=lambda job: (job.created_at, job.job_id))
+        # a job with no node left goes before one whose nodes only dropped (within their grace:
+        # a team's connection that blinked), and the newest first: an old one is likelier a team's
+        victim = max(unheld, key=lambda job: (not job.nodes, job.created_at, job.job_id))
         now = store.clock()
         reason = (
             f"closed by the server to make room for a new job: no node of it was connected while "

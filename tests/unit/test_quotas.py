@@ -82,6 +82,24 @@ def test_jobs_whose_nodes_only_dropped_are_reclaimed_too():
     assert "team" in store.jobs
 
 
+def test_a_job_whose_connection_blinked_is_reclaimed_after_the_jobs_nobody_is_in():
+    """The cap is full of jobs every node left; a team's job is created (one of them closed), its
+    node's connection drops (within the disconnect grace): the next new job takes an empty one."""
+    clock, store = make_store(max_waiting_jobs=3)
+    for i in range(3):
+        chan = Chan("10.66.66.66")
+        store.join(join(f"junk{i}", "x"), chan)
+        store.leave(f"junk{i}", "x", "bye", chan)
+    clock[0] += 1
+    team = Chan("10.0.0.7")
+    store.join(join("team", "n0", nnodes=2), team)
+    store.disconnected("team", "n0", team)  # newest and unheld, but its node may come back
+    clock[0] += 0.1
+    store.join(join("junk9", "x", nnodes=2), Chan("10.66.66.66"))
+    assert not store.jobs["team"].finished
+    assert sorted(j for j, job in store.jobs.items() if job.finished) == ["junk1", "junk2"]
+
+
 def test_one_address_holds_at_most_its_quota_of_waiting_jobs_and_others_still_get_in():
     _, store = make_store(max_waiting_jobs=10, waiting_jobs_per_address=3)
     for i in range(3):
