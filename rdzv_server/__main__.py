@@ -180,10 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-connections-per-address",
         type=int,
-        default=None,
+        default=DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
         metavar="N",
-        help=f"open connections one client address may hold (default {DEFAULT_MAX_CONNECTIONS_PER_ADDRESS}, "
-        "at most half of --max-connections; 0: no limit of its own, e.g. for agents behind one NAT address)",
+        help="open connections one client address may hold, at most half of --max-connections "
+        "(0: no limit of its own, e.g. for agents behind one NAT address)",
     )
     p.add_argument(
         "--retain-finished",
@@ -549,7 +549,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("rdzv-server: --header-timeout must be in (0, 3600] seconds")
     if args.max_connections < 1:
         raise SystemExit("rdzv-server: --max-connections must be at least 1")
-    if args.max_connections_per_address is not None and args.max_connections_per_address < 0:
+    if args.max_connections_per_address < 0:
         raise SystemExit("rdzv-server: --max-connections-per-address must be 0 (no limit) or more")
     before, fds = raise_fd_limit()
     max_conns = connection_limit(args.max_connections, fds)
