@@ -18,7 +18,7 @@ from typing import TextIO, cast
 from aiohttp import web
 
 from . import __version__, logs
-from .app import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_JOIN_DEADLINE_S, Settings, create_app
+from .app import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_JOIN_DEADLINE_S, MIN_IDLE_TIMEOUT_S, Settings, create_app
 from .conns import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
@@ -161,8 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--idle-timeout",
         type=float,
         default=DEFAULT_IDLE_TIMEOUT_S,
-        help="seconds a joined agent WebSocket may send nothing (agents send a heartbeat every 2 s at most); "
-        "then it is closed, whatever its job's heartbeat timeout",
+        help="seconds a joined agent WebSocket may send nothing (agents send a heartbeat every 2 s at most; "
+        f"at least {MIN_IDLE_TIMEOUT_S:g}); then it is closed, whatever its job's heartbeat timeout",
     )
     p.add_argument(
         "--join-deadline",
@@ -369,8 +369,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         raise SystemExit("rdzv-server: --disconnect-grace must be in (0, 60] seconds")
     if not 0 < args.join_deadline <= 3600:
         raise SystemExit("rdzv-server: --join-deadline must be in (0, 3600] seconds")
-    if not 0 < args.idle_timeout <= 86400:
-        raise SystemExit("rdzv-server: --idle-timeout must be in (0, 86400] seconds")
+    if not MIN_IDLE_TIMEOUT_S <= args.idle_timeout <= 86400:  # agents heartbeat every 2 s at most
+        raise SystemExit(f"rdzv-server: --idle-timeout must be in [{MIN_IDLE_TIMEOUT_S:g}, 86400] seconds")
     if not 0 < args.body_timeout <= 3600:
         raise SystemExit("rdzv-server: --body-timeout must be in (0, 3600] seconds")
     if args.max_waiting_jobs_per_address < 0:

@@ -84,6 +84,7 @@ DEFAULT_JOIN_DEADLINE_S = 10.0
 # A joined agent WebSocket that sends nothing for this long is closed, whatever its job's heartbeat
 # timeout (a client sets that, up to days). Agents send a heartbeat every 2 s at most (wire.heartbeat_every).
 DEFAULT_IDLE_TIMEOUT_S = 60.0
+MIN_IDLE_TIMEOUT_S = 10.0  # five heartbeat intervals: a flag below it would close real agents
 
 
 @dataclass

@@ -180,10 +180,10 @@ def test_the_quota_flags_reach_the_settings():
     assert (s.waiting_jobs_per_address, s.idle_timeout_s, s.body_timeout_s) == (100, 60.0, 10.0)
     assert s.store_settings.waiting_jobs_per_address == 100
     assert args.max_connections_per_address == DEFAULT_MAX_CONNECTIONS_PER_ADDRESS
-    flags = ["--max-waiting-jobs-per-address", "0", "--idle-timeout", "5", "--body-timeout", "2"]
+    flags = ["--max-waiting-jobs-per-address", "0", "--idle-timeout", "30", "--body-timeout", "2"]
     s = settings_from_args(build_parser().parse_args(["--data-dir", "none", *flags]))
-    assert (s.store_settings.waiting_jobs_per_address, s.idle_timeout_s, s.body_timeout_s) == (0, 5.0, 2.0)
-    for bad in (["--idle-timeout", "0"], ["--body-timeout", "-1"], ["--max-waiting-jobs-per-address", "-1"]):
+    assert (s.store_settings.waiting_jobs_per_address, s.idle_timeout_s, s.body_timeout_s) == (0, 30.0, 2.0)
+    for bad in (["--idle-timeout", "9"], ["--body-timeout", "-1"], ["--max-waiting-jobs-per-address", "-1"]):
         with pytest.raises(SystemExit):
             settings_from_args(build_parser().parse_args(["--data-dir", "none", *bad]))
 
