@@ -275,8 +275,12 @@ def md_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def server_argv(port: int, data_dir: Path, python: str = sys.executable) -> list[str]:
-    """An rdzv-server on loopback with its state in ``data_dir``: how every bench starts one."""
-    return [python, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data_dir)]
+    """An rdzv-server on loopback with its state in ``data_dir``: how every bench starts one.
+    Its simulated agents share one address (127.0.0.1): no per-address connection limit."""
+    return [
+        *(python, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data_dir)),
+        *("--max-connections-per-address", "0", "--max-waiting-jobs-per-address", "0"),
+    ]
 
 
 class BenchServer:

@@ -134,6 +134,8 @@ class Replica:
             "--etcd", ",".join(etcd_urls), "--etcd-prefix", prefix,
             "--etcd-lease-ttl", str(LEASE_TTL_S), "--advertise-url", self.url,
             "--log-format", "json",
+            "--max-connections-per-address", "0",  # the simulated nodes share 127.0.0.1
+            "--max-waiting-jobs-per-address", "0",
         ]  # fmt: skip
         self.proc = C.Proc(f"replica{i}", argv, tmp / f"replica{i}.log", cwd=C.ROOT)
 

@@ -18,10 +18,12 @@ from typing import TextIO, cast
 from aiohttp import web
 
 from . import __version__, logs
-from .app import DEFAULT_JOIN_DEADLINE_S, Settings, create_app
+from .app import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_JOIN_DEADLINE_S, MIN_IDLE_TIMEOUT_S, Settings, create_app
 from .conns import (
+    DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
     AcceptErrors,
     Listener,
     connection_limit,
@@ -31,6 +33,7 @@ from .database import DataDirError, free_bytes
 from .ha import DEFAULT_LEASE_TTL_S, DEFAULT_PREFIX, HASettings
 from .hosts import DEFAULT_HOST_FAILURES, HostRules
 from .keys import STORE
+from .quotas import DEFAULT_WAITING_JOBS_PER_ADDRESS
 from .store import DEFAULT_DISCONNECT_GRACE_S, DEFAULT_MAX_WAITING_JOBS
 
 log = logging.getLogger("rdzv_server")
@@ -149,6 +152,19 @@ def build_parser() -> argparse.ArgumentParser:
         "after the previous response); then the connection is closed",
     )
     p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a client has to send a request's whole body; then it gets 408 and the connection is closed",
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=DEFAULT_IDLE_TIMEOUT_S,
+        help="seconds a joined agent WebSocket may send nothing (agents send a heartbeat every 2 s at most; "
+        f"at least {MIN_IDLE_TIMEOUT_S:g}); then it is closed, whatever its job's heartbeat timeout",
+    )
+    p.add_argument(
         "--join-deadline",
         type=float,
         default=DEFAULT_JOIN_DEADLINE_S,
@@ -160,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_CONNECTIONS,
         help="open connections at most (lowered to fit the file-descriptor limit); "
         "new ones beyond it are closed at once",
+    )
+    p.add_argument(
+        "--max-connections-per-address",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
+        metavar="N",
+        help="open connections one client address may hold, at most half of --max-connections "
+        "(0: no limit of its own, e.g. for agents behind one NAT address)",
     )
     p.add_argument(
         "--retain-finished",
@@ -174,8 +198,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=DEFAULT_MAX_WAITING_JOBS,
         metavar="N",
-        help="at most this many jobs wait for nodes; beyond it a new job is refused (its agents "
-        "retry) and nothing is created",
+        help="at most this many jobs wait for nodes; beyond it a waiting job no connected node holds "
+        "is closed to make room, and if every one is held a new job is refused (its agents retry)",
+    )
+    p.add_argument(
+        "--max-waiting-jobs-per-address",
+        type=int,
+        default=DEFAULT_WAITING_JOBS_PER_ADDRESS,
+        metavar="N",
+        help="waiting jobs (held by a connected node) one client address may create; beyond it its new "
+        "jobs are refused (0: no limit of its own)",
     )
     p.add_argument(
         "--min-free-disk",
@@ -337,6 +369,12 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         raise SystemExit("rdzv-server: --disconnect-grace must be in (0, 60] seconds")
     if not 0 < args.join_deadline <= 3600:
         raise SystemExit("rdzv-server: --join-deadline must be in (0, 3600] seconds")
+    if not MIN_IDLE_TIMEOUT_S <= args.idle_timeout <= 86400:  # agents heartbeat every 2 s at most
+        raise SystemExit(f"rdzv-server: --idle-timeout must be in [{MIN_IDLE_TIMEOUT_S:g}, 86400] seconds")
+    if not 0 < args.body_timeout <= 3600:
+        raise SystemExit("rdzv-server: --body-timeout must be in (0, 3600] seconds")
+    if args.max_waiting_jobs_per_address < 0:
+        raise SystemExit("rdzv-server: --max-waiting-jobs-per-address must be 0 (no limit) or more")
     return Settings(
         data_dir=data_dir,
         token=token,
@@ -344,6 +382,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         join_deadline_s=args.join_deadline,
         retain_finished_s=args.retain_finished,
         max_waiting_jobs=args.max_waiting_jobs,
+        waiting_jobs_per_address=args.max_waiting_jobs_per_address,
+        idle_timeout_s=args.idle_timeout,
+        body_timeout_s=args.body_timeout,
         min_free_disk=args.min_free_disk,
         host_rules=HostRules(
             failures=args.host_failures,
@@ -411,6 +452,7 @@ async def serve(
     *,
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    per_address: int | None = None,
     fd_note: str | None = None,
 ) -> None:
     """Run until SIGINT/SIGTERM. ``ready(port)`` is called once listening."""
@@ -427,7 +469,13 @@ async def serve(
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
     site = Listener(
-        runner, host, port, ssl_context=ssl_ctx, max_connections=max_connections, header_timeout_s=header_timeout_s
+        runner,
+        host,
+        port,
+        ssl_context=ssl_ctx,
+        max_connections=max_connections,
+        header_timeout_s=header_timeout_s,
+        per_address=per_address,
     )
     try:
         await site.start()
@@ -501,6 +549,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("rdzv-server: --header-timeout must be in (0, 3600] seconds")
     if args.max_connections < 1:
         raise SystemExit("rdzv-server: --max-connections must be at least 1")
+    if args.max_connections_per_address < 0:
+        raise SystemExit("rdzv-server: --max-connections-per-address must be 0 (no limit) or more")
     before, fds = raise_fd_limit()
     max_conns = connection_limit(args.max_connections, fds)
     fd_note = (
@@ -518,6 +568,7 @@ def main(argv: list[str] | None = None) -> None:
                 ctx,
                 header_timeout_s=args.header_timeout,
                 max_connections=max_conns,
+                per_address=args.max_connections_per_address,
                 fd_note=fd_note,
             )
         )

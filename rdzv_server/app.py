@@ -17,6 +17,7 @@ from pydantic.json_schema import models_json_schema
 
 from . import __version__, handlers, sse, ui
 from .audit import Audit
+from .conns import DEFAULT_BODY_TIMEOUT_S, body_deadline
 from .cursors import MAX_CURSOR_LEN
 from .events import (
     DEFAULT_MAX_STREAMS,
@@ -31,7 +32,20 @@ from .events import (
 from .guesses import GuessThrottle
 from .ha import HASettings
 from .hosts import HostRules
-from .keys import AUDIT, EVENTS, EVENTS_KEEPALIVE, GUESSES, JOIN_DEADLINE, METRICS, OPENAPI, STORE, THROTTLE, TOKEN
+from .keys import (
+    AUDIT,
+    EVENTS,
+    EVENTS_KEEPALIVE,
+    GUESSES,
+    HEALTH_REPORTS,
+    IDLE_TIMEOUT,
+    JOIN_DEADLINE,
+    METRICS,
+    OPENAPI,
+    STORE,
+    THROTTLE,
+    TOKEN,
+)
 from .metrics import Metrics
 from .protocol import (
     AGENT_PATH,
@@ -58,6 +72,12 @@ from .protocol import (
     RdzvError,
     printable,
 )
+from .quotas import (
+    DEFAULT_WAITING_JOBS_PER_ADDRESS,
+    HEALTH_REPORT_BURST,
+    HEALTH_REPORT_EVERY_S,
+    AddressBuckets,
+)
 from .store import (
     DEFAULT_DISCONNECT_GRACE_S,
     DEFAULT_MAX_WAITING_JOBS,
@@ -72,6 +92,10 @@ from .throttle import AuthThrottle
 log = logging.getLogger(__name__)
 
 DEFAULT_JOIN_DEADLINE_S = 10.0
+# A joined agent WebSocket that sends nothing for this long is closed, whatever its job's heartbeat
+# timeout (a client sets that, up to days). Agents send a heartbeat every 2 s at most (wire.heartbeat_every).
+DEFAULT_IDLE_TIMEOUT_S = 60.0
+MIN_IDLE_TIMEOUT_S = 10.0  # five heartbeat intervals: a flag below it would close real agents
 
 
 @dataclass
@@ -82,6 +106,9 @@ class Settings:
     join_deadline_s: float = DEFAULT_JOIN_DEADLINE_S
     retain_finished_s: float = DEFAULT_RETAIN_FINISHED_S
     max_waiting_jobs: int = DEFAULT_MAX_WAITING_JOBS
+    waiting_jobs_per_address: int = DEFAULT_WAITING_JOBS_PER_ADDRESS  # 0: no limit of its own
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S  # a joined agent WebSocket that sends nothing is closed
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # a request body must arrive whole within this
     min_free_disk: int = DEFAULT_MIN_FREE_DISK
     host_rules: HostRules = field(default_factory=HostRules)
     event_ring: int = DEFAULT_RING  # events kept for Last-Event-ID replay
@@ -101,6 +128,7 @@ class Settings:
             disconnect_grace_s=self.disconnect_grace_s,
             retain_finished_s=self.retain_finished_s,
             max_waiting_jobs=self.max_waiting_jobs,
+            waiting_jobs_per_address=self.waiting_jobs_per_address,
             min_free_disk=self.min_free_disk,
             host_rules=self.host_rules,
         )
@@ -416,7 +444,13 @@ def create_app(settings: Settings | None = None) -> web.Application:
     settings = settings or Settings()
     app = web.Application(
         client_max_size=MAX_BODY_BYTES,
-        middlewares=[error_middleware, auth_middleware, leader_middleware, latency_middleware],
+        middlewares=[
+            error_middleware,
+            auth_middleware,
+            body_deadline(settings.body_timeout_s),
+            leader_middleware,
+            latency_middleware,
+        ],
     )
     metrics = Metrics()
     app[METRICS] = metrics
@@ -434,6 +468,8 @@ def create_app(settings: Settings | None = None) -> web.Application:
         app[STORE].use_replica(settings.ha.replica())
     app[TOKEN] = settings.token or ""
     app[JOIN_DEADLINE] = settings.join_deadline_s
+    app[IDLE_TIMEOUT] = settings.idle_timeout_s
+    app[HEALTH_REPORTS] = AddressBuckets(HEALTH_REPORT_BURST, 1.0 / HEALTH_REPORT_EVERY_S)
     app[OPENAPI] = openapi_document()
     app[AUDIT] = Audit()
     app[THROTTLE] = AuthThrottle()

@@ -13,6 +13,9 @@ whose protocol factory
   complete request line and headers arrived by then (a half-sent request, or
   a connection that sends nothing). WebSockets are not affected: the timer
   only closes a connection that waits for a request;
+* refuses a new connection from an address that has ``per_address`` open
+  already (so that one client cannot take every slot; the benchmarks, whose
+  thousands of simulated agents share 127.0.0.1, lift it);
 * answers a request that aiohttp's HTTP parser refuses (a 10 kB request line,
   too many headers, garbage bytes) with the server's JSON error body and one
   rate-limited log line (:meth:`Protocol.handle_error`), instead of a
@@ -21,6 +24,11 @@ whose protocol factory
 :class:`AcceptErrors` is the event loop's exception handler: asyncio reports
 every failed ``accept()`` (EMFILE, "Too many open files") with a traceback;
 it logs one line per interval with a count.
+
+:func:`body_deadline` is a middleware: a request body must arrive whole
+within the body timeout (the header timeout covers only what comes before
+it), and one announced but never sent is one rate-limited line, not a
+traceback per request.
 """
 
 from __future__ import annotations
@@ -37,15 +45,21 @@ from pathlib import Path
 from typing import Any, cast
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from .protocol import ErrorBody, ErrorCode, printable
+from .protocol import MAX_BODY_BYTES, ErrorBody, ErrorCode, printable
 
 log = logging.getLogger("rdzv_server")
 
 DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 10.0  # a request body must arrive whole within this (--body-timeout)
 DEFAULT_MAX_CONNECTIONS = 32768
+# Open connections one client address may hold (--max-connections-per-address; 0: no limit of
+# its own). Never more than half of --max-connections: the rest stays for other clients.
+DEFAULT_MAX_CONNECTIONS_PER_ADDRESS = 1024
 FD_RESERVE = 64  # descriptors kept for the database, logs and the listening socket
 _ACCEPT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
@@ -77,6 +91,8 @@ class LogLimiter:
 
 _bad_http_log = LogLimiter(log, logging.WARNING, burst=10, rate=1.0)
 _refused_log = LogLimiter(log, logging.WARNING, burst=1, rate=0.1)
+_refused_addr_log = LogLimiter(log, logging.WARNING, burst=1, rate=0.1)
+_body_log = LogLimiter(log, logging.WARNING, burst=5, rate=0.2)
 
 
 def raise_fd_limit() -> tuple[int, int]:
@@ -104,20 +120,43 @@ def connection_limit(requested: int, fd_limit: int) -> int:
     return max(1, min(requested, fd_limit - FD_RESERVE))
 
 
+def per_address_limit(requested: int | None, max_connections: int) -> int:
+    """Connections one address may hold: ``requested`` (None: the default; 0:
+    no limit of its own), never more than half of ``max_connections`` unless
+    0 was asked for explicitly."""
+    if requested == 0:
+        return max_connections
+    if requested is None:
+        requested = DEFAULT_MAX_CONNECTIONS_PER_ADDRESS
+    return max(1, min(requested, max_connections // 2))
+
+
 class Protocol(RequestHandler):
     """aiohttp's per-connection HTTP protocol: refuses a connection over the
-    limit, and answers what its parser refuses in the server's own terms."""
+    limits, and answers what its parser refuses in the server's own terms."""
 
-    def __init__(self, manager: web.Server, *, max_connections: int, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        manager: web.Server,
+        *,
+        max_connections: int,
+        per_address: int,
+        by_address: dict[str, int],
+        **kwargs: Any,
+    ) -> None:
         super().__init__(manager, **kwargs)
-        self.max_connections = max_connections
+        self.max_connections, self.per_address, self.by_address = max_connections, per_address, by_address
         self.refused = False
         self.server = manager
+        self.address: str | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # Checked here, not in the protocol factory: asyncio accepts a burst of
         # sockets (calling the factory for each) before any connection_made runs.
         open_ = len(self.server.connections)
+        peer = transport.get_extra_info("peername")
+        address = str(peer[0]) if isinstance(peer, tuple) and peer else None
+        held = self.by_address.get(address, 0) if address is not None else 0
         if open_ >= self.max_connections:
             self.refused = True
             _refused_log(
@@ -125,13 +164,34 @@ class Protocol(RequestHandler):
                 open_,
                 self.max_connections,
             )
+        elif held >= self.per_address:
+            self.refused = True
+            _refused_addr_log(
+                "refusing new connections from %s: it holds %d, the limit per address is %d "
+                "(--max-connections-per-address)",
+                printable(address, limit=64),
+                held,
+                self.per_address,
+            )
+        if self.refused:
             cast(asyncio.Transport, transport).abort()  # a socket's transport
             return
+        if address is not None:
+            self.address = address
+            self.by_address[address] = held + 1
         super().connection_made(transport)
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        if not self.refused:
-            super().connection_lost(exc)
+        if self.refused:
+            return
+        if self.address is not None:
+            left = self.by_address.get(self.address, 1) - 1
+            if left > 0:
+                self.by_address[self.address] = left
+            else:
+                self.by_address.pop(self.address, None)
+            self.address = None
+        super().connection_lost(exc)
 
     def handle_error(
         self, request: BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
@@ -166,6 +226,7 @@ class Listener(web.BaseSite):
         ssl_context: ssl.SSLContext | None = None,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+        per_address: int | None = None,
         backlog: int = 4096,
     ) -> None:
         super().__init__(runner, ssl_context=ssl_context, backlog=backlog)
@@ -174,6 +235,8 @@ class Listener(web.BaseSite):
             "keepalive_timeout": header_timeout_s,
             "access_log": None,
             "max_connections": max_connections,
+            "per_address": per_address_limit(per_address, max_connections),
+            "by_address": {},  # open connections per client address, shared by this site's connections
         }
 
     @property
@@ -213,3 +276,46 @@ class AcceptErrors:
             self.limit("cannot accept connections: %s", exc.strerror or exc)
             return
         loop.default_exception_handler(context)
+
+
+def body_deadline(timeout_s: float) -> Any:
+    """A middleware: the request's body has arrived whole within ``timeout_s``
+    (408, connection closed, otherwise) before the handler runs; the handler
+    reads it from the buffer. A body announced and never sent (the client went
+    away) is one rate-limited line, not a traceback."""
+
+    @web.middleware
+    async def read_body(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.can_read_body:
+            size = request.content_length
+            if size is not None and size > MAX_BODY_BYTES:  # refused before waiting for it
+                raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=size)
+            try:
+                if (exc := request.content.exception()) is not None:
+                    raise exc
+                # buffered, not consumed (flow control pauses a bigger one: it times out)
+                await asyncio.wait_for(request.content.wait_eof(), timeout_s)
+            except asyncio.TimeoutError:
+                _body_log(
+                    "closing a connection from %s: its request body did not arrive within %gs (--body-timeout)",
+                    printable(request.remote, limit=64),
+                    timeout_s,
+                )
+                return _closing(408, f"the request body did not arrive within {timeout_s:g}s")
+            except (ConnectionError, HttpProcessingError) as e:
+                _body_log(
+                    "request from %s ended before its body: %s",
+                    printable(request.remote, limit=64),
+                    printable(str(e) or type(e).__name__, limit=200),
+                )
+                return _closing(400, "incomplete request body")
+        return await handler(request)
+
+    return read_body
+
+
+def _closing(status: int, message: str) -> web.Response:
+    body = ErrorBody(code=ErrorCode.BAD_REQUEST, message=message).model_dump_json()
+    resp = web.json_response(text=body, status=status)
+    resp.force_close()
+    return resp

@@ -15,7 +15,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from pydantic import BaseModel, ValidationError
 
 from .conns import LogLimiter
-from .keys import AUDIT, GUESSES, JOIN_DEADLINE, METRICS, OPENAPI, STORE
+from .keys import AUDIT, GUESSES, HEALTH_REPORTS, IDLE_TIMEOUT, JOIN_DEADLINE, METRICS, OPENAPI, STORE
 from .logs import Line
 from .metrics import CONTENT_TYPE_LATEST
 from .protocol import (
@@ -29,6 +29,7 @@ from .protocol import (
     CloseResult,
     CordonRequest,
     DeleteResult,
+    ErrorBody,
     ErrorCode,
     ErrorMsg,
     FailedMsg,
@@ -48,6 +49,7 @@ from .protocol import (
     is_valid_id,
     printable,
 )
+from .quotas import FRAME_BURST, FRAME_RATE, TokenBucket
 from .store import Store
 from .store_hosts import HOSTS_KEY
 
@@ -184,6 +186,14 @@ async def uncordon_host(request: web.Request) -> web.Response:
 async def report_health(request: web.Request) -> web.Response:
     host = request.match_info["host"]
     req = await _body(request, HealthReport)
+    reports, remote = request.app[HEALTH_REPORTS], request.remote or "?"
+    if not reports.take(remote):  # one address cannot cool down hosts at line rate
+        why = (
+            f"too many health reports from {printable(remote, 64)} (a burst of {reports.burst:g}, then one "
+            f"per {1 / reports.rate:g}s); not recorded: retry later"
+        )
+        body = ErrorBody(code=ErrorCode.RATE_LIMITED, message=why).model_dump_json()
+        return web.json_response(text=body, status=429, headers={"Retry-After": reports.retry_after(remote)})
     view = request.app[STORE].report_health(host, req.job_id, req.reason)
     await request.app[STORE].flushed(HOSTS_KEY)
     return _json(view)
@@ -333,13 +343,14 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
     store = request.app[STORE]
     guesses = request.app[GUESSES]
     counter = request.app[METRICS].agent_messages
-    join_deadline = request.app[JOIN_DEADLINE]
+    join_deadline, idle_s = request.app[JOIN_DEADLINE], request.app[IDLE_TIMEOUT]
     ws = web.WebSocketResponse(max_msg_size=MAX_BODY_BYTES, autoping=True, heartbeat=None)
     await ws.prepare(request)
     chan = WsChannel(ws, request.transport, printable(request.remote, limit=64))
     bound: tuple[str, str] | None = None
     loop = asyncio.get_running_loop()
     deadline = loop.time() + join_deadline
+    frames = TokenBucket(FRAME_BURST, FRAME_RATE)
     try:
         while True:
             if bound is None:
@@ -353,8 +364,19 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
                     _close_log("closing agent connection from %s: no join within %gs", chan.peer, join_deadline)
                     break
             else:
-                frame = await ws.receive()
+                try:  # the job's heartbeat timeout is the client's to set (up to days): this one is not
+                    frame = await ws.receive(timeout=idle_s)
+                except asyncio.TimeoutError:
+                    chan.close_code = WSCloseCode.POLICY_VIOLATION
+                    chan.close_reason = f"nothing received for {idle_s:g}s"
+                    _close_log("closing agent connection from %s: nothing received for %gs", chan.peer, idle_s)
+                    break
             if frame.type in _DONE_TYPES:
+                break
+            if not frames.take():  # far more frames than any agent sends: each one costs the loop
+                chan.close_code = WSCloseCode.POLICY_VIOLATION
+                chan.close_reason = f"more than {FRAME_BURST} frames at over {FRAME_RATE:g}/s"
+                _close_log("closing agent connection from %s: %s", chan.peer, chan.close_reason)
                 break
             if not store.serving:  # an HA replica that stopped leading: its agents go to the new leader
                 break

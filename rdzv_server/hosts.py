@@ -15,8 +15,11 @@ sent to its agent and shown in the job view) while it is
 Bounded: at most ``MAX_FAILURES_KEPT`` failures per host and ``max_hosts``
 records. Host names come from clients and can be invented: when the table is
 full the oldest record that blocks nothing is evicted, and when every record
-blocks something a new one is not created (the failure is dropped, a cordon
-refused).
+blocks something a new one is not created for a failure (it is dropped). An
+operator's cordon always finds room unless every record is a cordon: it
+evicts the oldest record that is not one (a cool-down that reports made
+included), so made-up health reports cannot keep a real host from being
+cordoned. (Reports are rate-limited per address: rdzv_server.quotas.)
 """
 
 from __future__ import annotations
@@ -133,14 +136,17 @@ class Hosts:
         rec = self.records.get(host)
         return rec is not None and rec.drain and rec.cordon_active(now)
 
-    def _touch(self, host: str, now: float) -> tuple[HostRecord | None, list[str]]:
+    def _touch(self, host: str, now: float, cordon: bool = False) -> tuple[HostRecord | None, list[str]]:
         """The record of ``host`` (created if room), moved to the newest end;
-        and the hosts evicted to make room."""
+        and the hosts evicted to make room. For a ``cordon``, a record that
+        only a cool-down blocks may go too (the oldest that blocks nothing first)."""
         rec = self.records.get(host)
         evicted: list[str] = []
         if rec is None:
             if len(self.records) >= self.rules.max_hosts:
                 victim = next((h for h, r in self.records.items() if r.blocked(now) is None), None)
+                if victim is None and cordon:
+                    victim = next((h for h, r in self.records.items() if not r.cordon_active(now)), None)
                 if victim is None:
                     return None, evicted  # every record blocks a host: keep them
                 del self.records[victim]
@@ -181,7 +187,7 @@ class Hosts:
     def cordon(
         self, host: str, reason: str, ttl_s: float | None, drain: bool, now: float
     ) -> tuple[HostRecord | None, list[str]]:
-        rec, evicted = self._touch(host, now)
+        rec, evicted = self._touch(host, now, cordon=True)
         if rec is None:
             return None, evicted
         rec.cordoned, rec.cordon_reason, rec.drain = True, _clip(reason), drain

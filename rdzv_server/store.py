@@ -17,9 +17,10 @@ request that caused it gets an ``unavailable`` error.
 Nothing grows without bound: the tick visits only jobs whose next deadline
 passed (a heap keyed by :func:`rounds.next_due`); finished jobs are removed
 after ``retain_finished_s`` (or on request) from memory, disk and metrics; a
-new job is refused (``unavailable``; its agent retries) while
-``max_waiting_jobs`` jobs wait for nodes or the data dir has less than
-``min_free_disk`` bytes free. Running jobs are never refused for space.
+new job is refused (``unavailable``; its agent retries) while its address
+holds its quota of waiting jobs, ``max_waiting_jobs`` jobs wait for nodes
+held by connected nodes, or the data dir has less than ``min_free_disk``
+bytes free (:mod:`rdzv_server.quotas`). Running jobs are never refused for space.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from . import etcd, logs, rounds
 from .cursors import decode_cursor, encode_cursor
-from .database import Database, DataDirError, free_bytes  # noqa: F401  (DataDirError: re-exported)
+from .database import Database, DataDirError  # noqa: F401  (DataDirError: re-exported)
 from .events import EventLog, failure_fields
 from .hosts import HostRecord, HostRules, Hosts
 from .protocol import (
@@ -56,6 +57,7 @@ from .protocol import (
     UnavailableError,
     printable,
 )
+from .quotas import DEFAULT_WAITING_JOBS_PER_ADDRESS, Room
 from .rounds import Effects, Job
 from .store_hosts import HOSTS_KEY, HostsMixin
 from .store_retention import RetentionMixin
@@ -95,7 +97,6 @@ DEFAULT_DISCONNECT_GRACE_S = 0.5  # a dropped connection has this long to come b
 DEFAULT_RETAIN_FINISHED_S = 7 * 24 * 3600.0
 DEFAULT_MAX_WAITING_JOBS = 1000
 DEFAULT_MIN_FREE_DISK = 64 * 1024 * 1024
-REFUSAL_LOG_INTERVAL_S = 10.0
 BIG_RECORD = 1_000_000  # bytes of a job's record past which a refused etcd write names its size
 
 
@@ -104,7 +105,8 @@ class StoreSettings:
     data_dir: Path | None = None  # None: memory only (embedded/standalone server)
     disconnect_grace_s: float = DEFAULT_DISCONNECT_GRACE_S
     retain_finished_s: float = DEFAULT_RETAIN_FINISHED_S  # finished jobs older than this are removed
-    max_waiting_jobs: int = DEFAULT_MAX_WAITING_JOBS  # beyond it a new job is refused
+    max_waiting_jobs: int = DEFAULT_MAX_WAITING_JOBS  # beyond it a new job is refused (or an unheld one closed)
+    waiting_jobs_per_address: int = DEFAULT_WAITING_JOBS_PER_ADDRESS  # held by one creator address (0: no limit)
     min_free_disk: int = DEFAULT_MIN_FREE_DISK  # bytes; below it a new job is refused (0: no check)
     host_rules: HostRules = field(default_factory=HostRules)  # cool-downs of failing hosts, the host table's cap
 
@@ -140,8 +142,7 @@ class Store(HostsMixin, RetentionMixin):
         self._seq = 0
         self._ended: list[tuple[float, str]] = []  # finished jobs by end time, for retention
         self._order: list[tuple[float, str]] = []  # every job by (created_at, job_id): listing pages
-        self._refusal_log_at = 0.0
-        self._refusals_unlogged = 0
+        self.room = Room()  # the waiting-jobs cap, per address and in total (rdzv_server.quotas)
         self.hosts = Hosts(settings.host_rules)  # host records across jobs (rdzv_server.hosts)
         self._unblock_at: float | None = None  # when the next host block ends (hosts.next_unblock)
         # HA (--etcd, rdzv_server.ha): the replica's leadership, and writes queued with what waits
@@ -444,7 +445,7 @@ class Store(HostsMixin, RetentionMixin):
                 )
             if msg.resume_round is not None:
                 raise EvictedError(f"job {msg.job_id!r} is unknown to this server; rejoin as a new node")
-            self._check_room(msg.job_id, chan)
+            self.room.check(self, msg.job_id, chan)
             job = rounds.new_job(msg.job_id, msg.spec, now, job_secret=msg.job_secret)
             if msg.run is not None:  # a memory-only server restarted: its agents bring the run back
                 job.run = msg.run
@@ -452,7 +453,7 @@ class Store(HostsMixin, RetentionMixin):
         rerun = not created and rounds.starts_run(job, msg)  # a finished job id's next run
         ended = job.state.value if rerun else None  # the state the previous run ended in
         if rerun:
-            self._check_room(msg.job_id, chan)
+            self.room.check(self, msg.job_id, chan)
         # a node this join creates gets a fresh secret; only its own connection hears it
         issued = None if msg.node_id in job.nodes else secrets.token_urlsafe(24)
         fx = rounds.join(job, msg, now, node_secret=issued)  # raises before changing anything
@@ -489,41 +490,6 @@ class Store(HostsMixin, RetentionMixin):
         if job.job_id in self._due_at:
             # its deadline is now + timeout: sooner than a failover's longer grace already queued
             self._schedule(job, also=now + job.spec.heartbeat_timeout_s)
-
-    def _check_room(self, job_id: str, chan: Channel) -> None:
-        """Refuse a new job (unavailable: its agent retries later) when too many
-        jobs wait for nodes or the data dir's disk is nearly full. Nothing is
-        created; the agent is told why and its connection closed so that it
-        retries with backoff. Existing jobs are never refused here."""
-        s = self.settings
-        why = None
-        if len(self.waiting) >= s.max_waiting_jobs:
-            why = (
-                f"{len(self.waiting)} jobs are waiting for nodes on this server (--max-waiting-jobs "
-                f"{s.max_waiting_jobs}); job {job_id!r} is not created: retry later"
-            )
-        elif self.db is not None and s.data_dir is not None and s.min_free_disk > 0:
-            free = free_bytes(s.data_dir)
-            if free is not None and free < s.min_free_disk:
-                why = (
-                    f"only {free} bytes free on {self.settings.data_dir} (--min-free-disk {s.min_free_disk}); "
-                    f"new jobs are refused until there is space, running jobs carry on; "
-                    f"job {job_id!r} is not created"
-                )
-        if why is None:
-            return
-        error = UnavailableError(why, ErrorCode.UNAVAILABLE)
-        mono = time.monotonic()
-        if mono >= self._refusal_log_at:  # refused agents retry: one line per interval, with a count
-            n = self._refusals_unlogged
-            more = f" (and {n} more refusal(s) since the last line)" if n else ""
-            log.warning("refused a new job: %s%s", why, more)
-            self._refusal_log_at, self._refusals_unlogged = mono + REFUSAL_LOG_INTERVAL_S, 0
-        else:
-            self._refusals_unlogged += 1
-        chan.deliver(ErrorMsg(code=error.code, message=error.message).model_dump_json())
-        chan.drop()
-        raise error
 
     def heartbeat(self, job_id: str, node_id: str, step: int | None = None, rate: float | None = None) -> None:
         job = self.jobs.get(job_id)

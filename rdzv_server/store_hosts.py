@@ -168,8 +168,7 @@ class HostsMixin:
         rec, evicted = self.hosts.cordon(self.check_host(host), reason, ttl_s, drain, now)
         if rec is None:
             raise UnavailableError(
-                f"the host table is full ({len(self.hosts.records)} records, all blocking a host); "
-                f"uncordon a host first",
+                f"the host table is full ({len(self.hosts.records)} records, all cordons); uncordon a host first",
                 ErrorCode.UNAVAILABLE,
             )
         self._save_hosts([rec], evicted)

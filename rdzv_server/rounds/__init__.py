@@ -57,6 +57,7 @@ from .model import (
     node_secret_hash,
 )
 from .progress import heartbeat
+from .reclaim import held, reclaim
 from .records import from_record, to_record
 from .views import MAX_VIEW_HISTORY, MAX_VIEW_NODES, summary, view, waiting_info
 
@@ -90,6 +91,7 @@ __all__ = [
     "give_up",
     "grace",
     "heartbeat",
+    "held",
     "hosts_changed",
     "job_secret_hash",
     "join",
@@ -100,6 +102,7 @@ __all__ = [
     "new_run",
     "next_due",
     "node_secret_hash",
+    "reclaim",
     "restored",
     "starts_run",
     "succeed",

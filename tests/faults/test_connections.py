@@ -124,7 +124,9 @@ def test_a_websocket_that_floods_and_never_reads_is_closed_and_memory_stays_boun
     s.close()
     assert closed, f"the flooding connection was never closed; server RSS {base:.0f} -> {peak:.0f} MB"
     assert peak - base < 100, f"server RSS grew from {base:.0f} to {peak:.0f} MB while one connection flooded"
-    why = "too many invalid messages" if kind == "invalid" else "send queue full"
+    # replies never read fill the send queue, unless the frame rate limit (handlers: 200, then
+    # 50/s) closes the flood first, as it does at line rate
+    why = "too many invalid messages" if kind == "invalid" else r"send queue full|more than \d+ frames at over"
     server.wait_log(why, 10)
     # the server serves on, and what the connection held is gone
     assert server.healthy()
@@ -213,7 +215,9 @@ def test_at_the_fd_limit_the_log_stays_small_and_health_comes_back(fcluster: Fau
 def test_connections_beyond_max_connections_are_closed_at_once(fcluster: FaultCluster, tmp_path: Path) -> None:
     """--max-connections 20 and 30 clients that hold half-sent requests: 10 are closed
     at once (long before the header timeout), /healthz answers once the others go."""
-    server = fcluster.start_server_at(free_port(), tmp_path / "data", "--max-connections", "20", name="server")
+    server = fcluster.start_server_at(
+        free_port(), tmp_path / "data", "--max-connections", "20", "--max-connections-per-address", "0", name="server"
+    )
     server.wait_log(r"at most 20 connections", 5)
     held = []
     for _ in range(30):
