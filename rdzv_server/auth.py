@@ -5,7 +5,8 @@ In order, on every request:
 
 1. **Host** (DNS rebinding). A server without a token that listens on loopback
    only answers requests whose ``Host`` is a loopback name or literal
-   (``localhost``, ``127.x.y.z``, ``[::1]``, any port); anything else is 403
+   (``localhost``, ``127.x.y.z``, ``[::1]``, any port; ``/healthz`` excepted,
+   it shows counts only); anything else is 403
    ``forbidden``: a page on another name that resolves to 127.0.0.1 reaches the
    port but is refused. (With a token, the token is the guard; a non-loopback
    server without one was started with ``--insecure``.)
@@ -252,7 +253,8 @@ def middleware(auth: Auth, public: Callable[[str], bool]) -> Middleware:
 
     @web.middleware
     async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if auth.check_host and not loopback_host_header(request.headers.get("Host", "")):
+        # /healthz: a probe may name the host anyhow, and it shows counts only
+        if auth.check_host and request.path != "/healthz" and not loopback_host_header(request.headers.get("Host", "")):
             return error(
                 ErrorCode.FORBIDDEN,
                 f"Host {printable(request.headers.get('Host', ''), 100)!r} refused: this server has no token and "

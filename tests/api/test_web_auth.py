@@ -96,6 +96,7 @@ async def test_dns_rebinding_to_a_tokenless_loopback_server_is_refused_and_chang
             await client.ws_connect(AGENT_PATH, headers=rebound)
         assert refused.value.status == 403
     assert await snapshot(client) == before
+    assert (await client.get("/healthz", headers={"Host": "evil.example"})).status == 200  # a probe's, counts only
     for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "127.0.0.2", "LOCALHOST"):
         assert (await client.get("/v1/jobs", headers={"Host": host})).status == 200, host
 

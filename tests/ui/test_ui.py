@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 WORKER = Path(__file__).parent / "scripts" / "worker.py"
 DEADLINE_MS = 30_000
-TOKEN = "ui-s3cret"
+TOKEN = "ui-s3cret-of-16-chars"
 
 
 def agent(cluster: Cluster, server, job: str, host: str, nnodes: str, *flags: str, script_args: tuple = ()):
@@ -182,3 +182,58 @@ def test_with_a_token_the_page_works_after_login_and_refuses_without(cluster: Cl
         assert status == 401
     finally:
         other.close()
+
+
+def test_a_page_on_another_port_of_the_same_host_cannot_join_or_close(cluster: Cluster, page) -> None:
+    """Signed in to /ui (the browser holds the session cookie, which SameSite
+    does not keep from other ports of 127.0.0.1), a page served from another
+    port opens the agent channel and sends a join, and posts a close: the
+    upgrade is refused (no message ever arrives, no job is created) and the
+    job keeps running."""
+    from rdzv_server.protocol import JobSpec, JoinMsg
+
+    server = cluster.start_server("--token", TOKEN)
+    agent(cluster, server, "victim", "node-v", "1", "--token", TOKEN)
+    wait_until(
+        lambda: server.request("GET", "/v1/jobs/victim", token=TOKEN)[1].get("state") == "running",
+        30,
+        "the job runs",
+    )
+    page.goto(f"{server.url}/ui")
+    page.fill("#token", TOKEN)
+    page.click("#login-form button")
+    expect(page.locator("#jobs-body tr[data-job=victim]")).to_contain_text("running")
+    assert any(c["name"] == "rdzv_session" for c in page.context.cookies())
+
+    evil = f"http://127.0.0.1:{server.port + 1}/evil.html"  # Playwright serves it: no server needed there
+    page.route(evil, lambda route: route.fulfill(status=200, content_type="text/html", body="<p>cute cats</p>"))
+    page.goto(evil)
+    join = JoinMsg(
+        job_id="evil-job",
+        node_id="evil",
+        local_world_size=1,
+        spec=JobSpec(min_nodes=1, max_nodes=1),
+        host="evil",
+        addr="10.66.66.66",
+        master_port=4444,
+    ).model_dump_json()
+    result = page.evaluate(
+        """([url, join]) => new Promise(resolve => {
+            const got = [];
+            let opened = false;
+            const ws = new WebSocket(url);
+            ws.onopen = () => { opened = true; ws.send(join); };
+            ws.onmessage = (m) => got.push(m.data);
+            ws.onclose = () => resolve({ opened, got });
+            setTimeout(() => resolve({ opened, got, hung: true }), 15000);  // a deadline, not a timing
+        })""",
+        [f"ws://127.0.0.1:{server.port}/v1/agent", join],
+    )
+    assert result == {"opened": False, "got": []}, result
+    page.evaluate(
+        "(u) => fetch(u, { method: 'POST', credentials: 'include', mode: 'no-cors' }).catch(() => null)",
+        f"{server.url}/v1/jobs/victim/close",
+    )
+    status, _ = server.request("GET", "/v1/jobs/evil-job", token=TOKEN)
+    assert status == 404
+    assert server.request("GET", "/v1/jobs/victim", token=TOKEN)[1]["state"] == "running"
