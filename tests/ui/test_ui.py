@@ -190,8 +190,6 @@ def test_a_page_on_another_port_of_the_same_host_cannot_join_or_close(cluster: C
     port opens the agent channel and sends a join, and posts a close: the
     upgrade is refused (no message ever arrives, no job is created) and the
     job keeps running."""
-    from rdzv_server.protocol import JobSpec, JoinMsg
-
     server = cluster.start_server("--token", TOKEN)
     agent(cluster, server, "victim", "node-v", "1", "--token", TOKEN)
     wait_until(
@@ -205,9 +203,47 @@ def test_a_page_on_another_port_of_the_same_host_cannot_join_or_close(cluster: C
     expect(page.locator("#jobs-body tr[data-job=victim]")).to_contain_text("running")
     assert any(c["name"] == "rdzv_session" for c in page.context.cookies())
 
-    evil = f"http://127.0.0.1:{server.port + 1}/evil.html"  # Playwright serves it: no server needed there
-    page.route(evil, lambda route: route.fulfill(status=200, content_type="text/html", body="<p>cute cats</p>"))
-    page.goto(evil)
+    site = _OtherPort()  # a real server: a page Playwright fulfils itself cannot open WebSockets at all
+    try:
+        page.goto(f"http://127.0.0.1:{site.port}/cats.html")
+        _try_to_join_and_close(server, page)
+    finally:
+        site.close()
+
+
+class _OtherPort:
+    """A page of another site on another port of 127.0.0.1 (a thread of this process)."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        class Page(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = b"<!doctype html><p>cute cats</p>"
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(10)
+
+
+def _try_to_join_and_close(server, page) -> None:
+    from rdzv_server.protocol import JobSpec, JoinMsg
+
     join = JoinMsg(
         job_id="evil-job",
         node_id="evil",
