@@ -165,6 +165,12 @@ async def test_every_login_gets_its_own_session_and_logout_revokes_only_it(make_
     assert resp.status == 401 and "sign in again" in (await resp.json())["message"]
     assert (await client.get("/v1/events", params={"since": "0"}, headers=cookie(first))).status == 401
     assert (await client.get("/v1/jobs", headers=cookie(second))).status == 200
+    # signing in again in the same browser replaces that browser's session
+    client.session.cookie_jar.update_cookies({COOKIE: second})
+    third = await login(client)
+    assert third != second and client.app[AUTH].sessions.role(second) is None
+    client.session.cookie_jar.clear()
+    assert (await client.get("/v1/jobs", headers=cookie(third))).status == 200
     # a made-up or overlong cookie is no session either
     for sid in ("x" * 43, "y" * 5000):
         assert (await client.get("/v1/jobs", headers=cookie(sid))).status == 401
