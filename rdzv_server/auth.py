@@ -56,6 +56,7 @@ MAX_SESSIONS = 1000  # /ui sessions held at once; beyond it the oldest is droppe
 MAX_SESSION_ID = 100  # characters of a cookie value looked at (ours are 43)
 COOKIE = "rdzv_session"
 UI_HEADER = "X-Rdzv-UI"
+ROLE_HEADER = "X-Rdzv-Role"  # on answers to the /ui session: the role it signed in with
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 # What stops or changes other people's jobs and hosts: (method, route) as registered in app.py.
@@ -301,6 +302,9 @@ def middleware(auth: Auth, public: Callable[[str], bool]) -> Middleware:
                 "not close, delete or cordon",
                 403,
             )
-        return await handler(request)
+        resp = await handler(request)
+        if by_cookie and not resp.prepared:  # the page shows "sign out" and its role (not on a stream)
+            resp.headers[ROLE_HEADER] = role.value
+        return resp
 
     return auth_middleware

@@ -238,6 +238,8 @@ async def test_a_ui_session_keeps_the_role_it_signed_in_with(make_client, connec
     ui = {"X-Rdzv-UI": "1"}
     resp = await client.post("/ui/login", json={"token": TOKEN})
     assert (await resp.json()) == {"auth": True, "role": "agent"}
+    assert (await client.get("/v1/jobs")).headers["X-Rdzv-Role"] == "agent"  # the page shows it
+    assert "X-Rdzv-Role" not in (await client.get("/v1/jobs", headers=BEARER)).headers
     resp = await client.post("/v1/jobs/uijob/close", headers=ui)
     assert resp.status == 403 and "sign in to /ui with it" in (await resp.json())["message"]
     assert (await (await client.get("/v1/jobs/uijob")).json())["state"] == "running"

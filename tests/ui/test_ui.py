@@ -169,6 +169,13 @@ def test_with_a_token_the_page_works_after_login_and_refuses_without(cluster: Cl
     page.click("#close-yes")
     expect(page.locator("#job-state")).to_have_text("closed", timeout=DEADLINE_MS)
 
+    # the session's role shows (one token: every role); signing out revokes the cookie
+    expect(page.locator("#role")).to_have_text("operator")
+    page.click("#logout")
+    expect(page.locator("#login")).to_be_visible()
+    expect(page.locator("#session")).to_be_hidden()
+    assert page.evaluate("fetch('/v1/jobs/secured').then(r => r.status)") == 401
+
     # another browser (no cookie): the login form, and the API refuses
     other = browser.new_context()
     try:
@@ -182,6 +189,37 @@ def test_with_a_token_the_page_works_after_login_and_refuses_without(cluster: Cl
         assert status == 401
     finally:
         other.close()
+
+
+def test_a_session_of_the_ordinary_token_cannot_close_and_says_why(cluster: Cluster, page) -> None:
+    """With --operator-token, a /ui session signed in with the ordinary token
+    shows its role, and the Close button answers with the server's 403 message
+    naming the operator token; the job keeps running. Signed in again with the
+    operator token, the same button closes it."""
+    operator = "operator-s3cret-of-16-chars"
+    server = cluster.start_server("--token", TOKEN, "--operator-token", operator)
+    agent(cluster, server, "guarded", "node-g", "1", "--token", TOKEN)
+    wait_until(
+        lambda: server.request("GET", "/v1/jobs/guarded", token=TOKEN)[1].get("state") == "running",
+        30,
+        "the job runs",
+    )
+    page.goto(f"{server.url}/ui/jobs/guarded")
+    page.fill("#token", TOKEN)
+    page.click("#login-form button")
+    expect(page.locator("#job-state")).to_have_text("running")
+    expect(page.locator("#role")).to_have_text("agent")
+    page.click("#close-btn")
+    page.click("#close-yes")
+    expect(page.locator("#close-error")).to_contain_text("needs the operator token")
+    assert server.request("GET", "/v1/jobs/guarded", token=TOKEN)[1]["state"] == "running"
+    page.click("#logout")
+    page.fill("#token", operator)
+    page.click("#login-form button")
+    expect(page.locator("#role")).to_have_text("operator")
+    page.click("#close-btn")
+    page.click("#close-yes")
+    expect(page.locator("#job-state")).to_have_text("closed", timeout=DEADLINE_MS)
 
 
 def test_a_page_on_another_port_of_the_same_host_cannot_join_or_close(cluster: Cluster, page) -> None:
