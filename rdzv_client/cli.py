@@ -12,8 +12,9 @@
     rdzv uncordon HOST       admit HOST again (lifts a cool-down too)
 
 Endpoint and token come from --endpoint/--token (before or after the
-subcommand) or RDZV_ENDPOINT/RDZV_TOKEN. Errors are one line on stderr and
-exit status 1 (2 for usage). Text from the server is printed through
+subcommand) or RDZV_ENDPOINT/RDZV_TOKEN (RDZV_OPERATOR_TOKEN first when set:
+a server with --operator-token needs it to close, delete or cordon). Errors
+are one line on stderr and exit status 1 (2 for usage). Text from the server is printed through
 ``printable()``; ``--json`` is ASCII JSON (one compact document per line
 with ``--watch``).
 """
@@ -144,10 +145,12 @@ def _global_flags(p: argparse.ArgumentParser, defaults: bool) -> None:
         default=os.environ.get("RDZV_ENDPOINT", "127.0.0.1:29400") if defaults else argparse.SUPPRESS,
         help="server HOST:PORT, or a comma-separated list of HA replicas (default $RDZV_ENDPOINT or 127.0.0.1:29400)",
     )
+    # the operator token (close, delete, cordon on a server with --operator-token) reads as well
+    token = os.environ.get("RDZV_OPERATOR_TOKEN") or os.environ.get("RDZV_TOKEN")
     p.add_argument(
         "--token",
-        default=os.environ.get("RDZV_TOKEN") if defaults else argparse.SUPPRESS,
-        help="bearer token (default $RDZV_TOKEN)",
+        default=token if defaults else argparse.SUPPRESS,
+        help="bearer token (default $RDZV_OPERATOR_TOKEN if set, else $RDZV_TOKEN)",
     )
 
 

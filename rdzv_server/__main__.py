@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import ipaddress
 import logging
 import os
 import signal
@@ -19,6 +18,7 @@ from aiohttp import web
 
 from . import __version__, logs
 from .app import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_JOIN_DEADLINE_S, MIN_IDLE_TIMEOUT_S, Settings, create_app
+from .auth import is_loopback, token_problem
 from .conns import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
@@ -134,7 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
         "($XDG_STATE_HOME/rdzv); 'none' keeps state in memory only",
     )
     p.add_argument(
-        "--token", default=None, help="bearer token required on every request but /healthz (default: $RDZV_TOKEN)"
+        "--token",
+        default=None,
+        help="bearer token required on every request but /healthz, at least 16 characters (default: $RDZV_TOKEN)",
+    )
+    p.add_argument(
+        "--operator-token",
+        default=None,
+        help="a second token that alone may close, delete, cordon and uncordon (the --token then only joins, "
+        "reads and reports health); without it the token is every role (default: $RDZV_OPERATOR_TOKEN)",
     )
     p.add_argument("--tls-cert", default=None, help="PEM certificate: serve HTTPS")
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
@@ -365,6 +373,12 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     else:
         data_dir = Path(args.data_dir)
     token = args.token if args.token is not None else os.environ.get("RDZV_TOKEN") or None
+    operator = args.operator_token if args.operator_token is not None else os.environ.get("RDZV_OPERATOR_TOKEN") or None
+    for flag, value in (("--token", token), ("--operator-token", operator)):
+        if problem := token_problem(flag, value):
+            raise UsageError(problem)
+    if operator is not None and (token is None or operator == token):
+        raise UsageError("--operator-token needs a --token (for agents and readers) that differs from it")
     if not 0 < args.disconnect_grace <= 60:
         raise SystemExit("rdzv-server: --disconnect-grace must be in (0, 60] seconds")
     if not 0 < args.join_deadline <= 3600:
@@ -378,6 +392,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(
         data_dir=data_dir,
         token=token,
+        operator_token=operator,
         disconnect_grace_s=args.disconnect_grace,
         join_deadline_s=args.join_deadline,
         retain_finished_s=args.retain_finished,
@@ -399,15 +414,6 @@ class UsageError(Exception):
     """A command line the server refuses to run (exit 2)."""
 
 
-def is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
-    except ValueError:
-        return False  # a name (or "") may resolve to anything: not loopback
-
-
 def bind_host(host: str | None, token: str | None, insecure: bool) -> str:
     """Where to listen. Without a token: loopback by default, and a
     non-loopback address only with ``insecure``."""
@@ -422,9 +428,9 @@ def bind_host(host: str | None, token: str | None, insecure: bool) -> str:
     )
 
 
-def auth_note(host: str, token: str | None) -> str:
+def auth_note(host: str, token: str | None, operator: str | None = None) -> str:
     if token:
-        return "auth: token"
+        return "auth: token and operator token" if operator else "auth: token"
     if is_loopback(host):
         return "auth: none, loopback only; set --token to listen on other addresses"
     return "auth: NONE on a non-loopback address (--insecure): anyone who can reach this port controls every job"
@@ -496,7 +502,7 @@ async def serve(
             if settings.ha
             else "memory only"
         ),
-        auth_note(host, settings.token),
+        auth_note(host, settings.token, settings.operator_token),
     )
     free = free_bytes(settings.data_dir) if settings.data_dir is not None else None
     if free is not None and free < settings.min_free_disk:
@@ -531,9 +537,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.log_format == "json":  # what is printed, not logged (refusals to start), is json too
         sys.stderr = cast(TextIO, logs.JsonStream(stderr, level=logging.ERROR))
     logs.setup(args.log_format, args.log_level, "%(asctime)s %(levelname)s %(name)s: %(message)s", stream=stderr)
-    settings = settings_from_args(args)
     try:
+        settings = settings_from_args(args)
         host = bind_host(getattr(args, "host", None), settings.token, args.insecure)
+        settings.listen_host = host
     except UsageError as e:
         print(f"rdzv-server: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -15,8 +14,10 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from pydantic.json_schema import models_json_schema
 
-from . import __version__, handlers, sse, ui
+from . import __version__, auth, handlers, sse, ui
 from .audit import Audit
+from .auth import Auth
+from .auth import error as _error
 from .conns import DEFAULT_BODY_TIMEOUT_S, body_deadline
 from .cursors import MAX_CURSOR_LEN
 from .events import (
@@ -34,6 +35,7 @@ from .ha import HASettings
 from .hosts import HostRules
 from .keys import (
     AUDIT,
+    AUTH,
     EVENTS,
     EVENTS_KEEPALIVE,
     GUESSES,
@@ -43,8 +45,6 @@ from .keys import (
     METRICS,
     OPENAPI,
     STORE,
-    THROTTLE,
-    TOKEN,
 )
 from .metrics import Metrics
 from .protocol import (
@@ -54,7 +54,6 @@ from .protocol import (
     ID_PATTERN,
     LEADER_HEADER,
     MAX_BODY_BYTES,
-    MAX_ERROR_MESSAGE,
     MAX_ID_LEN,
     MAX_PAGE,
     CloseResult,
@@ -87,7 +86,6 @@ from .store import (
     StoreSettings,
 )
 from .tasks import cancel_and_wait
-from .throttle import AuthThrottle
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +100,8 @@ MIN_IDLE_TIMEOUT_S = 10.0  # five heartbeat intervals: a flag below it would clo
 class Settings:
     data_dir: Path | None = None
     token: str | None = None
+    operator_token: str | None = None  # with it, close/delete/cordon/uncordon need it (rdzv_server.auth)
+    listen_host: str = "127.0.0.1"  # where the server listens: without a token on loopback, Host is checked
     disconnect_grace_s: float = DEFAULT_DISCONNECT_GRACE_S
     join_deadline_s: float = DEFAULT_JOIN_DEADLINE_S
     retain_finished_s: float = DEFAULT_RETAIN_FINISHED_S
@@ -143,12 +143,6 @@ _HTTP_CODES = {
 }
 
 
-def _error(code: ErrorCode, message: str, status: int, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(
-        text=ErrorBody(code=code, message=message[:MAX_ERROR_MESSAGE]).model_dump_json(), status=status, headers=headers
-    )
-
-
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Domain errors and aiohttp's own HTTP errors become {"code", "message"}."""
@@ -164,64 +158,11 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if e.status == 413:
             message = f"request body is larger than the limit of {MAX_BODY_BYTES} bytes"
         elif e.status == 404:
-            message = f"no such path: {request.method} {request.path[:200]}"
+            message = f"no such path: {request.method} {printable(request.path, 200)}"
         elif e.status == 405:
-            message = f"method {request.method} is not allowed on {request.path[:200]}"
+            message = f"method {request.method} is not allowed on {printable(request.path, 200)}"
         headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
         return _error(code, message, e.status, headers)
-
-
-@web.middleware
-async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """An optional bearer token guards everything but /healthz and the /ui
-    page's own files; the /ui session cookie counts as the token (see
-    :mod:`rdzv_server.ui`). A request that changes something from another
-    site's page is refused, token or not."""
-    if ui.cross_site(request):
-        return _error(
-            ErrorCode.FORBIDDEN,
-            f"cross-site request refused: Origin {printable(request.headers.get('Origin'), 100)} is not this server",
-            403,
-        )
-    token = request.app[TOKEN]
-    if token and request.path != "/healthz" and not ui.public(request.path):
-        throttle, remote = request.app[THROTTLE], request.remote or "?"
-        if throttle.blocked(remote):  # too many wrong tokens from here lately: no more guesses for now
-            return _error(
-                ErrorCode.RATE_LIMITED,
-                f"too many wrong tokens from {printable(remote, 64)}; retry after the window",
-                429,
-                {"Retry-After": throttle.retry_after(remote)},
-            )
-        given = request.headers.get("Authorization", "")
-        scheme, _, value = given.partition(" ")
-        # surrogateescape: a header that is not UTF-8 is simply wrong, not a crash
-        given_token = value.strip().encode("utf-8", "surrogateescape")
-        bearer = scheme.lower() == "bearer" and hmac.compare_digest(given_token, token.encode())
-        if not bearer and ui.cookie_ok(request, token):
-            if request.method not in ui.SAFE_METHODS and request.headers.get(ui.UI_HEADER) != "1":
-                return _error(
-                    ErrorCode.FORBIDDEN,
-                    f"a change made with the /ui cookie needs the header {ui.UI_HEADER}: 1",
-                    403,
-                )
-            return await handler(request)
-        if not bearer:
-            if throttle.failed(remote):
-                request.app[AUDIT].event(
-                    "throttle", f"{printable(remote, 64)} sent {throttle.limit} wrong tokens: refused for a while"
-                )
-            request.app[AUDIT].event(
-                "token",
-                f"token rejected: {request.method} {printable(request.path, 200)} from {printable(request.remote)}",
-            )
-            return _error(
-                ErrorCode.UNAUTHORIZED,
-                "missing or wrong bearer token (Authorization: Bearer ...)",
-                401,
-                {"WWW-Authenticate": "Bearer"},
-            )
-    return await handler(request)
 
 
 # What a replica that is not the leader still answers itself (everything else: not_leader).
@@ -277,7 +218,7 @@ def openapi_document() -> dict[str, Any]:
     def resp(name: str, desc: str = "OK") -> dict[str, Any]:
         return {"description": desc, "content": {"application/json": {"schema": ref(name)}}}
 
-    errors = {str(s): resp("ErrorBody", "refused") for s in (400, 401, 404, 405, 409, 413, 422, 429, 503)}
+    errors = {str(s): resp("ErrorBody", "refused") for s in (400, 401, 403, 404, 405, 409, 413, 422, 429, 503)}
     job_param = {
         "name": "job_id",
         "in": "path",
@@ -430,11 +371,16 @@ def openapi_document() -> dict[str, Any]:
             },
         },
     }
-    # wherever a wrong token is answered 401, too many of them from one address are answered 429
+    # wherever a wrong token is answered 401, too many of them from one address are answered 429,
+    # and a cross-site page, a wrong Host or a missing role 403 (rdzv_server.auth)
     for ops in doc["paths"].values():
         for op in ops.values():
             if "401" in op.get("responses", {}):
                 op["responses"]["429"] = errors["429"]
+                op["responses"]["403"] = errors["403"]
+    for method, path in auth.OPERATOR_ROUTES:
+        op = doc["paths"][path][method.lower()]
+        op["description"] = (op.get("description", "") + " Needs the operator token when one is set.").strip()
     return doc
 
 
@@ -442,16 +388,19 @@ def create_app(settings: Settings | None = None) -> web.Application:
     """The server as an aiohttp application; the store opens on startup
     (raising DataDirError if its data cannot be used)."""
     settings = settings or Settings()
+    audit = Audit()
+    guard = Auth(settings.token, settings.operator_token, settings.listen_host, audit)
     app = web.Application(
         client_max_size=MAX_BODY_BYTES,
         middlewares=[
             error_middleware,
-            auth_middleware,
+            auth.middleware(guard, ui.public),
             body_deadline(settings.body_timeout_s),
             leader_middleware,
             latency_middleware,
         ],
     )
+    app[AUTH] = guard
     metrics = Metrics()
     app[METRICS] = metrics
     events = EventLog(
@@ -466,13 +415,11 @@ def create_app(settings: Settings | None = None) -> web.Application:
     app[STORE] = Store(settings.store_settings, metrics=metrics, events=events)
     if settings.ha is not None:
         app[STORE].use_replica(settings.ha.replica())
-    app[TOKEN] = settings.token or ""
     app[JOIN_DEADLINE] = settings.join_deadline_s
     app[IDLE_TIMEOUT] = settings.idle_timeout_s
     app[HEALTH_REPORTS] = AddressBuckets(HEALTH_REPORT_BURST, 1.0 / HEALTH_REPORT_EVERY_S)
     app[OPENAPI] = openapi_document()
-    app[AUDIT] = Audit()
-    app[THROTTLE] = AuthThrottle()
+    app[AUDIT] = audit
     app[GUESSES] = GuessThrottle()
     app[EVENTS] = events
     app[EVENTS_KEEPALIVE] = settings.event_keepalive_s

@@ -21,7 +21,7 @@ async def start_embedded(
 ) -> tuple[web.AppRunner, int]:
     """Start a server on ``host:port``; return its runner (``await runner.cleanup()``
     stops it) and the port it listens on."""
-    runner = web.AppRunner(create_app(settings or Settings(data_dir=None)), access_log=None)
+    runner = web.AppRunner(create_app(settings or Settings(data_dir=None, listen_host=host)), access_log=None)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)

@@ -56,7 +56,7 @@ class ErrorCode(str, Enum):
     JOB_NOT_FINISHED = "job_not_finished"
     NODE_SECRET_MISMATCH = "node_secret_mismatch"
     JOB_SECRET_MISMATCH = "job_secret_mismatch"
-    FORBIDDEN = "forbidden"  # a cross-site request (its Origin is not the server's), or one without X-Rdzv-UI
+    FORBIDDEN = "forbidden"  # another Origin, a non-loopback Host, no X-Rdzv-UI, or not the operator (auth.py)
     NOT_LEADER = "not_leader"  # an HA replica (--etcd) that is not the leader; LEADER_HEADER names the leader
     RATE_LIMITED = "rate_limited"  # too many wrong tokens from this address lately; see Retry-After
 

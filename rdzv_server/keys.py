@@ -3,22 +3,21 @@
 from aiohttp import web
 
 from .audit import Audit
+from .auth import Auth
 from .events import EventLog
 from .guesses import GuessThrottle
 from .metrics import Metrics
 from .quotas import AddressBuckets
 from .store import Store
-from .throttle import AuthThrottle
 
 STORE = web.AppKey("store", Store)
 METRICS = web.AppKey("metrics", Metrics)
 OPENAPI = web.AppKey("openapi", dict)
-TOKEN = web.AppKey("token", str)
+AUTH = web.AppKey("auth", Auth)  # tokens, roles, /ui sessions, the wrong-token throttle (rdzv_server.auth)
 JOIN_DEADLINE = web.AppKey("join_deadline", float)  # seconds a new agent WebSocket has to join
 AUDIT = web.AppKey("audit", Audit)
 EVENTS = web.AppKey("events", EventLog)  # the event log behind /v1/events
 EVENTS_KEEPALIVE = web.AppKey("events_keepalive", float)  # seconds between keep-alive comments on a quiet stream
-THROTTLE = web.AppKey("throttle", AuthThrottle)  # wrong tokens per client address (429 past the limit)
 GUESSES = web.AppKey("guesses", GuessThrottle)  # wrong job secrets per job id and address (joins slowed past the limit)
 IDLE_TIMEOUT = web.AppKey("idle_timeout", float)  # seconds a joined agent WebSocket may send nothing
 HEALTH_REPORTS = web.AppKey("health_reports", AddressBuckets)  # health reports per client address

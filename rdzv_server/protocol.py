@@ -479,7 +479,7 @@ HOST_RE = re.compile(HOST_PATTERN)
 
 
 def is_valid_host(value: str) -> bool:
-    return 0 < len(value) <= 255 and bool(HOST_RE.match(value))
+    return 0 < len(value) <= 255 and bool(HOST_RE.fullmatch(value))
 
 
 class CordonRequest(_Strict):

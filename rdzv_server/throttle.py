@@ -1,9 +1,13 @@
 """Failed authentication, counted per client address (a bounded table).
 
 A client that sends ``limit`` wrong tokens (bearer or /ui login) within
-``window_s`` is refused with 429 ``rate_limited`` for ``window_s``, right
-token or not: guessing a token at line rate becomes ``limit`` guesses a
-window. A client that authenticates is never counted. The table holds at
+``window_s`` has its wrong ones answered 429 ``rate_limited`` for
+``window_s`` (no more counting, no audit line each), while the right token
+still passes (:mod:`rdzv_server.auth` checks it first): a guesser behind the
+same NAT as real agents cannot lock them out. What makes guessing hopeless is
+the token's strength (``auth.MIN_TOKEN_LEN``); this keeps a flood of guesses
+cheap and tells a misconfigured client to back off. A client that
+authenticates is never counted. The table holds at
 most ``max_addrs`` addresses (the least recently failed go first), so a
 flood from many addresses costs memory once, not for ever."""
 

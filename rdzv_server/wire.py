@@ -64,7 +64,7 @@ SPEC_SECONDS = ("last_call_s", "heartbeat_timeout_s", "join_timeout_s", "scale_u
 
 
 def is_valid_id(value: str) -> bool:
-    return 0 < len(value) <= MAX_ID_LEN and bool(_ID_RE.match(value))
+    return 0 < len(value) <= MAX_ID_LEN and bool(_ID_RE.fullmatch(value))  # fullmatch: "$" alone lets "x\n" through
 
 
 # C0 and C1 control characters and DEL: what a terminal or a log reader would act on.

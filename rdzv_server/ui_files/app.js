@@ -35,6 +35,8 @@ class AuthNeeded extends Error {}
 async function api(path, opts) {
   const r = await fetch(path, Object.assign({ credentials: "same-origin" }, opts || {}));
   if (r.status === 401) throw new AuthNeeded();
+  const role = r.headers.get("X-Rdzv-Role");  // set on answers to a /ui session (a server with a token)
+  if (role) { $("role").textContent = role; $("session").hidden = false; }
   const body = await r.json().catch(() => null);
   if (!r.ok) throw new Error((body && body.message) || ("HTTP " + r.status));
   return body;
@@ -113,6 +115,12 @@ async function login(ev) {
   $("token").value = "";
   $("login").hidden = true;
   start();
+}
+
+async function logout() {
+  await fetch("/ui/logout", { method: "POST", headers: { "X-Rdzv-UI": "1" }, credentials: "same-origin" });
+  $("session").hidden = true;
+  showLogin();
 }
 
 function ready() {
@@ -339,6 +347,7 @@ async function start() {
 
 document.addEventListener("DOMContentLoaded", () => {
   $("login-form").addEventListener("submit", login);
+  $("logout").addEventListener("click", logout);
   $("state-filter").addEventListener("change", () => scheduleRefresh());
   $("close-btn").addEventListener("click", () => { $("close-confirm").hidden = false; });
   $("close-no").addEventListener("click", () => { $("close-confirm").hidden = true; });

@@ -28,7 +28,7 @@ from tests.helpers.procs import Server, free_port, start_server
 pytestmark = pytest.mark.timeout(30)
 
 ROOT = Path(__file__).resolve().parents[2]
-TOKEN = "s3cret-token"
+TOKEN = "s3cret-token-for-the-cli"
 CLI_TIMEOUT_S = 15.0
 WATCH_HEADER = re.compile(r"^\d\d:\d\d:\d\d  rdzv status ", re.M)
 

@@ -11,7 +11,7 @@ import sqlite3
 import aiohttp
 
 from rdzv_server.app import Settings
-from rdzv_server.keys import STORE, THROTTLE
+from rdzv_server.keys import AUTH, STORE
 from rdzv_server.protocol import AGENT_PATH, ExitRecord, FailedMsg, JobSpec, LeaveMsg, SucceededMsg
 from rdzv_server.throttle import DEFAULT_LIMIT
 
@@ -19,6 +19,7 @@ from .conftest import form, join_msg
 from .test_hostile import expect_error, snapshot, wait_view
 
 IMPOSTOR = dict(addr="10.66.66.66", host="evil", master_port=4444)
+TOKEN = "s3cret-token-of-16+"
 
 
 def server_lines(caplog) -> list[str]:
@@ -290,25 +291,29 @@ async def test_a_rejected_token_is_audited_and_rate_limited(make_client, caplog)
     assert_one_line_each(audit_lines(caplog))
 
 
-async def test_an_address_that_guesses_tokens_is_refused_for_a_window(make_client, caplog):
-    """limit wrong tokens (bearer or /ui login: one count) from one address and it
-    is refused with 429 and Retry-After for the window, even with the right token;
-    after the window the right token works again. Nothing is counted for it."""
+async def test_an_address_that_guesses_tokens_is_throttled_but_the_right_token_passes(make_client, connect, caplog):
+    """limit wrong tokens (bearer or /ui login: one count) from one address and
+    its wrong tokens are answered 429 with Retry-After for the window, while the
+    right token still works from there (an agent behind the guesser's NAT joins);
+    after the window wrong ones are 401 again. Nothing is counted for the right one."""
     caplog.set_level(logging.INFO)
-    client = await make_client(Settings(token="s3cret"))
-    throttle = client.app[THROTTLE]
+    client = await make_client(Settings(token=TOKEN))
+    throttle = client.app[AUTH].throttle
     throttle.limit, throttle.window_s = 4, 1.0
-    good = {"Authorization": "Bearer s3cret"}
+    good = {"Authorization": f"Bearer {TOKEN}"}
+    wrong = {"Authorization": "Bearer guess-guess-guess-guess"}
     assert (await client.get("/v1/jobs", headers=good)).status == 200
     for _ in range(2):
-        assert (await client.get("/v1/jobs", headers={"Authorization": "Bearer guess"})).status == 401
+        assert (await client.get("/v1/jobs", headers=wrong)).status == 401
     assert (await client.post("/ui/login", json={"token": "guess"})).status == 401
     assert (await client.get("/v1/jobs", headers=good)).status == 200  # 3 wrong: not yet
     assert (await client.get("/v1/jobs")).status == 401  # no token at all counts too: the 4th
+    assert throttle.blocked("127.0.0.1") > 0
     for req in (
-        client.get("/v1/jobs", headers=good),
-        client.post("/ui/login", json={"token": "s3cret"}),
-        client.ws_connect(AGENT_PATH, headers=good),
+        client.get("/v1/jobs", headers=wrong),
+        client.get("/v1/jobs"),
+        client.post("/ui/login", json={"token": "guess"}),
+        client.ws_connect(AGENT_PATH, headers=wrong),
     ):
         try:
             resp = await req
@@ -318,11 +323,16 @@ async def test_an_address_that_guesses_tokens_is_refused_for_a_window(make_clien
         assert resp.status == 429, await resp.text()
         body = await resp.json()
         assert body["code"] == "rate_limited" and 1 <= int(resp.headers["Retry-After"]) <= 1, (body, resp.headers)
+    # the right token from the throttled address: REST, the /ui login and the agent channel all work
+    assert (await client.get("/v1/jobs", headers=good)).status == 200
+    assert (await client.post("/ui/login", json={"token": TOKEN})).status == 200
+    agent = await connect(on=client, headers=good)
+    await agent.send(join_msg("natted", "node1", (1, 1)))
+    await agent.expect("joined")
     assert (await client.get("/healthz")).status == 200  # never guarded
     assert any("sent 4 wrong tokens" in line for line in audit_lines(caplog))
     await asyncio.sleep(1.1)  # the window passes
-    assert (await client.get("/v1/jobs", headers=good)).status == 200
-    assert (await client.post("/ui/login", json={"token": "s3cret"})).status == 200
+    assert (await client.get("/v1/jobs", headers=wrong)).status == 401
 
 
 async def test_closing_a_job_on_request_is_audited_once(client, connect, caplog):

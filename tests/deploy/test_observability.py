@@ -35,7 +35,7 @@ DASHBOARD = REPO / "deploy" / "grafana" / "rdzv-dashboard.json"
 RULES = REPO / "deploy" / "prometheus" / "rdzv-alerts.yaml"
 CONFIG = REPO / "deploy" / "prometheus" / "prometheus.example.yaml"
 RULE_TESTS = Path(__file__).parent / "data" / "rdzv-alerts.test.yaml"
-TOKEN = "obs-test-token"
+TOKEN = "obs-test-token-0123456"
 PROMETHEUS_OWN = {"up"}  # series Prometheus itself makes for every target
 NO_PROMTOOL = "promtool is not installed: apt-get install prometheus (Debian) to run this check"
 MATCHER_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*"([^"]*)"')

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 WORKER = Path(__file__).parent / "scripts" / "worker.py"
 DEADLINE_MS = 30_000
-TOKEN = "ui-s3cret"
+TOKEN = "ui-s3cret-of-16-chars"
 
 
 def agent(cluster: Cluster, server, job: str, host: str, nnodes: str, *flags: str, script_args: tuple = ()):
@@ -169,6 +169,13 @@ def test_with_a_token_the_page_works_after_login_and_refuses_without(cluster: Cl
     page.click("#close-yes")
     expect(page.locator("#job-state")).to_have_text("closed", timeout=DEADLINE_MS)
 
+    # the session's role shows (one token: every role); signing out revokes the cookie
+    expect(page.locator("#role")).to_have_text("operator")
+    page.click("#logout")
+    expect(page.locator("#login")).to_be_visible()
+    expect(page.locator("#session")).to_be_hidden()
+    assert page.evaluate("fetch('/v1/jobs/secured').then(r => r.status)") == 401
+
     # another browser (no cookie): the login form, and the API refuses
     other = browser.new_context()
     try:
@@ -182,3 +189,125 @@ def test_with_a_token_the_page_works_after_login_and_refuses_without(cluster: Cl
         assert status == 401
     finally:
         other.close()
+
+
+def test_a_session_of_the_ordinary_token_cannot_close_and_says_why(cluster: Cluster, page) -> None:
+    """With --operator-token, a /ui session signed in with the ordinary token
+    shows its role, and the Close button answers with the server's 403 message
+    naming the operator token; the job keeps running. Signed in again with the
+    operator token, the same button closes it."""
+    operator = "operator-s3cret-of-16-chars"
+    server = cluster.start_server("--token", TOKEN, "--operator-token", operator)
+    agent(cluster, server, "guarded", "node-g", "1", "--token", TOKEN)
+    wait_until(
+        lambda: server.request("GET", "/v1/jobs/guarded", token=TOKEN)[1].get("state") == "running",
+        30,
+        "the job runs",
+    )
+    page.goto(f"{server.url}/ui/jobs/guarded")
+    page.fill("#token", TOKEN)
+    page.click("#login-form button")
+    expect(page.locator("#job-state")).to_have_text("running")
+    expect(page.locator("#role")).to_have_text("agent")
+    page.click("#close-btn")
+    page.click("#close-yes")
+    expect(page.locator("#close-error")).to_contain_text("needs the operator token")
+    assert server.request("GET", "/v1/jobs/guarded", token=TOKEN)[1]["state"] == "running"
+    page.click("#logout")
+    page.fill("#token", operator)
+    page.click("#login-form button")
+    expect(page.locator("#role")).to_have_text("operator")
+    page.click("#close-btn")
+    page.click("#close-yes")
+    expect(page.locator("#job-state")).to_have_text("closed", timeout=DEADLINE_MS)
+
+
+def test_a_page_on_another_port_of_the_same_host_cannot_join_or_close(cluster: Cluster, page) -> None:
+    """Signed in to /ui (the browser holds the session cookie, which SameSite
+    does not keep from other ports of 127.0.0.1), a page served from another
+    port opens the agent channel and sends a join, and posts a close: the
+    upgrade is refused (no message ever arrives, no job is created) and the
+    job keeps running."""
+    server = cluster.start_server("--token", TOKEN)
+    agent(cluster, server, "victim", "node-v", "1", "--token", TOKEN)
+    wait_until(
+        lambda: server.request("GET", "/v1/jobs/victim", token=TOKEN)[1].get("state") == "running",
+        30,
+        "the job runs",
+    )
+    page.goto(f"{server.url}/ui")
+    page.fill("#token", TOKEN)
+    page.click("#login-form button")
+    expect(page.locator("#jobs-body tr[data-job=victim]")).to_contain_text("running")
+    assert any(c["name"] == "rdzv_session" for c in page.context.cookies())
+
+    site = _OtherPort()  # a real server: a page Playwright fulfils itself cannot open WebSockets at all
+    try:
+        page.goto(f"http://127.0.0.1:{site.port}/cats.html")
+        _try_to_join_and_close(server, page)
+    finally:
+        site.close()
+
+
+class _OtherPort:
+    """A page of another site on another port of 127.0.0.1 (a thread of this process)."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        class Page(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = b"<!doctype html><p>cute cats</p>"
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(10)
+
+
+def _try_to_join_and_close(server, page) -> None:
+    from rdzv_server.protocol import JobSpec, JoinMsg
+
+    join = JoinMsg(
+        job_id="evil-job",
+        node_id="evil",
+        local_world_size=1,
+        spec=JobSpec(min_nodes=1, max_nodes=1),
+        host="evil",
+        addr="10.66.66.66",
+        master_port=4444,
+    ).model_dump_json()
+    result = page.evaluate(
+        """([url, join]) => new Promise(resolve => {
+            const got = [];
+            let opened = false;
+            const ws = new WebSocket(url);
+            ws.onopen = () => { opened = true; ws.send(join); };
+            ws.onmessage = (m) => got.push(m.data);
+            ws.onclose = () => resolve({ opened, got });
+            setTimeout(() => resolve({ opened, got, hung: true }), 15000);  // a deadline, not a timing
+        })""",
+        [f"ws://127.0.0.1:{server.port}/v1/agent", join],
+    )
+    assert result == {"opened": False, "got": []}, result
+    page.evaluate(
+        "(u) => fetch(u, { method: 'POST', credentials: 'include', mode: 'no-cors' }).catch(() => null)",
+        f"{server.url}/v1/jobs/victim/close",
+    )
+    status, _ = server.request("GET", "/v1/jobs/evil-job", token=TOKEN)
+    assert status == 404
+    assert server.request("GET", "/v1/jobs/victim", token=TOKEN)[1]["state"] == "running"
