@@ -109,7 +109,7 @@ async def test_a_stream_that_never_reads_its_replay_is_dropped_and_released(make
     slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
     slow.settimeout(DEADLINE)
     slow.connect((client.host, client.port))
-    slow.sendall(b"GET /v1/events HTTP/1.1\r\nHost: x\r\nLast-Event-ID: 0\r\n\r\n")
+    slow.sendall(b"GET /v1/events HTTP/1.1\r\nHost: 127.0.0.1\r\nLast-Event-ID: 0\r\n\r\n")
     await until(lambda: len(events.subscribers) == 2, "the slow stream subscribed")
     subs = list(events.subscribers)
     # live events meanwhile: queued for it, within its byte budget

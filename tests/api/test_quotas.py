@@ -139,7 +139,7 @@ async def _raw(port: int, data: bytes, timeout: float = 5.0) -> bytes:
 async def test_a_trickled_body_gets_408_at_the_body_deadline(make_client):
     client = await make_client(Settings(body_timeout_s=0.5))
     head = (
-        b"POST /v1/hosts/h1/cordon HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/hosts/h1/cordon HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"Content-Length: 100\r\n\r\n{"
     )
     answer = await _raw(client.port, head)  # held until the client gave up before (the read times out here)
@@ -163,7 +163,7 @@ async def listening(settings: Settings | None = None, **kw) -> AsyncIterator[int
 
 async def test_bodies_announced_and_never_sent_are_a_few_lines_not_a_traceback_each(caplog):
     caplog.set_level(logging.INFO)
-    head = b"POST /v1/hosts/h1/cordon HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
+    head = b"POST /v1/hosts/h1/cordon HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{"
     async with listening() as port:
         writers = []
         for _ in range(30):
