@@ -37,11 +37,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Itera
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
-from rdzv_server.errors import LEADER_HEADER, NotLeaderError, RdzvError, UnavailableError, error_from_body
+from rdzv_server.errors import LEADER_HEADER, ErrorCode, NotLeaderError, RdzvError, UnavailableError, error_from_body
 from rdzv_server.tasks import cancel_and_wait
 from rdzv_server.wire import AGENT_PATH, HEARTBEAT_FRAME, printable
 
 from . import wsclient
+from .quiet import Quiet
+from .service import ServiceClock
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -78,6 +80,9 @@ TCP_USER_TIMEOUT_S = 4.0
 # backoff over. One the server closes sooner (it refused us) keeps backing off.
 STABLE_S = 2.0
 MAX_MSG_BYTES = 4 * 1024 * 1024
+NO_ANSWER = "connected, but no answer to the join"
+# error codes after which the agent joins as a new node (an eviction by another name)
+REJOIN_CODES = frozenset({ErrorCode.EVICTED, ErrorCode.NODE_SECRET_MISMATCH})
 # An event stream that sent nothing (not even its keep-alive comment, every 15 s) this long is dead: reconnect.
 STREAM_READ_TIMEOUT_S = 45.0
 MAX_EVENT_BYTES = 1024 * 1024
@@ -283,7 +288,9 @@ class AgentLink:
         self.last_error: str | None = None
         # monotonic time since when the server has been unreachable; None while connected
         self.down_since: float | None = time.monotonic()
+        self.service = ServiceClock(STABLE_S)  # the --server-timeout clock: time without a served join
         self._logged: collections.deque[str] = collections.deque(maxlen=32)  # protocol errors said once
+        self._quiet = Quiet()  # lines a refusal loop would repeat
         self._messages: asyncio.Queue[Any] = asyncio.Queue()
         self._ws: wsclient.WebSocket | None = None
         self._task: asyncio.Task[None] | None = None
@@ -312,6 +319,8 @@ class AgentLink:
         msg = self._with_secret(msg)
         self.intent = msg
         if msg is not None and send:
+            if msg.get("op") == "join" and self.connected.is_set():
+                self.service.unserved()  # served again once the server answers this join
             self.send_nowait(_dump(msg))
 
     def _with_secret(self, msg: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -380,6 +389,10 @@ class AgentLink:
         since = self.down_since
         return 0.0 if since is None else time.monotonic() - since
 
+    def unserved_for(self) -> float:
+        """Seconds without a served join (0 while served): what --server-timeout counts."""
+        return self.service.unserved_for()
+
     async def _next(self, delays: Iterator[float], leader: str | None = None) -> None:
         """The endpoint in use failed: on to the next one (the leader its
         refusal named, if one of ours) at once, or after a backoff once every
@@ -393,6 +406,7 @@ class AgentLink:
 
     async def _run(self) -> None:
         delays = backoff_delays()
+        stable = False  # the last connection was served for STABLE_S
         while not self._closing:
             base = self._tries.url
             self.url = base + AGENT_PATH
@@ -436,15 +450,20 @@ class AgentLink:
             self._ws = ws
             self.connected.set()
             self.down_since = None
-            connected_at = time.monotonic()
             if len(self.endpoints.urls) > 1 and base != self._in_use:
                 # which replica leads: once per switch (the first one is news too)
                 (log.warning if self._in_use else log.info)("link: leader is now %s", base)
-            elif self.ever_connected:
+            elif self.ever_connected and (stable or self._quiet.allow("reconnected") is not None):
+                # after a service that held: news; in a refusal loop: at most every 30 s
                 log.info("reconnected to %s", self.url)
             self._in_use = base
             self.ever_connected = True
             self.last_error = None
+            self.service.connected()
+            if self.intent is None:
+                self.service.served()  # nothing to ask: a connection is all the service there is
+            else:
+                self.last_error = NO_ANSWER
             hb = asyncio.create_task(self._heartbeat(ws))
             try:
                 if self.intent is not None:
@@ -454,7 +473,7 @@ class AgentLink:
                 # the join is on the wire: now the models that check what the server says
                 from pydantic import ValidationError
 
-                from rdzv_server.protocol import SERVER_MESSAGE, JoinedMsg
+                from rdzv_server.protocol import SERVER_MESSAGE, ErrorMsg, EvictedMsg, JoinedMsg
 
                 async for data in ws:
                     try:
@@ -471,6 +490,14 @@ class AgentLink:
                             continue
                         self.protocol_error(f"invalid message: {what}")
                         break
+                    if isinstance(msg, (ErrorMsg, EvictedMsg)):
+                        refusal = self._refused(msg)
+                        self._messages.put_nowait(msg)
+                        if refusal:
+                            break  # back off, then reconnect and send the intent the agent set meanwhile
+                        continue
+                    self.service.served()
+                    self.last_error = None
                     if isinstance(msg, JoinedMsg):
                         self.heartbeat_s = msg.heartbeat_s
                         if self.run is None:
@@ -480,6 +507,8 @@ class AgentLink:
                         else:
                             self.intent = self._with_secret(self.intent)
                     self._messages.put_nowait(msg)
+                if self.last_error == NO_ANSWER:  # the server closed before it answered: say how
+                    self.last_error = None
                 why = ws.close_reason or ""
                 if why and not why.startswith("closed by") and self.last_error is None:
                     # a reset, no pong, or a protocol error of the framing
@@ -493,14 +522,32 @@ class AgentLink:
             finally:
                 self.connected.clear()
                 self.down_since = time.monotonic()
+                stable = self.service.stable()
+                self.service.unserved()
                 self._ws = None
                 hb.cancel()
                 if not ws.closed:
                     await asyncio.wait([asyncio.ensure_future(ws.close())], timeout=1.0)
             self.last_error = self.last_error or f"connection closed by the server ({base})"
-            if time.monotonic() - connected_at >= STABLE_S:
+            if stable:  # served long enough: a drop now is news, not a refusal loop
                 delays = backoff_delays()
             await self._next(delays)
+
+    def _refused(self, msg: Any) -> bool:
+        """An error or eviction came: True when it refuses our join (any code,
+        while the join is unanswered) or evicts us, so that the link drops the
+        connection and backs off before it joins again: a server that refuses
+        or evicts at each join is not asked in a tight loop. An error that
+        refuses a report of a served node is only passed on."""
+        from rdzv_server.protocol import EvictedMsg
+
+        evicted = isinstance(msg, EvictedMsg) or msg.code in REJOIN_CODES
+        if not evicted and self.service.serving:
+            return False
+        what, why = ("evicted", msg.reason) if isinstance(msg, EvictedMsg) else (msg.code.value, msg.message)
+        self.last_error = f"join refused: {what}: {printable(why, 200)}"
+        self.service.unserved()
+        return True
 
     async def _heartbeat(self, ws: wsclient.WebSocket) -> None:
         try:

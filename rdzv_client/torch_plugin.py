@@ -108,6 +108,7 @@ from rdzv_server.tasks import cancel_and_wait
 from .client import AgentLink, Endpoints, RestClient, parse_endpoint
 from .exits import read_error_file
 from .launch import WITHHELD_FROM_WORKERS
+from .service import outage_word
 from .session import NodeSession, OutageWatch, route_addr
 
 _T = TypeVar("_T")
@@ -234,16 +235,17 @@ class RdzvRendezvousHandler(RendezvousHandler):
         watch = OutageWatch(self.server_timeout_s)
         while True:
             await asyncio.sleep(0.5)
-            out = watch.check(self.session.link.down_for())
+            out = watch.check(self.session.link.unserved_for())
             if out is None or out.kind == "ongoing":
                 continue
             if out.kind == "back":
                 log.warning("rdzv server %s reachable again", self.endpoint)
                 continue
             why = printable(self.session.link.last_error or "no answer", limit=300)
+            word = outage_word(self.session.link.last_error)  # unreachable, or not serving this node
             if out.kind == "give_up":
                 self._gave_up = (
-                    f"gave up: rdzv server {self.endpoint} unreachable for {self.server_timeout_s:g}s "
+                    f"gave up: rdzv server {self.endpoint} {word} for {self.server_timeout_s:g}s "
                     f"(rdzv-conf server_timeout; {why})"
                 )
                 log.error("job %s: %s", self.run_id, self._gave_up)
@@ -252,7 +254,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
                 self._news.set()
                 return
             log.warning(
-                "rdzv server %s unreachable for %.0fs (%s); giving up in %.0fs", self.endpoint, out.down, why, out.left
+                "rdzv server %s %s for %.0fs (%s); giving up in %.0fs", self.endpoint, word, out.down, why, out.left
             )
 
     async def _dispatch(self) -> None:
