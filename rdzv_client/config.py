@@ -41,6 +41,7 @@ from rdzv_server.wire import (  # not protocol: no pydantic before the first joi
     is_valid_id,
 )
 
+from . import secret_source
 from .client import parse_endpoints
 from .launch import Std, parse_std
 
@@ -223,7 +224,14 @@ def build_parser() -> argparse.ArgumentParser:
         dest="job_secret",
         default=None,
         help="the job's secret: the first node sets it, every other node must bring the same "
-        "(default: $RDZV_JOB_SECRET, better than the flag, which other users see in ps)",
+        "(default: $RDZV_JOB_SECRET; every user sees the flag in ps: prefer --job-secret-file)",
+    )
+    a(
+        "--job-secret-file",
+        dest="job_secret_file",
+        default=None,
+        metavar="PATH",
+        help="read the job secret from this file's first line (default: $RDZV_JOB_SECRET_FILE)",
     )
     a(
         "--no-new-run",
@@ -623,7 +631,11 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     except ValueError as e:
         raise UsageError(str(e)) from None
     node_rank = int(args.node_rank) if args.node_rank is not None else None
-    job_secret = args.job_secret if args.job_secret is not None else os.environ.get("RDZV_JOB_SECRET") or None
+    try:
+        flags = ("--job-secret", "--job-secret-file")
+        job_secret = secret_source.job_secret(args.job_secret, args.job_secret_file, *flags)
+    except secret_source.SecretSourceError as e:
+        raise UsageError(str(e)) from None
     if job_secret is not None and not re.fullmatch(SECRET_PATTERN, job_secret):
         raise UsageError(
             f"the job secret (--job-secret or RDZV_JOB_SECRET) must be 1-{MAX_SECRET_LEN} printable ASCII characters"

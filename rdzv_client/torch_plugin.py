@@ -105,6 +105,7 @@ from rdzv_server.protocol import (
 )
 from rdzv_server.tasks import cancel_and_wait
 
+from . import secret_source
 from .client import AgentLink, Endpoints, RestClient, parse_endpoint
 from .exits import read_error_file
 from .launch import WITHHELD_FROM_WORKERS
@@ -136,7 +137,14 @@ class RdzvRendezvousHandler(RendezvousHandler):
         self.endpoints = Endpoints(self.endpoint)  # HOST:PORT, or a list of them (HA replicas); a bad one: ValueError
         _, host, port = parse_endpoint(self.endpoints.urls[0])
         self.token = params.get("token") or os.environ.get("RDZV_TOKEN") or None
-        self.job_secret = params.get("job_secret") or os.environ.get("RDZV_JOB_SECRET") or None
+        # the file form, RDZV_JOB_SECRET(_FILE) from the environment; job_secret= on torchrun's
+        # command line works but is seen in ps (a warning says so once)
+        self.job_secret = secret_source.job_secret(
+            params.get("job_secret") or None,
+            params.get("job_secret_file") or None,
+            "--rdzv-conf job_secret=...",
+            "--rdzv-conf job_secret_file=PATH",
+        )
         if self.job_secret is not None and not re.fullmatch(SECRET_PATTERN, self.job_secret):
             raise ValueError(
                 f"rdzv: the job secret (--rdzv-conf job_secret=... or RDZV_JOB_SECRET) must be "
