@@ -377,7 +377,7 @@ class Agent(ServerReactions):
         when it starts, every OUTAGE_LOG_EVERY_S and when it ends, a countdown on
         the status line), and give up after --server-timeout."""
         link, cfg = self.link, self.cfg
-        out = self.outage.check(link.unserved_for())
+        out = self.outage.check(link.unserved_for(), link.service.stable())
         if out is None:
             return None
         if out.kind == "back":

@@ -243,7 +243,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
         watch = OutageWatch(self.server_timeout_s)
         while True:
             await asyncio.sleep(0.5)
-            out = watch.check(self.session.link.unserved_for())
+            out = watch.check(self.session.link.unserved_for(), self.session.link.service.stable())
             if out is None or out.kind == "ongoing":
                 continue
             if out.kind == "back":

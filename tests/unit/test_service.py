@@ -75,3 +75,16 @@ def test_quiet_says_once_then_at_most_every_interval_with_a_count() -> None:
     for k in "cdefg":
         q.allow(k, now=32.0)
     assert len(q._said) == 3  # bounded
+
+
+def test_outage_is_back_only_once_the_service_held() -> None:
+    from rdzv_client.session import OutageWatch
+
+    w = OutageWatch(60.0)
+    out = w.check(3.0)
+    assert out is not None and out.kind == "notice"
+    assert w.check(0.0, settled=False) is None  # answered, then dropped again at once: not news
+    out = w.check(3.5)
+    assert out is not None and out.kind == "ongoing"  # no second notice within 30 s
+    out = w.check(0.0, settled=True)
+    assert out is not None and out.kind == "back"
