@@ -14,6 +14,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from rdzv_server.errors import ErrorCode
+
+# refusals that say "not now": the link backs off and joins again, the clock runs
+# (the torchrun plugin waits on them; any other refusal ends its rendezvous)
+RETRY_LATER_CODES = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.RATE_LIMITED, ErrorCode.NOT_LEADER})
+
 
 class ServiceClock:
     def __init__(self, stable_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:

@@ -109,7 +109,7 @@ from . import secret_source
 from .client import AgentLink, Endpoints, RestClient, parse_endpoint
 from .exits import read_error_file
 from .launch import WITHHELD_FROM_WORKERS
-from .service import outage_word
+from .service import RETRY_LATER_CODES, outage_word
 from .session import NodeSession, OutageWatch, route_addr
 
 _T = TypeVar("_T")
@@ -446,7 +446,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
                 raise RendezvousClosedError(f"job {self.run_id} {msg.state}: {printable(msg.reason)}")
             if isinstance(msg, EvictedMsg) or (isinstance(msg, ErrorMsg) and msg.code in _NEW_NODE_CODES):
                 self.session.evicted()
-            elif isinstance(msg, ErrorMsg) and msg.code not in (ErrorCode.STALE_ROUND, ErrorCode.UNAVAILABLE):
+            elif isinstance(msg, ErrorMsg) and msg.code not in (ErrorCode.STALE_ROUND, *RETRY_LATER_CODES):
                 raise RendezvousError(f"rdzv server refused this node: {printable(msg.message)}")
             elif isinstance(msg, RdzvError):
                 raise RendezvousError(printable(msg.message))

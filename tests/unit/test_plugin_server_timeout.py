@@ -15,7 +15,7 @@ from tests.helpers.broken_server import BrokenServer
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", ["evict", "refuse:unavailable", "silent", "close"])
+@pytest.mark.parametrize("mode", ["evict", "refuse:unavailable", "refuse:rate_limited", "silent", "close"])
 def test_plugin_gives_up_on_a_server_that_does_not_serve(mode: str) -> None:
     from rdzv_client.torch_plugin import RdzvRendezvousHandler
 
