@@ -37,13 +37,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Itera
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
-from rdzv_server.errors import LEADER_HEADER, ErrorCode, NotLeaderError, RdzvError, UnavailableError, error_from_body
+from rdzv_server.errors import LEADER_HEADER, NotLeaderError, RdzvError, UnavailableError, error_from_body
 from rdzv_server.tasks import cancel_and_wait
 from rdzv_server.wire import AGENT_PATH, HEARTBEAT_FRAME, printable
 
 from . import wsclient
 from .quiet import Quiet
-from .service import ServiceClock
+from .service import NO_ANSWER, ServiceClock, refusal
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -80,9 +80,6 @@ TCP_USER_TIMEOUT_S = 4.0
 # backoff over. One the server closes sooner (it refused us) keeps backing off.
 STABLE_S = 2.0
 MAX_MSG_BYTES = 4 * 1024 * 1024
-NO_ANSWER = "connected, but no answer to the join"
-# error codes after which the agent joins as a new node (an eviction by another name)
-REJOIN_CODES = frozenset({ErrorCode.EVICTED, ErrorCode.NODE_SECRET_MISMATCH})
 # An event stream that sent nothing (not even its keep-alive comment, every 15 s) this long is dead: reconnect.
 STREAM_READ_TIMEOUT_S = 45.0
 MAX_EVENT_BYTES = 1024 * 1024
@@ -534,20 +531,13 @@ class AgentLink:
             await self._next(delays)
 
     def _refused(self, msg: Any) -> bool:
-        """An error or eviction came: True when it refuses our join (any code,
-        while the join is unanswered) or evicts us, so that the link drops the
-        connection and backs off before it joins again: a server that refuses
-        or evicts at each join is not asked in a tight loop. An error that
-        refuses a report of a served node is only passed on."""
-        from rdzv_server.protocol import EvictedMsg
-
-        evicted = isinstance(msg, EvictedMsg) or msg.code in REJOIN_CODES
-        if not evicted and self.service.serving:
-            return False
-        what, why = ("evicted", msg.reason) if isinstance(msg, EvictedMsg) else (msg.code.value, msg.message)
-        self.last_error = f"join refused: {what}: {printable(why, 200)}"
-        self.service.unserved()
-        return True
+        """True when an error or eviction refuses our join or evicts us (service.refusal):
+        the link drops the connection and backs off before it joins again."""
+        why = refusal(msg, self.service.serving)
+        if why is not None:
+            self.last_error = why
+            self.service.unserved()
+        return why is not None
 
     async def _heartbeat(self, ws: wsclient.WebSocket) -> None:
         try:

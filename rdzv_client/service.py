@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from rdzv_server.errors import ErrorCode
+from rdzv_server.wire import printable
 
 # refusals that say "not now": the link backs off and joins again, the clock runs
 # (the torchrun plugin waits on them; any other refusal ends its rendezvous)
 RETRY_LATER_CODES = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.RATE_LIMITED, ErrorCode.NOT_LEADER})
+# error codes after which the agent joins as a new node (an eviction by another name)
+REJOIN_CODES = frozenset({ErrorCode.EVICTED, ErrorCode.NODE_SECRET_MISMATCH})
+# the link's last_error while a connection is up and the join not answered yet
+NO_ANSWER = "connected, but no answer to the join"
 
 
 class ServiceClock:
@@ -58,6 +64,22 @@ class ServiceClock:
     def stable(self) -> bool:
         """This connection's service lasted ``stable_s``: a drop now is news (the backoff starts over)."""
         return self._served_at is not None and self._clock() - self._served_at >= self.stable_s
+
+
+def refusal(msg: Any, serving: bool) -> str | None:
+    """What an ``error`` or ``evicted`` message means for the link: a refusal of
+    our join (any code, while the join is unanswered) or an eviction (at any
+    time) -> the reason to show, and the link drops the connection and backs
+    off before it joins again, so a server that refuses or evicts at each join
+    is not asked in a tight loop; None: an error that refuses a report of a
+    served node, only passed on."""
+    from rdzv_server.protocol import EvictedMsg
+
+    if isinstance(msg, EvictedMsg):
+        return f"join refused: evicted: {printable(msg.reason, 200)}"
+    if serving and msg.code not in REJOIN_CODES:
+        return None
+    return f"join refused: {msg.code.value}: {printable(msg.message, 200)}"
 
 
 def outage_word(last_error: str | None) -> str:

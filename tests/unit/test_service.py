@@ -88,3 +88,17 @@ def test_outage_is_back_only_once_the_service_held() -> None:
     assert out is not None and out.kind == "ongoing"  # no second notice within 30 s
     out = w.check(0.0, settled=True)
     assert out is not None and out.kind == "back"
+
+
+def test_refusal_is_any_error_to_an_unanswered_join_and_any_eviction() -> None:
+    from rdzv_client.service import refusal
+    from rdzv_server.protocol import ErrorCode, ErrorMsg, EvictedMsg
+
+    busy = ErrorMsg(code=ErrorCode.UNAVAILABLE, message="full\nforged line")
+    assert refusal(busy, serving=False) == "join refused: unavailable: full\\nforged line"
+    assert refusal(ErrorMsg(code=ErrorCode.NOT_JOINED, message="x"), serving=False) is not None
+    # a served node's report refused: passed on, no drop
+    assert refusal(ErrorMsg(code=ErrorCode.STALE_ROUND, message="x"), serving=True) is None
+    # an eviction, by message or code, drops even a served node's connection
+    assert refusal(EvictedMsg(reason="gone"), serving=True) == "join refused: evicted: gone"
+    assert refusal(ErrorMsg(code=ErrorCode.NODE_SECRET_MISMATCH, message="x"), serving=True) is not None
