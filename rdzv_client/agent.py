@@ -50,6 +50,7 @@ from .config import (  # noqa: F401 - build_parser, config_from_args, UsageError
 )
 from .exits import entrypoint_name, failure_summary
 from .health import wait_healthy
+from .quiet import Quiet
 from .reactions import (  # noqa: F401 - Phase and the exit codes: the agent's public names
     EXIT_FAILED,
     EXIT_GAVE_UP,
@@ -58,6 +59,7 @@ from .reactions import (  # noqa: F401 - Phase and the exit codes: the agent's p
     Phase,
     ServerReactions,
 )
+from .service import outage_word
 from .session import NodeSession, OutageWatch, route_addr
 from .status import FreshLineHandler, StatusLine
 from .tmpdirs import open_agent_dir
@@ -155,6 +157,7 @@ class Agent(ServerReactions):
             self.log_dir = self._dir.path / "logs"
             self.log_dir.mkdir()
         self.outage = OutageWatch(cfg.server_timeout_s)
+        self._quiet = Quiet()
         self.watch = WorkerWatch(cfg, self._say, self._dir.path)  # hangs, progress heartbeats, torch FileTimers
         self._held_for: str | None = None  # why the server holds this node as a spare (its host's block)
         self.failure_summary: tuple[int, str] | None = None  # (round, torchrun's block) of this node's last failure
@@ -374,17 +377,18 @@ class Agent(ServerReactions):
         when it starts, every OUTAGE_LOG_EVERY_S and when it ends, a countdown on
         the status line), and give up after --server-timeout."""
         link, cfg = self.link, self.cfg
-        out = self.outage.check(link.down_for())
+        out = self.outage.check(link.unserved_for(), link.service.stable())
         if out is None:
             return None
         if out.kind == "back":
             self._say("server %s reachable again", cfg.endpoint)
             return None
         why = printable(link.last_error or "no answer", limit=300)
+        word = outage_word(link.last_error)  # unreachable, or not serving this node
         if out.kind == "give_up":
             self.status.done()
             print(
-                f"[rdzv-agent] job {cfg.job_id}: giving up: server {cfg.endpoint} unreachable for "
+                f"[rdzv-agent] job {cfg.job_id}: giving up: server {cfg.endpoint} {word} for "
                 f"{cfg.server_timeout_s:g}s (--server-timeout; {why})"
                 + ("; stopping workers" if self.group is not None else ""),
                 file=sys.stderr,
@@ -394,7 +398,7 @@ class Agent(ServerReactions):
             self.phase = Phase.DONE
             return EXIT_GAVE_UP
         notice = (
-            f"server unreachable for {out.down:.0f}s at {cfg.endpoint} ({why})"
+            f"server {word} for {out.down:.0f}s at {cfg.endpoint} ({why})"
             + ("; workers keep running" if self.group is not None else "")
             + f"; giving up in {out.left:.0f}s"
         )

@@ -33,6 +33,9 @@ from pathlib import Path
 
 from rdzv_server.wire import printable
 
+from . import peercred
+from .quiet import Quiet
+
 log = logging.getLogger("rdzv_agent")
 
 MAX_DATAGRAM = 64
@@ -41,6 +44,7 @@ MAX_STEP = 2**53
 MAX_TIMERS = 1024
 MAX_LINE = 4096  # PIPE_BUF: torch's client refuses larger requests
 MAX_SCOPE_ID = 256
+MAX_TRUSTED = 4096  # senders remembered as ours per round (workers and their children)
 
 
 @dataclass
@@ -56,23 +60,20 @@ class RankProgress:
     finished: bool = False  # rdzv_client.worker.finished(): not watched for hangs
 
 
-class _Protocol(asyncio.DatagramProtocol):
-    def __init__(self, channel: WorkerChannel) -> None:
-        self.channel = channel
-
-    def datagram_received(self, data: bytes, addr: object) -> None:
-        self.channel.received(data, time.monotonic())
-
-    def error_received(self, exc: Exception) -> None:
-        pass  # a datagram socket has no peer to lose
-
-
 class WorkerChannel:
     """The socket workers report progress on, and what they reported."""
 
-    def __init__(self, nproc: int, dir: Path | None = None) -> None:
-        """``dir``: a private (0700) directory its owner removes; None: one of its own."""
+    def __init__(self, nproc: int, dir: Path | None = None, workers: Callable[[], Iterable[int]] | None = None) -> None:
+        """``dir``: a private (0700) directory its owner removes; None: one of its own.
+        ``workers``: the pids of this agent's workers: a datagram from any other
+        process (and not from their process groups or descendants) is ignored,
+        counted in ``forged`` and logged at most every 30 s. None: unchecked."""
         self.nproc = nproc
+        self.workers = workers
+        self.forged = 0  # datagrams from a process that is not one of our workers
+        self.checked = False  # the kernel tells each datagram's sender (SO_PASSCRED)
+        self._quiet = Quiet()
+        self._trusted: set[int] = set()  # senders found to be ours this round
         self._own_dir = dir is None
         self.dir = Path(tempfile.mkdtemp(prefix="rdzv-agent-")) if dir is None else dir  # 0700: mkdtemp's mode
         os.chmod(self.dir, stat.S_IRWXU)
@@ -83,22 +84,24 @@ class WorkerChannel:
         # in-place re-formation: local rank -> the round it left at its safe point
         self.parked: dict[int, int] = {}
         self.on_parked: Callable[[int, int], None] | None = None
-        self._transport: asyncio.DatagramTransport | None = None
         self._sock: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.checked = peercred.enable(sock)  # before bind: no datagram arrives unlabelled
         sock.bind(self.path)
         os.chmod(self.path, stat.S_IRUSR | stat.S_IWUSR)
         sock.setblocking(False)
-        loop = asyncio.get_running_loop()
-        self._transport, _ = await loop.create_datagram_endpoint(lambda: _Protocol(self), sock=sock)
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(sock.fileno(), self._readable)
         self._sock = sock
 
     def close(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
-            self._transport = None
+        if self._sock is not None:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self._sock.fileno())
+            self._sock.close()
         self._sock = None
         if self._own_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
@@ -107,6 +110,33 @@ class WorkerChannel:
         """Workers of ``round_no`` start now (None: none run): forget the last ones."""
         self.round = round_no
         self.ranks.clear()
+        self._trusted.clear()
+
+    def _readable(self) -> None:
+        self.drain(time.monotonic())
+
+    def _from_workers(self, pid: int | None, uid: int | None) -> bool:
+        """Whether a datagram's sender is one of this agent's workers (or in
+        one's process group, or a descendant); unchecked without ``workers``
+        or where the kernel does not say (not Linux)."""
+        if self.workers is None or not self.checked:
+            return True
+        if pid is not None and pid > 0 and uid == os.getuid():
+            if pid in self._trusted:
+                return True
+            if peercred.from_workers(pid, set(self.workers())):
+                if len(self._trusted) < MAX_TRUSTED:
+                    self._trusted.add(pid)
+                return True
+        self.forged += 1
+        said = self._quiet.allow("forged")
+        if said is not None:
+            log.warning(
+                "worker channel: ignored a datagram from pid %s, which is not one of this agent's workers%s",
+                pid,
+                said,
+            )
+        return False
 
     def received(self, data: bytes, now: float) -> None:
         parts = data.split() if len(data) <= MAX_DATAGRAM else []
@@ -166,10 +196,11 @@ class WorkerChannel:
             return
         for _ in range(MAX_DRAIN):
             try:
-                data = sock.recv(MAX_DATAGRAM + 1)  # longer than MAX_DATAGRAM: dropped, as on the transport
+                data, pid, uid = peercred.recv(sock, MAX_DATAGRAM + 1)  # longer than MAX_DATAGRAM: dropped
             except OSError:  # BlockingIOError: none left
                 return
-            self.received(data, now)
+            if self._from_workers(pid, uid):
+                self.received(data, now)
 
     def hung(self, timeout_s: float, now: float) -> list[int]:
         """Local ranks that called progress() once and then not for ``timeout_s``.

@@ -42,6 +42,8 @@ from rdzv_server.tasks import cancel_and_wait
 from rdzv_server.wire import AGENT_PATH, HEARTBEAT_FRAME, printable
 
 from . import wsclient
+from .quiet import Quiet
+from .service import NO_ANSWER, ServiceClock, refusal
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -283,7 +285,9 @@ class AgentLink:
         self.last_error: str | None = None
         # monotonic time since when the server has been unreachable; None while connected
         self.down_since: float | None = time.monotonic()
+        self.service = ServiceClock(STABLE_S)  # the --server-timeout clock: time without a served join
         self._logged: collections.deque[str] = collections.deque(maxlen=32)  # protocol errors said once
+        self._quiet = Quiet()  # lines a refusal loop would repeat
         self._messages: asyncio.Queue[Any] = asyncio.Queue()
         self._ws: wsclient.WebSocket | None = None
         self._task: asyncio.Task[None] | None = None
@@ -312,6 +316,8 @@ class AgentLink:
         msg = self._with_secret(msg)
         self.intent = msg
         if msg is not None and send:
+            if msg.get("op") == "join" and self.connected.is_set():
+                self.service.unserved()  # served again once the server answers this join
             self.send_nowait(_dump(msg))
 
     def _with_secret(self, msg: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -380,6 +386,10 @@ class AgentLink:
         since = self.down_since
         return 0.0 if since is None else time.monotonic() - since
 
+    def unserved_for(self) -> float:
+        """Seconds without a served join (0 while served): what --server-timeout counts."""
+        return self.service.unserved_for()
+
     async def _next(self, delays: Iterator[float], leader: str | None = None) -> None:
         """The endpoint in use failed: on to the next one (the leader its
         refusal named, if one of ours) at once, or after a backoff once every
@@ -393,6 +403,7 @@ class AgentLink:
 
     async def _run(self) -> None:
         delays = backoff_delays()
+        stable = False  # the last connection was served for STABLE_S
         while not self._closing:
             base = self._tries.url
             self.url = base + AGENT_PATH
@@ -436,15 +447,20 @@ class AgentLink:
             self._ws = ws
             self.connected.set()
             self.down_since = None
-            connected_at = time.monotonic()
             if len(self.endpoints.urls) > 1 and base != self._in_use:
                 # which replica leads: once per switch (the first one is news too)
                 (log.warning if self._in_use else log.info)("link: leader is now %s", base)
-            elif self.ever_connected:
+            elif self.ever_connected and (stable or self._quiet.allow("reconnected") is not None):
+                # after a service that held: news; in a refusal loop: at most every 30 s
                 log.info("reconnected to %s", self.url)
             self._in_use = base
             self.ever_connected = True
             self.last_error = None
+            self.service.connected()
+            if self.intent is None:
+                self.service.served()  # nothing to ask: a connection is all the service there is
+            else:
+                self.last_error = NO_ANSWER
             hb = asyncio.create_task(self._heartbeat(ws))
             try:
                 if self.intent is not None:
@@ -454,7 +470,7 @@ class AgentLink:
                 # the join is on the wire: now the models that check what the server says
                 from pydantic import ValidationError
 
-                from rdzv_server.protocol import SERVER_MESSAGE, JoinedMsg
+                from rdzv_server.protocol import SERVER_MESSAGE, ErrorMsg, EvictedMsg, JoinedMsg
 
                 async for data in ws:
                     try:
@@ -471,6 +487,14 @@ class AgentLink:
                             continue
                         self.protocol_error(f"invalid message: {what}")
                         break
+                    if isinstance(msg, (ErrorMsg, EvictedMsg)):
+                        refusal = self._refused(msg)
+                        self._messages.put_nowait(msg)
+                        if refusal:
+                            break  # back off, then reconnect and send the intent the agent set meanwhile
+                        continue
+                    self.service.served()
+                    self.last_error = None
                     if isinstance(msg, JoinedMsg):
                         self.heartbeat_s = msg.heartbeat_s
                         if self.run is None:
@@ -480,6 +504,8 @@ class AgentLink:
                         else:
                             self.intent = self._with_secret(self.intent)
                     self._messages.put_nowait(msg)
+                if self.last_error == NO_ANSWER:  # the server closed before it answered: say how
+                    self.last_error = None
                 why = ws.close_reason or ""
                 if why and not why.startswith("closed by") and self.last_error is None:
                     # a reset, no pong, or a protocol error of the framing
@@ -493,14 +519,25 @@ class AgentLink:
             finally:
                 self.connected.clear()
                 self.down_since = time.monotonic()
+                stable = self.service.stable()
+                self.service.unserved()
                 self._ws = None
                 hb.cancel()
                 if not ws.closed:
                     await asyncio.wait([asyncio.ensure_future(ws.close())], timeout=1.0)
             self.last_error = self.last_error or f"connection closed by the server ({base})"
-            if time.monotonic() - connected_at >= STABLE_S:
+            if stable:  # served long enough: a drop now is news, not a refusal loop
                 delays = backoff_delays()
             await self._next(delays)
+
+    def _refused(self, msg: Any) -> bool:
+        """True when an error or eviction refuses our join or evicts us (service.refusal):
+        the link drops the connection and backs off before it joins again."""
+        why = refusal(msg, self.service.serving)
+        if why is not None:
+            self.last_error = why
+            self.service.unserved()
+        return why is not None
 
     async def _heartbeat(self, ws: wsclient.WebSocket) -> None:
         try:

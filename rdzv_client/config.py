@@ -40,6 +40,7 @@ from rdzv_server.wire import (  # not protocol: no pydantic before the first joi
     job_secret_problem,
 )
 
+from . import secret_source
 from .client import parse_endpoints
 from .launch import Std, parse_std
 
@@ -223,7 +224,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the job's secret (16-256 printable ASCII characters): the first node sets it, every other node "
         "and the job id's next run must bring the same "
-        "(default: $RDZV_JOB_SECRET, better than the flag, which other users see in ps)",
+        "(default: $RDZV_JOB_SECRET; every user sees the flag in ps: prefer --job-secret-file)",
+    )
+    a(
+        "--job-secret-file",
+        dest="job_secret_file",
+        default=None,
+        metavar="PATH",
+        help="read the job secret from this file's first line (default: $RDZV_JOB_SECRET_FILE)",
     )
     a(
         "--no-new-run",
@@ -623,9 +631,13 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     except ValueError as e:
         raise UsageError(str(e)) from None
     node_rank = int(args.node_rank) if args.node_rank is not None else None
-    job_secret = args.job_secret if args.job_secret is not None else os.environ.get("RDZV_JOB_SECRET") or None
+    try:
+        flags = ("--job-secret", "--job-secret-file")
+        job_secret = secret_source.job_secret(args.job_secret, args.job_secret_file, *flags)
+    except secret_source.SecretSourceError as e:
+        raise UsageError(str(e)) from None
     if job_secret is not None and (why := job_secret_problem(job_secret)):
-        raise UsageError(f"the job secret (--job-secret or RDZV_JOB_SECRET) {why}")
+        raise UsageError(f"the job secret (--job-secret, --job-secret-file or RDZV_JOB_SECRET) {why}")
     try:
         spec_check = check_spec(
             min_nodes=min_nodes,

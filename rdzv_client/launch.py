@@ -147,7 +147,7 @@ def error_file_path(log_dir: Path | str, attempt: int, local_rank: int) -> Path:
 
 
 # What an agent may hold in its environment that its workers must not inherit.
-WITHHELD_FROM_WORKERS = ("RDZV_TOKEN", "RDZV_JOB_SECRET")
+WITHHELD_FROM_WORKERS = ("RDZV_TOKEN", "RDZV_JOB_SECRET", "RDZV_JOB_SECRET_FILE")
 
 
 def worker_env(

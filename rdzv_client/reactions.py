@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from rdzv_server.errors import ErrorCode, RdzvError
 from rdzv_server.wire import printable
 
+from .quiet import Quiet
 from .status import first_line
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ class ServerReactions:
     status: StatusLine
     group: WorkerGroup | None
     _held_for: str | None
+    _quiet: Quiet  # what a server can make this agent repeat at each join, said at most every 30 s
     failure_summary: tuple[int, str] | None  # (round, torchrun's block) of this node's last failure
 
     if TYPE_CHECKING:  # the agent's own, used here
@@ -160,7 +162,8 @@ class ServerReactions:
             if self.group is not None:
                 self.group.kill_now()
                 await self._stop_workers(timeout=1.0)
-            self._say("evicted (%s); rejoining as a new node", printable(msg.reason))
+            if self._quiet_ok("evicted"):
+                self._say("evicted (%s); rejoining as a new node", printable(msg.reason))
             self.phase = Phase.JOINING
             self.session.evicted()
         elif isinstance(msg, DoneMsg):
@@ -196,8 +199,9 @@ class ServerReactions:
         from rdzv_server.protocol import EvictedMsg
 
         if msg.code == ErrorCode.UNAVAILABLE:
-            # the server could not save state: it drops us, we reconnect and re-send
-            log.warning("server unavailable: %s", printable(msg.message))
+            # the server cannot serve us now: the link backs off and joins again
+            # (--server-timeout counts); said at most every 30 s
+            self._warn("unavailable", "server unavailable: %s", printable(msg.message))
             return None
         self.link.clear_reports()
         if msg.code in (ErrorCode.EVICTED, ErrorCode.NODE_SECRET_MISMATCH):
@@ -223,8 +227,17 @@ class ServerReactions:
             )
             await self._stop_workers()
             return EXIT_USAGE
-        log.warning("server error %s: %s", msg.code.value, printable(msg.message))
+        self._warn(msg.code.value, "server error %s: %s", msg.code.value, printable(msg.message))
         return None
+
+    def _quiet_ok(self, kind: str) -> bool:
+        return self._quiet.allow(kind) is not None
+
+    def _warn(self, kind: str, text: str, *args: object) -> None:
+        """A warning a server can repeat at each join: said once, then at most every 30 s per kind."""
+        suffix = self._quiet.allow(kind)
+        if suffix is not None:
+            log.warning(text + "%s", *args, suffix)
 
     def _show_waiting(self, round_no: int, info: WaitingInfo) -> None:
         self.status.show(

@@ -200,10 +200,12 @@ class OutageWatch:
         self.timeout_s = timeout_s
         self._logged_at: float | None = None  # when the outage notice was last logged
 
-    def check(self, down: float) -> Outage | None:
-        """``down``: seconds the link has been down (0 when up)."""
+    def check(self, down: float, settled: bool = True) -> Outage | None:
+        """``down``: seconds without a served join (0 while served); ``settled``:
+        the service has held (a server that answers, then drops us at each join,
+        is not "back" at each answer)."""
         if down < OUTAGE_NOTICE_AFTER_S:
-            if down == 0 and self._logged_at is not None:
+            if down == 0 and settled and self._logged_at is not None:
                 self._logged_at = None
                 return Outage("back")
             return None

@@ -103,9 +103,11 @@ from rdzv_server.protocol import (
 )
 from rdzv_server.tasks import cancel_and_wait
 
+from . import secret_source
 from .client import AgentLink, Endpoints, RestClient, parse_endpoint
 from .exits import read_error_file
 from .launch import WITHHELD_FROM_WORKERS
+from .service import RETRY_LATER_CODES, outage_word
 from .session import NodeSession, OutageWatch, route_addr
 
 _T = TypeVar("_T")
@@ -133,9 +135,18 @@ class RdzvRendezvousHandler(RendezvousHandler):
         self.endpoints = Endpoints(self.endpoint)  # HOST:PORT, or a list of them (HA replicas); a bad one: ValueError
         _, host, port = parse_endpoint(self.endpoints.urls[0])
         self.token = params.get("token") or os.environ.get("RDZV_TOKEN") or None
-        self.job_secret = params.get("job_secret") or os.environ.get("RDZV_JOB_SECRET") or None
+        # the file form, RDZV_JOB_SECRET(_FILE) from the environment; job_secret= on torchrun's
+        # command line works but is seen in ps (a warning says so once)
+        self.job_secret = secret_source.job_secret(
+            params.get("job_secret") or None,
+            params.get("job_secret_file") or None,
+            "--rdzv-conf job_secret=...",
+            "--rdzv-conf job_secret_file=PATH",
+        )
         if self.job_secret is not None and (why := job_secret_problem(self.job_secret)):
-            raise ValueError(f"rdzv: the job secret (--rdzv-conf job_secret=... or RDZV_JOB_SECRET) {why}")
+            raise ValueError(
+                f"rdzv: the job secret (--rdzv-conf job_secret=... or job_secret_file=..., or RDZV_JOB_SECRET) {why}"
+            )
         # torchrun's workers inherit this process's environment: the credentials stay with us
         for name in WITHHELD_FROM_WORKERS:
             os.environ.pop(name, None)
@@ -229,16 +240,17 @@ class RdzvRendezvousHandler(RendezvousHandler):
         watch = OutageWatch(self.server_timeout_s)
         while True:
             await asyncio.sleep(0.5)
-            out = watch.check(self.session.link.down_for())
+            out = watch.check(self.session.link.unserved_for(), self.session.link.service.stable())
             if out is None or out.kind == "ongoing":
                 continue
             if out.kind == "back":
                 log.warning("rdzv server %s reachable again", self.endpoint)
                 continue
             why = printable(self.session.link.last_error or "no answer", limit=300)
+            word = outage_word(self.session.link.last_error)  # unreachable, or not serving this node
             if out.kind == "give_up":
                 self._gave_up = (
-                    f"gave up: rdzv server {self.endpoint} unreachable for {self.server_timeout_s:g}s "
+                    f"gave up: rdzv server {self.endpoint} {word} for {self.server_timeout_s:g}s "
                     f"(rdzv-conf server_timeout; {why})"
                 )
                 log.error("job %s: %s", self.run_id, self._gave_up)
@@ -247,7 +259,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
                 self._news.set()
                 return
             log.warning(
-                "rdzv server %s unreachable for %.0fs (%s); giving up in %.0fs", self.endpoint, out.down, why, out.left
+                "rdzv server %s %s for %.0fs (%s); giving up in %.0fs", self.endpoint, word, out.down, why, out.left
             )
 
     async def _dispatch(self) -> None:
@@ -431,7 +443,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
                 raise RendezvousClosedError(f"job {self.run_id} {msg.state}: {printable(msg.reason)}")
             if isinstance(msg, EvictedMsg) or (isinstance(msg, ErrorMsg) and msg.code in _NEW_NODE_CODES):
                 self.session.evicted()
-            elif isinstance(msg, ErrorMsg) and msg.code not in (ErrorCode.STALE_ROUND, ErrorCode.UNAVAILABLE):
+            elif isinstance(msg, ErrorMsg) and msg.code not in (ErrorCode.STALE_ROUND, *RETRY_LATER_CODES):
                 raise RendezvousError(f"rdzv server refused this node: {printable(msg.message)}")
             elif isinstance(msg, RdzvError):
                 raise RendezvousError(printable(msg.message))

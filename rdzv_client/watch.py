@@ -47,6 +47,7 @@ class WorkerWatch:
         self._progress_sent_at = 0.0
 
     async def start(self, worker_pids: Callable[[], list[int]]) -> None:
+        self.channel.workers = worker_pids  # datagrams from any other process are ignored
         await self.channel.start()
         if os.environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") == "1":
             path = os.environ.get("TORCHELASTIC_TIMER_FILE") or str(self.channel.dir / "timer")
@@ -66,6 +67,7 @@ class WorkerWatch:
     def add_env(self, env: dict[str, str]) -> None:
         """What a worker needs to reach the channel (and the timer pipe)."""
         env["RDZV_AGENT_SOCKET"] = self.channel.path
+        env["RDZV_AGENT_PID"] = str(os.getpid())  # an in-place worker takes stop/assign from this pid only
         if self.timer is not None:
             env["TORCHELASTIC_TIMER_FILE"] = self.timer.path
 

@@ -53,6 +53,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from . import peercred  # standard library only too
+
 __all__ = ["progress", "finished", "SEND_EVERY_S", "rounds", "World", "MembershipChanged", "in_place"]
 
 # At most this often a call sends; in between it only records the step.
@@ -88,6 +90,10 @@ ASSIGNED_VARS = frozenset(
     }
 )
 _inbox: socket.socket | None = None
+_inbox_checked = False  # the kernel tells each message's sender (SO_PASSCRED, Linux)
+_agent_pid = os.environ.get("RDZV_AGENT_PID", "")  # the only sender stop/assign are taken from
+_forged = 0  # messages from another process, ignored
+_forged_said = -1.0e9  # when the last one was said (on stderr, at most every 30 s)
 _stopped: int | None = None  # the round the agent said is next ("stop"), not yet assigned
 _assigned: tuple[int, dict[str, str]] | None = None  # an assignment read early
 
@@ -227,9 +233,36 @@ def _bind_inbox() -> None:
         os.unlink(path)  # a killed predecessor of this local rank left it
     except FileNotFoundError:
         pass
+    global _inbox_checked
+    _inbox_checked = peercred.enable(s)  # before bind: no message arrives unlabelled
     s.bind(path)
+    os.chmod(path, 0o600)
     s.setblocking(False)
     _inbox = s
+
+
+def _from_agent(pid: int | None) -> bool:
+    """Whether a message came from this worker's agent (RDZV_AGENT_PID, else
+    the parent process). Another process of the same user can write to the
+    inbox: what it sends (an ``assign`` naming its own MASTER_ADDR) is ignored
+    and said on stderr at most every 30 s."""
+    global _forged, _forged_said
+    if not _inbox_checked:
+        return True  # no SO_PASSCRED here (not Linux): unchecked, as documented
+    expected = int(_agent_pid) if _agent_pid.isdigit() else os.getppid()
+    if pid == expected:
+        return True
+    _forged += 1
+    now = time.monotonic()
+    if now - _forged_said >= 30.0:
+        _forged_said = now
+        print(
+            f"rdzv: ignored {_forged} message(s) on the in-place channel from pid {pid}, not this worker's agent",
+            file=sys.stderr,
+            flush=True,
+        )
+        _forged = 0
+    return False
 
 
 def _read(timeout: float | None) -> bool:
@@ -239,15 +272,17 @@ def _read(timeout: float | None) -> bool:
         return False
     try:
         if timeout is None:
-            data = _inbox.recv(MAX_MESSAGE)
+            data, pid, _uid = peercred.recv(_inbox, MAX_MESSAGE)
         else:
             _inbox.settimeout(timeout)
             try:
-                data = _inbox.recv(MAX_MESSAGE)
+                data, pid, _uid = peercred.recv(_inbox, MAX_MESSAGE)
             finally:
                 _inbox.setblocking(False)
     except (BlockingIOError, TimeoutError, InterruptedError):
         return False
+    if not _from_agent(pid):
+        return True  # not the agent's: ignored
     parts = data.decode("ascii", "replace").split()
     current = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     try:

@@ -67,18 +67,39 @@ def is_valid_id(value: str) -> bool:
     return 0 < len(value) <= MAX_ID_LEN and bool(_ID_RE.fullmatch(value))  # fullmatch: "$" alone lets "x\n" through
 
 
-# C0 and C1 control characters and DEL: what a terminal or a log reader would act on.
-_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# C0 and C1 control characters and DEL: what a terminal or a log reader would act on;
+# and what reorders or hides text without being seen: the format characters (Unicode
+# category Cf: bidi embeddings, overrides and isolates U+202A-202E U+2066-2069, marks
+# U+200E/200F U+061C, zero-width U+200B-200D U+2060 U+FEFF, tags, the soft hyphen ...),
+# the line and paragraph separators U+2028/2029 and the blank Hangul fillers. Listed,
+# not computed from unicodedata at import (the agent starts in milliseconds);
+# tests/unit check every Cf character of this Python's Unicode database.
+_CONTROL_RE = re.compile(
+    "[\x00-\x1f\x7f-\x9f\xad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u115f\u1160"
+    "\u180e\u200b-\u200f\u2028-\u202e\u2060-\u2064\u2066-\u206f\u3164\ufeff\uffa0\ufff9-\ufffb"
+    "\U000110bd\U000110cd\U00013430-\U0001343f\U0001bca0-\U0001bca3\U0001d173-\U0001d17a"
+    "\U000e0001\U000e0020-\U000e007f]"
+)
+
+
+def _escape(m: re.Match[str]) -> str:
+    c = m.group()
+    if c <= "\x9f":
+        return repr(c)[1:-1]  # \n, \t, \x1b ...
+    n = ord(c)
+    return f"\\u{n:04x}" if n <= 0xFFFF else f"\\U{n:08x}"
 
 
 def printable(text: object, limit: int | None = None) -> str:
     """``text`` safe to print or log: control characters (newlines and escape
     sequences included) become visible escapes (``\\n``, ``\\x1b``), so one
     event stays one line and nothing a client sent can move a cursor, clear a
-    screen or forge a log line. ``limit`` truncates the result with ``...``."""
+    screen or forge a log line; bidi controls and invisible characters too
+    (``\\u202e``, ``\\u200b``), so none can make a name read as another.
+    ``limit`` truncates the result with ``...``."""
     s = str(text)
     if _CONTROL_RE.search(s):
-        s = _CONTROL_RE.sub(lambda m: repr(m.group())[1:-1], s)
+        s = _CONTROL_RE.sub(_escape, s)
     if limit is not None and len(s) > limit:
         s = s[: max(0, limit - 3)] + "..."
     return s

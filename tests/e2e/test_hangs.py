@@ -195,3 +195,46 @@ def test_a_worker_that_exited_without_finished_is_not_hung(cluster: Cluster) -> 
     assert "[1]: done local rank 1 restart 0" in text
     view = server.job("early")
     assert view["state"] == "succeeded" and view["restarts"] == 0, view
+
+
+def test_forged_progress_from_another_process_does_not_hide_a_hang(cluster: Cluster) -> None:
+    """A same-user process writes progress datagrams for the hung rank to the
+    agent's socket (issue 19 item 9): the agent takes datagrams from its own
+    workers only (the kernel's SO_PASSCRED), so the hang is still detected,
+    and the forgeries are logged, rate-limited."""
+    import socket
+    import threading
+
+    server = cluster.start_server()
+    agent = cluster.start_agent(
+        server,
+        "forged",
+        SCRIPTS / "progress_then_hang.py",
+        nnodes="1",
+        flags=("--hang-timeout", "4", "--max-restarts", "0"),
+    )
+    [m] = agent.wait_log(r"^\[0\]: socket (\S+)$", 60)
+    path = m.group(1)
+    stop = threading.Event()
+
+    def forge() -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        step = 100
+        while not stop.wait(0.2):
+            step += 1
+            try:
+                s.sendto(f"0 0 {step}".encode(), path)
+            except OSError:
+                pass  # the agent is gone
+        s.close()
+
+    forger = threading.Thread(target=forge, daemon=True)
+    forger.start()
+    try:
+        agent.wait_log(r"local rank 0 \(rank 0\) pid \d+ hung: no progress\(\) for [\d.]+s .*last step 3", 60)
+    finally:
+        stop.set()
+        forger.join(5)
+    assert agent.wait_exit(60) != 0
+    said = re.findall(r"worker channel: ignored a datagram from pid \d+", agent.text())
+    assert 1 <= len(said) <= 2, agent.text()[-3000:]

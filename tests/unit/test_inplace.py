@@ -61,6 +61,7 @@ def test_tell_reaches_a_bound_worker_and_says_false_when_none_listens() -> None:
 
 WORKER_SIDE = r"""
 import os, socket, sys
+os.environ["RDZV_AGENT_PID"] = str(os.getpid())  # this process plays its own agent (before the import)
 from rdzv_client import worker
 assert worker.in_place()
 gen = worker.rounds()

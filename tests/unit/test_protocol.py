@@ -63,6 +63,28 @@ def test_printable_escapes_control_characters():
     assert printable("x" * 50, limit=10) == "xxxxxxx..."
 
 
+def test_printable_escapes_bidi_and_invisible_characters():
+    """A job id or reason cannot read as another (``evil\u202egnp.exe``) nor hide
+    text (zero-width): every format character (Unicode Cf) of this Python's
+    database, the line/paragraph separators and the blank fillers are escaped;
+    letters of any script are kept."""
+    import sys
+    import unicodedata
+
+    from rdzv_server.protocol import printable
+
+    assert printable("job\u202egnp.exe") == "job\\u202egnp.exe"
+    assert printable("a\u200bb\u200dc\u2060d\ufeffe") == "a\\u200bb\\u200dc\\u2060d\\ufeffe"
+    assert printable("\u2066x\u2069 \u200e\u200f\u061c") == "\\u2066x\\u2069 \\u200e\\u200f\\u061c"
+    assert printable("tag\U000e0041") == "tag\\U000e0041"
+    assert printable("line\u2028sep") == "line\\u2028sep"
+    assert printable("été 東京 Ωmega") == "été 東京 Ωmega"
+    invisible = [chr(n) for n in range(sys.maxunicode + 1) if unicodedata.category(chr(n)) in ("Cf", "Zl", "Zp")]
+    assert len(invisible) > 150
+    raw = [c for c in invisible if c in printable(c)]
+    assert not raw, [f"U+{ord(c):04X}" for c in raw]
+
+
 def test_heartbeat_frame_is_what_a_heartbeat_serializes_to():
     """The server compares frames to HEARTBEAT_FRAME before parsing: the text
     must be exactly a HeartbeatMsg's JSON, and parse back to one."""

@@ -1,0 +1,104 @@
+"""The --server-timeout clock (rdzv_client.service) and rate-limited lines
+(rdzv_client.quiet): pure, on a fake clock."""
+
+from __future__ import annotations
+
+from rdzv_client.quiet import Quiet
+from rdzv_client.service import ServiceClock, outage_word
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_the_clock_runs_from_the_start_until_a_join_is_served() -> None:
+    c = FakeClock()
+    s = ServiceClock(2.0, c)
+    c.t += 5
+    assert s.unserved_for() == 5.0 and not s.serving
+    s.connected()
+    c.t += 1  # connected, the join not answered: still counts
+    assert s.unserved_for() == 6.0
+    s.served()
+    assert s.unserved_for() == 0.0 and s.serving
+
+
+def test_a_service_that_does_not_hold_does_not_stop_the_clock() -> None:
+    """A server that answers, then closes or evicts at each join: the clock
+    goes on from the outage's start, not from the last drop."""
+    c = FakeClock()
+    s = ServiceClock(2.0, c)
+    for _ in range(10):
+        c.t += 0.5
+        s.connected()
+        s.served()
+        c.t += 0.1
+        assert not s.stable()
+        s.unserved()
+    assert abs(s.unserved_for() - 6.0) < 1e-9
+
+
+def test_a_service_that_held_starts_a_new_outage_at_the_drop() -> None:
+    c = FakeClock()
+    s = ServiceClock(2.0, c)
+    c.t += 1
+    s.connected()
+    s.served()
+    c.t += 10
+    assert s.stable()
+    s.unserved()
+    c.t += 3
+    assert s.unserved_for() == 3.0
+    s.unserved()  # a second end of the same service changes nothing
+    assert s.unserved_for() == 3.0
+
+
+def test_outage_word() -> None:
+    assert outage_word(None) == "unreachable"
+    assert outage_word("cannot reach http://x: refused") == "unreachable"
+    assert outage_word("handshake refused: 503") == "unreachable"
+    assert outage_word("join refused: unavailable: full") == "not serving this node"
+    assert outage_word("connection closed by the server (x)") == "not serving this node"
+
+
+def test_quiet_says_once_then_at_most_every_interval_with_a_count() -> None:
+    q = Quiet(every_s=30.0, max_keys=3)
+    assert q.allow("a", now=0.0) == ""
+    assert all(q.allow("a", now=float(t)) is None for t in range(1, 30))
+    said = q.allow("a", now=31.0)
+    assert said is not None and "29 more" in said
+    assert q.allow("b", now=31.0) == ""  # per kind
+    for k in "cdefg":
+        q.allow(k, now=32.0)
+    assert len(q._said) == 3  # bounded
+
+
+def test_outage_is_back_only_once_the_service_held() -> None:
+    from rdzv_client.session import OutageWatch
+
+    w = OutageWatch(60.0)
+    out = w.check(3.0)
+    assert out is not None and out.kind == "notice"
+    assert w.check(0.0, settled=False) is None  # answered, then dropped again at once: not news
+    out = w.check(3.5)
+    assert out is not None and out.kind == "ongoing"  # no second notice within 30 s
+    out = w.check(0.0, settled=True)
+    assert out is not None and out.kind == "back"
+
+
+def test_refusal_is_any_error_to_an_unanswered_join_and_any_eviction() -> None:
+    from rdzv_client.service import refusal
+    from rdzv_server.protocol import ErrorCode, ErrorMsg, EvictedMsg
+
+    busy = ErrorMsg(code=ErrorCode.UNAVAILABLE, message="full\nforged line")
+    assert refusal(busy, serving=False) == "join refused: unavailable: full\\nforged line"
+    assert refusal(ErrorMsg(code=ErrorCode.NOT_JOINED, message="x"), serving=False) is not None
+    # a served node's report refused: passed on, no drop
+    assert refusal(ErrorMsg(code=ErrorCode.STALE_ROUND, message="x"), serving=True) is None
+    # an eviction, by message or code, drops even a served node's connection
+    assert refusal(EvictedMsg(reason="gone"), serving=True) == "join refused: evicted: gone"
+    assert refusal(ErrorMsg(code=ErrorCode.NODE_SECRET_MISMATCH, message="x"), serving=True) is not None
