@@ -40,21 +40,21 @@ def _agent_secret(*argv: str) -> str | None:
 def test_agent_reads_the_secret_file_and_its_environment_form(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    p = _secret_file(tmp_path, "s3cret-from-file\n")
+    p = _secret_file(tmp_path, "s3cret-from-file-0123456789ab\n")
     with caplog.at_level(logging.WARNING):
-        assert _agent_secret("--job-secret-file", str(p)) == "s3cret-from-file"
+        assert _agent_secret("--job-secret-file", str(p)) == "s3cret-from-file-0123456789ab"
         monkeypatch.setenv("RDZV_JOB_SECRET_FILE", str(p))
-        monkeypatch.setenv("RDZV_JOB_SECRET", "from-env")  # the file wins over the plain variable
-        assert _agent_secret() == "s3cret-from-file"
+        monkeypatch.setenv("RDZV_JOB_SECRET", "from-env-0123456789ab")  # the file wins over the plain variable
+        assert _agent_secret() == "s3cret-from-file-0123456789ab"
     assert not caplog.records  # no warning: nothing on the command line, the file is private
 
 
 def test_agent_warns_once_when_the_secret_is_on_the_command_line(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
-        assert _agent_secret("--job-secret", "from-flag") == "from-flag"
-        assert _agent_secret("--job-secret", "from-flag") == "from-flag"
+        assert _agent_secret("--job-secret", "from-flag-0123456789ab") == "from-flag-0123456789ab"
+        assert _agent_secret("--job-secret", "from-flag-0123456789ab") == "from-flag-0123456789ab"
     said = [r.getMessage() for r in caplog.records if "command line" in r.getMessage()]
-    assert len(said) == 1 and "--job-secret-file" in said[0] and "from-flag" not in said[0], said
+    assert len(said) == 1 and "--job-secret-file" in said[0] and "from-flag-0123456789ab" not in said[0], said
 
 
 @pytest.mark.parametrize(
@@ -74,15 +74,15 @@ def test_missing_file_and_both_forms_are_usage_errors(tmp_path: Path) -> None:
 
     with pytest.raises(UsageError, match="cannot read"):
         _agent_secret("--job-secret-file", str(tmp_path / "nope"))
-    p = _secret_file(tmp_path, "abc")
+    p = _secret_file(tmp_path, "abc-0123456789abcdef")
     with pytest.raises(UsageError, match="not both"):
         _agent_secret("--job-secret", "abc", "--job-secret-file", str(p))
 
 
 def test_a_file_others_can_read_is_said(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    p = _secret_file(tmp_path, "abc\n", mode=0o644)
+    p = _secret_file(tmp_path, "abc-0123456789abcdef\n", mode=0o644)
     with caplog.at_level(logging.WARNING):
-        assert _agent_secret("--job-secret-file", str(p)) == "abc"
+        assert _agent_secret("--job-secret-file", str(p)) == "abc-0123456789abcdef"
     assert any("chmod 600" in r.getMessage() for r in caplog.records)
 
 
@@ -100,15 +100,15 @@ def test_plugin_reads_the_file_form_and_the_environment(
         )
         return RdzvRendezvousHandler(params).job_secret
 
-    p = _secret_file(tmp_path, "plug-secret\n")
+    p = _secret_file(tmp_path, "plug-secret-0123456789ab\n")
     with caplog.at_level(logging.WARNING):
-        assert secret(job_secret_file=str(p)) == "plug-secret"
-        monkeypatch.setenv("RDZV_JOB_SECRET", "env-secret")
-        assert secret() == "env-secret"
+        assert secret(job_secret_file=str(p)) == "plug-secret-0123456789ab"
+        monkeypatch.setenv("RDZV_JOB_SECRET", "env-secret-0123456789ab")
+        assert secret() == "env-secret-0123456789ab"
         assert "RDZV_JOB_SECRET" not in os.environ  # popped: torchrun's workers never inherit it
     assert not caplog.records
     with caplog.at_level(logging.WARNING):
-        assert secret(job_secret="on-the-line") == "on-the-line"
+        assert secret(job_secret="on-the-line-0123456789ab") == "on-the-line-0123456789ab"
     assert any("ps" in r.getMessage() and "job_secret_file" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="not both"):
         secret(job_secret="a", job_secret_file=str(p))
