@@ -274,24 +274,28 @@ def md_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def server_argv(port: int, data_dir: Path, python: str = sys.executable) -> list[str]:
+def server_argv(port: int, data_dir: Path, python: str = sys.executable, quotas: bool = False) -> list[str]:
     """An rdzv-server on loopback with its state in ``data_dir``: how every bench starts one.
-    Its simulated agents share one address (127.0.0.1): no per-address connection limit."""
+    Its simulated agents share one address (127.0.0.1): no per-address limits, unless ``quotas``
+    (the server's defaults: bench.hostile measures them)."""
+    lifted = ("--max-connections-per-address", "0", "--max-waiting-jobs-per-address", "0")
     return [
         *(python, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data_dir)),
-        *("--max-connections-per-address", "0", "--max-waiting-jobs-per-address", "0"),
+        *(() if quotas else lifted),
     ]
 
 
 class BenchServer:
     """A real rdzv-server process, healthy once constructed; ``stop()`` ends it.
-    ``extra``: more server flags (``--token T``, ``--max-connections N``)."""
+    ``extra``: more server flags (``--token T``, ``--max-connections N``); ``quotas``: see server_argv."""
 
-    def __init__(self, tmp: Path, python: str = sys.executable, extra: list[str] | None = None):
+    def __init__(
+        self, tmp: Path, python: str = sys.executable, extra: list[str] | None = None, quotas: bool = False
+    ) -> None:
         self.data = tmp / "data"
         self.log = tmp / "server.log"
         self.port = free_port()
-        argv = server_argv(self.port, self.data, python) + list(extra or [])
+        argv = server_argv(self.port, self.data, python, quotas) + list(extra or [])
         self.proc = Proc("server", argv, self.log, cwd=ROOT)
         self.url = f"http://127.0.0.1:{self.port}"
         if not wait_until(lambda: http_get(self.url + "/healthz", 1.0) or self.proc.poll() is not None, 20):

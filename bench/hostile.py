@@ -100,7 +100,7 @@ class Ctx:
     def server(self, name: str, *extra: str) -> C.BenchServer:
         d = self.tmp / name
         d.mkdir(parents=True, exist_ok=True)
-        return C.BenchServer(d, extra=list(extra))
+        return C.BenchServer(d, extra=list(extra), quotas=True)  # the per-address limits are under test
 
 
 # ------------------------------------------------------------------ watching

@@ -66,8 +66,10 @@ async def probe_reused(ctx: Ctx) -> Result:
         "the secret, with other settings; run 1 with a job secret, and without one (the default)"
     )
     measured = "; ".join(f"{case}: {what}" for case, (_, what) in out.items())
-    met = not any(took for took, what in out.values()) and not any(w.startswith("setup") for _, w in out.values())
-    return Result("4", did, measured, "refused without the previous run's credential", met, {})
+    # a run without a job secret has no credential to prove: its id is anyone's (README, Security), reported only
+    met = not out["with a job secret"][0] and not any(w.startswith("setup") for _, w in out.values())
+    target = "with a job secret: refused (without one there is no credential: anyone's, as documented)"
+    return Result("4", did, measured, target, met, {})
 
 
 async def _upgrade(s: Any, url: str, headers: dict[str, str]) -> tuple[int, str]:
@@ -123,7 +125,7 @@ async def probe_origin(ctx: Ctx) -> Result:
 
 
 async def _posts(s: Any, urls: list[tuple[str, dict[str, Any]]], seconds: float, workers: int = 8) -> dict[str, Any]:
-    """POST each (url, json) until done, ``seconds``, or a 503: statuses counted."""
+    """POST each (url, json) until done, ``seconds``, a 403 or a 503: statuses counted."""
     todo, statuses, states = iter(urls), {}, {}
     t0 = time.monotonic()
     full = False
@@ -138,7 +140,7 @@ async def _posts(s: Any, urls: list[tuple[str, dict[str, Any]]], seconds: float,
                 if r.status == 200:
                     state = (await r.json()).get("state")
                     states[state] = states.get(state, 0) + 1
-                full = full or r.status == 503
+                full = full or r.status in (403, 503)  # refused outright, or the table is full
 
     await asyncio.gather(*(worker() for _ in range(workers)))
     return {"statuses": statuses, "states": states, "s": time.monotonic() - t0}
@@ -147,9 +149,11 @@ async def _posts(s: Any, urls: list[tuple[str, dict[str, Any]]], seconds: float,
 async def probe_hosts(ctx: Ctx) -> Result:
     from rdzv_server.hosts import DEFAULT_MAX_HOSTS
 
-    server = ctx.server("srv")
+    token, operator = secrets.token_hex(16), secrets.token_hex(16)
+    server = ctx.server("srv", "--token", token, "--operator-token", operator)
     try:
-        async with session() as s:
+        # the attacker holds the agents' token; the operator token stays with the operator
+        async with session(headers={"Authorization": f"Bearer {token}"}) as s:
             health = [(server.url + f"/v1/hosts/madeup-h{i // 3}/health", {"reason": "made up"}) for i in range(30_000)]
             rep = await _posts(s, health, ctx.seconds)
             cordons = [
@@ -157,15 +161,18 @@ async def probe_hosts(ctx: Ctx) -> Result:
                 for i in range(DEFAULT_MAX_HOSTS + 100)
             ]
             cor = await _posts(s, cordons, ctx.seconds if ctx.quick else max(60.0, ctx.seconds))
-            hosts = len(json.loads(C.http_get(server.url + "/v1/hosts?limit=1000", 30) or b'{"hosts":[]}')["hosts"])
-            async with s.post(server.url + "/v1/hosts/real-host-1/cordon", json={"reason": "maintenance"}) as r:
+            async with s.get(server.url + "/v1/hosts?limit=1000") as r:
+                hosts = len((await r.json())["hosts"]) if r.status == 200 else 0
+            op = {"Authorization": f"Bearer {operator}"}
+            async with s.post(server.url + "/v1/hosts/real-host-1/cordon", json={"reason": "maint"}, headers=op) as r:
                 op_status = r.status
     finally:
         server.stop()
     n = lambda d: sum(d.values())  # noqa: E731
     did = (
-        "host records: health reports for made-up hosts (3 each) for the attack time; made-up cordons until "
-        "refused or the table's 10,000 records + 100; then an operator's cordon of a real host"
+        "host records (`--token` and `--operator-token`; the attacker holds the agents' token): health reports for "
+        "made-up hosts (3 each) for the attack time; made-up cordons until refused or the table's 10,000 records "
+        "+ 100; then the operator's cordon of a real host"
     )
     measured = (
         f"{n(rep['statuses']):,} health reports in {rep['s']:.1f} s ({rep['statuses']}): "
