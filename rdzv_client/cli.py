@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _duration(text: str) -> float:
-    from rdzv_server.__main__ import parse_duration
+    from rdzv_server.flags import parse_duration
 
     return parse_duration(text)
 

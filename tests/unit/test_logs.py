@@ -219,7 +219,7 @@ def test_text_format_is_byte_for_byte_what_basic_config_wrote():
 
 def test_log_format_flag_and_env_default(monkeypatch: pytest.MonkeyPatch):
     from rdzv_client.config import build_parser as agent_parser
-    from rdzv_server.__main__ import build_parser as server_parser
+    from rdzv_server.flags import build_parser as server_parser
 
     monkeypatch.delenv(logs.ENV_FORMAT, raising=False)
     assert server_parser().parse_args([]).log_format == "text"

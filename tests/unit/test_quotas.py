@@ -173,7 +173,7 @@ def test_per_address_connection_limit():
 
 
 def test_the_quota_flags_reach_the_settings():
-    from rdzv_server.__main__ import build_parser, settings_from_args
+    from rdzv_server.flags import build_parser, settings_from_args
 
     args = build_parser().parse_args(["--data-dir", "none"])
     s = settings_from_args(args)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from rdzv_server.__main__ import UsageError, auth_note, bind_host, build_parser, is_loopback
+from rdzv_server.__main__ import auth_note
+from rdzv_server.auth import is_loopback
+from rdzv_server.flags import UsageError, bind_host, build_parser
 
 
 @pytest.mark.parametrize(
@@ -58,7 +60,7 @@ def test_auth_note_says_what_is_exposed():
 
 
 def _ha(*argv: str, host: str = "127.0.0.1", port: int = 29400, tls: bool = False):
-    from rdzv_server.__main__ import ha_settings
+    from rdzv_server.flags import ha_settings
 
     return ha_settings(build_parser().parse_args(list(argv)), host, port, tls)
 
