@@ -75,6 +75,7 @@ def round0(r):
     dist.all_reduce(t, group=pg)  # torch's own API takes it
     assert t.item() == 2.0
     ddp = inplace.ddp(m, pg)
+    out[r, "ddp"] = ddp
     opt.zero_grad(); ddp(x).sum().backward(); opt.step()
     out[r, "sum0"] = checksum(m)
     opt.zero_grad()
@@ -101,8 +102,14 @@ assert next(gen).round == 1
 
 def round1(r):
     m, opt = models[r]
+    if r == 1:
+        with torch.no_grad():
+            m[0].weight.add_(1.0)  # behind: sync_state must bring rank 0's weights
     pg = inplace.process_group(world(1, r, port1), timeout_s=60)
-    inplace.sync_state(pg, world(1, r, port1), m, opt, 1)
+    # rank 0 passes its DDP of round 0 (a loop's `ddp` variable), rank 1 the bare
+    # model (a newcomer's): the state sent is the module's either way
+    top = inplace.sync_state(pg, world(1, r, port1), out[0, "ddp"] if r == 0 else m, opt, 1 - r)
+    assert top == 1 and checksum(m) == out[0, "sum0"], (top, checksum(m))
     ddp = inplace.ddp(m, pg)  # the same model: the old DDP's hooks must be gone
     for _ in range(3):
         opt.zero_grad(); ddp(x + r).sum().backward(); opt.step()
@@ -182,7 +189,8 @@ def test_the_agents_word_fails_a_pending_ddp_allreduce_and_a_new_ddp_trains(tmp_
     the agent's ``stop`` arrives on the worker channel: the channel's thread
     fails the comm hook's future, backward raises MembershipChanged with the
     word's reason (not gloo's timeout), no optimizer step is taken; in the
-    next round a new group and a new DDP on the same model train in lock-step."""
+    next round ``sync_state`` takes the old DDP for its model, and a new group
+    and a new DDP on the same model train in lock-step."""
     res = _run(WORD, tmp_path, in_place=True)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
 
