@@ -30,7 +30,11 @@ def reached(agent: Proc, round_no: int) -> int:
 
 
 @pytest.mark.timeout(120)
-def test_plain_ddp_keeps_survivors_in_place_after_a_node_loss(cluster: Cluster) -> None:
+@pytest.mark.parametrize("victim", ["other", "rank0"])
+def test_plain_ddp_keeps_survivors_in_place_after_a_node_loss(cluster: Cluster, victim: str) -> None:
+    """SIGKILL a node (group rank 0's, whose worker hosts the round's store and
+    is DDP's broadcast source, or another): the two survivors keep their
+    processes, train on in world 2 from where they were, in lock-step."""
     server = cluster.start_server()
     agents = [
         cluster.start_agent(
@@ -47,7 +51,8 @@ def test_plain_ddp_keeps_survivors_in_place_after_a_node_loss(cluster: Cluster) 
         for _ in range(3)
     ]
     wait_until(lambda: all(reached(a, 0) >= 5 for a in agents), 90, "every worker past step 5 in world 3")
-    dead = next(a for a in agents if not any(ln[1] == 0 for ln in lines(a)))  # not the store's host
+    hosts = [a for a in agents if any(ln[1] == 0 and ln[3] == 0 for ln in lines(a))]  # rank 0: the store's host
+    dead = hosts[0] if victim == "rank0" else next(a for a in agents if a not in hosts)
     survivors = [a for a in agents if a is not dead]
     before = {a.name: {ln[4] for ln in lines(a)} for a in survivors}
     cluster.kill_node(dead)
