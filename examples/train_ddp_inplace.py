@@ -2,8 +2,9 @@
 
     rdzv-agent --standalone --restart-mode in-place --nproc-per-node 2 examples/train_ddp_inplace.py
 
-Five lines differ from the plain DDP loop it was (README, "In-place
-re-formation", shows the diff): per round a fresh gloo group (the default
+Five lines of the plain DDP loop it was differ, plus the import (README, "A
+plain DDP script, in place", shows the diff; the loop body moves two levels
+in): per round a fresh gloo group (the default
 group, so ``dist.get_rank()`` works), the state of the most advanced rank
 (``sync_state``), and a DDP whose gradient all-reduce the agent can interrupt
 (``inplace.ddp``): on a round change ``loss.backward()`` raises
