@@ -73,7 +73,9 @@ def round0(r):
     assert isinstance(pg, dist.ProcessGroup), type(pg)
     t = torch.ones(1)
     dist.all_reduce(t, group=pg)  # torch's own API takes it
-    assert t.item() == 2.0
+    b = torch.tensor([float(r)])
+    dist.broadcast(b, src=1, group=pg)  # a global rank: the group's rank table is registered
+    assert (t.item(), b.item(), dist.get_world_size(pg)) == (2.0, 1.0, 2)
     ddp = inplace.ddp(m, pg)
     out[r, "ddp"] = ddp
     opt.zero_grad(); ddp(x).sum().backward(); opt.step()
