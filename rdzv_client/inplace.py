@@ -2,11 +2,14 @@
 
 A training script keeps its process, its model and its optimizer across round
 changes: per round it makes a fresh gloo process group on a fresh store
-(:func:`process_group`), brings every rank to the state of the most advanced
-one (:func:`sync_state`), and runs its collectives through :func:`all_reduce`
-(or :func:`wait`), which wait in short slices so that a lost peer or the
-agent's word ends the step at once with
-:class:`~rdzv_client.worker.MembershipChanged`.
+(:func:`process_group`: a ``torch.distributed.ProcessGroup``), brings every
+rank to the state of the most advanced one (:func:`sync_state`), and runs its
+collectives through :func:`all_reduce` (or :func:`wait`), which wait in short
+slices so that a lost peer or the agent's word ends the step at once with
+:class:`~rdzv_client.worker.MembershipChanged`, or through a DDP model made by
+:func:`ddp`, whose gradient all-reduce returns futures that the worker
+channel's thread fails the moment the agent says the round is over
+(``loss.backward()`` then raises ``MembershipChanged``).
 
 What gloo allows (torch 2.13, measured in issue 14): a synchronous collective
 whose peer died blocks until the group's timeout, and so does destroying or
@@ -21,21 +24,26 @@ This module imports torch; :mod:`rdzv_client.worker` does not.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import socket
 import sys
+import threading
 import time
+import weakref
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from . import worker
 from .worker import MembershipChanged, World
 
-__all__ = ["process_group", "all_reduce", "wait", "sync_state", "exit", "MembershipChanged"]
+__all__ = ["process_group", "group", "all_reduce", "wait", "sync_state", "ddp", "exit", "MembershipChanged"]
 
 # the slices a pending collective is waited in: the agent's word is checked between them
 _SLICE = timedelta(milliseconds=20)
@@ -57,7 +65,8 @@ _previous_hook = sys.excepthook
 
 
 def process_group(world: World, timeout_s: float = 60.0) -> Any:
-    """A fresh ``ProcessGroupGloo`` for ``world``: a new TCPStore at the round's
+    """A fresh gloo group for ``world`` (a ``torch.distributed.ProcessGroup``,
+    the default group from now on): a new TCPStore at the round's
     MASTER_ADDR/MASTER_PORT (hosted by rank 0), keys under the round's prefix.
     Raises :class:`MembershipChanged` if the round ends while it forms."""
     global _previous_hook
@@ -88,9 +97,99 @@ def process_group(world: World, timeout_s: float = 60.0) -> Any:
             time.sleep(0.05)
     store.set_timeout(timeout)
     prefixed = dist.PrefixStore(world.store_prefix, store)  # type: ignore[attr-defined]
-    pg = dist.ProcessGroupGloo(prefixed, world.rank, world.world_size, timeout)
+    backend = dist.ProcessGroupGloo(prefixed, world.rank, world.world_size, timeout)
+    pg = _wrap(prefixed, backend, world)
     _abandoned.append((store, pg))
+    _start(_Round(pg, world.round))
     return pg
+
+
+def _wrap(store: Any, backend: Any, world: World) -> Any:
+    """A ``torch.distributed.ProcessGroup`` on ``backend``, as
+    ``init_process_group`` builds it: DDP and ``dist.*(..., group=pg)`` take
+    it, and it is the default group (``dist.get_rank()``, a
+    ``DistributedSampler``). Registered under a name of this round in torch's
+    tables; the previous rounds' entries leave (torch keeps no reference to an
+    abandoned group)."""
+    gloo = dist.ProcessGroup.BackendType.GLOO
+    pg = dist.ProcessGroup(store, world.rank, world.world_size)
+    pg._set_default_backend(gloo)
+    pg._register_backend(torch.device("cpu"), gloo, backend)
+    name: Any = f"rdzv-round{world.round}-rank{world.rank}"  # torch's GroupName is a str
+    pg._set_group_name(name)
+    c10d = dist.distributed_c10d
+    for old, n in list(c10d._world.pg_names.items()):
+        if n.startswith("rdzv-round") and int(n[len("rdzv-round") :].split("-")[0]) < world.round:
+            for table in (c10d._world.pg_map, c10d._world.pg_names, c10d._world.pg_group_ranks):
+                table.pop(old, None)
+    c10d._world.pg_map[pg] = ("gloo", store)
+    c10d._world.pg_names[pg] = name
+    c10d._world.pg_group_ranks[pg] = {r: r for r in range(world.world_size)}
+    c10d._update_default_pg(pg)  # dist.get_rank(), DistributedSampler(), ... as after init_process_group
+    return pg
+
+
+class _Round:
+    """The futures of one round's collectives that are still pending: the
+    worker channel's thread fails them all when the agent says the round is
+    over. A future is completed once, by whoever claims it first (its
+    collective, or the end of the round): a late completion is a no-op."""
+
+    def __init__(self, pg: Any, round_no: int) -> None:
+        self.pg = pg
+        self.round = round_no
+        self.lock = threading.Lock()
+        self.pending: set[torch.futures.Future[Any]] = set()
+        self.over: str | None = None
+
+    def track(self, fut: torch.futures.Future[Any]) -> bool:
+        """Take ``fut`` in; False (and ``fut`` failed) if the round is over already."""
+        with self.lock:
+            if self.over is None:
+                self.pending.add(fut)
+                return True
+        fut.set_exception(MembershipChanged(self.over))
+        return False
+
+    def settle(self, fut: torch.futures.Future[Any], value: Any, error: BaseException | None) -> None:
+        with self.lock:
+            if fut not in self.pending:
+                return  # the round ended first: it was failed already
+            self.pending.discard(fut)
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)
+
+    def end(self, reason: str) -> None:
+        with self.lock:
+            if self.over is None:
+                self.over = reason
+            failing, self.pending = self.pending, set()
+        for fut in failing:
+            fut.set_exception(MembershipChanged(reason))
+
+
+_live: list[_Round] = []  # rounds not over yet: the agent's word ends them all
+_rounds: dict[int, _Round] = {}  # by id(pg): every group stays referenced (_abandoned)
+_hooked = False
+
+
+def _start(rnd: _Round) -> None:
+    global _hooked
+    if not _hooked:
+        worker.on_round_over(_end_rounds)
+        _hooked = True
+    _rounds[id(rnd.pg)] = rnd
+    _live.append(rnd)
+    if worker.round_over():
+        _end_rounds("the round is over")
+
+
+def _end_rounds(reason: str) -> None:
+    """The worker channel's callback: fail every pending collective of every open round."""
+    while _live:
+        _live.pop().end(reason)
 
 
 def _wait_listening(addr: str, port: int, deadline: float) -> None:
@@ -147,7 +246,10 @@ def _broadcast(tensor: torch.Tensor, pg: Any, src: int) -> None:
 def sync_state(pg: Any, world: World, model: torch.nn.Module, optimizer: Any, step: int) -> int:
     """Bring every rank of ``pg`` to the state of the rank with the highest
     ``step`` (the lowest such rank): model and optimizer state are broadcast
-    from it, no checkpoint is read. Returns that step: it never goes back."""
+    from it, no checkpoint is read. Returns that step: it never goes back.
+    ``model`` may be wrapped in DDP (its ``module`` is what is sent)."""
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
     mine = torch.tensor([step], dtype=torch.int64)
     top = int(all_reduce(mine.clone(), pg, dist.ReduceOp.MAX).item())
     src_t = torch.tensor([world.rank if step == top else world.world_size], dtype=torch.int64)
@@ -168,6 +270,174 @@ def sync_state(pg: Any, world: World, model: torch.nn.Module, optimizer: Any, st
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     return top
+
+
+@contextlib.contextmanager
+def group(world: World, timeout_s: float = 60.0) -> Iterator[Any]:
+    """``with inplace.group(world) as pg:`` - :func:`process_group` for the
+    block. :class:`MembershipChanged` raised in it ends the block quietly and
+    the enclosing ``for world in worker.rounds():`` goes on to the next round;
+    a block that ends normally ends the training (:func:`worker.done`)."""
+    try:
+        try:
+            pg = process_group(world, timeout_s)
+        except MembershipChanged as e:
+            pg = _Over(str(e))  # a with block cannot be skipped: its first use of pg raises
+        yield pg
+        worker.done()
+    except MembershipChanged as e:
+        sys.stdout.write(f"rdzv: round {world.round} is over: {e}\n")
+        sys.stdout.flush()
+
+
+class _Over:
+    """The group of a round that ended while it formed: any use raises
+    :class:`MembershipChanged` (inside :func:`group`'s block, which ends)."""
+
+    def __init__(self, reason: str) -> None:
+        self._reason = reason
+
+    def __getattr__(self, name: str) -> Any:
+        raise MembershipChanged(self.__dict__.get("_reason", "the round is over"))
+
+
+# ------------------------------------------------------------------ DDP
+
+
+def ddp(module: torch.nn.Module, pg: Any, **kwargs: Any) -> DistributedDataParallel:
+    """``DistributedDataParallel(module, process_group=pg, **kwargs)`` whose
+    gradient all-reduce can be interrupted: a comm hook all-reduces each bucket
+    on ``pg`` and returns a future that fails the moment the agent says the
+    round is over (or the collective fails), and ``loss.backward()`` then
+    raises :class:`MembershipChanged` before any gradient is used: no optimizer
+    step is taken on a partial all-reduce. Make one per round, on that round's
+    group; the previous round's DDP on ``module`` lets go of the module's
+    parameters. DDP's own blocking collectives (construction, the bucket
+    rebuild after the first step, buffer broadcasts) raise
+    :class:`MembershipChanged` when a lost peer fails them, in in-place mode;
+    they wait in C++, so a silent peer holds them until the group's timeout
+    (or the agent's ``--in-place-timeout``)."""
+    if isinstance(pg, _Over):
+        raise MembershipChanged(pg._reason)
+    rnd = _rounds.get(id(pg))
+    if rnd is None:
+        raise ValueError("ddp(): pg must come from inplace.process_group()")
+    old = _ddps.pop(module, None)
+    if old is not None:
+        # its reducer may be mid-backward forever: it must never see a gradient again
+        old._remove_autograd_hooks()  # type: ignore[no-untyped-call]
+    try:
+        model = _DDP(module, process_group=pg, **kwargs)
+    except RuntimeError as e:
+        _raise_membership(e)
+    state = _HookState(rnd)
+    model.register_comm_hook(state, _allreduce_hook)
+    # a backward that failed elsewhere never ran state.finish: start each pass afresh
+    model.register_forward_pre_hook(lambda *_: state.batch.clear())
+    _ddps[module] = model
+    return model
+
+
+class _DDP(DistributedDataParallel):
+    """DDP whose own blocking collectives around ``forward`` (the bucket
+    rebuild after its first step, buffer broadcasts) raise
+    :class:`MembershipChanged` when they fail (a peer lost) in in-place mode.
+    They wait in C++: a silent peer holds them until the group's timeout."""
+
+    def _pre_forward(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super()._pre_forward(*args, **kwargs)  # type: ignore[no-untyped-call]
+        except RuntimeError as e:
+            _raise_membership(e)
+
+    def _post_forward(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super()._post_forward(*args, **kwargs)  # type: ignore[no-untyped-call]
+        except RuntimeError as e:
+            _raise_membership(e)
+
+
+# the DDP made for each module (one at a time: the previous one's hooks are removed)
+_ddps: weakref.WeakKeyDictionary[torch.nn.Module, DistributedDataParallel] = weakref.WeakKeyDictionary()
+
+
+def _raise_membership(e: RuntimeError) -> NoReturn:
+    """A failed collective: MembershipChanged in in-place mode, else torch's own error."""
+    if worker.in_place():
+        raise MembershipChanged(f"a collective failed: {str(e).splitlines()[0][:200]}") from e
+    raise e
+
+
+class _HookState:
+    """One DDP's hook state: its round, and the futures of the backward pass in flight."""
+
+    def __init__(self, rnd: _Round) -> None:
+        self.round = rnd
+        self.size = rnd.pg.size()
+        self.batch: list[torch.futures.Future[Any]] = []
+
+    def finish(self) -> None:
+        """The backward pass's first final callback (queued before DDP's own):
+        wait for every bucket; a failed one raises here, as a Python exception
+        (MembershipChanged), so DDP never reads a failed bucket."""
+        batch, self.batch = self.batch, []
+        error: BaseException | None = None
+        for fut in batch:
+            try:
+                fut.wait()  # releases the GIL: the channel's thread can fail it
+            except Exception as e:
+                error = e
+                break
+        del batch
+        if error is None:
+            return
+        # The future keeps ``error`` and DDP's reducer keeps the future: were its
+        # traceback kept, the frames of this backward (the training loop's, the
+        # old DDP in them) would stay reachable through C++ forever. So the
+        # stored one loses its traceback and a fresh exception is raised.
+        error.__traceback__ = None
+        text = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+        if isinstance(error, MembershipChanged):
+            raise MembershipChanged(text)
+        if worker.in_place():
+            raise MembershipChanged(f"a collective failed: {text}")
+        raise RuntimeError(text)
+
+
+def _allreduce_hook(state: _HookState, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    """DDP's own all-reduce (average), on a future the round controls."""
+    tensor = bucket.buffer()
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    if not state.batch:
+        torch.autograd.Variable._execution_engine.queue_callback(state.finish)
+    state.batch.append(fut)
+    rnd = state.round
+    if rnd.track(fut):
+        tensor.div_(state.size)
+        try:
+            work = rnd.pg.allreduce([tensor])
+        except RuntimeError as e:  # the group is broken already
+            rnd.settle(fut, None, e)
+            return fut
+
+        def done(f: torch.futures.Future[Any]) -> None:
+            try:
+                f.wait()
+            except RuntimeError as e:
+                rnd.settle(fut, None, e)
+            else:
+                rnd.settle(fut, tensor, None)
+
+        work.get_future().add_done_callback(done)
+    return fut
+
+
+# DDP checks a hook's annotations as objects; this module's are strings (PEP 563)
+_allreduce_hook.__annotations__ = {
+    "state": _HookState,
+    "bucket": dist.GradBucket,  # type: ignore[attr-defined]
+    "return": torch.futures.Future[torch.Tensor],
+}
 
 
 def exit(code: int = 0) -> None:

@@ -30,6 +30,7 @@ re-formation"): the agent keeps a survivor's workers on a round change.
   it tells the agent this worker reached its safe point and waits for the next
   round's assignment, with ``os.environ`` updated (``RANK``, ``WORLD_SIZE``,
   ``MASTER_ADDR``, ``MASTER_PORT``, ...). Outside in-place mode it yields once.
+* :func:`done` - the training is over: ``rounds()`` yields no more.
 * :class:`MembershipChanged` - raised by :func:`progress` (and by the
   collectives of :mod:`rdzv_client.inplace`) when the agent says the round is
   over: leave the step, go back to the top of the ``for world in rounds()``.
@@ -38,7 +39,11 @@ The agent's messages come on a datagram socket the worker binds next to the
 agent's (``<dir of RDZV_AGENT_SOCKET>/w<local_rank>``): ``"stop <round>"`` and
 ``"assign <round> NAME=VALUE ..."``; the worker answers
 ``"<round> <local_rank> parked"`` when it reaches its safe point (unasked, that
-says a collective failed: the agent reports it so the round re-forms).
+says a collective failed: the agent reports it so the round re-forms). A
+daemon thread (started by :func:`rounds`) reads them the moment they arrive
+and calls what :func:`on_round_over` registered: :mod:`rdzv_client.inplace`
+fails its pending collectives there, while the training thread is blocked in
+them.
 """
 
 from __future__ import annotations
@@ -46,16 +51,29 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import os
+import select
 import signal
 import socket
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from . import peercred  # standard library only too
 
-__all__ = ["progress", "finished", "SEND_EVERY_S", "rounds", "World", "MembershipChanged", "in_place"]
+__all__ = [
+    "progress",
+    "finished",
+    "SEND_EVERY_S",
+    "rounds",
+    "World",
+    "MembershipChanged",
+    "in_place",
+    "on_round_over",
+    "round_over",
+    "done",
+]
 
 # At most this often a call sends; in between it only records the step.
 SEND_EVERY_S = 0.05
@@ -96,6 +114,11 @@ _forged = 0  # messages from another process, ignored
 _forged_said = -1.0e9  # when the last one was said (on stderr, at most every 30 s)
 _stopped: int | None = None  # the round the agent said is next ("stop"), not yet assigned
 _assigned: tuple[int, dict[str, str]] | None = None  # an assignment read early
+# every read of the inbox and every use of _stopped/_assigned holds it: the
+# listener thread and the training thread both read, in the order sent
+_lock = threading.Condition()
+_round_over: list[Callable[[str], None]] = []  # on_round_over's callbacks
+_listener: threading.Thread | None = None
 
 
 def _register_stack_dump() -> None:
@@ -239,6 +262,9 @@ def _bind_inbox() -> None:
     os.chmod(path, 0o600)
     s.setblocking(False)
     _inbox = s
+    global _listener
+    _listener = threading.Thread(target=_listen, args=(s,), name="rdzv-worker-channel", daemon=True)
+    _listener.start()
 
 
 def _from_agent(pid: int | None) -> bool:
@@ -265,21 +291,51 @@ def _from_agent(pid: int | None) -> bool:
     return False
 
 
-def _read(timeout: float | None) -> bool:
-    """Take one message from the agent (waiting up to ``timeout``); True if one came."""
+def on_round_over(callback: Callable[[str], None]) -> None:
+    """Call ``callback(reason)`` the moment the agent says this round is over
+    (from the channel's thread, or from whichever thread read the word first).
+    It must not block and must not raise."""
+    with _lock:
+        _round_over.append(callback)
+
+
+def _listen(inbox: socket.socket) -> None:
+    """The channel's thread: wake on each datagram and take it (under the lock,
+    like :func:`check`), so a stop fails pending collectives at once."""
+    while True:
+        try:
+            select.select([inbox], [], [], 1.0)
+        except (OSError, ValueError):
+            return  # closed
+        _drain()
+
+
+def _drain() -> None:
+    """Take every waiting message; run the round-over callbacks if one said stop."""
+    with _lock:
+        before = _stopped
+        while _read():
+            pass
+        news = _stopped is not None and _stopped != before
+        callbacks = list(_round_over) if news else []
+        _lock.notify_all()
+    reason = f"round {_stopped} replaces round {os.environ.get('TORCHELASTIC_RESTART_COUNT')}"
+    for cb in callbacks:
+        try:
+            cb(reason)
+        except Exception as e:  # a callback must not kill the channel
+            sys.stderr.write(f"rdzv: round-over callback failed: {e!r}\n")
+
+
+def _read() -> bool:
+    """Take one waiting message from the agent (never waits; the caller holds
+    :data:`_lock`); True if one came."""
     global _stopped, _assigned
     if _inbox is None:
         return False
     try:
-        if timeout is None:
-            data, pid, _uid = peercred.recv(_inbox, MAX_MESSAGE)
-        else:
-            _inbox.settimeout(timeout)
-            try:
-                data, pid, _uid = peercred.recv(_inbox, MAX_MESSAGE)
-            finally:
-                _inbox.setblocking(False)
-    except (BlockingIOError, TimeoutError, InterruptedError):
+        data, pid, _uid = peercred.recv(_inbox, MAX_MESSAGE)
+    except (BlockingIOError, TimeoutError, InterruptedError, OSError):
         return False
     if not _from_agent(pid):
         return True  # not the agent's: ignored
@@ -304,10 +360,17 @@ def _read(timeout: float | None) -> bool:
 def check() -> None:
     """Raise :class:`MembershipChanged` if the agent said the round is over.
     Cheap (one non-blocking receive); a no-op outside in-place mode."""
-    while _read(None):
-        pass
-    if _stopped is not None:
-        raise MembershipChanged(f"round {_stopped} replaces round {os.environ.get('TORCHELASTIC_RESTART_COUNT')}")
+    if _inbox is None:
+        return
+    _drain()  # a word sent before this call is seen, whether or not the thread woke yet
+    stopped = _stopped
+    if stopped is not None:
+        raise MembershipChanged(f"round {stopped} replaces round {os.environ.get('TORCHELASTIC_RESTART_COUNT')}")
+
+
+def round_over() -> bool:
+    """Whether the agent said the current round is over (no receive, no raise)."""
+    return _stopped is not None
 
 
 def _park() -> None:
@@ -321,16 +384,20 @@ def _park() -> None:
         except OSError:
             pass
     parent = os.getppid()
-    while _assigned is None:
-        _read(0.5)
-        if os.getppid() != parent:
-            raise SystemExit("rdzv: the agent is gone")
-    round_no, env = _assigned
-    os.environ.update(env)
-    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(round_no)
-    _assigned = None
-    if _stopped is not None and _stopped <= round_no:
-        _stopped = None  # else a later round was announced already: the next check() raises
+    with _lock:
+        while _assigned is None:
+            while _read():
+                pass
+            if _assigned is None:
+                _lock.wait(0.5)  # the channel's thread notifies
+            if os.getppid() != parent:
+                raise SystemExit("rdzv: the agent is gone")
+        round_no, env = _assigned
+        os.environ.update(env)
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(round_no)
+        _assigned = None
+        if _stopped is not None and _stopped <= round_no:
+            _stopped = None  # else a later round was announced already: the next check() raises
     _prefix = f"{round_no} {_local_rank} ".encode()
     _last_sent = -1.0e9  # the new round's first progress() is sent at once
 
@@ -338,13 +405,25 @@ def _park() -> None:
 def rounds() -> Iterator[World]:
     """Yield this worker's world once per round, the first included.
 
-    The loop body trains and ``break``s when done; on :class:`MembershipChanged`
-    it goes on to the next iteration, which returns once the agent assigned
-    this worker its place in the next round (``os.environ`` updated). Outside
-    in-place mode (or with no agent) it yields once.
+    The loop body trains and ``break``s when done (or calls :func:`done`); on
+    :class:`MembershipChanged` it goes on to the next iteration, which returns
+    once the agent assigned this worker its place in the next round
+    (``os.environ`` updated). Outside in-place mode (or with no agent) it
+    yields once.
     """
+    global _done
+    _done = False
     _bind_inbox()
     yield _world(fresh=True)
-    while in_place():
+    while in_place() and not _done:
         _park()
         yield _world(fresh=False)
+
+
+_done = False
+
+
+def done() -> None:
+    """The training is over: :func:`rounds` yields no more (``break`` does the same)."""
+    global _done
+    _done = True
