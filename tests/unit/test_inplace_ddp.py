@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 COMMON = r"""
 import ctypes, gc, os, socket, sys, threading
+os.environ["RDZV_AGENT_PID"] = str(os.getpid())  # this process plays its own agent (before the import)
 import torch, torch.distributed as dist
 from torch import nn
 from rdzv_client import inplace, worker
