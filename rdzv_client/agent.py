@@ -50,6 +50,7 @@ from .config import (  # noqa: F401 - build_parser, config_from_args, UsageError
 )
 from .exits import entrypoint_name, failure_summary
 from .health import wait_healthy
+from .launch import in_place_env_note
 from .quiet import Quiet
 from .reactions import (  # noqa: F401 - Phase and the exit codes: the agent's public names
     EXIT_FAILED,
@@ -282,6 +283,8 @@ class Agent(ServerReactions):
             )
             if self.log_dir is not None:
                 self._say("log directory set to: %s", self.log_dir)  # torchrun's words
+            if self.cfg.restart_mode == "in-place":
+                self._say("%s", in_place_env_note(os.environ))
             if not await self._join_when_healthy(rejoining=False):
                 return await self._on_signal(self.signals.get_nowait())
             return await self._loop()
@@ -569,10 +572,9 @@ class Agent(ServerReactions):
                 role=cfg.role,
                 signals_to_handle=cfg.signals_to_handle,
                 virtual_local_rank=cfg.virtual_local_rank,
+                in_place=cfg.restart_mode == "in-place",
             )
             self.watch.add_env(env)
-            if cfg.restart_mode == "in-place":
-                env["RDZV_RESTART_MODE"] = "in-place"
             envs.append(env)
         self.watch.new_round(a.round)
         launch = LaunchConfig(
