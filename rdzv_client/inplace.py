@@ -115,11 +115,10 @@ def process_group(world: World, timeout_s: float = 60.0, backend: str = "gloo") 
         device = torch.device("cuda", world.local_rank)
         torch.cuda.set_device(device)
         nccl_store = dist.PrefixStore("nccl/", prefixed)  # type: ignore[attr-defined]
+        # aborted (never abandoned) when the round ends, from its formation on
         nccl = inplace_nccl.make_backend(nccl_store, world.rank, world.world_size, timeout, device, _name(world))
     pg = _wrap(prefixed, gloo, world, nccl)
     _abandoned.append((store, pg))
-    if nccl is not None:
-        inplace_nccl.track(nccl)  # aborted (never abandoned) when the round ends
     _start(_Round(pg, world.round))
     return pg
 

@@ -59,7 +59,9 @@ SYNC_TIMEOUT_S = 10.0
 def make_backend(store: Any, rank: int, size: int, timeout: timedelta, device: Any, group_name: str) -> Any:
     """A ``ProcessGroupNCCL`` for one round: nonblocking communicator, eager
     init on ``device`` (``cuda:LOCAL_RANK``); normal-priority streams as
-    ``init_process_group`` makes them."""
+    ``init_process_group`` makes them. Tracked (:func:`track`) before it
+    connects: the agent's word aborts a communicator still forming (a peer
+    lost meanwhile), and the connect then raises ``MembershipChanged``."""
     import torch.distributed as dist
 
     if not dist.is_nccl_available():
@@ -72,7 +74,13 @@ def make_backend(store: Any, rank: int, size: int, timeout: timedelta, device: A
     opts.group_name = cast(Any, group_name)  # torch's GroupName is a str
     backend = nccl(store, rank, size, opts)
     backend._set_sequence_number_for_group()
-    backend.eager_connect_single_device(device)  # as init_process_group(device_id=...) does
+    track(backend, device)
+    try:
+        backend.eager_connect_single_device(device)  # as init_process_group(device_id=...) does
+    except RuntimeError as e:
+        if worker.round_over():
+            raise worker.MembershipChanged(f"the round ended while NCCL connected: {_first_line(e)}") from e
+        raise
     return backend
 
 
@@ -145,10 +153,15 @@ def _first_line(e: BaseException) -> str:
 # ------------------------------------------------------------------ the process's rounds
 
 
+_device: Any = None  # the device of this process's NCCL groups (track())
+
+
 def _cuda_synchronize() -> None:
+    """Wait for every stream of this process's GPU. Its device by name: the
+    current device is per thread, and this runs in a thread of its own."""
     import torch
 
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(_device)
 
 
 def _escalate(reason: str) -> None:
@@ -238,6 +251,10 @@ class Rounds:
 _rounds = Rounds()
 
 
-def track(backend: Any) -> None:
-    """Abort ``backend`` when the agent says its round is over (see the module's docstring)."""
+def track(backend: Any, device: Any = None) -> None:
+    """Abort ``backend`` (NCCL on ``device``) when the agent says its round is
+    over (see the module's docstring)."""
+    global _device
+    if device is not None:
+        _device = device
     _rounds.add(backend)

@@ -10,11 +10,17 @@ import os
 import subprocess
 import sys
 import threading
+import types
+from datetime import timedelta
 from pathlib import Path
+from typing import ClassVar
+
+import pytest
 
 from rdzv_client import inplace_nccl
 from rdzv_client.inplace_nccl import EXIT_RESTART, recover
 from rdzv_client.launch import IN_PLACE_WORKER_ENV, in_place_env_note, worker_env
+from rdzv_client.worker import MembershipChanged
 from rdzv_server.protocol import Assignment
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +43,7 @@ class FakeBackend:
 
 
 def test_every_communicator_is_aborted_before_the_device_is_checked() -> None:
-    calls: list[str] = []
+    calls: ClassVar[list[str]] = []
     backends = [FakeBackend("round0", calls), FakeBackend("round1", calls)]
     verdict = recover(backends, lambda: calls.append("synchronize"))
     assert calls == ["abort round0", "abort round1", "synchronize"]
@@ -45,7 +51,7 @@ def test_every_communicator_is_aborted_before_the_device_is_checked() -> None:
 
 
 def test_a_failed_abort_asks_for_a_restart_without_touching_the_device() -> None:
-    calls: list[str] = []
+    calls: ClassVar[list[str]] = []
     backends = [FakeBackend("round0", calls, error=RuntimeError("ncclInternalError\nmore"))]
     verdict = recover(backends, lambda: calls.append("synchronize"))
     assert calls == ["abort round0"]
@@ -53,7 +59,7 @@ def test_a_failed_abort_asks_for_a_restart_without_touching_the_device() -> None
 
 
 def test_an_abort_past_its_deadline_asks_for_a_restart() -> None:
-    calls: list[str] = []
+    calls: ClassVar[list[str]] = []
     hang = threading.Event()
     try:
         verdict = recover([FakeBackend("round0", calls, hang=hang)], lambda: calls.append("synchronize"), 0.2, 5.0)
@@ -64,7 +70,7 @@ def test_an_abort_past_its_deadline_asks_for_a_restart() -> None:
 
 
 def test_a_device_check_past_its_deadline_asks_for_a_restart() -> None:
-    calls: list[str] = []
+    calls: ClassVar[list[str]] = []
     hang = threading.Event()
     try:
         verdict = recover(
@@ -212,7 +218,6 @@ def test_process_mode_keeps_torchruns_environment() -> None:
 
 
 def test_nccl_needs_a_gpu_and_a_known_backend_is_named() -> None:
-    import pytest
     import torch
 
     from rdzv_client import inplace
@@ -225,3 +230,70 @@ def test_nccl_needs_a_gpu_and_a_known_backend_is_named() -> None:
         with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
             inplace.process_group(w, backend="nccl")
     assert inplace_nccl.EXIT_RESTART == 75
+
+
+# ------------------------------------------------------------------ the communicator
+
+
+class FakeNCCL:
+    """torch's ProcessGroupNCCL as make_backend() uses it, recording calls."""
+
+    calls: ClassVar[list[str]] = []
+    connect_error: Exception | None = None
+
+    class Options:
+        def __init__(self, is_high_priority_stream: bool = False) -> None:
+            self.is_high_priority_stream = is_high_priority_stream
+            self.config = types.SimpleNamespace(blocking=1)
+
+    def __init__(self, store: object, rank: int, size: int, opts: FakeNCCL.Options) -> None:
+        self.opts = opts
+        FakeNCCL.calls.append(f"new rank {rank} of {size}")
+
+    def _set_sequence_number_for_group(self) -> None:
+        FakeNCCL.calls.append("sequence")
+
+    def eager_connect_single_device(self, device: object) -> None:
+        FakeNCCL.calls.append(f"connect {device}")
+        if FakeNCCL.connect_error is not None:
+            raise FakeNCCL.connect_error
+
+    def abort(self) -> None:
+        FakeNCCL.calls.append("abort")
+
+
+def _fake_torch(monkeypatch: pytest.MonkeyPatch, round_over: bool) -> inplace_nccl.Rounds:
+    import torch.distributed as dist
+
+    FakeNCCL.calls, FakeNCCL.connect_error = [], None
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(inplace_nccl.worker, "round_over", lambda: round_over)
+    rounds = inplace_nccl.Rounds(
+        synchronize=lambda: FakeNCCL.calls.append("synchronize"), escalate=FakeNCCL.calls.append
+    )
+    rounds.hooked = True  # the worker channel of this test process stays untouched
+    monkeypatch.setattr(inplace_nccl, "_rounds", rounds)
+    return rounds
+
+
+def test_the_communicator_is_nonblocking_and_tracked_before_it_connects(monkeypatch: pytest.MonkeyPatch) -> None:
+    rounds = _fake_torch(monkeypatch, round_over=False)
+    b = inplace_nccl.make_backend(object(), 1, 2, timedelta(seconds=7), "cuda:1", "rdzv-round3-rank1")
+    assert b.opts.config.blocking == 0 and b.opts.is_high_priority_stream is False
+    assert b.opts._timeout == timedelta(seconds=7) and b.opts.group_name == "rdzv-round3-rank1"
+    assert rounds.live == [b]
+    assert FakeNCCL.calls == ["new rank 1 of 2", "sequence", "connect cuda:1"]
+
+
+def test_a_round_that_ends_while_nccl_connects_aborts_it_and_raises_membership_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rounds = _fake_torch(monkeypatch, round_over=True)
+    FakeNCCL.connect_error = RuntimeError("NCCL error: remote process exited or there was a network error")
+    with pytest.raises(MembershipChanged, match="the round ended while NCCL connected: NCCL error: remote"):
+        inplace_nccl.make_backend(object(), 0, 2, timedelta(seconds=7), "cuda:0", "rdzv-round3-rank0")
+    rounds.settle()  # what the worker does before it parks
+    assert FakeNCCL.calls[:2] == ["new rank 0 of 2", "sequence"]
+    assert FakeNCCL.calls[-2:] == ["abort", "synchronize"] and rounds.live == []
+    assert rounds.last is not None and rounds.last.restart is None
