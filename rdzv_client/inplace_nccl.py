@@ -22,8 +22,8 @@ a thread of its own (:func:`recover`), then the verdict:
   such as an illegal address, poisons the CUDA context for the process's
   life): the worker asks for a process restart. It writes one line on stderr
   and exits with :data:`EXIT_RESTART` before it parks; its agent then restarts
-  this node's workers as for any kept worker that exited during a round change
-  (design.md: "a kept worker exited; restarting this node's workers").
+  this node's workers for the round, uncharged (an escalation, as past
+  ``--in-place-timeout``), whether the exit comes before or after the assignment.
 
 The worker parks only once the verdict is in (:func:`rdzv_client.worker.before_park`),
 so a process about to exit is never assigned the next round in place.
@@ -46,11 +46,10 @@ from datetime import timedelta
 from typing import Any, cast
 
 from . import worker
+from .launch import EXIT_RESTART  # 75, EX_TEMPFAIL: the agent knows it
 
 __all__ = ["make_backend", "recover", "Verdict", "EXIT_RESTART", "ABORT_TIMEOUT_S", "SYNC_TIMEOUT_S"]
 
-# the exit code of a worker that asks its agent for a process restart (EX_TEMPFAIL: try again)
-EXIT_RESTART = 75
 # how long an abort, and then the device check, may take before the process is restarted
 ABORT_TIMEOUT_S = 10.0
 SYNC_TIMEOUT_S = 10.0

@@ -155,6 +155,11 @@ def error_file_path(log_dir: Path | str, attempt: int, local_rank: int) -> Path:
 IN_PLACE_WORKER_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0"}
 
 
+# the exit code of an in-place worker that asks its agent for a process restart
+# (rdzv_client.inplace_nccl: its NCCL communicator or its GPU did not recover); EX_TEMPFAIL
+EXIT_RESTART = 75
+
+
 def in_place_env(base_env: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
     """What an in-place worker's environment gets from :data:`IN_PLACE_WORKER_ENV`:
     (the defaults applied, the user's values kept instead)."""

@@ -51,6 +51,8 @@ def main() -> int:
             "GROUP_WORLD_SIZE",
             "TORCHELASTIC_RESTART_COUNT",
             "CUDA_VISIBLE_DEVICES",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+            "TORCH_NCCL_RETHROW_CUDA_ERRORS",
         )
     }
     rank, local_rank = int(env["RANK"]), int(env["LOCAL_RANK"])
