@@ -230,6 +230,10 @@ class Rounds:
             if verdict.restart is not None:
                 self.escalate(verdict.restart)
                 return
+            sys.stderr.write(
+                f"rdzv: NCCL: {len(backends)} communicator(s) aborted in {verdict.abort_s:.3f}s, "
+                f"GPU checked in {verdict.sync_s:.3f}s\n"
+            )
 
     def settle(self) -> None:
         """Before the worker parks: wait for the recovery's verdict (its own

@@ -279,6 +279,7 @@ def test_a_worker_whose_gpu_does_not_recover_is_restarted_the_others_stay(cluste
     assert b1.group(1) != b0.group(1), "the worker whose GPU did not recover was kept"
     keeper.wait_log(rf"abort round 0 pid {k0.group(1)}", 1)
     keeper.wait_log(rf"synchronized pid {k0.group(1)}", 1)
+    keeper.wait_log(r"rdzv: NCCL: 1 communicator\(s\) aborted in [0-9.]+s, GPU checked in [0-9.]+s", 1)
     broken.wait_log(rf"abort round 0 pid {b0.group(1)}", 1)
     broken.wait_log(
         r"local rank 0: CUDA error after the abort: CUDA error: an illegal memory access was encountered; "
