@@ -50,6 +50,7 @@ from .config import (  # noqa: F401 - build_parser, config_from_args, UsageError
 )
 from .exits import entrypoint_name, failure_summary
 from .health import wait_healthy
+from .launch import EXIT_RESTART, in_place_env_note
 from .quiet import Quiet
 from .reactions import (  # noqa: F401 - Phase and the exit codes: the agent's public names
     EXIT_FAILED,
@@ -282,6 +283,8 @@ class Agent(ServerReactions):
             )
             if self.log_dir is not None:
                 self._say("log directory set to: %s", self.log_dir)  # torchrun's words
+            if self.cfg.restart_mode == "in-place":
+                self._say("%s", in_place_env_note(os.environ))
             if not await self._join_when_healthy(rejoining=False):
                 return await self._on_signal(self.signals.get_nowait())
             return await self._loop()
@@ -434,8 +437,13 @@ class Agent(ServerReactions):
         group, cfg = self.group, self.cfg
         if self._reform is None or group is None:
             return False
-        if not all(group.running(lr) for lr in range(cfg.nproc)):
-            self._say("round %d: a kept worker exited; restarting this node's workers", a.round)
+        gone = [lr for lr in range(cfg.nproc) if not group.running(lr)]
+        if gone:
+            codes = group.returncode(gone[0])
+            why = " (it asked for a process restart: NCCL or its GPU did not recover)" if codes == EXIT_RESTART else ""
+            self._say(
+                "round %d: kept local rank %d exited %s%s; restarting this node's workers", a.round, gone[0], codes, why
+            )
             return False
         for lr in range(cfg.nproc):
             text = in_place_assignment(a, lr, cfg.job_id, cfg.virtual_local_rank)
@@ -569,10 +577,9 @@ class Agent(ServerReactions):
                 role=cfg.role,
                 signals_to_handle=cfg.signals_to_handle,
                 virtual_local_rank=cfg.virtual_local_rank,
+                in_place=cfg.restart_mode == "in-place",
             )
             self.watch.add_env(env)
-            if cfg.restart_mode == "in-place":
-                env["RDZV_RESTART_MODE"] = "in-place"
             envs.append(env)
         self.watch.new_round(a.round)
         launch = LaunchConfig(
@@ -634,6 +641,21 @@ class Agent(ServerReactions):
     async def _on_workers_ended(self, infos: list[ExitInfo]) -> int | None:
         a = self.assignment
         if self.phase is not Phase.RUNNING or a is None:
+            return None
+        if self._reform is not None and all(i.exit_code == EXIT_RESTART for i in infos if not i.ok):
+            # assigned in place, then a kept worker asked for a new process before it parked
+            # (rdzv_client.inplace_nccl): an escalation, as past --in-place-timeout, not a failure
+            self._reform = None
+            for i in infos:
+                self._say(
+                    "round %d: kept local rank %d exited %d (it asked for a process restart: NCCL or its GPU did "
+                    "not recover); restarting this node's workers",
+                    a.round,
+                    i.local_rank,
+                    EXIT_RESTART,
+                )
+            await self._stop_workers()
+            await self._start_workers(a)
             return None
         if all(i.ok for i in infos):
             await self._stop_workers()

@@ -19,6 +19,9 @@ destroyed (:data:`_abandoned` keeps it, so no destructor blocks mid-training),
 and the process leaves with :func:`exit`, which skips their destructors; an
 uncaught exception does the same once a group exists (``sys.excepthook``).
 
+With ``backend="nccl"`` CUDA tensors go over NCCL, whose communicator is
+aborted, not abandoned, when the round ends (:mod:`rdzv_client.inplace_nccl`).
+
 This module imports torch; :mod:`rdzv_client.worker` does not.
 """
 
@@ -64,12 +67,19 @@ def _exit_at_once(kind: type[BaseException], value: BaseException, tb: Any) -> N
 _previous_hook = sys.excepthook
 
 
-def process_group(world: World, timeout_s: float = 60.0) -> Any:
+def process_group(world: World, timeout_s: float = 60.0, backend: str = "gloo") -> Any:
     """A fresh gloo group for ``world`` (a ``torch.distributed.ProcessGroup``,
     the default group from now on): a new TCPStore at the round's
     MASTER_ADDR/MASTER_PORT (hosted by rank 0), keys under the round's prefix.
-    Raises :class:`MembershipChanged` if the round ends while it forms."""
+    Raises :class:`MembershipChanged` if the round ends while it forms.
+    ``backend="nccl"``: CUDA tensors go over NCCL on ``cuda:LOCAL_RANK``
+    (made the current device), CPU tensors over gloo; the NCCL communicator is
+    aborted when the round ends (:mod:`rdzv_client.inplace_nccl`)."""
     global _previous_hook
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"process_group(backend={backend!r}): 'gloo' or 'nccl'")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("process_group(backend='nccl') needs a CUDA GPU; none is visible here")
     if sys.excepthook is not _exit_at_once:
         _previous_hook, sys.excepthook = sys.excepthook, _exit_at_once
     timeout = timedelta(seconds=timeout_s)
@@ -97,32 +107,52 @@ def process_group(world: World, timeout_s: float = 60.0) -> Any:
             time.sleep(0.05)
     store.set_timeout(timeout)
     prefixed = dist.PrefixStore(world.store_prefix, store)  # type: ignore[attr-defined]
-    backend = dist.ProcessGroupGloo(prefixed, world.rank, world.world_size, timeout)
-    pg = _wrap(prefixed, backend, world)
+    gloo = dist.ProcessGroupGloo(prefixed, world.rank, world.world_size, timeout)
+    nccl = None
+    if backend == "nccl":
+        from . import inplace_nccl
+
+        device = torch.device("cuda", world.local_rank)
+        torch.cuda.set_device(device)
+        nccl_store = dist.PrefixStore("nccl/", prefixed)  # type: ignore[attr-defined]
+        # aborted (never abandoned) when the round ends, from its formation on
+        nccl = inplace_nccl.make_backend(nccl_store, world.rank, world.world_size, timeout, device, _name(world))
+    pg = _wrap(prefixed, gloo, world, nccl)
     _abandoned.append((store, pg))
     _start(_Round(pg, world.round))
     return pg
 
 
-def _wrap(store: Any, backend: Any, world: World) -> Any:
+def _name(world: World) -> str:
+    return f"rdzv-round{world.round}-rank{world.rank}"
+
+
+def _wrap(store: Any, backend: Any, world: World, nccl: Any = None) -> Any:
     """A ``torch.distributed.ProcessGroup`` on ``backend``, as
     ``init_process_group`` builds it: DDP and ``dist.*(..., group=pg)`` take
     it, and it is the default group (``dist.get_rank()``, a
     ``DistributedSampler``). Registered under a name of this round in torch's
     tables; the previous rounds' entries leave (torch keeps no reference to an
-    abandoned group)."""
+    abandoned group). With ``nccl``: CUDA tensors go to it, and it is the default
+    backend, as after ``init_process_group("cpu:gloo,cuda:nccl", device_id=...)``."""
     gloo = dist.ProcessGroup.BackendType.GLOO
     pg = dist.ProcessGroup(store, world.rank, world.world_size)
     pg._set_default_backend(gloo)
     pg._register_backend(torch.device("cpu"), gloo, backend)
-    name: Any = f"rdzv-round{world.round}-rank{world.rank}"  # torch's GroupName is a str
+    kind = "gloo"
+    if nccl is not None:
+        pg._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
+        pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
+        pg.bound_device_id = torch.device("cuda", world.local_rank)
+        kind = "cpu:gloo,cuda:nccl"
+    name: Any = _name(world)  # torch's GroupName is a str
     pg._set_group_name(name)
     c10d = dist.distributed_c10d
     for old, n in list(c10d._world.pg_names.items()):
         if n.startswith("rdzv-round") and int(n[len("rdzv-round") :].split("-")[0]) < world.round:
             for table in (c10d._world.pg_map, c10d._world.pg_names, c10d._world.pg_group_ranks):
                 table.pop(old, None)
-    c10d._world.pg_map[pg] = ("gloo", store)
+    c10d._world.pg_map[pg] = (kind, store)
     c10d._world.pg_names[pg] = name
     c10d._world.pg_group_ranks[pg] = {r: r for r in range(world.world_size)}
     c10d._update_default_pg(pg)  # dist.get_rank(), DistributedSampler(), ... as after init_process_group
@@ -273,14 +303,14 @@ def sync_state(pg: Any, world: World, model: torch.nn.Module, optimizer: Any, st
 
 
 @contextlib.contextmanager
-def group(world: World, timeout_s: float = 60.0) -> Iterator[Any]:
+def group(world: World, timeout_s: float = 60.0, backend: str = "gloo") -> Iterator[Any]:
     """``with inplace.group(world) as pg:`` - :func:`process_group` for the
     block. :class:`MembershipChanged` raised in it ends the block quietly and
     the enclosing ``for world in worker.rounds():`` goes on to the next round;
     a block that ends normally ends the training (:func:`worker.done`)."""
     try:
         try:
-            pg = process_group(world, timeout_s)
+            pg = process_group(world, timeout_s, backend)
         except MembershipChanged as e:
             pg = _Over(str(e))  # a with block cannot be skipped: its first use of pg raises
         yield pg

@@ -146,6 +146,39 @@ def error_file_path(log_dir: Path | str, attempt: int, local_rank: int) -> Path:
 # ------------------------------------------------------------------ worker env
 
 
+# What in-place mode needs of torch's NCCL, in every worker's environment unless
+# the agent's own environment sets it (the user's value wins); design.md "NCCL".
+# 2: on an error or a timeout the watchdog aborts the communicator and leaves the
+# process alive (torch 2.13's CleanUpOnly; 1, torchrun's default, ends the process).
+# 0: a CUDA error the watchdog sees is not rethrown (which would end the process):
+# the worker's own check after the abort decides whether the process must restart.
+IN_PLACE_WORKER_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0"}
+
+
+# the exit code of an in-place worker that asks its agent for a process restart
+# (rdzv_client.inplace_nccl: its NCCL communicator or its GPU did not recover); EX_TEMPFAIL
+EXIT_RESTART = 75
+
+
+def in_place_env(base_env: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """What an in-place worker's environment gets from :data:`IN_PLACE_WORKER_ENV`:
+    (the defaults applied, the user's values kept instead)."""
+    applied = {k: v for k, v in IN_PLACE_WORKER_ENV.items() if k not in base_env}
+    kept = {k: base_env[k] for k in IN_PLACE_WORKER_ENV if k in base_env}
+    return applied, kept
+
+
+def in_place_env_note(base_env: Mapping[str, str]) -> str:
+    """The agent's log line on what :func:`in_place_env` does with ``base_env``."""
+    applied, kept = in_place_env(base_env)
+    parts = []
+    if applied:
+        parts.append("workers get " + " ".join(f"{k}={v}" for k, v in applied.items()))
+    if kept:
+        parts.append("kept as set here: " + " ".join(f"{k}={v}" for k, v in kept.items()))
+    return "in-place mode: " + "; ".join(parts) + " (NCCL aborts the communicator, the process stays)"
+
+
 # What an agent may hold in its environment that its workers must not inherit.
 WITHHELD_FROM_WORKERS = ("RDZV_TOKEN", "RDZV_JOB_SECRET", "RDZV_JOB_SECRET_FILE")
 
@@ -159,6 +192,7 @@ def worker_env(
     role: str = "default",
     signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
     virtual_local_rank: bool = False,
+    in_place: bool = False,
 ) -> dict[str, str]:
     """Return ``base_env`` plus exactly the variables torchrun gives a worker,
     less the agent's credentials (``RDZV_TOKEN``, ``RDZV_JOB_SECRET``).
@@ -169,7 +203,8 @@ def worker_env(
     ``virtual_local_rank`` its --virtual-local-rank: LOCAL_RANK 0 for every
     worker and CUDA_VISIBLE_DEVICES its own GPU (an entry of the agent's
     CUDA_VISIBLE_DEVICES, or the local rank). ``RDZV_LOCAL_RANK`` (rdzv's own)
-    is always the real local rank.
+    is always the real local rank. ``in_place`` (``--restart-mode in-place``):
+    ``RDZV_RESTART_MODE=in-place`` and :data:`IN_PLACE_WORKER_ENV`'s defaults.
     """
     if not 0 <= local_rank < a.local_world_size:
         raise ValueError(f"local_rank {local_rank} outside 0..{a.local_world_size - 1}")
@@ -200,6 +235,9 @@ def worker_env(
             "RDZV_LOCAL_RANK": str(local_rank),
         }
     )
+    if in_place:
+        env["RDZV_RESTART_MODE"] = "in-place"
+        env.update(in_place_env(base_env)[0])
     if virtual_local_rank:
         env["LOCAL_RANK"] = "0"
         visible = base_env.get("CUDA_VISIBLE_DEVICES")

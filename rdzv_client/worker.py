@@ -71,6 +71,7 @@ __all__ = [
     "MembershipChanged",
     "in_place",
     "on_round_over",
+    "before_park",
     "round_over",
     "done",
 ]
@@ -118,6 +119,7 @@ _assigned: tuple[int, dict[str, str]] | None = None  # an assignment read early
 # listener thread and the training thread both read, in the order sent
 _lock = threading.Condition()
 _round_over: list[Callable[[str], None]] = []  # on_round_over's callbacks
+_before_park: list[Callable[[], None]] = []  # before_park's callbacks
 _listener: threading.Thread | None = None
 
 
@@ -299,6 +301,14 @@ def on_round_over(callback: Callable[[str], None]) -> None:
         _round_over.append(callback)
 
 
+def before_park(callback: Callable[[], None]) -> None:
+    """Call ``callback()`` in the training thread before it tells the agent it
+    reached its safe point (:mod:`rdzv_client.inplace_nccl` waits there for its
+    communicators' abort). It may block, within a deadline of its own."""
+    with _lock:
+        _before_park.append(callback)
+
+
 def _listen(inbox: socket.socket) -> None:
     """The channel's thread: wake on each datagram and take it (under the lock,
     like :func:`check`), so a stop fails pending collectives at once."""
@@ -377,6 +387,8 @@ def _park() -> None:
     """Tell the agent this worker is at its safe point, wait for the next
     round's assignment, and take it into ``os.environ``."""
     global _prefix, _stopped, _assigned, _last_sent
+    for callback in list(_before_park):
+        callback()
     s = _sock if _sock is not None else _open()
     if s is not None:
         try:

@@ -327,6 +327,11 @@ class WorkerGroup:
         w = self._workers[local_rank]
         return w.proc is not None and w.proc.returncode is None
 
+    def returncode(self, local_rank: int) -> int | None:
+        """That worker's exit status (negative: the signal), None while it runs."""
+        w = self._workers[local_rank]
+        return None if w.proc is None else w.proc.returncode
+
     def _monitors(self) -> list[asyncio.Task[ExitInfo]]:
         if not self._started:
             raise RuntimeError("WorkerGroup.start() has not been called")

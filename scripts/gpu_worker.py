@@ -6,6 +6,10 @@ env        records what the agent gave this worker (ranks, sizes, visible GPUs);
 allreduce  one all_reduce of a 4 MiB tensor on cuda:LOCAL_RANK (nccl) and checks the sum
 train      all_reduce in a loop for S seconds (the node-loss drill); "started" once the
            first one is through, "done" at the end
+inplace    the same loop per round, in place (rdzv-agent --restart-mode in-place): the
+           round's group from rdzv_client.inplace.process_group(world, backend=...),
+           "first" once the round's first all_reduce is through (with its time and the
+           pid), "done" when a round trained S seconds (the job ends)
 
 Each worker writes DIR/<mode>-round<R>-rank<RANK>.json (R = TORCHELASTIC_RESTART_COUNT, the
 round) and exits 0, or exits 1 with the reason on stderr. --backend gloo runs the same on
@@ -32,7 +36,7 @@ def write(out: Path, name: str, record: dict) -> None:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--mode", choices=["env", "allreduce", "train"], required=True)
+    p.add_argument("--mode", choices=["env", "allreduce", "train", "inplace"], required=True)
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--backend", choices=["nccl", "gloo"], default="nccl")
     args = p.parse_args()
@@ -47,6 +51,8 @@ def main() -> int:
             "GROUP_WORLD_SIZE",
             "TORCHELASTIC_RESTART_COUNT",
             "CUDA_VISIBLE_DEVICES",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+            "TORCH_NCCL_RETHROW_CUDA_ERRORS",
         )
     }
     rank, local_rank = int(env["RANK"]), int(env["LOCAL_RANK"])
@@ -72,6 +78,8 @@ def main() -> int:
         write(args.out, tag + ".json", record)
         return 0
 
+    if args.mode == "inplace":
+        return in_place(args, record, device)
     dist.init_process_group(args.backend)
     expected = world * (world + 1) / 2
     started = time.monotonic()
@@ -97,6 +105,50 @@ def main() -> int:
         dist.destroy_process_group()
     record.update(steps=steps, sum=expected, seconds=round(time.monotonic() - started, 2))
     write(args.out, tag + ("-done.json" if args.mode == "train" else ".json"), record)
+    return 0
+
+
+def in_place(args: argparse.Namespace, record: dict, device) -> int:
+    """The in-place drill's worker: per round a fresh group (NCCL's communicator is
+    aborted when the round ends), all_reduce in a loop; the process stays."""
+    import torch
+
+    from rdzv_client import inplace, worker
+
+    for world in worker.rounds():
+        with inplace.group(world, backend=args.backend) as pg:
+            expected = world.world_size * (world.world_size + 1) / 2
+            tag = f"inplace-round{world.round}-rank{world.rank}"
+            started, steps = time.monotonic(), 0
+            while time.monotonic() - started < args.seconds:
+                t = torch.full((1 << 20,), float(world.rank + 1), device=device)
+                if args.backend == "nccl":
+                    try:
+                        pg.allreduce([t]).wait()
+                        torch.cuda.synchronize(device)
+                    except RuntimeError as e:  # a lost peer; the abort comes before the next round
+                        raise worker.MembershipChanged(f"a collective failed: {e}") from e
+                else:
+                    inplace.all_reduce(t, pg)
+                worker.check()  # the agent's word first: an aborted all_reduce's sum means nothing
+                lo, hi = t.min().item(), t.max().item()
+                if lo != expected or hi != expected:
+                    print(
+                        f"gpu_worker rank {world.rank}: all_reduce gave {lo}..{hi}, expected {expected}",
+                        file=sys.stderr,
+                    )
+                    inplace.exit(1)
+                steps += 1
+                if steps == 1:
+                    write(
+                        args.out,
+                        tag + "-first.json",
+                        {**record, "world": world.world_size, "round": world.round, "t": time.time()},
+                    )
+                worker.progress(steps)
+                time.sleep(0.05)
+            write(args.out, tag + "-done.json", {**record, "world": world.world_size, "steps": steps})
+    inplace.exit(0)
     return 0
 
 

@@ -1764,9 +1764,9 @@ def test_gpu_check_uses_the_real_programs_on_loopback_only():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_gpu_check_rehearsal_on_cpu(tmp_path):
-    """The same four checks on CPU with gloo (--rehearse-on-cpu 2): real server, real agents, the split,
-    and the node-loss drill re-forming after one agent and its workers were SIGKILLed; every worker
-    process gone afterwards."""
+    """The same five checks on CPU with gloo (--rehearse-on-cpu 2): real server, real agents, the split,
+    the node-loss drill re-forming after one agent and its workers were SIGKILLed, and the in-place
+    drill (the survivor's worker keeps its pid); every worker process gone afterwards."""
     help_text("rdzv_client.agent")
     workdir = tmp_path / "gpu-check"
     result = run(
@@ -1782,9 +1782,12 @@ def test_gpu_check_rehearsal_on_cpu(tmp_path):
         "standalone gloo job on all 2",
         "2 agents split CUDA_VISIBLE_DEVICES",
         "node-loss drill (gloo)",
+        "in-place drill (gloo)",
     ], rows
     assert all(row[1].startswith("ok") and float(row[2]) >= 0 for row in rows), rows
     assert "re-formed as world 1" in rows[3][1]
+    # the survivor's worker kept its pid and ran an all_reduce in the new world (the seconds: a report)
+    assert re.search(r"1 kept pid\(s\), first gloo all_reduce in world 1 [0-9.]+s after the kill", rows[4][1])
     pids = {json.loads(p.read_text())["pid"] for p in workdir.rglob("*.json")}
     assert len(pids) >= 6, pids
     for pid in pids:  # gone (or the pid already reused by something that is not our worker)

@@ -128,6 +128,10 @@ def test_node_loss_keeps_survivors_in_place(cluster: Cluster, victim: str) -> No
     job = server.job("ip")
     assert job is not None and job["restarts"] == 0 and job["state"] == "succeeded", job
     assert not list(cluster.tmp.rglob("*.pt")), "a checkpoint was written"
+    # the NCCL settings in-place workers get (unless set), said in the log
+    assert "in-place mode: workers get TORCH_NCCL_ASYNC_ERROR_HANDLING=2 TORCH_NCCL_RETHROW_CUDA_ERRORS=0" in (
+        survivors[0].text()
+    )
 
 
 @pytest.mark.timeout(120)
@@ -252,3 +256,40 @@ def test_a_drained_node_made_a_spare_stops_the_workers_it_kept(cluster: Cluster)
     server.close_job("ipd")
     for agent in agents.values():
         assert agent.wait_exit(60) == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_whose_gpu_does_not_recover_is_restarted_the_others_stay(cluster: Cluster) -> None:
+    """NCCL in place with a fake communicator (rdzv_client.inplace_nccl; no GPU here): on a round
+    change (a third node joins) every kept worker aborts its communicator and checks the device; the
+    one whose check fails with a sticky CUDA error exits 75 before it parks, its agent restarts that
+    node's worker for the new round, the other node's worker stays in place."""
+    server = cluster.start_server()
+    script = "nccl_fake_inplace.py"
+    keeper = cluster.start_agent(server, "nccl", script, nnodes="2:3", flags=IN_PLACE)
+    broken = cluster.start_agent(
+        server, "nccl", script, nnodes="2:3", flags=IN_PLACE, env={"FAKE_STICKY_CUDA_ERROR": "1"}
+    )
+    (k0,) = keeper.wait_log(r"round 0 rank \d world 2 pid (\d+)", 60)
+    (b0,) = broken.wait_log(r"round 0 rank \d world 2 pid (\d+)", 60)
+    newcomer = cluster.start_agent(server, "nccl", script, nnodes="2:3", flags=IN_PLACE)
+    (k1,) = keeper.wait_log(r"round 1 rank \d world 3 pid (\d+)", 60)
+    (b1,) = broken.wait_log(r"round 1 rank \d world 3 pid (\d+)", 60)
+    assert k1.group(1) == k0.group(1), "the healthy worker was restarted"
+    assert b1.group(1) != b0.group(1), "the worker whose GPU did not recover was kept"
+    keeper.wait_log(rf"abort round 0 pid {k0.group(1)}", 1)
+    keeper.wait_log(rf"synchronized pid {k0.group(1)}", 1)
+    keeper.wait_log(r"rdzv: NCCL: 1 communicator\(s\) aborted in [0-9.]+s, GPU checked in [0-9.]+s", 1)
+    broken.wait_log(rf"abort round 0 pid {b0.group(1)}", 1)
+    broken.wait_log(
+        r"local rank 0: CUDA error after the abort: CUDA error: an illegal memory access was encountered; "
+        r"exiting 75 for a process restart",
+        1,
+    )
+    broken.wait_log(
+        r"kept local rank 0 exited 75 \(it asked for a process restart: NCCL or its GPU did not recover\)", 1
+    )
+    for a in (keeper, broken, newcomer):
+        assert a.wait_exit(60) == 0, a.text()
+    job = server.job("nccl")
+    assert job is not None and job["restarts"] == 0 and job["state"] == "succeeded", job  # not charged
