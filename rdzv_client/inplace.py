@@ -218,6 +218,7 @@ def wait(work: Any) -> None:
             if not work.is_completed():  # the slice ran out: a slow or stuck peer
                 if worker.in_place():
                     worker.check()
+                    worker.waiting()  # not hung: waiting on a peer (which may be)
                 continue
             try:
                 work.wait()  # it completed meanwhile, or failed: which one
@@ -332,8 +333,7 @@ def ddp(module: torch.nn.Module, pg: Any, **kwargs: Any) -> DistributedDataParal
         _raise_membership(e)
     state = _HookState(rnd)
     model.register_comm_hook(state, _allreduce_hook)
-    # a backward that failed elsewhere never ran state.finish: start each pass afresh
-    model.register_forward_pre_hook(lambda *_: state.batch.clear())
+    model.register_forward_pre_hook(lambda *_: _forward(state))
     _ddps[module] = model
     return model
 
@@ -384,7 +384,7 @@ class _HookState:
         error: BaseException | None = None
         for fut in batch:
             try:
-                fut.wait()  # releases the GIL: the channel's thread can fail it
+                _wait_future(fut)
             except Exception as e:
                 error = e
                 break
@@ -402,6 +402,26 @@ class _HookState:
         if worker.in_place():
             raise MembershipChanged(f"a collective failed: {text}")
         raise RuntimeError(text)
+
+
+def _forward(state: _HookState) -> None:
+    """Each forward of an :func:`ddp` model is a step for ``--hang-timeout``
+    (:func:`worker.progress`, which raises MembershipChanged once the round is
+    over); a backward that failed elsewhere never ran ``state.finish``: each
+    pass starts afresh."""
+    state.batch.clear()
+    worker.progress()
+
+
+def _wait_future(fut: torch.futures.Future[Any]) -> None:
+    """``fut.wait()`` (it releases the GIL: the channel's thread can fail it),
+    telling the agent every :data:`_SLICE` that this rank waits on its peers."""
+    if not fut.done():
+        ready = threading.Event()
+        fut.add_done_callback(lambda _: ready.set())
+        while not ready.wait(_SLICE.total_seconds()):
+            worker.waiting()
+    fut.wait()
 
 
 def _allreduce_hook(state: _HookState, bucket: Any) -> torch.futures.Future[torch.Tensor]:

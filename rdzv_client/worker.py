@@ -64,6 +64,7 @@ from . import peercred  # standard library only too
 
 __all__ = [
     "progress",
+    "waiting",
     "finished",
     "SEND_EVERY_S",
     "rounds",
@@ -171,6 +172,26 @@ def progress(step: int | None = None) -> None:
         s.send(_prefix + str(shown).encode())
     except OSError:
         pass  # the agent is busy (queue full) or gone: the next call tries again
+
+
+def waiting() -> None:
+    """This worker is blocked in a collective of :mod:`rdzv_client.inplace`,
+    waiting for its peers (in-place mode): said to the agent as a
+    :func:`progress` call with the same step, so a rank that waits on a frozen
+    peer is not hung itself (the frozen one is, on its own node, and the
+    agent's stop then ends this wait). Never blocks, never raises."""
+    global _last_sent
+    now = time.monotonic()
+    if _calls == 0 or not in_place() or now - _last_sent < SEND_EVERY_S:
+        return
+    s = _sock if _sock is not None else _open()
+    if s is None:
+        return
+    _last_sent = now
+    try:
+        s.send(_prefix + str(_step if _step is not None else _calls).encode())
+    except OSError:
+        pass
 
 
 def finished() -> None:
