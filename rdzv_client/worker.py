@@ -60,7 +60,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from . import peercred  # standard library only too
+from . import peercred, where  # standard library only too
 
 __all__ = [
     "progress",
@@ -368,7 +368,9 @@ def _read() -> bool:
         return True  # not the agent's: ignored
     if round_no <= current:
         return True  # about a round that is over
-    if parts[0] == "stop":
+    if parts[0] == "where":  # the agent escalates: say which call the main thread is in
+        _send(b"where " + where.frames().encode())
+    elif parts[0] == "stop":
         _stopped = max(_stopped or 0, round_no)
     elif parts[0] == "assign":
         env = dict(p.split("=", 1) for p in parts[2:] if "=" in p)
@@ -376,6 +378,15 @@ def _read() -> bool:
             _assigned = (round_no, env)
             _stopped = max(_stopped or 0, round_no)
     return True
+
+
+def _send(body: bytes) -> None:
+    s = _sock if _sock is not None else _open()
+    if s is not None:
+        try:
+            s.send(_prefix + body)
+        except OSError:
+            pass
 
 
 def check() -> None:

@@ -55,3 +55,85 @@ def test_a_rank_waiting_on_its_peers_tells_its_agent_it_is_alive_in_place_mode(t
     res, got = _run(WAITS, tmp_path, mode)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
     assert got == [b"3 0 5"] * (3 if mode == "in-place" else 1) + [b"3 0 end"], got  # end: finished() at exit
+
+
+BLOCKED = r"""
+import os, sys, time
+from rdzv_client import worker
+gen = worker.rounds()
+next(gen)
+worker.progress(1)
+
+def stuck_in_user_code():
+    time.sleep(30)  # outside the library: nothing checks the agent's word
+
+print("ready", flush=True)
+stuck_in_user_code()
+"""
+
+
+def test_an_escalated_worker_says_which_call_it_is_blocked_in(tmp_path: Path) -> None:
+    """The agent's ``where`` (sent when --in-place-timeout runs out) is answered
+    by the worker's channel thread with its main thread's innermost frames,
+    however the main thread is blocked; the agent's channel keeps the answer
+    for the escalation's log line, and SIGUSR1 (sent with it) dumps every
+    thread's stack into the worker's stderr."""
+    import asyncio
+    import signal
+
+    from rdzv_client.channel import WorkerChannel
+    from rdzv_client.watch import WorkerWatch
+
+    class Group:
+        def __init__(self, pids: list[int]) -> None:
+            self.pids = pids
+
+    ch = WorkerChannel(nproc=1, dir=tmp_path)
+    watch = WorkerWatch.__new__(WorkerWatch)
+    watch.channel = ch
+
+    async def run() -> tuple[str, str]:
+        await ch.start()
+        ch.new_round(0)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("RDZV_", "TORCHELASTIC_"))}
+        env.update(PYTHONPATH=str(ROOT), RDZV_AGENT_SOCKET=ch.path, RDZV_RESTART_MODE="in-place")
+        env.update(LOCAL_RANK="0", TORCHELASTIC_RESTART_COUNT="0", RDZV_AGENT_PID=str(os.getpid()))
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", BLOCKED, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        try:
+            assert proc.stdout is not None and proc.stderr is not None
+            assert (await asyncio.wait_for(proc.stdout.readline(), 30)).strip() == b"ready"
+            await asyncio.sleep(0.2)  # into the sleep
+            said = await watch.where(Group([proc.pid]), 1, [0])  # type: ignore[arg-type]
+            await asyncio.sleep(0.3)  # faulthandler's dump
+            proc.send_signal(signal.SIGKILL)
+            _, err = await asyncio.wait_for(proc.communicate(), 30)
+            return said, err.decode()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+            ch.close()
+
+    said, err = asyncio.run(run())
+    assert said.startswith("local rank 0 blocked in <string>:9 in stuck_in_user_code <- <string>:12 in <module>"), said
+    assert "in stuck_in_user_code" in err and "most recent call first" in err, err
+
+
+def test_a_where_answer_is_bounded_and_a_stale_or_foreign_one_dropped() -> None:
+    from rdzv_client.channel import WorkerChannel
+    from rdzv_client.where import MAX_WHERE
+
+    ch = WorkerChannel(nproc=2)
+    try:
+        ch.new_round(4)
+        ch.received(b"4 1 where a.py:3 in f <- b.py:9 in \x1b[2Jg", 0.0)
+        assert ch.where == {1: "a.py:3 in f <- b.py:9 in \\x1b[2Jg"}  # escaped: one log line, no cursor moves
+        ch.received(b"5 0 where x.py:1 in h", 0.0)  # a round not run yet
+        ch.received(b"4 2 where x.py:1 in h", 0.0)  # no such local rank
+        ch.received(b"4 0 where " + b"x" * (MAX_WHERE + 64), 0.0)  # too long
+        assert set(ch.where) == {1} and ch.dropped == 3
+        ch.new_round(5)
+        assert ch.where == {}
+    finally:
+        ch.close()
