@@ -95,13 +95,34 @@ def process_group(world: World, timeout_s: float = 60.0) -> Any:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
-    store.set_timeout(timeout)
     prefixed = dist.PrefixStore(world.store_prefix, store)  # type: ignore[attr-defined]
+    _await_peers(prefixed, world, deadline, timeout_s)
+    store.set_timeout(timeout)
     backend = dist.ProcessGroupGloo(prefixed, world.rank, world.world_size, timeout)
     pg = _wrap(prefixed, backend, world)
     _abandoned.append((store, pg))
     _start(_Round(pg, world.round))
     return pg
+
+
+def _await_peers(store: Any, world: World, deadline: float, timeout_s: float) -> None:
+    """Until every rank of the round checked in on the store, checking the
+    agent's word every 10 ms: ProcessGroupGloo's constructor waits in C++ for
+    each peer's address until the group's timeout, so a peer lost while the
+    round forms (a second round change) would hold this rank there past
+    ``--in-place-timeout`` and cost it its process. A peer that never comes,
+    or a store host that is gone, is a changed membership in in-place mode."""
+    try:
+        store.add("rdzv/arrived", 1)
+        while (n := store.add("rdzv/arrived", 0)) < world.world_size:
+            worker.check()
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(
+                    f"the round's group did not form within {timeout_s:g}s: {n} of {world.world_size} ranks came"
+                )
+            time.sleep(0.01)
+    except RuntimeError as e:  # DistStoreError, DistNetworkError
+        _raise_membership(e)
 
 
 def _wrap(store: Any, backend: Any, world: World) -> Any:

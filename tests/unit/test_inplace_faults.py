@@ -26,7 +26,7 @@ print("ok")
 """
 
 
-def _run(code: str, tmp_path: Path, mode: str) -> tuple[subprocess.CompletedProcess[str], list[bytes]]:
+def _run(code: str, tmp_path: Path, mode: str, *argv: str) -> tuple[subprocess.CompletedProcess[str], list[bytes]]:
     agent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     agent.bind(str(tmp_path / "sock"))
     agent.setblocking(False)
@@ -34,7 +34,7 @@ def _run(code: str, tmp_path: Path, mode: str) -> tuple[subprocess.CompletedProc
     env.update(PYTHONPATH=str(ROOT), RDZV_AGENT_SOCKET=str(tmp_path / "sock"), RDZV_RESTART_MODE=mode)
     env.update(LOCAL_RANK="0", TORCHELASTIC_RESTART_COUNT="3")
     try:
-        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+        res = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env, timeout=60)
         got = []
         while True:
             try:
@@ -137,3 +137,117 @@ def test_a_where_answer_is_bounded_and_a_stale_or_foreign_one_dropped() -> None:
         assert ch.where == {}
     finally:
         ch.close()
+
+
+FAULTS = r"""
+import os, signal, socket, subprocess, sys, threading, time
+os.environ["RDZV_AGENT_PID"] = str(os.getpid())  # this process plays its own agent (before the import)
+os.environ["TORCHELASTIC_RESTART_COUNT"] = "0"
+import torch
+from torch import nn
+from rdzv_client import inplace, worker
+from rdzv_client.worker import MembershipChanged, World
+
+gen = worker.rounds()
+next(gen)
+inbox = os.path.join(os.path.dirname(os.environ["RDZV_AGENT_SOCKET"]), "w0")
+agent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+
+def world(rnd, rank, port):
+    return World(round=rnd, rank=rank, world_size=2, local_rank=0, local_world_size=1, group_rank=rank,
+                 group_world_size=2, master_addr="127.0.0.1", master_port=port, fresh=False)
+
+def free_port():
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close(); return port
+
+def word(rnd, after=0.3):
+    threading.Timer(after, agent.sendto, args=(f"stop {rnd}".encode(), inbox)).start()
+
+def next_round(rnd):
+    agent.sendto(f"assign {rnd} RANK=0 WORLD_SIZE=2".encode(), inbox)
+    assert next(gen).round == rnd
+
+case = sys.argv[1]
+if case == "forming":
+    # round 0's peer never comes (its node was lost as the round formed); the next round change
+    # must end the formation now, not after the group's timeout (which is past --in-place-timeout)
+    word(1)
+    try:
+        inplace.process_group(world(0, 0, free_port()), timeout_s=40)
+        print("formed")
+    except MembershipChanged as e:
+        print("raised", e)
+elif case == "sync":
+    # both ranks form the group; rank 1 never enters sync_state (a second round change under way)
+    port, out, release = free_port(), {}, threading.Event()
+    def rank(r):
+        pg = inplace.process_group(world(0, r, port), timeout_s=40)
+        if r == 1:
+            release.wait(40)
+            return
+        m = nn.Linear(4, 2)
+        word(1)
+        try:
+            inplace.sync_state(pg, world(0, 0, port), m, torch.optim.SGD(m.parameters(), lr=0.1), 3)
+            out["r"] = "synced"
+        except MembershipChanged as e:
+            out["r"] = f"raised {e}"
+        release.set()
+    ts = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    [t.start() for t in ts]
+    [t.join(60) for t in ts]
+    print(out.get("r"))
+elif case == "ddp-kill":
+    # rank 1 (a process of its own) forms the group and is SIGKILLed before DDP's construction
+    # broadcast: rank 0's construction fails on the dead peer and says so as MembershipChanged
+    port = free_port()
+    peer = subprocess.Popen([sys.executable, "-c", PEER, str(port)], env={**os.environ, "RDZV_AGENT_SOCKET": ""})
+    pg = inplace.process_group(world(0, 0, port), timeout_s=40)
+    peer.wait(40)
+    try:
+        inplace.ddp(nn.Linear(4, 2), pg)
+        print("constructed")
+    except MembershipChanged as e:
+        print("raised", str(e)[:60])
+os._exit(0)
+"""
+
+PEER = r"""
+import os, signal, sys
+from rdzv_client import inplace
+from rdzv_client.worker import World
+w = World(round=0, rank=1, world_size=2, local_rank=0, local_world_size=1, group_rank=1, group_world_size=2,
+          master_addr="127.0.0.1", master_port=int(sys.argv[1]), fresh=False)
+inplace.process_group(w, timeout_s=40)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _fault(case: str, tmp_path: Path) -> str:
+    code = FAULTS.replace("PEER, ", repr(PEER) + ", ")
+    res, _ = _run(code, tmp_path, "in-place", case)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    return res.stdout.strip().splitlines()[-1]
+
+
+def test_a_round_change_while_the_group_forms_ends_the_formation_at_once(tmp_path: Path) -> None:
+    """A peer lost as the round forms (it never checks in): ProcessGroupGloo's
+    constructor would wait in C++ for its address until the group's timeout,
+    past --in-place-timeout, and the survivor would be escalated (restarted).
+    Every rank checks in on the store first, waiting in slices that take the
+    agent's word: the next round change raises MembershipChanged now."""
+    assert _fault("forming", tmp_path) == "raised round 1 replaces round 0"
+
+
+def test_a_round_change_during_sync_state_raises_membership_changed(tmp_path: Path) -> None:
+    """A peer that formed the group but never joins sync_state's collectives
+    (a second round change under way): the agent's word ends sync_state."""
+    assert _fault("sync", tmp_path) == "raised round 1 replaces round 0"
+
+
+def test_a_peer_killed_before_ddp_construction_fails_it_as_membership_changed(tmp_path: Path) -> None:
+    """DDP's construction (parameter check, broadcast) is a blocking C++
+    collective: a dead peer fails it at once, and inplace.ddp says so as
+    MembershipChanged (never a hang; a silent peer is the escalation's)."""
+    said = _fault("ddp-kill", tmp_path)
+    assert said.startswith("raised a collective failed: [") and "gloo" in said, said
