@@ -251,3 +251,36 @@ def test_a_peer_killed_before_ddp_construction_fails_it_as_membership_changed(tm
     MembershipChanged (never a hang; a silent peer is the escalation's)."""
     said = _fault("ddp-kill", tmp_path)
     assert said.startswith("raised a collective failed: [") and "gloo" in said, said
+
+
+RAISES = r"""
+import os, socket, sys
+os.environ["RDZV_AGENT_PID"] = str(os.getpid())
+os.environ["TORCHELASTIC_RESTART_COUNT"] = "0"
+import torch
+from torch import nn
+from rdzv_client import inplace, worker
+
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+model = nn.Linear(4, 2)
+for world in worker.rounds():
+    with inplace.group(world) as pg:
+        ddp = inplace.ddp(model, pg)
+        ddp(torch.randn(3, 4)).sum().backward()
+        print("stepped", flush=True)
+        raise ValueError("the script's own bug")
+print("went on to the next round")
+"""
+
+
+def test_a_worker_that_raises_its_own_error_fails_as_in_process_mode(tmp_path: Path) -> None:
+    """An exception of the script's own inside ``with inplace.group()`` (DDP
+    made, a step taken) is not a changed membership: it is not swallowed, the
+    process exits 1 at once with the traceback (the agent reports a failure,
+    charged as in process mode) and never parks for a next round."""
+    res, got = _run(RAISES, tmp_path, "in-place")
+    assert res.returncode == 1, res.stdout + res.stderr[-3000:]
+    assert res.stdout.strip() == "stepped", res.stdout
+    assert "ValueError: the script's own bug" in res.stderr, res.stderr[-3000:]
+    assert not any(d.endswith(b"parked") for d in got), got
