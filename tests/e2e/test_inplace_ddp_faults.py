@@ -88,7 +88,7 @@ def test_plain_ddp_scale_up_keeps_workers_and_the_newcomer_gets_the_state(cluste
     newcomer = start(cluster, server, "ddpup")
     wait_until(lambda: past([*agents, newcomer], 1, range(1, 99), 3), 60, "a step in world 3")
     reached = max(ln.step for a in agents for ln in lines(a) if ln.round == 0)
-    wait_until(lambda: past([*agents, newcomer], reached + 5, range(1, 99), 3), 60, f"all past step {reached + 5}")
+    wait_until(lambda: past([*agents, newcomer], reached + 4, range(1, 99), 3), 60, f"all past step {reached + 4}")
     for a in agents:
         assert pids(a) == before[a.name], f"{a.name}'s worker was restarted: {before[a.name]} -> {pids(a)}"
         assert all(alive(p) for p in before[a.name])
@@ -125,7 +125,7 @@ def test_a_frozen_peer_is_replaced_and_the_others_keep_their_processes(cluster: 
         if alive(frozen):
             os.kill(frozen, signal.SIGCONT)
     reached = max(ln.step for a in others for ln in lines(a) if ln.round == 0)
-    wait_until(lambda: past(agents, reached + 5, range(1, 99), 3), 60, f"all three past step {reached + 5} in world 3")
+    wait_until(lambda: past(agents, reached + 4, range(1, 99), 3), 60, f"all three past step {reached + 4} in world 3")
     for a in others:
         assert pids(a) == before[a.name], f"{a.name}'s worker was restarted: {before[a.name]} -> {pids(a)}"
         assert all(alive(p) for p in before[a.name])
