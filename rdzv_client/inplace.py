@@ -338,12 +338,17 @@ def ddp(module: torch.nn.Module, pg: Any, **kwargs: Any) -> DistributedDataParal
     rebuild after the first step, buffer broadcasts) raise
     :class:`MembershipChanged` when a lost peer fails them, in in-place mode;
     they wait in C++, so a silent peer holds them until the group's timeout
-    (or the agent's ``--in-place-timeout``)."""
+    (or the agent's ``--in-place-timeout``). Construction is preceded by a
+    sliced all-reduce every rank joins: a peer lost or frozen before it is
+    met there, where the agent's word is taken."""
     if isinstance(pg, _Over):
         raise MembershipChanged(pg._reason)
     rnd = _rounds.get(id(pg))
     if rnd is None:
         raise ValueError("ddp(): pg must come from inplace.process_group()")
+    # every rank here before DDP's construction, whose collectives wait in C++:
+    # a peer lost or frozen before it is seen (and the agent's word taken) here
+    all_reduce(torch.zeros(1), pg)
     old = _ddps.pop(module, None)
     if old is not None:
         # its reducer may be mid-backward forever: it must never see a gradient again

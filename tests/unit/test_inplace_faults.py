@@ -197,6 +197,26 @@ elif case == "sync":
     [t.start() for t in ts]
     [t.join(60) for t in ts]
     print(out.get("r"))
+elif case == "ddp-silent":
+    # rank 1 formed the group and went silent (frozen) before DDP's construction: the agent's
+    # word (the frozen rank's node was judged hung) ends rank 0's inplace.ddp() in place
+    port, out, release = free_port(), {}, threading.Event()
+    def rank(r):
+        pg = inplace.process_group(world(0, r, port), timeout_s=40)
+        if r == 1:
+            release.wait(40)
+            return
+        word(1)
+        try:
+            inplace.ddp(nn.Linear(4, 2), pg)
+            out["r"] = "constructed"
+        except MembershipChanged as e:
+            out["r"] = f"raised {e}"
+        release.set()
+    ts = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    [t.start() for t in ts]
+    [t.join(60) for t in ts]
+    print(out.get("r"))
 elif case == "ddp-kill":
     # rank 1 (a process of its own) forms the group and is SIGKILLed before DDP's construction
     # broadcast: rank 0's construction fails on the dead peer and says so as MembershipChanged
@@ -243,6 +263,14 @@ def test_a_round_change_during_sync_state_raises_membership_changed(tmp_path: Pa
     """A peer that formed the group but never joins sync_state's collectives
     (a second round change under way): the agent's word ends sync_state."""
     assert _fault("sync", tmp_path) == "raised round 1 replaces round 0"
+
+
+def test_a_round_change_while_a_peer_is_silent_before_ddp_construction_ends_it(tmp_path: Path) -> None:
+    """A peer frozen before DDP's construction (whose parameter check and
+    broadcast wait in C++ until the group's timeout, past --in-place-timeout):
+    inplace.ddp() first meets every rank in a sliced all-reduce, so the
+    agent's word ends it with MembershipChanged and the rank stays in place."""
+    assert _fault("ddp-silent", tmp_path) == "raised round 1 replaces round 0"
 
 
 def test_a_peer_killed_before_ddp_construction_fails_it_as_membership_changed(tmp_path: Path) -> None:
