@@ -484,11 +484,13 @@ class Agent(ServerReactions):
         if time.monotonic() < r.deadline:
             return
         self._reform = None
+        blocked = await self.watch.where(group, r.new_round, late)
         self._say(
-            "local rank(s) %s did not reach a safe point within %gs (--in-place-timeout): restarting this node's "
-            "workers",
+            "local rank(s) %s did not reach a safe point within %gs (--in-place-timeout): %s; restarting this "
+            "node's workers",
             ",".join(map(str, late)),
             self.cfg.in_place_timeout_s,
+            blocked,
         )
         a, running = self.assignment, self.phase is Phase.RUNNING
         await self._stop_workers()

@@ -35,6 +35,7 @@ from rdzv_server.wire import printable
 
 from . import peercred
 from .quiet import Quiet
+from .where import MAX_WHERE
 
 log = logging.getLogger("rdzv_agent")
 
@@ -83,6 +84,8 @@ class WorkerChannel:
         self.dropped = 0  # malformed or stale datagrams
         # in-place re-formation: local rank -> the round it left at its safe point
         self.parked: dict[int, int] = {}
+        # local rank -> the frames its main thread was in, answering "where" (an escalation)
+        self.where: dict[int, str] = {}
         self.on_parked: Callable[[int, int], None] | None = None
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -110,6 +113,7 @@ class WorkerChannel:
         """Workers of ``round_no`` start now (None: none run): forget the last ones."""
         self.round = round_no
         self.ranks.clear()
+        self.where.clear()
         self._trusted.clear()
 
     def _readable(self) -> None:
@@ -139,6 +143,10 @@ class WorkerChannel:
         return False
 
     def received(self, data: bytes, now: float) -> None:
+        head = data.split(maxsplit=3)
+        if len(head) >= 3 and head[2] == b"where" and len(data) <= MAX_DATAGRAM + MAX_WHERE:
+            self._where(head[0], head[1], head[3] if len(head) == 4 else b"")
+            return
         parts = data.split() if len(data) <= MAX_DATAGRAM else []
         if len(parts) == 3 and parts[2] == b"parked":
             self._parked(parts[0], parts[1])
@@ -175,6 +183,17 @@ class WorkerChannel:
         if self.on_parked is not None:
             self.on_parked(local_rank, round_no)
 
+    def _where(self, round_b: bytes, rank_b: bytes, text: bytes) -> None:
+        """A worker's answer to ``where``: the frames its main thread is in."""
+        try:
+            round_no, local_rank = int(round_b), int(rank_b)
+        except ValueError:
+            round_no = local_rank = -1
+        if self.round is None or not 0 <= round_no <= self.round or not 0 <= local_rank < self.nproc:
+            self.dropped += 1
+            return
+        self.where[local_rank] = printable(text.decode("ascii", "replace"), limit=MAX_WHERE)
+
     def tell(self, local_rank: int, message: str) -> bool:
         """Send ``message`` to that worker's in-place socket; False when no
         worker listens there (it does not use rdzv_client.worker.rounds())."""
@@ -196,7 +215,7 @@ class WorkerChannel:
             return
         for _ in range(MAX_DRAIN):
             try:
-                data, pid, uid = peercred.recv(sock, MAX_DATAGRAM + 1)  # longer than MAX_DATAGRAM: dropped
+                data, pid, uid = peercred.recv(sock, MAX_DATAGRAM + MAX_WHERE + 1)  # longer: dropped
             except OSError:  # BlockingIOError: none left
                 return
             if self._from_workers(pid, uid):

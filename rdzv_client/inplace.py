@@ -105,8 +105,9 @@ def process_group(world: World, timeout_s: float = 60.0, backend: str = "gloo") 
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
-    store.set_timeout(timeout)
     prefixed = dist.PrefixStore(world.store_prefix, store)  # type: ignore[attr-defined]
+    _await_peers(prefixed, world, deadline, timeout_s)
+    store.set_timeout(timeout)
     gloo = dist.ProcessGroupGloo(prefixed, world.rank, world.world_size, timeout)
     nccl = None
     if backend == "nccl":
@@ -125,6 +126,26 @@ def process_group(world: World, timeout_s: float = 60.0, backend: str = "gloo") 
 
 def _name(world: World) -> str:
     return f"rdzv-round{world.round}-rank{world.rank}"
+
+
+def _await_peers(store: Any, world: World, deadline: float, timeout_s: float) -> None:
+    """Until every rank of the round checked in on the store, checking the
+    agent's word every 10 ms: ProcessGroupGloo's constructor waits in C++ for
+    each peer's address until the group's timeout, so a peer lost while the
+    round forms (a second round change) would hold this rank there past
+    ``--in-place-timeout`` and cost it its process. A peer that never comes,
+    or a store host that is gone, is a changed membership in in-place mode."""
+    try:
+        store.add("rdzv/arrived", 1)
+        while (n := store.add("rdzv/arrived", 0)) < world.world_size:
+            worker.check()
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(
+                    f"the round's group did not form within {timeout_s:g}s: {n} of {world.world_size} ranks came"
+                )
+            time.sleep(0.01)
+    except RuntimeError as e:  # DistStoreError, DistNetworkError
+        _raise_membership(e)
 
 
 def _wrap(store: Any, backend: Any, world: World, nccl: Any = None) -> Any:
@@ -248,6 +269,7 @@ def wait(work: Any) -> None:
             if not work.is_completed():  # the slice ran out: a slow or stuck peer
                 if worker.in_place():
                     worker.check()
+                    worker.waiting()  # not hung: waiting on a peer (which may be)
                 continue
             try:
                 work.wait()  # it completed meanwhile, or failed: which one
@@ -346,12 +368,17 @@ def ddp(module: torch.nn.Module, pg: Any, **kwargs: Any) -> DistributedDataParal
     rebuild after the first step, buffer broadcasts) raise
     :class:`MembershipChanged` when a lost peer fails them, in in-place mode;
     they wait in C++, so a silent peer holds them until the group's timeout
-    (or the agent's ``--in-place-timeout``)."""
+    (or the agent's ``--in-place-timeout``). Construction is preceded by a
+    sliced all-reduce every rank joins: a peer lost or frozen before it is
+    met there, where the agent's word is taken."""
     if isinstance(pg, _Over):
         raise MembershipChanged(pg._reason)
     rnd = _rounds.get(id(pg))
     if rnd is None:
         raise ValueError("ddp(): pg must come from inplace.process_group()")
+    # every rank here before DDP's construction, whose collectives wait in C++:
+    # a peer lost or frozen before it is seen (and the agent's word taken) here
+    all_reduce(torch.zeros(1), pg)
     old = _ddps.pop(module, None)
     if old is not None:
         # its reducer may be mid-backward forever: it must never see a gradient again
@@ -362,8 +389,7 @@ def ddp(module: torch.nn.Module, pg: Any, **kwargs: Any) -> DistributedDataParal
         _raise_membership(e)
     state = _HookState(rnd)
     model.register_comm_hook(state, _allreduce_hook)
-    # a backward that failed elsewhere never ran state.finish: start each pass afresh
-    model.register_forward_pre_hook(lambda *_: state.batch.clear())
+    model.register_forward_pre_hook(lambda *_: _forward(state))
     _ddps[module] = model
     return model
 
@@ -414,7 +440,7 @@ class _HookState:
         error: BaseException | None = None
         for fut in batch:
             try:
-                fut.wait()  # releases the GIL: the channel's thread can fail it
+                _wait_future(fut)
             except Exception as e:
                 error = e
                 break
@@ -432,6 +458,26 @@ class _HookState:
         if worker.in_place():
             raise MembershipChanged(f"a collective failed: {text}")
         raise RuntimeError(text)
+
+
+def _forward(state: _HookState) -> None:
+    """Each forward of an :func:`ddp` model is a step for ``--hang-timeout``
+    (:func:`worker.progress`, which raises MembershipChanged once the round is
+    over); a backward that failed elsewhere never ran ``state.finish``: each
+    pass starts afresh."""
+    state.batch.clear()
+    worker.progress()
+
+
+def _wait_future(fut: torch.futures.Future[Any]) -> None:
+    """``fut.wait()`` (it releases the GIL: the channel's thread can fail it),
+    telling the agent every :data:`_SLICE` that this rank waits on its peers."""
+    if not fut.done():
+        ready = threading.Event()
+        fut.add_done_callback(lambda _: ready.set())
+        while not ready.wait(_SLICE.total_seconds()):
+            worker.waiting()
+    fut.wait()
 
 
 def _allreduce_hook(state: _HookState, bucket: Any) -> torch.futures.Future[torch.Tensor]:

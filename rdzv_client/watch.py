@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 # After SIGUSR1 (and SIGCONT, for a stopped worker), how long workers get to
 # write their stacks before a hung round's workers are stopped.
 STACK_DUMP_WAIT_S = 1.0
+# An in-place escalation waits this long for the late workers to say where they are blocked.
+WHERE_WAIT_S = 0.5
 
 
 class WorkerWatch:
@@ -147,6 +149,29 @@ class WorkerWatch:
                     pass
         await asyncio.sleep(STACK_DUMP_WAIT_S)
         return records
+
+    async def where(self, group: WorkerGroup, new_round: int, late: list[int]) -> str:
+        """Which call each late worker is blocked in (an in-place escalation):
+        asked on the worker channel, whose thread in the worker answers with
+        the main thread's innermost frames; SIGUSR1 dumps every thread's stack
+        into the log as well (as for a hang). A stopped worker does not answer."""
+        ch = self.channel
+        for lr in late:
+            ch.where.pop(lr, None)
+            ch.tell(lr, f"where {new_round}")
+            if lr < len(group.pids):
+                try:
+                    os.kill(group.pids[lr], signal.SIGUSR1)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        deadline = time.monotonic() + WHERE_WAIT_S
+        # the answers come in through the channel's reader on this loop: a short poll, bounded
+        while time.monotonic() < deadline and any(lr not in ch.where for lr in late):  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+        return "; ".join(
+            f"local rank {lr} blocked in {ch.where[lr]}" if lr in ch.where else f"local rank {lr} did not answer"
+            for lr in late
+        )
 
     def timer_killed(self, pid: int) -> bool:
         return pid in self._timer_killed

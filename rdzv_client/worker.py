@@ -60,10 +60,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from . import peercred  # standard library only too
+from . import peercred, where  # standard library only too
 
 __all__ = [
     "progress",
+    "waiting",
     "finished",
     "SEND_EVERY_S",
     "rounds",
@@ -173,6 +174,26 @@ def progress(step: int | None = None) -> None:
         s.send(_prefix + str(shown).encode())
     except OSError:
         pass  # the agent is busy (queue full) or gone: the next call tries again
+
+
+def waiting() -> None:
+    """This worker is blocked in a collective of :mod:`rdzv_client.inplace`,
+    waiting for its peers (in-place mode): said to the agent as a
+    :func:`progress` call with the same step, so a rank that waits on a frozen
+    peer is not hung itself (the frozen one is, on its own node, and the
+    agent's stop then ends this wait). Never blocks, never raises."""
+    global _last_sent
+    now = time.monotonic()
+    if _calls == 0 or not in_place() or now - _last_sent < SEND_EVERY_S:
+        return
+    s = _sock if _sock is not None else _open()
+    if s is None:
+        return
+    _last_sent = now
+    try:
+        s.send(_prefix + str(_step if _step is not None else _calls).encode())
+    except OSError:
+        pass
 
 
 def finished() -> None:
@@ -357,7 +378,9 @@ def _read() -> bool:
         return True  # not the agent's: ignored
     if round_no <= current:
         return True  # about a round that is over
-    if parts[0] == "stop":
+    if parts[0] == "where":  # the agent escalates: say which call the main thread is in
+        _send(b"where " + where.frames().encode())
+    elif parts[0] == "stop":
         _stopped = max(_stopped or 0, round_no)
     elif parts[0] == "assign":
         env = dict(p.split("=", 1) for p in parts[2:] if "=" in p)
@@ -365,6 +388,15 @@ def _read() -> bool:
             _assigned = (round_no, env)
             _stopped = max(_stopped or 0, round_no)
     return True
+
+
+def _send(body: bytes) -> None:
+    s = _sock if _sock is not None else _open()
+    if s is not None:
+        try:
+            s.send(_prefix + body)
+        except OSError:
+            pass
 
 
 def check() -> None:

@@ -188,6 +188,8 @@ def test_worker_that_ignores_the_agent_is_escalated(cluster: Cluster) -> None:
     before_keeper, before_stubborn = pids(keeper, 0), pids(stubborn, 0)
     newcomer = start(cluster, server, "esc", "2:3")
     stubborn.wait_log(r"did not reach a safe point within 5s \(--in-place-timeout\)", 60)
+    # item 8: the line names the call the worker was blocked in (its channel thread answered)
+    stubborn.wait_log(r"\(--in-place-timeout\): local rank 0 blocked in train_inplace\.py:\d+ in chaos <- ", 1)
     wait_steps([keeper, stubborn, newcomer], 1, 3, 12)
     assert pids(keeper, 1) == before_keeper, "the well-behaved worker was restarted"
     assert pids(stubborn, 1).isdisjoint(before_stubborn), "the stubborn worker was not replaced"
