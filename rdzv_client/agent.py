@@ -50,7 +50,7 @@ from .config import (  # noqa: F401 - build_parser, config_from_args, UsageError
 )
 from .exits import entrypoint_name, failure_summary
 from .health import wait_healthy
-from .launch import EXIT_RESTART, in_place_env_note
+from .launch import WORKER_EXIT_RESTART, in_place_env_note
 from .quiet import Quiet
 from .reactions import (  # noqa: F401 - Phase and the exit codes: the agent's public names
     EXIT_FAILED,
@@ -440,7 +440,8 @@ class Agent(ServerReactions):
         gone = [lr for lr in range(cfg.nproc) if not group.running(lr)]
         if gone:
             codes = group.returncode(gone[0])
-            why = " (it asked for a process restart: NCCL or its GPU did not recover)" if codes == EXIT_RESTART else ""
+            asked = codes == WORKER_EXIT_RESTART
+            why = " (it asked for a process restart: NCCL or its GPU did not recover)" if asked else ""
             self._say(
                 "round %d: kept local rank %d exited %s%s; restarting this node's workers", a.round, gone[0], codes, why
             )
@@ -644,7 +645,7 @@ class Agent(ServerReactions):
         a = self.assignment
         if self.phase is not Phase.RUNNING or a is None:
             return None
-        if self._reform is not None and all(i.exit_code == EXIT_RESTART for i in infos if not i.ok):
+        if self._reform is not None and all(i.exit_code == WORKER_EXIT_RESTART for i in infos if not i.ok):
             # assigned in place, then a kept worker asked for a new process before it parked
             # (rdzv_client.inplace_nccl): an escalation, as past --in-place-timeout, not a failure
             self._reform = None
@@ -654,7 +655,7 @@ class Agent(ServerReactions):
                     "not recover); restarting this node's workers",
                     a.round,
                     i.local_rank,
-                    EXIT_RESTART,
+                    WORKER_EXIT_RESTART,
                 )
             await self._stop_workers()
             await self._start_workers(a)

@@ -21,7 +21,7 @@ a thread of its own (:func:`recover`), then the verdict:
   outlives :data:`SYNC_TIMEOUT_S`, or a CUDA error from it (a sticky error,
   such as an illegal address, poisons the CUDA context for the process's
   life): the worker asks for a process restart. It writes one line on stderr
-  and exits with :data:`EXIT_RESTART` before it parks; its agent then restarts
+  and exits with :data:`WORKER_EXIT_RESTART` before it parks; its agent then restarts
   this node's workers for the round, uncharged (an escalation, as past
   ``--in-place-timeout``), whether the exit comes before or after the assignment.
 
@@ -46,9 +46,9 @@ from datetime import timedelta
 from typing import Any, cast
 
 from . import worker
-from .launch import EXIT_RESTART  # 75, EX_TEMPFAIL: the agent knows it
+from .launch import WORKER_EXIT_RESTART  # 75, EX_TEMPFAIL: the agent knows it
 
-__all__ = ["make_backend", "recover", "Verdict", "EXIT_RESTART", "ABORT_TIMEOUT_S", "SYNC_TIMEOUT_S"]
+__all__ = ["make_backend", "recover", "Verdict", "WORKER_EXIT_RESTART", "ABORT_TIMEOUT_S", "SYNC_TIMEOUT_S"]
 
 # how long an abort, and then the device check, may take before the process is restarted
 ABORT_TIMEOUT_S = 10.0
@@ -164,15 +164,15 @@ def _cuda_synchronize() -> None:
 
 
 def _escalate(reason: str) -> None:
-    """Ask the agent for a process restart: one line on stderr, exit :data:`EXIT_RESTART`
+    """Ask the agent for a process restart: one line on stderr, exit :data:`WORKER_EXIT_RESTART`
     (no interpreter teardown: a communicator's destructor could block)."""
     sys.stderr.write(
         f"rdzv: local rank {os.environ.get('RDZV_LOCAL_RANK', '?')}: {reason}; "
-        f"exiting {EXIT_RESTART} for a process restart\n"
+        f"exiting {WORKER_EXIT_RESTART} for a process restart\n"
     )
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(EXIT_RESTART)
+    os._exit(WORKER_EXIT_RESTART)
 
 
 class Rounds:

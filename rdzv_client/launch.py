@@ -157,7 +157,7 @@ IN_PLACE_WORKER_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_RETHR
 
 # the exit code of an in-place worker that asks its agent for a process restart
 # (rdzv_client.inplace_nccl: its NCCL communicator or its GPU did not recover); EX_TEMPFAIL
-EXIT_RESTART = 75
+WORKER_EXIT_RESTART = 75
 
 
 def in_place_env(base_env: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:

@@ -57,7 +57,10 @@ def test_json_logs_of_server_and_agents_parse_and_carry_the_jobs_events(cluster:
     assert all(r["formation_s"] >= 0 for r in events["round_completed"])
     (failed,) = events["node_failed"]
     assert failed["round"] == 0 and failed["node"] and "worker failure on" in failed["message"], failed
-    assert failed["exit"]["rank"] in (0, 1) and failed["exit"]["exit_code"] not in (None, 0), failed  # the exit record
+    # the exit record: an exit code, or a signal (a worker that raised can still die of SIGABRT in gloo's teardown
+    # when its peer is mid-collective: seen once under load)
+    record = failed["exit"]
+    assert record["rank"] in (0, 1) and (record["exit_code"] not in (None, 0) or record["signal"]), failed
     (opened,) = events["round_opened"]
     assert opened["round"] == 1 and "restart 1/2" in opened["reason"], opened
     assert sorted(r["round"] for r in events["node_succeeded"]) == [1, 1]

@@ -18,7 +18,7 @@ from typing import ClassVar
 import pytest
 
 from rdzv_client import inplace_nccl
-from rdzv_client.inplace_nccl import EXIT_RESTART, recover
+from rdzv_client.inplace_nccl import WORKER_EXIT_RESTART, recover
 from rdzv_client.launch import IN_PLACE_WORKER_ENV, in_place_env_note, worker_env
 from rdzv_client.worker import MembershipChanged
 from rdzv_server.protocol import Assignment
@@ -160,17 +160,17 @@ def test_on_the_agents_word_the_worker_aborts_checks_and_only_then_parks(tmp_pat
 
 def test_a_sticky_cuda_error_exits_for_a_process_restart_and_never_parks(tmp_path: Path) -> None:
     res = _channel("sticky", tmp_path)
-    assert res.returncode == EXIT_RESTART, res.stdout + res.stderr
+    assert res.returncode == WORKER_EXIT_RESTART, res.stdout + res.stderr
     assert "parked" not in res.stdout and "no park" not in res.stdout, res.stdout
     assert (
         "rdzv: local rank 0: CUDA error after the abort: CUDA error: an illegal memory access was encountered; "
-        f"exiting {EXIT_RESTART} for a process restart"
+        f"exiting {WORKER_EXIT_RESTART} for a process restart"
     ) in res.stderr
 
 
 def test_a_hung_abort_exits_for_a_process_restart_and_never_parks(tmp_path: Path) -> None:
     res = _channel("abort-hangs", tmp_path)
-    assert res.returncode == EXIT_RESTART, res.stdout + res.stderr
+    assert res.returncode == WORKER_EXIT_RESTART, res.stdout + res.stderr
     assert "parked" not in res.stdout, res.stdout
     assert "NCCL abort still running after 0.5s; exiting 75 for a process restart" in res.stderr
 
@@ -229,7 +229,7 @@ def test_nccl_needs_a_gpu_and_a_known_backend_is_named() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
             inplace.process_group(w, backend="nccl")
-    assert inplace_nccl.EXIT_RESTART == 75
+    assert inplace_nccl.WORKER_EXIT_RESTART == 75
 
 
 # ------------------------------------------------------------------ the communicator
