@@ -39,7 +39,9 @@ class Regression(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("loss", loss, sync_dist=True)  # a reduce over the round's group each step
+        return loss
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.02, momentum=0.9)

@@ -36,10 +36,11 @@ reached, but a dataloader that is not stateful starts the epoch's data over
 Limits: gloo (CPU) only, like :mod:`rdzv_client.inplace`; ``fit`` only
 (``validate``/``test``/``predict`` run on the current round's group and are
 not re-formed); no user DDP comm hook (the strategy's is the interruptible
-all-reduce) and no model averaging; the strategy's blocking collectives
-(``barrier``, ``broadcast``, ``reduce``) raise ``MembershipChanged`` when a
-lost peer fails them, and a silent peer holds them until the group's timeout
-(or the agent's ``--in-place-timeout``). The broadcast checkpoint is unpickled
+all-reduce) and no model averaging. The strategy's collectives (``barrier``,
+``broadcast``, ``reduce``: ``self.log(..., sync_dist=True)``) run on the
+round's group waited in slices, so a lost peer or the agent's word ends them
+with ``MembershipChanged``; a ``reduce`` on another group is Lightning's own,
+blocking. The broadcast checkpoint is unpickled
 (``weights_only=False``): it comes from a peer of the same job. Outside
 in-place mode the strategy trains once, like ``DDPStrategy`` on the job's
 group.
@@ -54,6 +55,7 @@ import faulthandler
 import importlib
 import inspect
 import io
+import pickle
 import signal
 import sys
 from collections.abc import Callable
@@ -164,10 +166,44 @@ class InPlaceDDPStrategy(_DDPStrategy):  # type: ignore[misc]
             inplace.wait(self.pg.barrier())
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return _membership(super().broadcast, obj, src)
+        """``obj`` of rank ``src``, pickled and broadcast on the round's group
+        (waited in slices, like every collective below)."""
+        if self.pg is None or self.world is None:
+            return _membership(super().broadcast, obj, src)
+        if self.world.rank == src:
+            payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            size = torch.tensor([payload.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        _broadcast(size, self.pg, src)
+        if self.world.rank != src:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        _broadcast(payload, self.pg, src)
+        return obj if self.world.rank == src else pickle.loads(payload.numpy().tobytes())
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        return _membership(super().reduce, tensor, group, reduce_op)
+        """Lightning's ``reduce`` (``self.log(..., sync_dist=True)``): on the
+        round's group, "mean"/"avg" as a sum divided by the world size (gloo
+        has no AVG), a barrier first as Lightning does; another ``group`` goes
+        to Lightning's own (blocking) code."""
+        if not isinstance(tensor, torch.Tensor) or group is not None or self.pg is None:
+            return _membership(super().reduce, tensor, group, reduce_op)
+        divide = False
+        if reduce_op is None:
+            op = dist.ReduceOp.SUM
+        elif isinstance(reduce_op, str):
+            name = reduce_op.lower()
+            divide = name in ("mean", "avg")
+            op = dist.ReduceOp.SUM if divide else getattr(dist.ReduceOp, name.upper())
+        else:
+            divide = reduce_op == dist.ReduceOp.AVG
+            op = dist.ReduceOp.SUM if divide else reduce_op
+        self.barrier()
+        inplace.all_reduce(tensor, self.pg, op)
+        if not divide:
+            return tensor
+        size = self.pg.size()
+        return tensor.copy_(tensor / size) if not torch.is_floating_point(tensor) else tensor.div_(size)
 
     # ---------------------------------------------------------- rounds
 
