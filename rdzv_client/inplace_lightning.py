@@ -334,13 +334,13 @@ class _InPlaceLauncher(_Launcher):  # type: ignore[misc]
             try:
                 s._join(world)
                 top = s._sync(trainer)
+                # the dataloaders again (a round cut short may have made them), with this world's sampler
+                trainer.fit_loop._combined_loader = None
+                trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
+                trainer.state.status = _TrainerStatus.RUNNING
+                trainer.training = True
                 if top >= 0:
                     call.arguments["ckpt_path"] = MEMORY_CKPT
-                    # the dataloaders again, with the new world's DistributedSampler
-                    trainer.fit_loop._combined_loader = None
-                    trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
-                    trainer.state.status = _TrainerStatus.RUNNING
-                    trainer.training = True
                     _say(f"rdzv: round {world.round}: world {world.world_size}, from global_step {top}")
                 result = function(*call.args, **call.kwargs)
             except MembershipChanged as e:
