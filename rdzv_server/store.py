@@ -452,7 +452,8 @@ class Store(HostsMixin, RetentionMixin):
             job.gate = self.hosts
         rerun = not created and rounds.starts_run(job, msg)  # a finished job id's next run
         ended = job.state.value if rerun else None  # the state the previous run ended in
-        if rerun:
+        if rerun:  # only its owner may take its room: ownership first (nothing changes on a refusal)
+            rounds.check_owner(job, msg)
             self.room.check(self, msg.job_id, chan)
         # a node this join creates gets a fresh secret; only its own connection hears it
         issued = None if msg.node_id in job.nodes else secrets.token_urlsafe(24)

@@ -15,7 +15,7 @@ caller needs is here. Inside:
 """
 
 from .gates import hosts_changed
-from .joins import join, starts_run
+from .joins import check_owner, join, starts_run
 from .machine import (
     MAX_HISTORY,
     MAX_RUNS,
@@ -105,6 +105,7 @@ __all__ = [
     "reclaim",
     "restored",
     "starts_run",
+    "check_owner",
     "succeed",
     "summary",
     "tick",

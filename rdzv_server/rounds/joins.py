@@ -4,7 +4,7 @@ assignment.
 
 Order of checks: the run (a late agent of a finished or earlier run is told
 ``job_finished``; a fresh join to a finished job starts its next run if it
-owns the id: :func:`_check_owner`), the job secret, the whole spec, and for a
+owns the id: :func:`check_owner`), the job secret, the whole spec, and for a
 known node its node secret; only then does anything change."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def _check_job_secret(job: Job, msg: JoinMsg) -> None:
         raise JobSecretMismatchError(f"wrong job secret for job {job.job_id!r}")
 
 
-def _check_owner(job: Job, msg: JoinMsg) -> None:
+def check_owner(job: Job, msg: JoinMsg) -> None:
     """A finished job's next run: an id whose last run had a job secret is
     owned by whoever knows that secret; a join without it (or with another) is
     refused and changes nothing. An id whose last run had none is anyone's (as
@@ -162,7 +162,7 @@ def join(job: Job, msg: JoinMsg, now: float, node_secret: str | None = None) -> 
     (the forming round, a scale-up, or a spare)."""
     _check_run(job, msg)
     if job.finished:  # a fresh agent: the job id's next run, with this join's settings
-        _check_owner(job, msg)
+        check_owner(job, msg)
         new_run(job, msg.spec, now, msg.job_secret)
         started = join(job, msg, now, node_secret)  # (once: the job is not finished any more)
         started.persist = True

@@ -216,6 +216,13 @@ def give_up(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], n
             f"give-up for round {round_no} from node {node_id!r} is stale: job {job.job_id!r} is at round "
             f"{job.round}{' and the node succeeded' if node.state == SUCCEEDED else ''}"
         )
+    # only a member of that round may end the job: running in it, or (its round over) not rejoined since;
+    # a spare or a node queued for a later round has no workers of round_no to give up on
+    if node.state != (RUNNING if round_no == job.round else REJOINING):
+        raise StaleRoundError(
+            f"give-up for round {round_no} from node {node_id!r} ({node.state}): it was not a member of that "
+            f"round of job {job.job_id!r}"
+        )
     first = min(failures, key=lambda r: (r.timestamp or float("inf"), r.rank))
     cause = clip(printable(f"node {node.node_id} ({node.host}) {first.describe()}"), MAX_CAUSE_BYTES)
     root = cause

@@ -134,3 +134,23 @@ async def test_guessing_a_job_secret_is_slowed_and_the_right_one_still_joins(cli
     await teammate.send(join_msg("guarded", "node2", job_secret=OWNER))
     assert (await teammate.recv(timeout=TIMEOUT + delay)).op == "joined"
     assert (await teammate.expect("assigned")).assignment.world_size == 2
+
+
+async def test_a_refused_stranger_takes_no_room_from_a_waiting_job(make_client, connect):
+    """Ownership is checked before room is made: with --max-waiting-jobs full of a job no connected node
+    holds, a stranger's join to an owned finished id is refused (job_secret_mismatch) and the waiting job
+    is not closed to make room for it (issue 19 review: the room check ran first and reclaimed it)."""
+    from rdzv_server.protocol import JobSpec, LeaveMsg
+
+    client = await make_client(Settings(max_waiting_jobs=1))
+    await run_once(lambda: connect(on=client), "nightly", OWNER)
+    team = await connect(on=client)  # a team's job that waits, its one node gone for now
+    await team.send(join_msg("team", "n0", spec=JobSpec(min_nodes=2, max_nodes=2)))
+    await team.expect("joined")
+    await team.send(LeaveMsg(reason="preempted"))
+    await team.expect("ack")
+    stranger = await connect(on=client)
+    await stranger.send(join_msg("nightly", "evil-node", (1, 2), **STRANGER))
+    await expect_error(stranger, "job_secret_mismatch")
+    view = await (await client.get("/v1/jobs/team")).json()
+    assert view["state"] == "waiting", view  # before: closed to make room for a join then refused

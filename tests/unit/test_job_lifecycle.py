@@ -321,3 +321,21 @@ def test_no_new_run_reaches_the_join_from_the_flag_and_the_environment(monkeypat
     assert cfg.new_run is False
     session = NodeSession(job_id="j", host="h", nproc=1, spec=cfg.spec_fields(), addr="127.0.0.1", new_run=cfg.new_run)
     assert JoinMsg.model_validate_json(json.dumps(session.join_msg())).new_run is False
+
+
+def test_only_a_member_of_the_round_may_give_up():
+    """A node that had no workers in the round cannot end the job by "giving up" on it (issue 19 review: with
+    --operator-token, a token holder joining as a spare or a queued node could fail any job without a secret)."""
+    sp = spec(min_nodes=1, max_nodes=2)
+    job = form(["a", "b"], sp)
+    rounds.join(job, join_msg("spare", sp), 1.0)  # beyond max_nodes: a spare
+    assert job.nodes["spare"].state == rounds.SPARE
+    before = record(job)
+    with pytest.raises(StaleRoundError, match="not a member"):
+        rounds.give_up(job, "spare", 0, [BOOM], 2.0)
+    assert record(job) == before and not job.finished
+    # a member whose round ended and that has not rejoined since still may (torchrun gave up instead)
+    rounds.fail(job, "a", 0, [BOOM], 3.0)
+    assert job.round == 1 and job.nodes["b"].state == rounds.REJOINING
+    rounds.give_up(job, "b", 0, [BOOM], 4.0)
+    assert job.finished
