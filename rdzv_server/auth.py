@@ -53,6 +53,7 @@ from .throttle import AuthThrottle
 MIN_TOKEN_LEN = 16  # characters, for --token and --operator-token (the server refuses to start otherwise)
 SESSION_TTL_S = 12 * 3600.0  # a /ui login lasts this long (cookie Max-Age and the server's table)
 MAX_SESSIONS = 1000  # /ui sessions held at once; beyond it the oldest is dropped (it logs in again)
+MAX_SESSIONS_PER_ADDR = 16  # of them one client address holds; beyond it that address's oldest is dropped
 MAX_SESSION_ID = 100  # characters of a cookie value looked at (ours are 43)
 COOKIE = "rdzv_session"
 UI_HEADER = "X-Rdzv-UI"
@@ -124,20 +125,34 @@ def foreign_origin(request: web.Request) -> str | None:
 
 
 class Sessions:
-    """/ui logins: a random id per login (the cookie's value), its role and
-    expiry; only a hash of each id is held. Bounded in count (the oldest go
-    first) and in time; a logout revokes its id; a restart forgets them all."""
+    """/ui logins: a random id per login (the cookie's value), its role,
+    expiry and client address; only a hash of each id is held. Bounded in
+    count (the oldest go first), per client address (one address's logins
+    drop its own oldest: a token holder logging in over and over cannot sign
+    everyone else out) and in time; a logout revokes its id; a restart
+    forgets them all."""
 
     def __init__(
         self,
         ttl_s: float = SESSION_TTL_S,
         max_sessions: int = MAX_SESSIONS,
         clock: Callable[[], float] = time.monotonic,
+        max_per_addr: int = MAX_SESSIONS_PER_ADDR,
     ) -> None:
         self.ttl_s = ttl_s
         self.max_sessions = max_sessions
+        self.max_per_addr = max_per_addr
         self.clock = clock
-        self._held: collections.OrderedDict[bytes, tuple[Role, float]] = collections.OrderedDict()  # by creation
+        # by creation: key -> (role, expiry, address)
+        self._held: collections.OrderedDict[bytes, tuple[Role, float, str]] = collections.OrderedDict()
+        self._per_addr: collections.Counter[str] = collections.Counter()
+
+    def _drop(self, key: bytes) -> None:
+        held = self._held.pop(key, None)
+        if held is not None:
+            self._per_addr[held[2]] -= 1
+            if self._per_addr[held[2]] <= 0:
+                del self._per_addr[held[2]]
 
     @staticmethod
     def _key(sid: str) -> bytes:
@@ -145,18 +160,21 @@ class Sessions:
 
     def _sweep(self, now: float) -> None:
         while self._held:
-            key, (_, expires) = next(iter(self._held.items()))
+            key, (_, expires, _addr) = next(iter(self._held.items()))
             if expires > now:
                 return
-            del self._held[key]
+            self._drop(key)
 
-    def create(self, role: Role) -> str:
+    def create(self, role: Role, addr: str = "?") -> str:
         now = self.clock()
         self._sweep(now)
+        if self._per_addr[addr] >= self.max_per_addr:  # this address's oldest goes (at most max_sessions looked at)
+            self._drop(next(k for k, held in self._held.items() if held[2] == addr))
         sid = secrets.token_urlsafe(32)
-        self._held[self._key(sid)] = (role, now + self.ttl_s)
+        self._held[self._key(sid)] = (role, now + self.ttl_s, addr)
+        self._per_addr[addr] += 1
         while len(self._held) > self.max_sessions:
-            self._held.popitem(last=False)
+            self._drop(next(iter(self._held)))
         return sid
 
     def role(self, sid: str) -> Role | None:
@@ -168,12 +186,15 @@ class Sessions:
         if held is None:
             return None
         if held[1] <= self.clock():
-            del self._held[key]
+            self._drop(key)
             return None
         return held[0]
 
     def revoke(self, sid: str) -> bool:
-        return bool(sid) and len(sid) <= MAX_SESSION_ID and self._held.pop(self._key(sid), None) is not None
+        if not sid or len(sid) > MAX_SESSION_ID or self._key(sid) not in self._held:
+            return False
+        self._drop(self._key(sid))
+        return True
 
     def __len__(self) -> int:
         return len(self._held)

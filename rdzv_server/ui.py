@@ -91,7 +91,7 @@ async def login(request: web.Request) -> web.Response:
     resp = web.json_response({"auth": True, "role": role.value})
     resp.set_cookie(
         COOKIE,
-        auth.sessions.create(role),
+        auth.sessions.create(role, remote),
         httponly=True,
         samesite="Strict",
         secure=request.secure,

@@ -24,7 +24,7 @@ class Clock:
 
 def test_every_session_is_new_and_only_a_hash_is_held():
     s = Sessions()
-    ids = {s.create(Role.AGENT) for _ in range(50)}
+    ids = {s.create(Role.AGENT, f"10.0.0.{n}") for n in range(50)}
     assert len(ids) == 50 and all(len(i) >= 40 for i in ids)
     assert all(s.role(i) is Role.AGENT for i in ids)
     assert not any(i.encode() in key for key in s._held for i in ids)
@@ -60,9 +60,22 @@ def test_revoke_ends_a_session_and_only_it():
 
 def test_the_table_is_bounded_oldest_first():
     s = Sessions(max_sessions=3)
-    ids = [s.create(Role.AGENT) for _ in range(5)]
+    ids = [s.create(Role.AGENT, f"10.0.0.{i}") for i in range(5)]
     assert len(s) == 3
     assert [s.role(i) for i in ids] == [None, None, Role.AGENT, Role.AGENT, Role.AGENT]
+
+
+def test_one_address_logging_in_again_and_again_signs_out_only_itself():
+    """Issue 19 review: with one table of 1,000, a token holder's 1,000 logins dropped every other
+    session, the operator's too; an address now drops its own oldest past its share."""
+    s = Sessions(max_sessions=100, max_per_addr=4)
+    operator = s.create(Role.OPERATOR, "10.0.0.1")
+    mine = [s.create(Role.AGENT, "10.66.66.66") for _ in range(1000)]
+    assert s.role(operator) is Role.OPERATOR
+    assert len(s) == 5 and [s.role(i) for i in mine[-4:]] == [Role.AGENT] * 4 and s.role(mine[0]) is None
+    assert s.revoke(mine[-1]) and len(s) == 4
+    s.create(Role.AGENT, "10.66.66.66")  # room again for that address without dropping its others
+    assert [s.role(i) for i in mine[-4:-1]] == [Role.AGENT] * 3
 
 
 @pytest.mark.parametrize(
