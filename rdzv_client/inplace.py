@@ -288,11 +288,34 @@ def all_reduce(tensor: torch.Tensor, pg: Any, op: Any = dist.ReduceOp.SUM) -> to
     return tensor
 
 
-def _broadcast(tensor: torch.Tensor, pg: Any, src: int) -> None:
+def broadcast(tensor: torch.Tensor, pg: Any, src: int) -> None:
+    """``tensor`` of rank ``src`` on every rank of ``pg``, waited in slices (:func:`wait`)."""
     opts = dist.BroadcastOptions()
     opts.rootRank = src
     opts.rootTensor = 0
     wait(pg.broadcast([tensor], opts))
+
+
+def broadcast_bytes(data: bytes | None, pg: Any, rank: int, src: int) -> bytes:
+    """``data`` of rank ``src`` (None elsewhere) on every rank: its size, then its bytes."""
+    if rank == src:
+        assert data is not None
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+    else:
+        size = torch.zeros(1, dtype=torch.int64)
+    broadcast(size, pg, src)
+    if rank != src:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    broadcast(payload, pg, src)
+    return data if data is not None else payload.numpy().tobytes()
+
+
+def most_advanced(pg: Any, world: World, step: int) -> tuple[int, int]:
+    """(the highest ``step`` of the round's ranks, the lowest rank holding it)."""
+    top = int(all_reduce(torch.tensor([step], dtype=torch.int64), pg, dist.ReduceOp.MAX).item())
+    src_t = torch.tensor([world.rank if step == top else world.world_size], dtype=torch.int64)
+    return top, int(all_reduce(src_t, pg, dist.ReduceOp.MIN).item())
 
 
 def sync_state(pg: Any, world: World, model: torch.nn.Module, optimizer: Any, step: int) -> int:
@@ -302,23 +325,15 @@ def sync_state(pg: Any, world: World, model: torch.nn.Module, optimizer: Any, st
     ``model`` may be wrapped in DDP (its ``module`` is what is sent)."""
     if isinstance(model, DistributedDataParallel):
         model = model.module
-    mine = torch.tensor([step], dtype=torch.int64)
-    top = int(all_reduce(mine.clone(), pg, dist.ReduceOp.MAX).item())
-    src_t = torch.tensor([world.rank if step == top else world.world_size], dtype=torch.int64)
-    src = int(all_reduce(src_t, pg, dist.ReduceOp.MIN).item())
+    top, src = most_advanced(pg, world, step)
+    blob = None
     if world.rank == src:
         buf = io.BytesIO()
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buf)
-        payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
-    else:
-        size = torch.zeros(1, dtype=torch.int64)
-    _broadcast(size, pg, src)
+        blob = buf.getvalue()
+    data = broadcast_bytes(blob, pg, world.rank, src)
     if world.rank != src:
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
-    _broadcast(payload, pg, src)
-    if world.rank != src:
-        state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+        state = torch.load(io.BytesIO(data), weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     return top

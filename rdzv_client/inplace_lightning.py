@@ -170,16 +170,10 @@ class InPlaceDDPStrategy(_DDPStrategy):  # type: ignore[misc]
         (waited in slices, like every collective below)."""
         if self.pg is None or self.world is None:
             return _membership(super().broadcast, obj, src)
-        if self.world.rank == src:
-            payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-            size = torch.tensor([payload.numel()], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
-        _broadcast(size, self.pg, src)
-        if self.world.rank != src:
-            payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        _broadcast(payload, self.pg, src)
-        return obj if self.world.rank == src else pickle.loads(payload.numpy().tobytes())
+        data = inplace.broadcast_bytes(
+            pickle.dumps(obj) if self.world.rank == src else None, self.pg, self.world.rank, src
+        )
+        return obj if self.world.rank == src else pickle.loads(data)
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         """Lightning's ``reduce`` (``self.log(..., sync_dist=True)``): on the
@@ -233,26 +227,19 @@ class InPlaceDDPStrategy(_DDPStrategy):  # type: ignore[misc]
         pg, world = self.pg, self.world
         self._memory = None
         step, dump = self._state(trainer)
-        top = int(inplace.all_reduce(torch.tensor([step], dtype=torch.int64), pg, dist.ReduceOp.MAX).item())
+        top, src = inplace.most_advanced(pg, world, step)
         if top < 0:
             return top
-        mine = world.rank if step == top else world.world_size
-        src = int(inplace.all_reduce(torch.tensor([mine], dtype=torch.int64), pg, dist.ReduceOp.MIN).item())
+        blob = None
         if world.rank == src:
             assert dump is not None
             ckpt = dump()
             buf = io.BytesIO()
             torch.save(ckpt, buf)
-            payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-            size = torch.tensor([payload.numel()], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
-        _broadcast(size, pg, src)
+            blob = buf.getvalue()
+        data = inplace.broadcast_bytes(blob, pg, world.rank, src)
         if world.rank != src:
-            payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        _broadcast(payload, pg, src)
-        if world.rank != src:
-            ckpt = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+            ckpt = torch.load(io.BytesIO(data), weights_only=False)
         self._memory = self._unstarted = ckpt
         return top
 
@@ -264,13 +251,6 @@ def _membership(fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
     except RuntimeError as e:
         inplace._raise_membership(e)
-
-
-def _broadcast(tensor: torch.Tensor, pg: Any, src: int) -> None:
-    opts = dist.BroadcastOptions()
-    opts.rootRank = src
-    opts.rootTensor = 0
-    inplace.wait(pg.broadcast([tensor], opts))
 
 
 def _restore_stack_dump() -> None:
@@ -294,7 +274,7 @@ def _interruptible_sigterm_broadcast(trainer: Any, strategy: InPlaceDDPStrategy)
 
     def broadcast_sigterm() -> None:
         flag = torch.tensor([1 if getattr(trainer, "received_sigterm", False) else 0])
-        _broadcast(flag, strategy.pg, 0)
+        inplace.broadcast(flag, strategy.pg, 0)
         if flag.item() == 1:
             strategy.barrier()
             raise _SIGTERMException()
