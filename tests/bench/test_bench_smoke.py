@@ -46,7 +46,9 @@ def test_bench_smoke(tmp_path):
     assert form["n"] == 8 and form["missing"] == 0 and form["p99"] > 0
     (live,) = scale["live"]
     assert live["nodes"] == 20 and live["assigned"] == 20
-    assert live["server_cpu"] > 0 and live["server_rss_mb"] > 0
+    # 20 nodes for a second or two can cost the server less than one clock tick (10 ms): CPU may read 0 here
+    # (a CI run saw it); the number is measured, not invented, and RSS is always there.
+    assert live["server_cpu"] >= 0 and live["measure_s"] > 0 and live["server_rss_mb"] > 0
     assert "9. Server: 30 finished jobs present" in table
     prog = data["progress_cost"]
     assert "10. Worker: `rdzv_client.worker.progress()` per call" in table
