@@ -90,7 +90,8 @@ class InPlaceAccelerator(Accelerator):  # type: ignore[misc]
     """An ``Accelerator`` on the round's group ``pg`` (from
     :func:`inplace.process_group` or :func:`inplace.group`), made once per
     round (see the module's docstring). Takes ``Accelerator``'s keyword
-    arguments; ``cpu=True`` is needed where a GPU is visible."""
+    arguments; pass ``cpu=True`` (without it accelerate sets up no
+    distributed training on a host without GPUs, and NCCL on one with)."""
 
     def __init__(self, pg: Any, **kwargs: Any) -> None:
         if isinstance(pg, inplace._Over):  # the round ended while its group formed
