@@ -1,11 +1,13 @@
 """In-place re-formation of a Hugging Face accelerate script (issue 20): real
-server, three real agents (``--restart-mode in-place``), real gloo workers
-running examples/train_accelerate_inplace.py (a plain accelerate loop with
-``InPlaceAccelerator`` made once per round). A node is SIGKILLed mid-training:
-the survivors' ``accelerator.backward`` fails inside DDP's comm hook, they keep
+server, real agents (``--restart-mode in-place``), real gloo workers running
+examples/train_accelerate_inplace.py (a plain accelerate loop with an
+``InPlaceAccelerator`` made once per round). Two nodes train; a third joins
+(scale-up): the two keep their processes and the newcomer takes their state
+(``accelerator.sync_state``). Then that node is SIGKILLed mid-training: the
+survivors' ``accelerator.backward`` fails inside DDP's comm hook, they keep
 their processes, accelerate's state is set up again for world 2 (the
-dataloader sharded over two ranks), and they train on from the highest step
-reached, with the same weights on both ranks, to the end.
+dataloader sharded over two ranks again), and they train on from the highest
+step reached, with the same weights on every rank, to the end.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ pytestmark = pytest.mark.e2e
 EXAMPLE = ROOT / "examples" / "train_accelerate_inplace.py"
 STEP_RE = re.compile(r"^\[\d+\]: step (\d+) rank (\d+) world (\d+) round (\d+) pid (\d+) sum (\S+) t \S+$", re.M)
 ROUND_RE = re.compile(r"^\[\d+\]: round (\d+) world (\d+) rank (\d+) batches (\d+) pid (\d+)$", re.M)
-STEPS = 60
+STEPS = 120
 BATCHES = 4096 // 16  # the example's dataset and batch size: batches per epoch in world 1
 
 
@@ -37,15 +39,32 @@ def reached(agent: Proc, round_no: int) -> int:
     return max((ln[0] for ln in lines(agent) if ln[3] == round_no), default=-1)
 
 
-@pytest.mark.timeout(120)
-def test_accelerate_keeps_survivors_in_place_after_a_node_loss(cluster: Cluster) -> None:
-    """SIGKILL a node that is not group rank 0's: the two survivors keep their
-    processes, go on in world 2 from where they were (steps never go back),
-    each with half the epoch's batches, in lock-step, and end at --steps; the
-    job succeeds with no restart."""
+def same_weights(agents: list[Proc], round_no: int) -> int:
+    """Asserts every step of ``round_no`` that all ``agents`` printed shows one
+    checksum on all of them; returns how many steps that was."""
+    sums: dict[int, set[str]] = {}
+    for a in agents:
+        for ln in lines(a):
+            if ln[3] == round_no:
+                sums.setdefault(ln[0], set()).add(ln[5])
+    every = [s for s in sums if all(any(ln[0] == s and ln[3] == round_no for ln in lines(a)) for a in agents)]
+    for s in every:
+        assert len(sums[s]) == 1, f"round {round_no} step {s}: the ranks hold different weights {sums[s]}"
+    return len(every)
+
+
+@pytest.mark.timeout(150)
+def test_accelerate_keeps_its_processes_through_a_scale_up_and_a_node_loss(cluster: Cluster) -> None:
+    """Round 0: two nodes, world 2. A third node joins (round 1, world 3): the
+    two keep their pids, the newcomer starts from their step with their
+    weights. SIGKILL of the newcomer's node (round 2, world 2): the two keep
+    their pids again, steps never go back, the dataloader is sharded for each
+    round's world, and the run ends at --steps; the job succeeds with no
+    restart."""
     server = cluster.start_server()
-    agents = [
-        cluster.start_agent(
+
+    def node() -> Proc:
+        return cluster.start_agent(
             server,
             "acc-inplace",
             EXAMPLE,
@@ -54,41 +73,40 @@ def test_accelerate_keeps_survivors_in_place_after_a_node_loss(cluster: Cluster)
             "--step-sleep",
             "0.05",
             nnodes="2:3",
-            flags=("--restart-mode", "in-place", "--in-place-timeout", "5", "--last-call", "30"),
+            flags=("--restart-mode", "in-place", "--in-place-timeout", "5", "--last-call", "1"),
         )
-        for _ in range(3)
-    ]
-    wait_until(lambda: all(reached(a, 0) >= 5 for a in agents), 90, "every worker past step 5 in world 3")
-    hosts = [a for a in agents if any(ln[1] == 0 and ln[3] == 0 for ln in lines(a))]
-    dead = next(a for a in agents if a not in hosts)
-    survivors = [a for a in agents if a is not dead]
-    before = {a.name: {ln[4] for ln in lines(a)} for a in survivors}
-    cluster.kill_node(dead)
-    top = max(reached(a, 0) for a in survivors)
-    assert top < STEPS - 10, f"the kill came too late to leave a round 1: {top}"
-    for a in survivors:
+
+    first = [node(), node()]
+    wait_until(lambda: all(reached(a, 0) >= 5 for a in first), 90, "both workers past step 5 in world 2")
+    before = {a.name: {ln[4] for ln in lines(a)} for a in first}
+    newcomer = node()
+    top0 = lambda: max(reached(a, 0) for a in first)  # noqa: E731
+    wait_until(
+        lambda: all(reached(a, 1) >= top0() + 5 for a in [*first, newcomer]), 90, "all three past 5 steps in world 3"
+    )
+    assert min(ln[0] for ln in lines(newcomer)) > top0() >= 5, "the newcomer did not start from the others' step"
+    assert same_weights([*first, newcomer], 1) >= 3
+    cluster.kill_node(newcomer)
+    top1 = max(reached(a, 1) for a in first)
+    assert top1 < STEPS - 10, f"the kill came too late to leave a round 2: {top1}"
+    for a in first:
         assert a.wait_exit(60) == 0, a.text()[-4000:]
-    sums: dict[int, set[str]] = {}
-    for a in survivors:
+    for a in first:
         mine = lines(a)
         assert {ln[4] for ln in mine} == before[a.name], f"{a.name}'s worker was restarted"
         rounds = [(int(c), int(w), int(b), int(p)) for c, w, _, b, p in ROUND_RE.findall(a.text())]
         assert [(c, w, b) for c, w, b, _ in rounds] == [
-            (0, 3, math.ceil(BATCHES / 3)),
-            (1, 2, BATCHES // 2),
+            (0, 2, BATCHES // 2),
+            (1, 3, math.ceil(BATCHES / 3)),
+            (2, 2, BATCHES // 2),
         ], f"{a.name}: the dataloader is not sharded for each round's world: {rounds}"
         assert {p for *_, p in rounds} == before[a.name], rounds
         steps = [ln[0] for ln in mine]
         assert steps == sorted(set(steps)), f"{a.name}: steps went back or repeated: {steps}"
         assert steps[-1] == STEPS, steps
-        round1 = [ln for ln in mine if ln[3] == 1]
-        assert {ln[2] for ln in round1} == {2}, f"{a.name}: round 1 is not world 2"
-        assert round1 and round1[0][0] > top, f"{a.name}: round 1 began at {round1[0][0]}, behind {top}"
-        for ln in round1:
-            sums.setdefault(ln[0], set()).add(ln[5])
-    both = [s for s in sums if all(any(ln[0] == s and ln[3] == 1 for ln in lines(a)) for a in survivors)]
-    assert len(both) >= 5, sums
-    for s in both:
-        assert len(sums[s]) == 1, f"step {s}: the ranks hold different weights {sums[s]}"
+        round2 = [ln for ln in mine if ln[3] == 2]
+        assert {ln[2] for ln in round2} == {2}, f"{a.name}: round 2 is not world 2"
+        assert round2 and round2[0][0] > top1, f"{a.name}: round 2 began at {round2[0][0]}, behind {top1}"
+    assert same_weights(first, 2) >= 5
     view = server.wait_job("acc-inplace", lambda v: v["state"] == "succeeded", 20, "job succeeded")
     assert view["restarts"] == 0, view
