@@ -34,10 +34,12 @@ def _steps(agent: C.Proc) -> list[tuple[int, int, int, int, int, float]]:
     return [(int(a), int(b), int(c), int(d), int(e), float(f)) for a, b, c, d, e, f in STEP.findall(agent.text())]
 
 
-def node_loss(tmp: Path, victim_kind: str) -> dict[str, object]:
+def node_loss(tmp: Path, victim_kind: str, example: Path = EXAMPLE) -> dict[str, object]:
+    """One run; ``example`` prints the same step lines (bench/accelerate_inplace.py runs its own)."""
     cl = Cluster("rdzv", tmp, "lit-loss")
     try:
-        cmd = [sys.executable, "-u", str(EXAMPLE), "--steps", "100000", "--step-sleep", "0.02", "--root", str(tmp)]
+        cmd = [sys.executable, "-u", str(example), "--steps", "100000", "--step-sleep", "0.02"]
+        cmd += ["--root", str(tmp)] if example == EXAMPLE else []
         agents = [cl.launch("2:3", cmd, no_python=True, rdzv_flags=("--restart-mode", "in-place")) for _ in range(3)]
         if not C.wait_until(lambda: all(any(s[2] == 3 for s in _steps(a)) for a in agents), 120):
             return {"error": "no world 3 in 120 s"}
