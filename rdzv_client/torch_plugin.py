@@ -77,10 +77,8 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from rdzv_server.protocol import (
-    DEFAULT_MIN_ROUND_S,
     MAX_ERROR_MESSAGE,
     MAX_FAILURES_PER_REPORT,
-    MAX_RESTARTS,
     AckMsg,
     AssignedMsg,
     Assignment,
@@ -109,6 +107,7 @@ from .exits import read_error_file
 from .launch import WITHHELD_FROM_WORKERS
 from .service import RETRY_LATER_CODES, outage_word
 from .session import NodeSession, OutageWatch, route_addr
+from .spec_flags import conf_spec
 
 _T = TypeVar("_T")
 
@@ -151,23 +150,17 @@ class RdzvRendezvousHandler(RendezvousHandler):
         for name in WITHHELD_FROM_WORKERS:
             os.environ.pop(name, None)
         addr = params.local_addr or route_addr(host, port)
-        self.join_timeout_s = float(params.get("join_timeout", 600))
         self.server_timeout_s = float(params.get("server_timeout", DEFAULT_SERVER_TIMEOUT_S))
         if not 0 < self.server_timeout_s < float("inf"):
             raise ValueError(f"rdzv-conf server_timeout={self.server_timeout_s}: must be a positive number of seconds")
         self._gave_up: str | None = None  # why, once the server was unreachable for server_timeout_s
         self._waiting_text = ""  # what the forming round waits for, as the server last said
+        # the spec's --rdzv-conf keys (the table's), at the plugin's defaults where the table gives one
+        # (torchrun keeps its own restart budget: the server's is unlimited and restart storms are off)
         self.spec = JobSpec(
-            min_nodes=params.min_nodes,
-            max_nodes=params.max_nodes,
-            max_restarts=int(params.get("max_restarts", MAX_RESTARTS)),
-            last_call_s=float(params.get("last_call_timeout", 1.0)),
-            join_timeout_s=self.join_timeout_s,
-            # restart storms: off unless --rdzv-conf storm_restarts=N (torchrun keeps its own budget,
-            # and its exit code cannot say "no progress")
-            storm_restarts=int(params.get("storm_restarts", 0)),
-            min_round_s=float(params.get("min_round_s", DEFAULT_MIN_ROUND_S)),
+            min_nodes=params.min_nodes, max_nodes=params.max_nodes, **conf_spec(params.get, plugin=True)
         )
+        self.join_timeout_s = self.spec.join_timeout_s
         self.nproc = _torchrun_nproc()  # until next_rendezvous finds torch's WorkerSpec (_spec_nproc)
         self._nproc_known = False
         new_run_default = "0" if os.environ.get("RDZV_NO_NEW_RUN", "") not in ("", "0") else "1"
