@@ -26,13 +26,13 @@ from rdzv_server.wire import HOST_PATTERN, is_valid_id, job_secret_problem
 from . import secret_source
 from .client import parse_endpoints
 from .launch import Std, parse_std
+from .service import DEFAULT_SERVER_TIMEOUT_S as DEFAULT_SERVER_TIMEOUT_S  # re-exported: the agent's name
 from .spec_flags import add_spec_flags, conf_spec, spec_from_args
 from .torchrun_flags import SPEC_CONF_KEYS, add_torchrun_flags, pet, pet_flag, torchrun_notes
 
 if TYPE_CHECKING:
     from rdzv_server.protocol import JobSpec
 
-DEFAULT_SERVER_TIMEOUT_S = 300.0
 DEFAULT_STOP_TIMEOUT_S = 10.0
 # torchrun's --signals-to-handle default; the agent always handles SIGINT, SIGTERM and SIGHUP
 DEFAULT_SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=os.environ.get("RDZV_SERVER_TIMEOUT", DEFAULT_SERVER_TIMEOUT_S),
         help="give up (stop workers, exit 3) when the server has been unreachable this many seconds "
-        "($RDZV_SERVER_TIMEOUT, default 300)",
+        f"($RDZV_SERVER_TIMEOUT, default {DEFAULT_SERVER_TIMEOUT_S:g})",
     )
     a(
         "--host-name",

@@ -105,7 +105,7 @@ from . import secret_source
 from .client import AgentLink, Endpoints, RestClient, parse_endpoint
 from .exits import read_error_file
 from .launch import WITHHELD_FROM_WORKERS
-from .service import RETRY_LATER_CODES, outage_word
+from .service import DEFAULT_SERVER_TIMEOUT_S, RETRY_LATER_CODES, outage_word
 from .session import NodeSession, OutageWatch, route_addr
 from .spec_flags import conf_spec
 
@@ -118,7 +118,6 @@ STORE_TIMEOUT_S = 300.0
 # round for another reason before it reports the failure (see _next_round).
 # Longer than the server's default disconnect grace (store.DEFAULT_DISCONNECT_GRACE_S, 0.5 s).
 FAILURE_REPORT_DELAY_S = 1.0
-DEFAULT_SERVER_TIMEOUT_S = 300.0
 # while a round forms, say what it waits for this often
 PROGRESS_EVERY_S = 10.0
 # The server forgot this node, or its node of this id is not ours (node secret): join as a new node.
