@@ -17,43 +17,26 @@ import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any
 
 from rdzv_server import __version__, logs
-from rdzv_server.wire import (  # not protocol: no pydantic before the first join is sent
-    DEFAULT_HEARTBEAT_TIMEOUT_S,
-    DEFAULT_IN_PLACE_TIMEOUT_S,
-    DEFAULT_JOIN_TIMEOUT_S,
-    DEFAULT_LAST_CALL_S,
-    DEFAULT_MAX_RESTARTS,
-    DEFAULT_MIN_ROUND_S,
-    DEFAULT_SCALE_UP_WINDOW_S,
-    DEFAULT_STORM_RESTARTS,
-    DEFAULT_STRAGGLER_FRACTION,
-    DEFAULT_STRAGGLER_POLICY,
-    DEFAULT_STRAGGLER_WINDOW_S,
-    HOST_PATTERN,
-    RESTART_MODES,
-    STRAGGLER_POLICIES,
-    check_spec,
-    is_valid_id,
-    job_secret_problem,
-)
+from rdzv_server.spec_table import FIELDS
+from rdzv_server.wire import HOST_PATTERN, is_valid_id, job_secret_problem
 
 from . import secret_source
 from .client import parse_endpoints
 from .launch import Std, parse_std
+from .service import DEFAULT_SERVER_TIMEOUT_S as DEFAULT_SERVER_TIMEOUT_S  # re-exported: the agent's name
+from .spec_flags import add_spec_flags, conf_spec, spec_from_args
+from .torchrun_flags import SPEC_CONF_KEYS, add_torchrun_flags, pet, pet_flag, torchrun_notes
 
 if TYPE_CHECKING:
     from rdzv_server.protocol import JobSpec
 
-DEFAULT_SERVER_TIMEOUT_S = 300.0
 DEFAULT_STOP_TIMEOUT_S = 10.0
 # torchrun's --signals-to-handle default; the agent always handles SIGINT, SIGTERM and SIGHUP
 DEFAULT_SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 ALWAYS_HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-# --rdzv-conf keys rdzv-agent reads; every other key is named in a note
-RDZV_CONF_KEYS = ("join_timeout", "last_call_timeout", "new_run", "job_id", "server")
 
 
 class UsageError(Exception):
@@ -67,11 +50,11 @@ class UsageError(Exception):
 class AgentConfig:
     endpoint: str
     job_id: str
-    min_nodes: int
-    max_nodes: int
     nproc: int
     cmd: list[str]
-    max_restarts: int = DEFAULT_MAX_RESTARTS
+    # the job spec, checked once (spec_flags.spec_from_args): the plain JSON object of a join, every field of
+    # the table (rdzv_server.spec_table); read as attributes too: cfg.min_nodes, cfg.hang_timeout_s, ...
+    spec_values: dict[str, Any]
     node_rank: int | None = None
     local_addr: str | None = None
     token: str | None = None
@@ -81,22 +64,10 @@ class AgentConfig:
     tee: dict[int, Std] | Std = Std.NONE
     local_ranks_filter: set[int] | None = None
     line_prefix: bool = False  # worker output through the agent, "[RANK]: " on each line
-    last_call_s: float = DEFAULT_LAST_CALL_S
-    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
-    join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
-    scale_up_window_s: float = DEFAULT_SCALE_UP_WINDOW_S
     stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S
     server_timeout_s: float = DEFAULT_SERVER_TIMEOUT_S
     standalone: bool = False
     host: str = field(default_factory=socket.gethostname)
-    hang_timeout_s: float | None = None
-    storm_restarts: int = DEFAULT_STORM_RESTARTS
-    min_round_s: float = DEFAULT_MIN_ROUND_S
-    straggler_policy: str = DEFAULT_STRAGGLER_POLICY
-    straggler_fraction: float = DEFAULT_STRAGGLER_FRACTION
-    straggler_window_s: float = DEFAULT_STRAGGLER_WINDOW_S
-    restart_mode: str = "process"
-    in_place_timeout_s: float = DEFAULT_IN_PLACE_TIMEOUT_S
     health_check: str | None = None  # shell command run before every join; non-zero: this round is skipped
     health_check_timeout_s: float = 60.0
     role: str = "default"  # the workers' ROLE_NAME (torchrun's --role)
@@ -106,47 +77,21 @@ class AgentConfig:
     notes: list[str] = field(default_factory=list)  # one line each: a torchrun flag that rdzv does differently
     new_run: bool = True  # False (--no-new-run): never start the next run of a finished job id
 
+    def __getattr__(self, name: str) -> Any:
+        """A spec field by name (``cfg.hang_timeout_s``), from ``spec_values``: the table names them once."""
+        values = self.__dict__.get("spec_values")
+        if values is not None and name in FIELDS:
+            return values[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def spec_fields(self) -> dict[str, Any]:
         """The job spec as the plain JSON object of a join (no pydantic: the agent's start-up path)."""
-        return check_spec(
-            min_nodes=self.min_nodes,
-            max_nodes=self.max_nodes,
-            max_restarts=self.max_restarts,
-            last_call_s=self.last_call_s,
-            heartbeat_timeout_s=self.heartbeat_timeout_s,
-            join_timeout_s=self.join_timeout_s,
-            scale_up_window_s=self.scale_up_window_s,
-            hang_timeout_s=self.hang_timeout_s,
-            storm_restarts=self.storm_restarts,
-            min_round_s=self.min_round_s,
-            straggler_policy=self.straggler_policy,
-            straggler_fraction=self.straggler_fraction,
-            straggler_window_s=self.straggler_window_s,
-            restart_mode=self.restart_mode,
-            in_place_timeout_s=self.in_place_timeout_s,
-        )
+        return dict(self.spec_values)
 
     def spec(self) -> JobSpec:
         from rdzv_server.protocol import JobSpec
 
-        return JobSpec(**self.spec_fields())
-
-
-_T = TypeVar("_T")
-
-
-@overload
-def _env(name: str) -> str | None: ...
-@overload
-def _env(name: str, default: _T) -> str | _T: ...
-def _env(name: str, default: object = None) -> object:
-    """torchrun's PET_* variables (as Kubernetes operators set them), then ours."""
-    return os.environ.get("PET_" + name.upper().replace("-", "_"), default)
-
-
-def _env_flag(name: str) -> bool:
-    """A torchrun switch's PET_* variable (its check_env): set and not 0."""
-    return (_env(name) or "0").strip() not in ("", "0")
+        return JobSpec(**self.spec_values)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -173,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--rdzv-endpoint",
         "--rdzv_endpoint",
         dest="endpoint",
-        default=os.environ.get("RDZV_ENDPOINT") or _env("rdzv_endpoint"),
+        default=os.environ.get("RDZV_ENDPOINT") or pet("rdzv_endpoint"),
         help="rdzv-server HOST:PORT, or a comma-separated list of them: the replicas of an HA server ($RDZV_ENDPOINT)",
     )
     a(
@@ -182,39 +127,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--rdzv_id",
         "--run-id",
         dest="job_id",
-        default=_env("rdzv_id") or os.environ.get("SLURM_JOB_ID"),
+        default=pet("rdzv_id") or os.environ.get("SLURM_JOB_ID"),
         help="job id; under SLURM defaults to $SLURM_JOB_ID",
     )
-    a("--nnodes", default=_env("nnodes", "1"), help="N or MIN:MAX nodes")
+    a("--nnodes", default=pet("nnodes", "1"), help="N or MIN:MAX nodes")
     a(
         "--nproc-per-node",
         "--nproc_per_node",
         dest="nproc_per_node",
-        default=_env("nproc_per_node", "1"),
+        default=pet("nproc_per_node", "1"),
         help="workers on this node: N, gpu (one per GPU), xpu (one per XPU), cpu (one per core), "
         "auto (gpu if any, else cpu)",
-    )
-    a(
-        "--max-restarts",
-        "--max_restarts",
-        dest="max_restarts",
-        type=int,
-        default=int(_env("max_restarts", DEFAULT_MAX_RESTARTS)),
-        help=f"restarts after worker failures before the job fails (default {DEFAULT_MAX_RESTARTS}; torchrun: 0)",
     )
     a(
         "--node-rank",
         "--node_rank",
         dest="node_rank",
         type=int,
-        default=_env("node_rank"),
+        default=pet("node_rank"),
         help="ask for this group rank (honoured when free and smaller than the number of nodes)",
     )
     a(
         "--local-addr",
         "--local_addr",
         dest="local_addr",
-        default=_env("local_addr"),
+        default=pet("local_addr"),
         help="address other nodes reach this one at (default: the one that reaches the server)",
     )
     a("--token", default=None, help="bearer token for the server (default: $RDZV_TOKEN)")
@@ -245,22 +182,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-dir",
         "--log_dir",
         dest="log_dir",
-        default=_env("log_dir"),
+        default=pet("log_dir"),
         help="keep worker logs and error files, as torchrun: DIR/JOB_RANDOM/attempt_ROUND/LOCAL_RANK/"
         "{stdout,stderr}.log,error.json (one run directory per agent)",
     )
     a(
         "--redirects",
         "-r",
-        default=_env("redirects", "0"),
+        default=pet("redirects", "0"),
         help="send worker output to log files only: 0 none, 1 stdout, 2 stderr, 3 both; or 0:3,1:0 per rank",
     )
-    a("--tee", "-t", default=_env("tee", "0"), help="copy worker output to log files too (values as --redirects)")
+    a("--tee", "-t", default=pet("tee", "0"), help="copy worker output to log files too (values as --redirects)")
     a(
         "--local-ranks-filter",
         "--local_ranks_filter",
         dest="local_ranks_filter",
-        default=_env("local_ranks_filter", ""),
+        default=pet("local_ranks_filter", ""),
         help="show only these local ranks on the console, e.g. 0 or 0,2",
     )
     a(
@@ -274,14 +211,14 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--standalone",
         action="store_true",
-        default=_env_flag("standalone"),
+        default=pet_flag("standalone"),
         help="single node: run an embedded server on a free localhost port",
     )
     a(
         "-m",
         "--module",
         action="store_true",
-        default=_env_flag("module"),
+        default=pet_flag("module"),
         help="run the script as a python module (python -m)",
     )
     a(
@@ -289,87 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--no_python",
         dest="no_python",
         action="store_true",
-        default=_env_flag("no_python"),
+        default=pet_flag("no_python"),
         help="run the script as an executable, not with python",
-    )
-    a(
-        "--last-call",
-        type=float,
-        default=DEFAULT_LAST_CALL_S,
-        help="seconds the first round waits for more nodes once min is reached",
-    )
-    a(
-        "--heartbeat-timeout",
-        type=float,
-        default=DEFAULT_HEARTBEAT_TIMEOUT_S,
-        help="seconds of silence after which the server evicts a node",
-    )
-    a(
-        "--join-timeout",
-        type=float,
-        default=DEFAULT_JOIN_TIMEOUT_S,
-        help="seconds a job below min nodes waits for more before it fails",
-    )
-    a(
-        "--scale-up-window",
-        type=float,
-        default=DEFAULT_SCALE_UP_WINDOW_S,
-        help="seconds new nodes are batched before one scale-up round",
-    )
-    a(
-        "--hang-timeout",
-        type=float,
-        default=None,
-        help="a worker that called rdzv_client.worker.progress() and then goes this many seconds without "
-        "another call is hung: its stacks are dumped and the round restarts (default: off; part of the job spec)",
-    )
-    a(
-        "--storm-restarts",
-        type=int,
-        default=DEFAULT_STORM_RESTARTS,
-        help="the job fails (agents exit 4, do not requeue) after this many restarts in a row without progress: "
-        "no rank's progress() step beyond the highest seen when the round began, and no round lasting "
-        "--min-round-s; 0: off; --max-restarts stays the hard budget (part of the job spec)",
-    )
-    a(
-        "--min-round-s",
-        type=float,
-        default=DEFAULT_MIN_ROUND_S,
-        help="a round that ran this many seconds made progress, for restart storms (part of the job spec)",
-    )
-    a(
-        "--straggler-policy",
-        choices=STRAGGLER_POLICIES,
-        default=DEFAULT_STRAGGLER_POLICY,
-        help="what the server does with a straggler (a node below --straggler-fraction of the job's median "
-        "progress() steps/s for --straggler-window-s): warn (flag it) or replace (a waiting spare takes its "
-        "place in a new round at once; with no spare it is flagged only); part of the job spec",
-    )
-    a(
-        "--straggler-fraction",
-        type=float,
-        default=DEFAULT_STRAGGLER_FRACTION,
-        help="a node below this fraction of the job's median steps/s may be a straggler (part of the job spec)",
-    )
-    a(
-        "--straggler-window-s",
-        type=float,
-        default=DEFAULT_STRAGGLER_WINDOW_S,
-        help="seconds a node must stay below the fraction to be a straggler (part of the job spec)",
-    )
-    a(
-        "--restart-mode",
-        choices=RESTART_MODES,
-        default="process",
-        help="on a round change: 'process' stops and starts the workers; 'in-place' keeps survivors' workers and "
-        "hands them the new round over the worker channel (rdzv_client.worker.rounds(); part of the job spec)",
-    )
-    a(
-        "--in-place-timeout",
-        type=float,
-        default=DEFAULT_IN_PLACE_TIMEOUT_S,
-        help="in-place mode: seconds a worker has to reach its safe point after a round change before its "
-        "node's workers are restarted the process way (part of the job spec)",
     )
     a(
         "--stop-timeout",
@@ -377,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--shutdown_timeout",
         dest="stop_timeout",
         type=float,
-        default=_env("shutdown_timeout", os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_STOP_TIMEOUT_S)),
+        default=pet("shutdown_timeout", os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_STOP_TIMEOUT_S)),
         help="seconds workers get between SIGTERM and SIGKILL (torchrun: --shutdown-timeout, default 30; "
         f"default {DEFAULT_STOP_TIMEOUT_S:g}, or $TORCH_ELASTIC_SHUTDOWN_TIMEOUT)",
     )
@@ -386,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=os.environ.get("RDZV_SERVER_TIMEOUT", DEFAULT_SERVER_TIMEOUT_S),
         help="give up (stop workers, exit 3) when the server has been unreachable this many seconds "
-        "($RDZV_SERVER_TIMEOUT, default 300)",
+        f"($RDZV_SERVER_TIMEOUT, default {DEFAULT_SERVER_TIMEOUT_S:g})",
     )
     a(
         "--host-name",
@@ -422,15 +280,15 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--rdzv-conf",
         "--rdzv_conf",
-        default=_env("rdzv_conf", ""),
-        help="torchrun's key=value,... (join_timeout, last_call_timeout; other keys are named in a note)",
+        default=pet("rdzv_conf", ""),
+        help=f"torchrun's key=value,... ({', '.join(SPEC_CONF_KEYS)}; other keys are named in a note)",
     )
-    a("--role", default=_env("role", "default"), help="the workers' ROLE_NAME, as torchrun's --role")
+    a("--role", default=pet("role", "default"), help="the workers' ROLE_NAME, as torchrun's --role")
     a(
         "--signals-to-handle",
         "--signals_to_handle",
         dest="signals_to_handle",
-        default=_env("signals_to_handle", DEFAULT_SIGNALS_TO_HANDLE),
+        default=pet("signals_to_handle", DEFAULT_SIGNALS_TO_HANDLE),
         help="signals that stop the workers and leave the job, exit 128+N (SIGINT, SIGTERM, SIGHUP always); "
         "the workers see the list in TORCHELASTIC_SIGNALS_TO_HANDLE, as under torchrun",
     )
@@ -439,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--virtual_local_rank",
         dest="virtual_local_rank",
         action="store_true",
-        default=_env_flag("virtual_local_rank"),
+        default=pet_flag("virtual_local_rank"),
         help="every worker gets LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES set to its own GPU, as torchrun's",
     )
     a(
@@ -447,56 +305,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--run_path",
         dest="run_path",
         action="store_true",
-        default=_env_flag("run_path"),
+        default=pet_flag("run_path"),
         help="run the script with python, as torchrun's runpy.run_path (overrides --no-python)",
     )
-    # torchrun's flags that rdzv does differently: accepted, so that a command line copied from torchrun
-    # runs; each one given is named in a one-line note at start that says what rdzv does instead.
-    t = p.add_argument_group("torchrun's flags that rdzv does differently (accepted; each prints a one-line note)")
-    t.add_argument(
-        "--rdzv-backend",
-        "--rdzv_backend",
-        default=_env("rdzv_backend"),
-        help="rdzv; c10d or static: the rdzv server is used all the same",
-    )
-    t.add_argument(
-        "--monitor-interval",
-        "--monitor_interval",
-        default=_env("monitor_interval"),
-        help="not used: worker exits are seen at once",
-    )
-    t.add_argument(
-        "--start-method",
-        "--start_method",
-        default=_env("start_method"),
-        choices=("spawn", "fork", "forkserver"),
-        help="not used: workers are processes started with exec, as torchrun starts a script",
-    )
-    t.add_argument(
-        "--event-log-handler",
-        "--event_log_handler",
-        default=_env("event_log_handler"),
-        help="not used: see rdzv status JOB",
-    )
-    t.add_argument("--master-addr", "--master_addr", default=_env("master_addr"), help="not used: rank 0 each round")
-    t.add_argument(
-        "--master-port", "--master_port", default=_env("master_port"), help="not used: a free port each round"
-    )
-    t.add_argument("--logs-specs", "--logs_specs", default=None, help="not used: torchrun's default layout")
-    t.add_argument(
-        "--numa-binding",
-        "--numa_binding",
-        default=None,
-        choices=("node", "socket", "exclusive", "core-complex"),
-        help="not applied: workers run without NUMA binding",
-    )
-    for stream in ("stdout", "stderr"):
-        t.add_argument(
-            f"--duplicate-{stream}-filters",
-            f"--duplicate_{stream}_filters",
-            default=_env(f"duplicate_{stream}_filters"),
-            help="not used: --log-dir DIR --tee 3 keeps the whole output",
-        )
+    add_spec_flags(p)  # the job spec's flags, from the table
+    add_torchrun_flags(p)
     a("script", help="training script (or module with -m, or executable with --no-python)")
     a("script_args", nargs=argparse.REMAINDER, help="its arguments")
     return p
@@ -574,8 +387,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
             raise UsageError(f"--rdzv-conf item {item!r}: expected key=value")
         conf[key.strip()] = value.strip()
     try:
-        join_timeout = float(conf.pop("join_timeout", args.join_timeout))
-        last_call = float(conf.pop("last_call_timeout", args.last_call))
+        spec_conf = conf_spec(lambda key: conf.pop(key, None), plugin=False)  # over the flags
     except ValueError as e:
         raise UsageError(f"--rdzv-conf: {e}") from None
     # as the torchrun plugin reads them: job_id= over --job-id, server= over --endpoint, new_run=0 as --no-new-run
@@ -639,23 +451,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     if job_secret is not None and (why := job_secret_problem(job_secret)):
         raise UsageError(f"the job secret (--job-secret, --job-secret-file or RDZV_JOB_SECRET) {why}")
     try:
-        spec_check = check_spec(
-            min_nodes=min_nodes,
-            max_nodes=max_nodes,
-            max_restarts=args.max_restarts,
-            last_call_s=last_call,
-            heartbeat_timeout_s=args.heartbeat_timeout,
-            join_timeout_s=join_timeout,
-            scale_up_window_s=args.scale_up_window,
-            hang_timeout_s=args.hang_timeout,
-            storm_restarts=args.storm_restarts,
-            min_round_s=args.min_round_s,
-            straggler_policy=args.straggler_policy,
-            straggler_fraction=args.straggler_fraction,
-            straggler_window_s=args.straggler_window_s,
-            restart_mode=args.restart_mode,
-            in_place_timeout_s=args.in_place_timeout,
-        )
+        spec = spec_from_args(args, spec_conf, min_nodes=min_nodes, max_nodes=max_nodes)
     except ValueError as e:
         raise UsageError(f"bad job settings: {e}") from None
     try:
@@ -667,11 +463,9 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     return AgentConfig(
         endpoint=endpoint,
         job_id=job_id,
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
         nproc=nproc,
         cmd=cmd,
-        max_restarts=args.max_restarts,
+        spec_values=spec,
         node_rank=node_rank,
         local_addr=args.local_addr,
         token=args.token or os.environ.get("RDZV_TOKEN") or None,
@@ -681,27 +475,15 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         tee=tee,
         local_ranks_filter=ranks_filter,
         line_prefix=args.line_prefix,
-        last_call_s=spec_check["last_call_s"],
-        heartbeat_timeout_s=spec_check["heartbeat_timeout_s"],
-        join_timeout_s=spec_check["join_timeout_s"],
-        scale_up_window_s=spec_check["scale_up_window_s"],
         stop_timeout_s=args.stop_timeout,
         server_timeout_s=server_timeout,
         standalone=standalone,
-        hang_timeout_s=spec_check["hang_timeout_s"],
-        storm_restarts=spec_check["storm_restarts"],
-        min_round_s=spec_check["min_round_s"],
-        straggler_policy=spec_check["straggler_policy"],
-        straggler_fraction=spec_check["straggler_fraction"],
-        straggler_window_s=spec_check["straggler_window_s"],
         role=_role(str(args.role)),
         signals_to_handle=str(args.signals_to_handle),
         signals=signals,
         virtual_local_rank=bool(args.virtual_local_rank),
         notes=notes,
         new_run=new_run,
-        restart_mode=spec_check["restart_mode"],
-        in_place_timeout_s=spec_check["in_place_timeout_s"],
         **_host_options(args),
     )
 
@@ -727,53 +509,6 @@ def parse_signals(text: str) -> tuple[int, ...]:
         if sig not in out:
             out.append(sig)
     return tuple(int(x) for x in out)
-
-
-def torchrun_notes(args: argparse.Namespace, conf: dict[str, str]) -> list[str]:
-    """One line for each torchrun flag given (or PET_* variable set) that rdzv
-    does differently: what rdzv does instead."""
-    notes = []
-    if args.rdzv_backend in ("c10d", "static"):
-        notes.append(f"--rdzv-backend {args.rdzv_backend}: rdzv-agent always uses the rdzv server at --rdzv-endpoint")
-    if args.monitor_interval is not None:
-        notes.append("--monitor-interval: not used; rdzv-agent does not poll, it learns of a worker's exit at once")
-    if args.start_method is not None:
-        notes.append(
-            f"--start-method {args.start_method}: not used; each worker is a process of its own started with exec "
-            "(as torchrun starts a script: start methods apply to Python function entry points)"
-        )
-    if args.event_log_handler not in (None, "null"):
-        notes.append(
-            f"--event-log-handler {args.event_log_handler}: not used; the job's events are kept by the server "
-            "(rdzv status JOB, GET /v1/jobs/JOB)"
-        )
-    if args.master_addr is not None or args.master_port is not None:
-        notes.append(
-            "--master-addr/--master-port: not used; each round's rank 0 gives MASTER_ADDR (its address) "
-            "and a free MASTER_PORT to every node"
-        )
-    if args.logs_specs is not None:
-        notes.append(
-            f"--logs-specs {args.logs_specs}: not used; logs are laid out as torchrun's default "
-            "(--log-dir DIR/attempt_N/LOCAL_RANK/{stdout,stderr}.log)"
-        )
-    if args.numa_binding is not None:
-        notes.append(
-            f"--numa-binding {args.numa_binding}: not applied; workers run without NUMA binding "
-            "(wrap the script: --no-python numactl ... python train.py)"
-        )
-    for stream in ("stdout", "stderr"):
-        if getattr(args, f"duplicate_{stream}_filters", None):
-            notes.append(
-                f"--duplicate-{stream}-filters: not used; --log-dir DIR with --tee 3 keeps every worker's "
-                "whole output in DIR (grep it)"
-            )
-    if conf:
-        notes.append(
-            f"--rdzv-conf {','.join(sorted(conf))}: not used; rdzv-agent reads {', '.join(RDZV_CONF_KEYS)} "
-            "there, the other settings are flags (see --help)"
-        )
-    return notes
 
 
 def _host_options(args: argparse.Namespace) -> dict[str, Any]:

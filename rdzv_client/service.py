@@ -18,6 +18,8 @@ from typing import Any
 from rdzv_server.errors import ErrorCode
 from rdzv_server.wire import printable
 
+# --server-timeout (rdzv-agent) and --rdzv-conf server_timeout (the torchrun plugin): the default
+DEFAULT_SERVER_TIMEOUT_S = 300.0
 # refusals that say "not now": the link backs off and joins again, the clock runs
 # (the torchrun plugin waits on them; any other refusal ends its rendezvous)
 RETRY_LATER_CODES = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.RATE_LIMITED, ErrorCode.NOT_LEADER})

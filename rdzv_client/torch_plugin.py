@@ -77,10 +77,8 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from rdzv_server.protocol import (
-    DEFAULT_MIN_ROUND_S,
     MAX_ERROR_MESSAGE,
     MAX_FAILURES_PER_REPORT,
-    MAX_RESTARTS,
     AckMsg,
     AssignedMsg,
     Assignment,
@@ -107,8 +105,9 @@ from . import secret_source
 from .client import AgentLink, Endpoints, RestClient, parse_endpoint
 from .exits import read_error_file
 from .launch import WITHHELD_FROM_WORKERS
-from .service import RETRY_LATER_CODES, outage_word
+from .service import DEFAULT_SERVER_TIMEOUT_S, RETRY_LATER_CODES, outage_word
 from .session import NodeSession, OutageWatch, route_addr
+from .spec_flags import conf_spec
 
 _T = TypeVar("_T")
 
@@ -119,7 +118,6 @@ STORE_TIMEOUT_S = 300.0
 # round for another reason before it reports the failure (see _next_round).
 # Longer than the server's default disconnect grace (store.DEFAULT_DISCONNECT_GRACE_S, 0.5 s).
 FAILURE_REPORT_DELAY_S = 1.0
-DEFAULT_SERVER_TIMEOUT_S = 300.0
 # while a round forms, say what it waits for this often
 PROGRESS_EVERY_S = 10.0
 # The server forgot this node, or its node of this id is not ours (node secret): join as a new node.
@@ -151,23 +149,17 @@ class RdzvRendezvousHandler(RendezvousHandler):
         for name in WITHHELD_FROM_WORKERS:
             os.environ.pop(name, None)
         addr = params.local_addr or route_addr(host, port)
-        self.join_timeout_s = float(params.get("join_timeout", 600))
         self.server_timeout_s = float(params.get("server_timeout", DEFAULT_SERVER_TIMEOUT_S))
         if not 0 < self.server_timeout_s < float("inf"):
             raise ValueError(f"rdzv-conf server_timeout={self.server_timeout_s}: must be a positive number of seconds")
         self._gave_up: str | None = None  # why, once the server was unreachable for server_timeout_s
         self._waiting_text = ""  # what the forming round waits for, as the server last said
+        # the spec's --rdzv-conf keys (the table's), at the plugin's defaults where the table gives one
+        # (torchrun keeps its own restart budget: the server's is unlimited and restart storms are off)
         self.spec = JobSpec(
-            min_nodes=params.min_nodes,
-            max_nodes=params.max_nodes,
-            max_restarts=int(params.get("max_restarts", MAX_RESTARTS)),
-            last_call_s=float(params.get("last_call_timeout", 1.0)),
-            join_timeout_s=self.join_timeout_s,
-            # restart storms: off unless --rdzv-conf storm_restarts=N (torchrun keeps its own budget,
-            # and its exit code cannot say "no progress")
-            storm_restarts=int(params.get("storm_restarts", 0)),
-            min_round_s=float(params.get("min_round_s", DEFAULT_MIN_ROUND_S)),
+            min_nodes=params.min_nodes, max_nodes=params.max_nodes, **conf_spec(params.get, plugin=True)
         )
+        self.join_timeout_s = self.spec.join_timeout_s
         self.nproc = _torchrun_nproc()  # until next_rendezvous finds torch's WorkerSpec (_spec_nproc)
         self._nproc_known = False
         new_run_default = "0" if os.environ.get("RDZV_NO_NEW_RUN", "") not in ("", "0") else "1"

@@ -88,6 +88,7 @@ from .wire import (  # noqa: F401  (re-exported: the wire contract is one import
     DEFAULT_LAST_CALL_S,
     DEFAULT_MAX_RESTARTS,
     DEFAULT_MIN_ROUND_S,
+    DEFAULT_RESTART_MODE,
     DEFAULT_SCALE_UP_WINDOW_S,
     DEFAULT_STORM_RESTARTS,
     DEFAULT_STRAGGLER_FRACTION,
@@ -141,6 +142,11 @@ class JobSpec(_Strict):
 
     Every later join must send the same spec, field for field; a join that
     differs is refused with ``spec_mismatch`` naming the field and both values.
+
+    The fields are those of :data:`rdzv_server.spec_table.SPEC_FIELDS` (the one
+    table: bounds, defaults, flags, records), in its order; this model gives
+    them types for the code that reads them, and tests/unit/test_spec_table.py
+    holds the two equal.
     """
 
     min_nodes: int = Field(ge=1, le=MAX_NODES)

@@ -5,19 +5,41 @@ Here, not in :mod:`rdzv_server.protocol`, so that the agent can build and send
 its first join without importing pydantic (start-up is part of recovery: an
 agent that restarts should be back in the job fast). ``protocol`` re-exports
 every name here, builds its models from them, and stays the one contract;
-tests/unit/test_protocol.py checks that :func:`check_spec` and
-:func:`join_fields` agree with ``JobSpec`` and ``JoinMsg``.
+tests/unit/test_wire.py checks that :func:`check_spec` and
+:func:`join_fields` agree with ``JobSpec`` and ``JoinMsg``. The job spec's
+fields, their bounds and defaults, and :func:`check_spec` live in
+:mod:`rdzv_server.spec_table` (one table), re-exported here.
 
-This module imports nothing of ours but :mod:`rdzv_server.errors`.
+This module imports nothing of ours but :mod:`rdzv_server.errors` and
+:mod:`rdzv_server.spec_table`.
 """
 
 from __future__ import annotations
 
-import math
 import re
-from typing import Any, Final
+from typing import Any
 
 from .errors import MAX_ERROR_MESSAGE  # noqa: F401 - one import for the wire's limits
+from .spec_table import (  # re-exported: the spec's bounds, defaults and check, from the table
+    DEFAULT_HEARTBEAT_TIMEOUT_S as DEFAULT_HEARTBEAT_TIMEOUT_S,
+)
+from .spec_table import DEFAULT_IN_PLACE_TIMEOUT_S as DEFAULT_IN_PLACE_TIMEOUT_S
+from .spec_table import DEFAULT_JOIN_TIMEOUT_S as DEFAULT_JOIN_TIMEOUT_S
+from .spec_table import DEFAULT_LAST_CALL_S as DEFAULT_LAST_CALL_S
+from .spec_table import DEFAULT_MAX_RESTARTS as DEFAULT_MAX_RESTARTS
+from .spec_table import DEFAULT_MIN_ROUND_S as DEFAULT_MIN_ROUND_S
+from .spec_table import DEFAULT_RESTART_MODE as DEFAULT_RESTART_MODE
+from .spec_table import DEFAULT_SCALE_UP_WINDOW_S as DEFAULT_SCALE_UP_WINDOW_S
+from .spec_table import DEFAULT_STORM_RESTARTS as DEFAULT_STORM_RESTARTS
+from .spec_table import DEFAULT_STRAGGLER_FRACTION as DEFAULT_STRAGGLER_FRACTION
+from .spec_table import DEFAULT_STRAGGLER_POLICY as DEFAULT_STRAGGLER_POLICY
+from .spec_table import DEFAULT_STRAGGLER_WINDOW_S as DEFAULT_STRAGGLER_WINDOW_S
+from .spec_table import MAX_NODES as MAX_NODES
+from .spec_table import MAX_RESTARTS as MAX_RESTARTS
+from .spec_table import MAX_TIMEOUT_S as MAX_TIMEOUT_S
+from .spec_table import RESTART_MODES as RESTART_MODES
+from .spec_table import STRAGGLER_POLICIES as STRAGGLER_POLICIES
+from .spec_table import check_spec as check_spec
 
 AGENT_PATH = "/v1/agent"
 # The heartbeat frame, exactly: agents send this text and the server compares
@@ -26,10 +48,7 @@ HEARTBEAT_FRAME = '{"op":"hb"}'
 
 # Limits that keep hostile or broken clients from costing memory or time.
 MAX_ID_LEN = 128
-MAX_NODES = 100_000
 MAX_NPROC = 1024
-MAX_RESTARTS = 1_000_000
-MAX_TIMEOUT_S = 7 * 24 * 3600.0
 MAX_BODY_BYTES = 64 * 1024
 MAX_FAILURES_PER_REPORT = MAX_NPROC
 
@@ -42,25 +61,6 @@ MAX_SECRET_LEN = 256
 # A job secret guards a job id (and owns it for its next runs): at least this long,
 # so that guessing it is hopeless (e.g. `openssl rand -hex 16`, 32 characters).
 MIN_JOB_SECRET_LEN = 16
-
-DEFAULT_LAST_CALL_S = 1.0
-DEFAULT_HEARTBEAT_TIMEOUT_S = 6.0
-DEFAULT_JOIN_TIMEOUT_S = 600.0
-DEFAULT_SCALE_UP_WINDOW_S = 0.5
-DEFAULT_MAX_RESTARTS = 3
-DEFAULT_STORM_RESTARTS = 3  # restarts in a row without progress that stop a job (0: off)
-DEFAULT_MIN_ROUND_S = 60.0  # a round that ran this long made progress (scripts that never call progress())
-# A running node whose steps/s stays below STRAGGLER_FRACTION x the job's median for
-# STRAGGLER_WINDOW_S is a straggler; the policy says what then: "warn" (flag only) or
-# "replace" (a waiting spare takes its place in a new round).
-STRAGGLER_POLICIES = ("warn", "replace")
-DEFAULT_STRAGGLER_POLICY: Final = "warn"
-DEFAULT_STRAGGLER_FRACTION = 0.5
-DEFAULT_STRAGGLER_WINDOW_S = 30.0
-RESTART_MODES = ("process", "in-place")  # design.md "In-place re-formation"
-DEFAULT_IN_PLACE_TIMEOUT_S = 10.0  # a worker must reach its safe point this fast after a round change
-
-SPEC_SECONDS = ("last_call_s", "heartbeat_timeout_s", "join_timeout_s", "scale_up_window_s")
 
 
 def is_valid_id(value: str) -> bool:
@@ -109,83 +109,6 @@ def heartbeat_every(heartbeat_timeout_s: float) -> float:
     """How often agents send heartbeats: a few per timeout, at most every 2 s.
     The server says it in ``joined``; an agent uses it for its own spec until then."""
     return min(2.0, heartbeat_timeout_s / 3.0)
-
-
-def check_spec(
-    *,
-    min_nodes: int,
-    max_nodes: int,
-    max_restarts: int = DEFAULT_MAX_RESTARTS,
-    last_call_s: float = DEFAULT_LAST_CALL_S,
-    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
-    join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
-    scale_up_window_s: float = DEFAULT_SCALE_UP_WINDOW_S,
-    hang_timeout_s: float | None = None,
-    storm_restarts: int = DEFAULT_STORM_RESTARTS,
-    min_round_s: float = DEFAULT_MIN_ROUND_S,
-    straggler_policy: str = DEFAULT_STRAGGLER_POLICY,
-    straggler_fraction: float = DEFAULT_STRAGGLER_FRACTION,
-    straggler_window_s: float = DEFAULT_STRAGGLER_WINDOW_S,
-    restart_mode: str = "process",
-    in_place_timeout_s: float = DEFAULT_IN_PLACE_TIMEOUT_S,
-) -> dict[str, Any]:
-    """A job spec as the plain JSON object ``JobSpec`` serializes to, or
-    ValueError naming the field: the same rules as ``JobSpec``, without pydantic."""
-    out: dict[str, Any] = {}
-    for name, value, lo, hi in (
-        ("min_nodes", min_nodes, 1, MAX_NODES),
-        ("max_nodes", max_nodes, 1, MAX_NODES),
-        ("max_restarts", max_restarts, 0, MAX_RESTARTS),
-        ("storm_restarts", storm_restarts, 0, MAX_RESTARTS),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{name}: must be an integer, got {value!r}")
-        if not lo <= value <= hi:
-            raise ValueError(f"{name}: must be between {lo} and {hi}, got {value}")
-        out[name] = value
-    seconds: tuple[float | None, ...] = (
-        last_call_s,
-        heartbeat_timeout_s,
-        join_timeout_s,
-        scale_up_window_s,
-        hang_timeout_s,
-        min_round_s,
-        straggler_window_s,
-        in_place_timeout_s,
-    )
-    names = (*SPEC_SECONDS, "hang_timeout_s", "min_round_s", "straggler_window_s", "in_place_timeout_s")
-    for name, secs in zip(names, seconds, strict=True):
-        if name == "hang_timeout_s" and secs is None:  # optional: off
-            out[name] = None
-            continue
-        if isinstance(secs, bool) or not isinstance(secs, (int, float)):
-            raise ValueError(f"{name}: must be a number of seconds, got {secs!r}")
-        if not math.isfinite(secs) or not 0 < secs <= MAX_TIMEOUT_S:
-            raise ValueError(f"{name}: must be more than 0 and at most {MAX_TIMEOUT_S:g} seconds, got {secs!r}")
-        out[name] = float(secs)
-    if min_nodes > max_nodes:
-        raise ValueError(f"min_nodes ({min_nodes}) is greater than max_nodes ({max_nodes})")
-    if straggler_policy not in STRAGGLER_POLICIES:
-        raise ValueError(f"straggler_policy: must be one of {', '.join(STRAGGLER_POLICIES)}, got {straggler_policy!r}")
-    out["straggler_policy"] = straggler_policy
-    f = straggler_fraction
-    if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or not 0 < f <= 1:
-        raise ValueError(f"straggler_fraction: must be more than 0 and at most 1, got {f!r}")
-    out["straggler_fraction"] = float(f)
-    if restart_mode not in RESTART_MODES:
-        raise ValueError(f"restart_mode: must be one of {', '.join(RESTART_MODES)}, got {restart_mode!r}")
-    out["restart_mode"] = restart_mode
-    for name in (
-        "storm_restarts",
-        "min_round_s",
-        "straggler_policy",
-        "straggler_fraction",
-        "straggler_window_s",
-        "restart_mode",
-        "in_place_timeout_s",
-    ):
-        out[name] = out.pop(name)  # in JobSpec's order, last
-    return out
 
 
 def join_fields(

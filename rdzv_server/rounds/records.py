@@ -9,14 +9,7 @@ from typing import Any
 
 from ..protocol import JobSpec, JobState
 from ..sizes import MAX_OLD_REASON_BYTES, RECENT_REASONS, clip
-from ..wire import (
-    DEFAULT_IN_PLACE_TIMEOUT_S,
-    DEFAULT_MIN_ROUND_S,
-    DEFAULT_STORM_RESTARTS,
-    DEFAULT_STRAGGLER_FRACTION,
-    DEFAULT_STRAGGLER_POLICY,
-    DEFAULT_STRAGGLER_WINDOW_S,
-)
+from ..spec_table import spec_from_record, spec_record
 from .model import Job, Node, NodeState, RoundRecord, RunRecord
 
 # Progress that agents send with heartbeats is not saved: the next heartbeat
@@ -25,23 +18,12 @@ _NOT_SAVED_NODE = frozenset({"step", "step_rate", "progress_at", "slow_since", "
 _NOT_SAVED_JOB = frozenset({"spec", "nodes", "history", "state", "counts", "stragglers_at", "gate"})
 
 
-# Restart-storm spec fields (JobSpec) and job counters (Job) at their defaults:
-# left out of the record, so a job that never used them saves what older code wrote.
-_STORM_DEFAULTS: dict[str, Any] = {
-    "storm_restarts": DEFAULT_STORM_RESTARTS,
-    "min_round_s": DEFAULT_MIN_ROUND_S,
-    "no_progress": 0,
-    "max_step": None,
-    "round_step": None,
-    # stragglers (JobSpec): left out at their defaults as well
-    "straggler_policy": DEFAULT_STRAGGLER_POLICY,
-    "straggler_fraction": DEFAULT_STRAGGLER_FRACTION,
-    "straggler_window_s": DEFAULT_STRAGGLER_WINDOW_S,
-}
+# Job counters of restart storms (Job) at their defaults: left out of the record, so a
+# job that never used them saves what older code wrote. (The spec's fields: the table's
+# rule, spec_table.spec_record.)
+_STORM_DEFAULTS: dict[str, Any] = {"no_progress": 0, "max_step": None, "round_step": None}
 # Runs of a job id: left out for a job that never started a second run.
 _RUN_DEFAULTS: dict[str, Any] = {"run": 1, "runs": [], "run_started_at": None}
-# in-place re-formation's spec fields, left out at their defaults likewise
-_IN_PLACE_DEFAULTS = {"restart_mode": "process", "in_place_timeout_s": DEFAULT_IN_PLACE_TIMEOUT_S}
 
 
 def add_round(job: Job, rec: RoundRecord, max_rounds: int) -> None:
@@ -65,21 +47,14 @@ def _known(state: NodeState | None) -> NodeState:
 def to_record(job: Job) -> dict[str, Any]:
     """The job as plain JSON-able data (for the store's database)."""
     d = {k: getattr(job, k) for k in Job.__dataclass_fields__ if k not in _NOT_SAVED_JOB}
-    d["spec"] = job.spec.model_dump()
-    if d["spec"].get("hang_timeout_s") is None:
-        d["spec"].pop("hang_timeout_s", None)  # off: the record older code wrote
+    d["spec"] = spec_record(job.spec.model_dump())  # fields at their defaults left out, as the table says
     for name, default in _STORM_DEFAULTS.items():  # at their defaults: the record older code wrote
-        if d["spec"].get(name) == default:
-            d["spec"].pop(name, None)
         if d.get(name) == default:
             d.pop(name, None)
     d["runs"] = [vars(r).copy() for r in job.runs]
     for name, default in _RUN_DEFAULTS.items():
         if d.get(name) == default:
             d.pop(name, None)
-    for name, default in _IN_PLACE_DEFAULTS.items():
-        if d["spec"].get(name) == default:
-            d["spec"].pop(name, None)
     d["state"] = job.state.value
     d["nodes"] = [_node_record(n) for n in job.nodes.values()]
     d["history"] = [vars(r).copy() for r in job.history]
@@ -97,7 +72,7 @@ def _node_record(node: Node) -> dict[str, Any]:
 
 def from_record(d: dict[str, Any]) -> Job:
     d = dict(d)
-    spec = JobSpec(**d.pop("spec"))
+    spec = JobSpec(**spec_from_record(d.pop("spec")))
     nodes = {n["node_id"]: Node(**{**n, "state": NodeState(n["state"])}) for n in d.pop("nodes")}
     history = [RoundRecord(**r) for r in d.pop("history")]
     d["runs"] = [RunRecord(**r) for r in d.pop("runs", [])]
