@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Protocol
 from . import etcd, logs, rounds
 from .cursors import decode_cursor, encode_cursor
 from .database import Database, DataDirError  # noqa: F401  (DataDirError: re-exported)
-from .events import EventLog, failure_fields
+from .events import EventLog
 from .hosts import HostRecord, HostRules, Hosts
 from .protocol import (
     ErrorCode,
@@ -182,7 +182,6 @@ class Store(HostsMixin, RetentionMixin):
             self._order.append((job.created_at, job.job_id))
             if not job.finished:
                 rounds.restored(job, now, extra_s)
-                self.events.mark(job)
                 self.active.add(job.job_id)
                 if job.forming:
                     self.waiting.add(job.job_id)
@@ -248,7 +247,6 @@ class Store(HostsMixin, RetentionMixin):
         self._due, self._due_at, self._ended, self._order = [], {}, [], []
         self.hosts = Hosts(self.settings.host_rules)
         self._unblock_at = None
-        self.events.marks.clear()
         self.events.close_all()
 
     async def _remote_write(self, key: str, payload: object) -> None:
@@ -451,35 +449,19 @@ class Store(HostsMixin, RetentionMixin):
                 job.run = msg.run
             job.gate = self.hosts
         rerun = not created and rounds.starts_run(job, msg)  # a finished job id's next run
-        ended = job.state.value if rerun else None  # the state the previous run ended in
         if rerun:  # only its owner may take its room: ownership first (nothing changes on a refusal)
             rounds.check_owner(job, msg)
             self.room.check(self, msg.job_id, chan)
         # a node this join creates gets a fresh secret; only its own connection hears it
         issued = None if msg.node_id in job.nodes else secrets.token_urlsafe(24)
         fx = rounds.join(job, msg, now, node_secret=issued)  # raises before changing anything
-        node = job.nodes.get(msg.node_id)
-        joined = None
-        if issued is not None and node is not None:
-            joined_as = "spare" if node.state == rounds.SPARE else "waiting"
-            joined = (
-                "node_joined",
-                msg.node_id,
-                # as it joined: waiting, or spare (a round it completed at once is the next event)
-                {"host": node.host, "addr": node.addr, "nproc": node.local_world_size, "state": joined_as},
-            )
         if rerun:
             self.active.add(job.job_id)
         if created:
             self.jobs[job.job_id] = job
             self.active.add(job.job_id)
             bisect.insort(self._order, (job.created_at, job.job_id))
-            fx.persist = True
-            fx.logs.insert(
-                0,
-                f"job {job.job_id} created: nnodes {msg.spec.min_nodes}:{msg.spec.max_nodes}, "
-                f"max_restarts {msg.spec.max_restarts}" + (", with a job secret" if msg.job_secret is not None else ""),
-            )
+            fx = rounds.job_created(job).merge(fx)
         key = (job.job_id, msg.node_id)
         old = self.channels.get(key)
         self.channels[key] = chan
@@ -487,7 +469,7 @@ class Store(HostsMixin, RetentionMixin):
             old.drop()
         if self.metrics:
             self.metrics.joins.labels(job.job_id).inc()
-        self._apply(job, fx, now, created=created, requester=chan, event=joined, new_run=ended)
+        self._apply(job, fx, now, created=created, requester=chan)
         if job.job_id in self._due_at:
             # its deadline is now + timeout: sooner than a failover's longer grace already queued
             self._schedule(job, also=now + job.spec.heartbeat_timeout_s)
@@ -499,15 +481,12 @@ class Store(HostsMixin, RetentionMixin):
             fx = rounds.heartbeat(job, node_id, now, step, rate)
             if step is not None:
                 self.progress_jobs.add(job_id)
-            # stragglers flagged (or no longer, or kept): warnings; the round a
-            # replacement opened (straggler_policy replace): its lines as every step's,
+            # stragglers flagged (or no longer, or kept): notes, as warnings; the round a
+            # replacement opened (straggler_policy replace): its events as every step's,
             # and all of them after the save (nothing is said of a refused step)
-            events: list[str] = []
-            warnings: list[str] = []
-            for ln in fx.logs:
-                (events if isinstance(ln, logs.Line) and ln.fields.get("event") else warnings).append(ln)
-            if fx.persist or fx.sends or events:
-                fx.logs = events
+            warnings = [ln for ln in fx.logs if not (isinstance(ln, logs.Line) and ln.fields.get("event"))]
+            if fx.persist or fx.sends or fx.events:
+                fx.logs = [ev.line for ev in fx.events]
                 self._apply(job, fx, now)
             for line in warnings:
                 log.warning("%s", printable(line), extra=logs.extra(line))
@@ -533,27 +512,17 @@ class Store(HostsMixin, RetentionMixin):
         """A failure report; ``give_up``: the node's launcher stops for good (the job fails)."""
         job, now = self._job(job_id), self.clock()
         step = rounds.give_up if give_up else rounds.fail
-        fx = step(job, node_id, round_no, failures, now)
-        # an in-place "collective" echo that changed nothing is no failure of this node
-        echo = not give_up and all(r.reason == "collective" for r in failures)
-        if echo and not (fx.logs or fx.sends or fx.persist):
-            self._apply(job, fx, now)
-            return
-        self._apply(job, fx, now, event=("node_failed", node_id, failure_fields(failures)))
+        self._apply(job, step(job, node_id, round_no, failures, now), now)
 
     def succeed(self, job_id: str, node_id: str, round_no: int) -> None:
         job, now = self._job(job_id), self.clock()
-        node = job.nodes.get(node_id)
-        again = node is not None and node.state == rounds.SUCCEEDED and round_no == job.round  # a lost ack
-        fx = rounds.succeed(job, node_id, round_no, now)
-        self._apply(job, fx, now, event=None if again else ("node_succeeded", node_id, {}))
+        self._apply(job, rounds.succeed(job, node_id, round_no, now), now)
 
     def leave(self, job_id: str, node_id: str, reason: str, chan: Channel) -> None:
         job, now = self._job(job_id), self.clock()
         if self.channels.get((job_id, node_id)) is chan:
             del self.channels[(job_id, node_id)]
-        gone = None if job.finished or node_id not in job.nodes else (node_id, f"left ({reason})")
-        self._apply(job, rounds.leave(job, node_id, reason, now), now, lost=gone)
+        self._apply(job, rounds.leave(job, node_id, reason, now), now)
 
     def disconnected(self, job_id: str, node_id: str, chan: Channel) -> None:
         """A connection closed. Ignored if the node already has a newer one."""
@@ -614,20 +583,16 @@ class Store(HostsMixin, RetentionMixin):
         now: float,
         created: bool = False,
         requester: Channel | None = None,
-        event: tuple[str, str, dict[str, object]] | None = None,
-        lost: tuple[str, str] | None = None,
-        new_run: str | None = None,
     ) -> None:
-        """``event`` (type, node id, fields): the join or report that caused the
-        step; ``lost`` (node id, reason): a node that left; ``new_run``: the step
-        started the job id's next run, the previous one ended in this state. For
-        the event log (and the metrics: a new run's series move again)."""
+        """Carry out a step's effects: persist, then publish (:meth:`_publish`).
+        ``created``: the job is new (a failed write forgets it); ``requester``:
+        the joining agent's channel, told why a failed write refused it."""
         if fx.persist and self.db is not None:
             try:
                 self.db.save(job, now)
             except sqlite3.Error as e:
                 self._rollback(job, created, e, requester)
-        publish = functools.partial(self._publish, job, fx, now, created, event, lost, new_run)
+        publish = functools.partial(self._publish, job, fx)
         if self.outbox is not None:  # HA: announced once etcd holds it (rdzv_server.outbox)
             if fx.persist:
                 self.outbox.write(job.job_id, json.dumps(rounds.to_record(job), separators=(",", ":")))
@@ -649,24 +614,17 @@ class Store(HostsMixin, RetentionMixin):
         for host, reason in fx.host_failures:
             self.host_failure(host, job.job_id, reason, now)
 
-    def _publish(
-        self,
-        job: Job,
-        fx: Effects,
-        now: float,
-        created: bool,
-        event: tuple[str, str, dict[str, object]] | None,
-        lost: tuple[str, str] | None,
-        new_run: str | None,
-    ) -> None:
-        """What everyone may hear of a step once it is persisted: events, log
-        lines, the agents' messages, dropped connections, metrics."""
+    def _publish(self, job: Job, fx: Effects) -> None:
+        """What everyone may hear of a step once it is persisted: the step's
+        events (the stream, and their lines in the log), log lines, the agents'
+        messages, dropped connections, metrics."""
         if self.jobs.get(job.job_id) is not job:
             return  # put back (a failed write) or forgotten (stepped down): never announced
         try:  # persisted: now it may be published
-            self.events.observe(job, fx, now, node=event, lost=lost, created=created, new_run=new_run)
+            for ev in fx.events:
+                self.events.emit(ev.kind, ev.job, ev.round, ev.node, ev.run, **ev.fields)
         except Exception:  # a bug here must not undo or block the step
-            log.exception("job %s: deriving events failed", job.job_id)
+            log.exception("job %s: publishing events failed", job.job_id)
         for line in fx.logs:
             log.info("%s", printable(line), extra=logs.extra(line))  # one event, one line, whatever a client sent
         texts: dict[int, str] = {}  # a broadcast (restart, done, status) is serialized once
