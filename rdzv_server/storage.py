@@ -18,6 +18,10 @@ or later:
   outlives the process, so every write is "durable" at once and never fails.
 
 The three answer the same calls; the store has no branch on which it has.
+Loading is each medium's own, when it may happen: SQLite when the server
+opens its data dir (:meth:`Store.open`, before serving), etcd when a replica
+is elected (:meth:`EtcdBackend.load`, awaited); the store serves what they
+return the same way (``Store._loaded``).
 """
 
 from __future__ import annotations
