@@ -77,12 +77,12 @@ from .quotas import (
     HEALTH_REPORT_EVERY_S,
     AddressBuckets,
 )
-from .store import (
+from .store import Store
+from .store_settings import (
     DEFAULT_DISCONNECT_GRACE_S,
     DEFAULT_MAX_WAITING_JOBS,
     DEFAULT_MIN_FREE_DISK,
     DEFAULT_RETAIN_FINISHED_S,
-    Store,
     StoreSettings,
 )
 from .tasks import cancel_and_wait

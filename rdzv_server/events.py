@@ -1,13 +1,11 @@
 """The event stream: what happened to jobs and hosts, numbered, in a bounded ring.
 
-Events are derived in one place, :meth:`EventLog.observe`, which the store calls
-from ``_apply`` after the job was written to disk (persist before publish: a
-client never hears of a round that a crash could forget) with the effects of
-the step and, for a join or a report, the node it concerns. Job-level changes
-(a round opened or completed, restarts charged, the job's state) are found by
-comparing the job with what the log last saw of it (O(1) per step); nodes lost
-or evicted are the step's ``Effects.evicted`` and left nodes; host cordons come
-from the store's host side.
+Events are made in one place, the round machine's steps (typed, in
+``Effects.events``; :mod:`rdzv_server.rounds.events`); the store emits them
+here after the job was written to disk (persist before publish: a client
+never hears of a round that a crash could forget) and logs the same events'
+lines, so the stream and the json log agree. Host cordons come from the
+store's host side.
 
 Each event is one JSON object ``{"id", "time", "type", "job", "run", "round",
 "node", ...fields}`` (``run``: the job id's run, from 1; None for host events;
@@ -41,9 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .conns import LogLimiter
-from .protocol import JobState
-from .rounds import Effects, Job
-from .sizes import TRUNCATED, clip
+from .rounds.events import MAX_FAILURES, failure_fields  # noqa: F401  (re-exported)
+from .sizes import clip
 from .wire import printable
 
 log = logging.getLogger("rdzv_server.events")
@@ -60,8 +57,6 @@ DEFAULT_MAX_STREAMS_PER_ADDR = 16  # event streams one client address may hold o
 DEFAULT_WRITE_TIMEOUT_S = 10.0  # a stream whose socket takes no more bytes for this long is dropped
 MAX_EVENT_BYTES = 8 * 1024  # an event's JSON
 EVENT_OVERHEAD = 256  # what an Event costs in memory beyond its frame (objects, ring slot), for ring_bytes
-MAX_FAILURES = 8  # exit records an event carries (a node may report one per local rank)
-MAX_FAILURE_TEXT = 1024  # bytes (as JSON) of a text field of one exit record in an event
 _FIXED = ("id", "time", "type", "job", "run", "round", "node")  # never clipped: ids are short, ASCII
 
 _dropped_log = LogLimiter(log, logging.WARNING, burst=5, rate=0.2)
@@ -88,16 +83,6 @@ class Event:
 def _event(eid: int, type_: str, job: str | None, data: str) -> Event:
     head = f"id: {eid}\nevent: {type_}\ndata: "
     return Event(eid, type_, job, f"{head}{data}\n\n".encode(), len(head))
-
-
-@dataclass
-class _Mark:
-    """What the log last saw of a job."""
-
-    state: str
-    round: int
-    completed: bool  # the round ``round`` had completed
-    restarts: int
 
 
 @dataclass(eq=False)
@@ -179,7 +164,6 @@ class EventLog:
         self.first_id = int(time.time() * 1_000_000)  # see the module docstring: ids across restarts
         self.next_id = self.first_id
         self.subscribers: set[Subscriber] = set()
-        self.marks: dict[str, _Mark] = {}
         self.dropped_total = 0
 
     # ------------------------------------------------------------ publish
@@ -235,96 +219,6 @@ class EventLog:
         if sub in self.subscribers:
             sub.drop(why)
             self._drop(sub)
-
-    # ------------------------------------------------------------ derive
-
-    def mark(self, job: Job) -> None:
-        """Remember the job as it is, with no event (a job loaded from disk)."""
-        last = job.history[-1] if job.history else None
-        self.marks[job.job_id] = _Mark(
-            job.state.value, job.round, last is not None and last.completed_at is not None, job.restarts
-        )
-
-    def forget(self, job_id: str) -> None:
-        self.marks.pop(job_id, None)
-
-    def observe(
-        self,
-        job: Job,
-        fx: Effects,
-        now: float,
-        node: tuple[str, str, dict[str, Any]] | None = None,
-        lost: tuple[str, str] | None = None,
-        created: bool = False,
-        new_run: str | None = None,
-    ) -> None:
-        """The events of one step of ``job`` (already persisted): ``node`` is
-        (type, node id, fields) of the join or report that caused it, ``lost``
-        (node id, reason) a node that left, ``created`` the job is new,
-        ``new_run`` the state the job id's previous run ended in when this step
-        started its next run; the rest comes from ``fx`` and from comparing the
-        job with its mark. Every event carries the job's run."""
-        j = job.job_id
-        mark = self.marks.get(j)
-        if new_run is not None:  # the run starts over: waiting, round 0, like a new job
-            mark = self.marks[j] = _Mark(JobState.WAITING.value, 0, False, 0)
-            reason = job.history[0].reason if job.history else f"run {job.run} started"
-            self.emit("job_state", j, 0, None, run=job.run, state=mark.state, previous=new_run, reason=reason)
-        elif mark is None:
-            if not created:
-                return  # a finished job (its mark is gone): a late report changes nothing
-            mark = self.marks[j] = _Mark(JobState.WAITING.value, 0, False, 0)  # every job starts waiting
-            self.emit("job_state", j, 0, None, run=job.run, state=mark.state, previous=None, reason="job created")
-        run = job.run
-        if node is not None:
-            self.emit(node[0], j, mark.round, node[1], run, **node[2])  # the round it reported in
-        if lost is not None:
-            self.emit("node_lost", j, mark.round, lost[0], run, reason=printable(lost[1]))
-        if fx.evicted:
-            reasons = {n: getattr(msg, "reason", None) for n, msg in fx.sends if getattr(msg, "op", "") == "evicted"}
-            for nid in fx.evicted:
-                why = reasons.get(nid) or "evicted"
-                # connection lost: the node went away; no heartbeat: the server gave up on it
-                kind = "node_lost" if why.endswith("connection lost") else "node_evicted"
-                self.emit(kind, j, mark.round, nid, run, reason=why)
-        if job.restarts > mark.restarts:
-            self.emit(
-                "restart_charged",
-                j,
-                job.round,
-                None,
-                run,
-                restarts=job.restarts,
-                max_restarts=job.spec.max_restarts,
-                reason=job.history[-1].reason if job.history else None,
-            )
-        if job.round > mark.round or (job.round == mark.round and not mark.completed):
-            opened = [r for r in _tail(job, mark.round) if r.round > mark.round]
-            for rec in opened:
-                self.emit("round_opened", j, rec.round, None, run, reason=rec.reason, started_at=rec.started_at)
-            for rec in _tail(job, mark.round):
-                if rec.completed_at is not None and (rec.round > mark.round or not mark.completed):
-                    self.emit(
-                        "round_completed",
-                        j,
-                        rec.round,
-                        None,
-                        run,
-                        reason=rec.reason,
-                        formation_s=round(rec.completed_at - rec.started_at, 6),
-                        world_size=rec.world_size,
-                        nodes=rec.nodes,
-                    )
-        if job.state.value != mark.state:
-            fields: dict[str, Any] = {"state": job.state.value, "previous": mark.state}
-            if job.finished:
-                fields.update(reason=job.end_reason, root_cause=job.root_cause)
-            self.emit("job_state", j, job.round, None, run, **fields)
-        last = job.history[-1] if job.history else None
-        mark.state, mark.round, mark.restarts = job.state.value, job.round, job.restarts
-        mark.completed = last is not None and last.round == job.round and last.completed_at is not None
-        if job.finished:
-            self.marks.pop(j, None)
 
     # ------------------------------------------------------------ read
 
@@ -401,42 +295,6 @@ class EventLog:
             if sub.wake is not None:
                 sub.wake()
         self.subscribers.clear()
-
-
-def _tail(job: Job, after_round: int) -> list[Any]:
-    """The job's round records from round ``after_round`` on (the newest few)."""
-    out = []
-    for rec in reversed(job.history):
-        if rec.round < after_round:
-            break
-        out.append(rec)
-    out.reverse()
-    return out
-
-
-def failure_fields(failures: list[Any]) -> dict[str, Any]:
-    """A node_failed event's fields from its exit records (bounded, printable;
-    ``truncated`` true when a text was clipped)."""
-    first = min(failures, key=lambda r: (r.timestamp or float("inf"), r.rank))
-    clipped = False
-
-    def text(value: str) -> str:
-        nonlocal clipped
-        out = clip(printable(value), MAX_FAILURE_TEXT)
-        clipped = clipped or out.endswith(TRUNCATED)
-        return out
-
-    fields: dict[str, Any] = {
-        "cause": text(first.describe()),
-        "failures": [
-            {k: (text(v) if isinstance(v, str) else v) for k, v in r.model_dump(mode="json").items()}
-            for r in failures[:MAX_FAILURES]
-        ],
-        "failures_omitted": max(0, len(failures) - MAX_FAILURES),
-    }
-    if clipped:
-        fields["truncated"] = True
-    return fields
 
 
 def fit(body: dict[str, Any], max_bytes: int) -> str:

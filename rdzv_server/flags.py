@@ -22,7 +22,7 @@ from .conns import (
 from .ha import DEFAULT_LEASE_TTL_S, DEFAULT_PREFIX, HASettings
 from .hosts import DEFAULT_HOST_FAILURES, HostRules
 from .quotas import DEFAULT_WAITING_JOBS_PER_ADDRESS
-from .store import DEFAULT_DISCONNECT_GRACE_S, DEFAULT_MAX_WAITING_JOBS
+from .store_settings import DEFAULT_DISCONNECT_GRACE_S, DEFAULT_MAX_WAITING_JOBS
 
 
 def default_data_dir() -> Path:

@@ -50,8 +50,8 @@ from .protocol import (
     printable,
 )
 from .quotas import FRAME_BURST, FRAME_RATE, TokenBucket
+from .storage import HOSTS_KEY
 from .store import Store
-from .store_hosts import HOSTS_KEY
 
 log = logging.getLogger(__name__)
 

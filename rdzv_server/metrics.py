@@ -116,19 +116,19 @@ class Metrics:
         self._rendering: asyncio.Future[bytes] | None = None
 
     def observe(self, job: Job, fx: Effects) -> None:
+        """A step's effects: its events (rounds, restarts, formation times), nodes
+        whose connection the server dropped, and the job's gauges."""
         j = job.job_id
-        if fx.rounds_opened:
-            self.rounds_opened.labels(j).inc(fx.rounds_opened)
-        if fx.rounds_completed:
-            self.rounds_completed.labels(j).inc(fx.rounds_completed)
+        for ev in fx.events:
+            if ev.kind == "round_opened":
+                self.rounds_opened.labels(j).inc()
+            elif ev.kind == "round_completed":
+                self.rounds_completed.labels(j).inc()
+                self.formation.observe(max(0.0, ev.fields["formation_s"]))
+            elif ev.kind == "restart_charged":
+                self.restarts.labels(j).inc()
         if fx.evicted:
             self.evictions.labels(j).inc(len(fx.evicted))
-        if fx.restarts:
-            self.restarts.labels(j).inc(fx.restarts)
-        if fx.rounds_completed and job.history:
-            rec = job.history[-1]
-            if rec.completed_at is not None:
-                self.formation.observe(max(0.0, rec.completed_at - rec.started_at))
         if j in self._finished:
             if job.finished:
                 return  # (a finished job's series are final)

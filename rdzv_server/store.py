@@ -6,13 +6,14 @@ in this order: write the job to disk (when the round changed), then deliver
 messages to the agents' channels, then log. So nobody ever hears of a round
 that a crash could forget.
 
-Durability is a SQLite database (``<data dir>/rdzv.db``, WAL, synchronous
-FULL; :mod:`rdzv_server.database`); one row per job holding its state as JSON. A server started again over
-the same data dir gets every job back as it was and gives every node a full
-heartbeat timeout to reconnect before anyone is evicted. If the database is
-unreadable the server refuses to start; if a write fails (disk full), the job
-goes back to its last saved state, its agents are told to reconnect, and the
-request that caused it gets an ``unavailable`` error.
+Durability is a backend (:mod:`rdzv_server.storage`): SQLite in the data dir,
+etcd for HA, or memory. A server started again over the same data dir (or a
+new HA leader) gets every job back as it was and gives every node a full
+heartbeat timeout to reconnect before anyone is evicted. If the state cannot
+be read the server refuses to start; if a write fails (disk full, etcd
+unreachable), the job goes back to its last written state (one put-back path,
+:meth:`Store._write_failed`), its agents are told to reconnect, and a request
+that caused it gets an ``unavailable`` error.
 
 Nothing grows without bound: the tick visits only jobs whose next deadline
 passed (a heap keyed by :func:`rounds.next_due`); finished jobs are removed
@@ -29,21 +30,18 @@ import asyncio
 import bisect
 import functools
 import heapq
-import json
 import logging
 import secrets
-import sqlite3
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from . import etcd, logs, rounds
+from . import logs, rounds
 from .cursors import decode_cursor, encode_cursor
 from .database import Database, DataDirError  # noqa: F401  (DataDirError: re-exported)
-from .events import EventLog, failure_fields
-from .hosts import HostRecord, HostRules, Hosts
+from .due import Due
+from .events import EventLog
+from .hosts import HostRecord, Hosts
 from .protocol import (
     ErrorCode,
     ErrorMsg,
@@ -53,14 +51,18 @@ from .protocol import (
     JobNotFoundError,
     JobState,
     JoinMsg,
-    NotLeaderError,
     UnavailableError,
     printable,
 )
-from .quotas import DEFAULT_WAITING_JOBS_PER_ADDRESS, Room
+from .quotas import Room
 from .rounds import Effects, Job
-from .store_hosts import HOSTS_KEY, HostsMixin
+from .storage import Backend, EtcdBackend, MemoryBackend, SqliteBackend, WriteError
+from .store_hosts import HostsMixin
 from .store_retention import RetentionMixin
+from .store_settings import DEFAULT_DISCONNECT_GRACE_S as DEFAULT_DISCONNECT_GRACE_S  # re-exported
+from .store_settings import DEFAULT_MAX_WAITING_JOBS as DEFAULT_MAX_WAITING_JOBS  # re-exported
+from .store_settings import FAILOVER_GRACE_S
+from .store_settings import StoreSettings as StoreSettings  # re-exported
 from .tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -68,7 +70,6 @@ if TYPE_CHECKING:
 
     from .ha import Replica
     from .metrics import Metrics
-    from .outbox import Outbox
     from .protocol import JobSummary, JobView
 
 log = logging.getLogger(__name__)
@@ -85,30 +86,6 @@ class Channel(Protocol):
 
     def drop(self) -> None:
         """Close the connection so the agent reconnects."""
-
-
-# After an election, on top of the heartbeat timeout: agents of a leader whose
-# host died learn it only when a heartbeat goes unacknowledged for the link's
-# TCP_USER_TIMEOUT_S (4 s), up to a heartbeat interval (2 s) after the death;
-# the new leader is elected about a lease TTL (2 s) after it. Without this,
-# 6 s (the default heartbeat timeout) left them ~1 s to spare.
-FAILOVER_GRACE_S = 5.0
-DEFAULT_DISCONNECT_GRACE_S = 0.5  # a dropped connection has this long to come back (--disconnect-grace)
-DEFAULT_RETAIN_FINISHED_S = 7 * 24 * 3600.0
-DEFAULT_MAX_WAITING_JOBS = 1000
-DEFAULT_MIN_FREE_DISK = 64 * 1024 * 1024
-BIG_RECORD = 1_000_000  # bytes of a job's record past which a refused etcd write names its size
-
-
-@dataclass
-class StoreSettings:
-    data_dir: Path | None = None  # None: memory only (embedded/standalone server)
-    disconnect_grace_s: float = DEFAULT_DISCONNECT_GRACE_S
-    retain_finished_s: float = DEFAULT_RETAIN_FINISHED_S  # finished jobs older than this are removed
-    max_waiting_jobs: int = DEFAULT_MAX_WAITING_JOBS  # beyond it a new job is refused (or an unheld one closed)
-    waiting_jobs_per_address: int = DEFAULT_WAITING_JOBS_PER_ADDRESS  # held by one creator address (0: no limit)
-    min_free_disk: int = DEFAULT_MIN_FREE_DISK  # bytes; below it a new job is refused (0: no check)
-    host_rules: HostRules = field(default_factory=HostRules)  # cool-downs of failing hosts, the host table's cap
 
 
 class Store(HostsMixin, RetentionMixin):
@@ -132,29 +109,28 @@ class Store(HostsMixin, RetentionMixin):
         self.active: set[str] = set()
         self.waiting: set[str] = set()  # active jobs whose round forms: capped for new jobs
         self.channels: dict[tuple[str, str], Channel] = {}
-        self.db: Database | None = None
+        # where jobs and host records outlive this process (rdzv_server.storage): memory
+        # until open() (SQLite) or use_replica() (etcd) says otherwise
+        self.backend: Backend = MemoryBackend()
         self._tick_task: asyncio.Task[None] | None = None
         self._last_tick = time.monotonic()
-        # Active jobs by the next time a tick could change them (rounds.next_due):
-        # (due, seq, job_id), stale when _due_at[job_id] says otherwise.
-        self._due: list[tuple[float, int, str]] = []
-        self._due_at: dict[str, float] = {}
-        self._seq = 0
+        self.due = Due()  # active jobs by the next time a tick could change them (rdzv_server.due)
         self._ended: list[tuple[float, str]] = []  # finished jobs by end time, for retention
         self._order: list[tuple[float, str]] = []  # every job by (created_at, job_id): listing pages
         self.room = Room()  # the waiting-jobs cap, per address and in total (rdzv_server.quotas)
         self.hosts = Hosts(settings.host_rules)  # host records across jobs (rdzv_server.hosts)
         self._unblock_at: float | None = None  # when the next host block ends (hosts.next_unblock)
-        # HA (--etcd, rdzv_server.ha): the replica's leadership, and writes queued with what waits
-        # for them (rdzv_server.outbox); _committed: each job's record as etcd last acknowledged it
-        self.replica: Replica | None = None
-        self.outbox: Outbox | None = None
-        self._committed: dict[str, str] = {}
+        self.replica: Replica | None = None  # HA (--etcd, rdzv_server.ha): this replica's leadership
 
     @property
     def durable(self) -> bool:
         """Jobs outlive this process (SQLite or etcd)."""
-        return self.db is not None or self.replica is not None
+        return self.backend.durable
+
+    @property
+    def db(self) -> Database | None:
+        """The SQLite database (--data-dir), if that is the backend."""
+        return self.backend.db if isinstance(self.backend, SqliteBackend) else None
 
     @property
     def serving(self) -> bool:
@@ -167,8 +143,9 @@ class Store(HostsMixin, RetentionMixin):
         """Load durable state (raises DataDirError); call before serving."""
         if self.settings.data_dir is None:
             return
-        self.db = Database(self.settings.data_dir)
-        self._loaded(self.db.load(), self.db.load_hosts(), str(self.db.path))
+        db = Database(self.settings.data_dir)
+        self.backend = SqliteBackend(db)
+        self._loaded(db.load(), db.load_hosts(), str(db.path))
 
     def _loaded(self, jobs: dict[str, Job], hosts: list[HostRecord], where: str, extra_s: float = 0.0) -> None:
         """Serve ``jobs``: every node gets a full heartbeat timeout, plus
@@ -182,11 +159,7 @@ class Store(HostsMixin, RetentionMixin):
             self._order.append((job.created_at, job.job_id))
             if not job.finished:
                 rounds.restored(job, now, extra_s)
-                self.events.mark(job)
-                self.active.add(job.job_id)
-                if job.forming:
-                    self.waiting.add(job.job_id)
-                self._schedule(job)
+                self._place(job, now)
             else:
                 heapq.heappush(self._ended, (job.ended_at or job.created_at, job.job_id))
         self._order.sort()
@@ -207,21 +180,19 @@ class Store(HostsMixin, RetentionMixin):
 
     def use_replica(self, replica: Replica) -> None:
         """Keep state in etcd through ``replica`` (rdzv_server.ha): serve only while it leads."""
-        from .outbox import Outbox
-
         self.replica = replica
-        self.outbox = Outbox(self._remote_write, self._write_failed)
+        self.backend = EtcdBackend(replica, self._write_failed)
         replica.on_elected = self.become_leader
         replica.on_deposed = self.step_down
 
     async def become_leader(self) -> None:
         """Elected: load every job and host from etcd and serve them as a restarted server does."""
-        assert self.replica is not None
-        jobs, hosts = await self.replica.load()
+        assert self.replica is not None and isinstance(self.backend, EtcdBackend)
+        jobs, hosts = await self.backend.load()
         if self.replica.role != "leader":
             return
         self.step_down("reloading", quiet=True)  # nothing may survive from an earlier term
-        self._committed = {j: json.dumps(rounds.to_record(job), separators=(",", ":")) for j, job in jobs.items()}
+        self.backend.loaded(jobs)
         self._loaded(jobs, hosts, f"etcd (term {self.replica.term})", FAILOVER_GRACE_S)
         await self.start()
 
@@ -231,8 +202,7 @@ class Store(HostsMixin, RetentionMixin):
         if self._tick_task is not None:
             self._tick_task.cancel()
             self._tick_task = None
-        if self.outbox is not None:
-            self.outbox.drop_all()
+        self.backend.drop_all()
         for chan in list(self.channels.values()):
             chan.drop()
         if not quiet and (self.jobs or self.channels):
@@ -241,83 +211,55 @@ class Store(HostsMixin, RetentionMixin):
         if self.metrics:
             for job_id in self.jobs:
                 self.metrics.forget(job_id)
-        self.jobs, self._committed = {}, {}
+        self.jobs = {}
         self.active.clear()
         self.waiting.clear()
         self.progress_jobs.clear()
-        self._due, self._due_at, self._ended, self._order = [], {}, [], []
+        self.due, self._ended, self._order = Due(), [], []
         self.hosts = Hosts(self.settings.host_rules)
         self._unblock_at = None
-        self.events.marks.clear()
         self.events.close_all()
 
-    async def _remote_write(self, key: str, payload: object) -> None:
-        assert self.replica is not None
-        if key == HOSTS_KEY:
-            await self.replica.write(payload)  # type: ignore[arg-type]  # host ops
-            return
-        text = payload if isinstance(payload, str) else None
-        try:
-            await self.replica.write([self.replica.job_put(key, text)])
-        except etcd.EtcdError as e:
-            if text is not None and len(text) > BIG_RECORD:  # say why a big job cannot re-form
-                raise etcd.EtcdError(
-                    f"{e}; the job's record is {len(text)} bytes: etcd refuses requests over its "
-                    "--max-request-bytes (1.5 MiB by default, about 3,500 nodes); raise it on etcd"
-                ) from e
-            raise
-        if text is None:
-            self._committed.pop(key, None)
-        else:
-            self._committed[key] = text
-
-    def _write_failed(self, key: str, err: BaseException) -> None:
-        """A write to etcd failed: nothing queued behind it was announced. A job
-        goes back to its last written record and its agents reconnect."""
-        if key == HOSTS_KEY:
-            # The host change is in effect here but not in etcd (and the ones queued behind it
-            # were dropped): stop serving and load the state again from etcd, so that nothing
-            # stays in effect that the next leader would not know of. Agents reconnect.
-            log.error(
-                "cannot save host records to etcd: %s; reloading the state from etcd (agents reconnect)",
-                printable(str(err), 300),
-            )
-            if self.replica is not None and self.serving:
-                self.replica.reload("a host record could not be saved to etcd")
-            return
-        job = self.jobs.get(key)
+    def _write_failed(self, job_id: str, err: BaseException, requester: Channel | None = None) -> None:
+        """The one put-back path: a write of ``job_id`` failed (at once, SQLite; or
+        later, etcd) and nothing queued behind it was announced. The job goes
+        back to its last written record (none: forgotten), or a removal that did
+        not happen is undone; its agents reconnect (they resume or rejoin, and
+        re-send a report the write was for). ``requester`` (a joining agent's
+        channel) is told why before it is dropped."""
         if not self.serving:
             return  # this replica stepped down (and forgot everything)
-        if job is None:  # a removal (DELETE, retention) etcd did not apply: the job is back, to remove again
-            self._unremove(key, err)
+        job, saved = self.jobs.get(job_id), self.backend.last(job_id)
+        if job is None:  # a removal (DELETE, retention) that did not happen: the job is back, to remove again
+            self._unremove(job_id, saved, err)
             return
         log.error(
-            "job %s: cannot save state to etcd: %s; the change is refused, its agents reconnect",
-            key,
+            "job %s: cannot save state to %s: %s; the change is refused, its agents reconnect",
+            job_id,
+            self.backend.where,
             printable(str(err), 300),
         )
-        text = self._committed.get(key)
-        try:
-            saved = rounds.from_record(json.loads(text)) if text is not None else None
-        except Exception:
-            saved = None
         self._put_back(job, saved)
-        for chan in [self.channels.pop(k) for k in [k for k in self.channels if k[0] == key]]:
+        if requester is not None:
+            error = UnavailableError(f"the server cannot save state ({err}); retry later", ErrorCode.UNAVAILABLE)
+            requester.deliver(ErrorMsg(code=error.code, message=error.message).model_dump_json())
+        dropped = [self.channels.pop(k) for k in [k for k in self.channels if k[0] == job_id]]
+        for chan in dropped:
             chan.drop()
+        if requester is not None and all(chan is not requester for chan in dropped):
+            requester.drop()
 
-    def _unremove(self, job_id: str, err: BaseException) -> None:
-        """A removed job whose key etcd still holds: put it back as last written
+    def _unremove(self, job_id: str, saved: Job | None, err: BaseException) -> None:
+        """A removed job whose record is still written: put it back as last written
         (a DELETE's retry finds it; retention tries again in a minute), so that
-        memory says what etcd and the next leader say."""
-        text = self._committed.get(job_id)
-        try:
-            saved = rounds.from_record(json.loads(text)) if text is not None else None
-        except Exception:
-            saved = None
+        memory says what storage and the next leader say."""
         if saved is None:
-            return  # never written: nothing in etcd to remove
+            return  # never written: nothing to remove
         log.error(
-            "job %s: cannot remove it from etcd: %s; it stays (removal tried again)", job_id, printable(str(err), 300)
+            "job %s: cannot remove it from %s: %s; it stays (removal tried again)",
+            job_id,
+            self.backend.where,
+            printable(str(err), 300),
         )
         self._put_back(saved, saved)
         bisect.insort(self._order, (saved.created_at, job_id))
@@ -327,35 +269,19 @@ class Store(HostsMixin, RetentionMixin):
 
     def reply(self, job_id: str, chan: Channel, msg: BaseModel) -> None:
         """Answer one agent (an ack) after what its report caused is written."""
-        text = msg.model_dump_json()
-        if self.outbox is not None:
-            self.outbox.publish(job_id, functools.partial(chan.deliver, text))
-        else:
-            chan.deliver(text)
+        self.backend.after(job_id, functools.partial(chan.deliver, msg.model_dump_json()))
 
     async def flushed(self, key: str) -> None:
         """Wait until what was queued for ``key`` (a job id, or HOSTS_KEY) is in etcd
         (at once without HA); raise UnavailableError (or NotLeaderError) if it is not."""
-        if self.outbox is None:
-            return
-        try:
-            await self.outbox.flushed(key)
-        except NotLeaderError:
-            raise
-        except Exception as e:
-            if self.replica is not None and not self.serving:  # stepped down meanwhile: clients go on to the leader
-                raise self.replica.refusal() from e
-            raise UnavailableError(
-                f"the change could not be saved to etcd ({printable(str(e), 300)}); retry", ErrorCode.UNAVAILABLE
-            ) from e
+        await self.backend.flushed(key)
 
     async def stop(self) -> None:
         await cancel_and_wait(self._tick_task)
         for chan in list(self.channels.values()):
             chan.drop()
         self.channels.clear()
-        if self.db:
-            self.db.close()
+        self.backend.close()
 
     async def _run_ticks(self) -> None:
         while True:
@@ -386,13 +312,7 @@ class Store(HostsMixin, RetentionMixin):
         if self._unblock_at is not None and now >= self._unblock_at:
             self._unblock_at = self.hosts.next_unblock(now)
             self._hosts_changed(now)  # a cool-down or a cordon's ttl ended: its spares may be admitted
-        due: list[str] = []
-        while self._due and self._due[0][0] <= now:
-            at, _, job_id = heapq.heappop(self._due)
-            if self._due_at.get(job_id) == at:
-                del self._due_at[job_id]
-                due.append(job_id)
-        for job_id in due:
+        for job_id in self.due.pop(now):
             job = self.jobs.get(job_id)
             if job is None or job_id not in self.active:
                 continue
@@ -402,33 +322,8 @@ class Store(HostsMixin, RetentionMixin):
                 pass  # a write failed: the job was put back as saved, and rescheduled
             except Exception:  # a bug here must not stop the clock for this job
                 log.exception("tick of job %s failed", job_id)
-                self._schedule(job)
-        if len(self._due) > 2 * len(self._due_at) + 1024:  # stale entries: rebuild
-            self._due = [(at, i, j) for i, (j, at) in enumerate(self._due_at.items())]
-            heapq.heapify(self._due)
+                self.due.schedule(job)
         self._expire(now)
-
-    def _schedule(self, job: Job, also: float | None = None) -> None:
-        """Queue the job for the tick at rounds.next_due. An entry already
-        queued is at or before every node's deadline (those only move later,
-        but for ``also``: a dropped connection's, or a join's after a failover's
-        longer grace), so then only the job's own deadlines are looked at: O(1)
-        per join or report, not O(nodes)."""
-        queued = self._due_at.get(job.job_id)
-        if queued is None:
-            at = rounds.next_due(job)
-        else:
-            at = rounds.next_due(job, nodes=False)
-            if at is not None and also is not None:
-                at = min(at, also)
-        if at is None:
-            self._due_at.pop(job.job_id, None)
-            return
-        if at == float("inf") or (queued is not None and queued <= at):
-            return
-        self._seq += 1
-        self._due_at[job.job_id] = at
-        heapq.heappush(self._due, (at, self._seq, job.job_id))
 
     # ------------------------------------------------------------ agent side
 
@@ -451,35 +346,19 @@ class Store(HostsMixin, RetentionMixin):
                 job.run = msg.run
             job.gate = self.hosts
         rerun = not created and rounds.starts_run(job, msg)  # a finished job id's next run
-        ended = job.state.value if rerun else None  # the state the previous run ended in
         if rerun:  # only its owner may take its room: ownership first (nothing changes on a refusal)
             rounds.check_owner(job, msg)
             self.room.check(self, msg.job_id, chan)
         # a node this join creates gets a fresh secret; only its own connection hears it
         issued = None if msg.node_id in job.nodes else secrets.token_urlsafe(24)
         fx = rounds.join(job, msg, now, node_secret=issued)  # raises before changing anything
-        node = job.nodes.get(msg.node_id)
-        joined = None
-        if issued is not None and node is not None:
-            joined_as = "spare" if node.state == rounds.SPARE else "waiting"
-            joined = (
-                "node_joined",
-                msg.node_id,
-                # as it joined: waiting, or spare (a round it completed at once is the next event)
-                {"host": node.host, "addr": node.addr, "nproc": node.local_world_size, "state": joined_as},
-            )
         if rerun:
             self.active.add(job.job_id)
         if created:
             self.jobs[job.job_id] = job
             self.active.add(job.job_id)
             bisect.insort(self._order, (job.created_at, job.job_id))
-            fx.persist = True
-            fx.logs.insert(
-                0,
-                f"job {job.job_id} created: nnodes {msg.spec.min_nodes}:{msg.spec.max_nodes}, "
-                f"max_restarts {msg.spec.max_restarts}" + (", with a job secret" if msg.job_secret is not None else ""),
-            )
+            fx = rounds.job_created(job).merge(fx)
         key = (job.job_id, msg.node_id)
         old = self.channels.get(key)
         self.channels[key] = chan
@@ -487,10 +366,10 @@ class Store(HostsMixin, RetentionMixin):
             old.drop()
         if self.metrics:
             self.metrics.joins.labels(job.job_id).inc()
-        self._apply(job, fx, now, created=created, requester=chan, event=joined, new_run=ended)
-        if job.job_id in self._due_at:
+        self._apply(job, fx, now, requester=chan)
+        if job.job_id in self.due:
             # its deadline is now + timeout: sooner than a failover's longer grace already queued
-            self._schedule(job, also=now + job.spec.heartbeat_timeout_s)
+            self.due.schedule(job, also=now + job.spec.heartbeat_timeout_s)
 
     def heartbeat(self, job_id: str, node_id: str, step: int | None = None, rate: float | None = None) -> None:
         job = self.jobs.get(job_id)
@@ -499,15 +378,12 @@ class Store(HostsMixin, RetentionMixin):
             fx = rounds.heartbeat(job, node_id, now, step, rate)
             if step is not None:
                 self.progress_jobs.add(job_id)
-            # stragglers flagged (or no longer, or kept): warnings; the round a
-            # replacement opened (straggler_policy replace): its lines as every step's,
+            # stragglers flagged (or no longer, or kept): notes, as warnings; the round a
+            # replacement opened (straggler_policy replace): its events as every step's,
             # and all of them after the save (nothing is said of a refused step)
-            events: list[str] = []
-            warnings: list[str] = []
-            for ln in fx.logs:
-                (events if isinstance(ln, logs.Line) and ln.fields.get("event") else warnings).append(ln)
-            if fx.persist or fx.sends or events:
-                fx.logs = events
+            warnings = [ln for ln in fx.logs if not (isinstance(ln, logs.Line) and ln.fields.get("event"))]
+            if fx.persist or fx.sends or fx.events:
+                fx.logs = [ev.line for ev in fx.events]
                 self._apply(job, fx, now)
             for line in warnings:
                 log.warning("%s", printable(line), extra=logs.extra(line))
@@ -533,27 +409,17 @@ class Store(HostsMixin, RetentionMixin):
         """A failure report; ``give_up``: the node's launcher stops for good (the job fails)."""
         job, now = self._job(job_id), self.clock()
         step = rounds.give_up if give_up else rounds.fail
-        fx = step(job, node_id, round_no, failures, now)
-        # an in-place "collective" echo that changed nothing is no failure of this node
-        echo = not give_up and all(r.reason == "collective" for r in failures)
-        if echo and not (fx.logs or fx.sends or fx.persist):
-            self._apply(job, fx, now)
-            return
-        self._apply(job, fx, now, event=("node_failed", node_id, failure_fields(failures)))
+        self._apply(job, step(job, node_id, round_no, failures, now), now)
 
     def succeed(self, job_id: str, node_id: str, round_no: int) -> None:
         job, now = self._job(job_id), self.clock()
-        node = job.nodes.get(node_id)
-        again = node is not None and node.state == rounds.SUCCEEDED and round_no == job.round  # a lost ack
-        fx = rounds.succeed(job, node_id, round_no, now)
-        self._apply(job, fx, now, event=None if again else ("node_succeeded", node_id, {}))
+        self._apply(job, rounds.succeed(job, node_id, round_no, now), now)
 
     def leave(self, job_id: str, node_id: str, reason: str, chan: Channel) -> None:
         job, now = self._job(job_id), self.clock()
         if self.channels.get((job_id, node_id)) is chan:
             del self.channels[(job_id, node_id)]
-        gone = None if job.finished or node_id not in job.nodes else (node_id, f"left ({reason})")
-        self._apply(job, rounds.leave(job, node_id, reason, now), now, lost=gone)
+        self._apply(job, rounds.leave(job, node_id, reason, now), now)
 
     def disconnected(self, job_id: str, node_id: str, chan: Channel) -> None:
         """A connection closed. Ignored if the node already has a newer one."""
@@ -566,7 +432,7 @@ class Store(HostsMixin, RetentionMixin):
             self._apply(job, rounds.disconnect(job, node_id, now, self.settings.disconnect_grace_s), now)
             node = job.nodes.get(node_id)
             if node is not None and node.lost_deadline is not None and job_id in self.active:
-                self._schedule(job, also=node.lost_deadline)
+                self.due.schedule(job, also=node.lost_deadline)
 
     # ------------------------------------------------------------- REST side
 
@@ -607,66 +473,33 @@ class Store(HostsMixin, RetentionMixin):
 
     # --------------------------------------------------------------- effects
 
-    def _apply(
-        self,
-        job: Job,
-        fx: Effects,
-        now: float,
-        created: bool = False,
-        requester: Channel | None = None,
-        event: tuple[str, str, dict[str, object]] | None = None,
-        lost: tuple[str, str] | None = None,
-        new_run: str | None = None,
-    ) -> None:
-        """``event`` (type, node id, fields): the join or report that caused the
-        step; ``lost`` (node id, reason): a node that left; ``new_run``: the step
-        started the job id's next run, the previous one ended in this state. For
-        the event log (and the metrics: a new run's series move again)."""
-        if fx.persist and self.db is not None:
+    def _apply(self, job: Job, fx: Effects, now: float, requester: Channel | None = None) -> None:
+        """Carry out a step's effects: persist, then publish (:meth:`_publish`) once
+        the write is durable (at once, or after etcd acknowledged it). A write
+        that fails at once puts the job back and raises UnavailableError;
+        ``requester``: the joining agent's channel, told why."""
+        if fx.persist:
             try:
-                self.db.save(job, now)
-            except sqlite3.Error as e:
-                self._rollback(job, created, e, requester)
-        publish = functools.partial(self._publish, job, fx, now, created, event, lost, new_run)
-        if self.outbox is not None:  # HA: announced once etcd holds it (rdzv_server.outbox)
-            if fx.persist:
-                self.outbox.write(job.job_id, json.dumps(rounds.to_record(job), separators=(",", ":")))
-            self.outbox.publish(job.job_id, publish)
-        else:
-            publish()
-        if job.finished:
-            if job.job_id in self.active:
-                self.active.discard(job.job_id)
-                self.waiting.discard(job.job_id)
-                self._due_at.pop(job.job_id, None)
-                heapq.heappush(self._ended, (job.ended_at or now, job.job_id))
-        else:
-            if job.forming:
-                self.waiting.add(job.job_id)
-            else:
-                self.waiting.discard(job.job_id)
-            self._schedule(job)
+                self.backend.write_job(job, now)
+            except WriteError as e:
+                self._write_failed(job.job_id, e, requester)
+                raise UnavailableError(f"the server cannot save state ({e}); retry later", ErrorCode.UNAVAILABLE) from e
+        self.backend.after(job.job_id, functools.partial(self._publish, job, fx))
+        self._place(job, now)
         for host, reason in fx.host_failures:
             self.host_failure(host, job.job_id, reason, now)
 
-    def _publish(
-        self,
-        job: Job,
-        fx: Effects,
-        now: float,
-        created: bool,
-        event: tuple[str, str, dict[str, object]] | None,
-        lost: tuple[str, str] | None,
-        new_run: str | None,
-    ) -> None:
-        """What everyone may hear of a step once it is persisted: events, log
-        lines, the agents' messages, dropped connections, metrics."""
+    def _publish(self, job: Job, fx: Effects) -> None:
+        """What everyone may hear of a step once it is persisted: the step's
+        events (the stream, and their lines in the log), log lines, the agents'
+        messages, dropped connections, metrics."""
         if self.jobs.get(job.job_id) is not job:
             return  # put back (a failed write) or forgotten (stepped down): never announced
         try:  # persisted: now it may be published
-            self.events.observe(job, fx, now, node=event, lost=lost, created=created, new_run=new_run)
+            for ev in fx.events:
+                self.events.emit(ev.kind, ev.job, ev.round, ev.node, ev.run, **ev.fields)
         except Exception:  # a bug here must not undo or block the step
-            log.exception("job %s: deriving events failed", job.job_id)
+            log.exception("job %s: publishing events failed", job.job_id)
         for line in fx.logs:
             log.info("%s", printable(line), extra=logs.extra(line))  # one event, one line, whatever a client sent
         texts: dict[int, str] = {}  # a broadcast (restart, done, status) is serialized once
@@ -693,53 +526,33 @@ class Store(HostsMixin, RetentionMixin):
             self.jobs.pop(job.job_id, None)
             self.active.discard(job.job_id)
             self.waiting.discard(job.job_id)
-            self._due_at.pop(job.job_id, None)
+            self.due.discard(job.job_id)
             self._unlist(job)
             return
-        rounds.restored(saved, self.clock())
+        now = self.clock()
+        rounds.restored(saved, now)
         saved.gate = self.hosts
         self.jobs[job.job_id] = saved
+        self.due.discard(saved.job_id)  # due again as saved
         if saved.finished:
-            self.active.discard(saved.job_id)
-            self.waiting.discard(saved.job_id)
+            self.active.discard(saved.job_id)  # (queued for retention when it first ended)
+        self._place(saved, now)
+
+    def _place(self, job: Job, now: float) -> None:
+        """List the job where it is now: active (waiting while its round forms)
+        and due for the tick; once finished, out of those and, if it just
+        ended, queued for retention."""
+        j = job.job_id
+        if job.finished:
+            if j in self.active:
+                heapq.heappush(self._ended, (job.ended_at or now, j))
+            self.active.discard(j)
+            self.waiting.discard(j)
+            self.due.discard(j)
+            return
+        self.active.add(j)
+        if job.forming:
+            self.waiting.add(j)
         else:
-            self.active.add(saved.job_id)
-            if saved.forming:
-                self.waiting.add(saved.job_id)
-            else:
-                self.waiting.discard(saved.job_id)
-        self._due_at.pop(saved.job_id, None)
-        if not saved.finished:
-            self._schedule(saved)
-
-    def _rollback(self, job: Job, created: bool, err: Exception, requester: Channel | None = None) -> None:
-        """A write failed: nobody was told anything. Put the job back as it was
-        saved, make its agents reconnect (they resume or rejoin), refuse.
-
-        ``requester`` (a joining agent's channel) is told why before it is
-        dropped: the error the caller raises would otherwise queue behind the
-        drop and never be sent. Agents whose report caused the write are only
-        dropped: they re-send the report when they reconnect."""
-        log.error(
-            "job %s: cannot save state to %s: %s; the change is refused",
-            job.job_id,
-            self.db.path if self.db else "?",
-            err,
-        )
-        saved = None
-        if not created and self.db is not None:
-            try:
-                row = self.db.conn.execute("SELECT record FROM jobs WHERE job_id=?", (job.job_id,)).fetchone()
-                saved = rounds.from_record(json.loads(row[0])) if row else None
-            except Exception:
-                saved = None
-        self._put_back(job, saved)
-        error = UnavailableError(f"the server cannot save state ({err}); retry later", ErrorCode.UNAVAILABLE)
-        if requester is not None:
-            requester.deliver(ErrorMsg(code=error.code, message=error.message).model_dump_json())
-        dropped = [self.channels.pop(k) for k in [k for k in self.channels if k[0] == job.job_id]]
-        for chan in dropped:
-            chan.drop()
-        if requester is not None and all(chan is not requester for chan in dropped):
-            requester.drop()
-        raise error
+            self.waiting.discard(j)
+        self.due.schedule(job)

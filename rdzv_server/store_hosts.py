@@ -3,13 +3,12 @@ cordons and health reports (REST ``/v1/hosts``), kept durable and told to
 every active job (:func:`rdzv_server.rounds.hosts_changed`).
 
 :class:`HostsMixin` is a part of :class:`rdzv_server.store.Store`, split out
-to keep one module readable; it uses the store's jobs, database and effects.
+to keep one module readable; it uses the store's jobs, storage backend and effects.
 """
 
 from __future__ import annotations
 
 import logging
-import sqlite3
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -27,13 +26,9 @@ from .protocol import (
 )
 
 if TYPE_CHECKING:
-    from .database import Database
     from .events import EventLog
-    from .ha import Replica
-    from .outbox import Outbox
     from .rounds import Effects, Job
-
-HOSTS_KEY = "\0hosts"  # the outbox's key for host records (rdzv_server.store.HOSTS_KEY)
+    from .storage import Backend
 
 log = logging.getLogger("rdzv_server.store")  # the store's log, as before the split
 
@@ -43,9 +38,7 @@ class HostsMixin:
 
     # provided by Store
     clock: Callable[[], float]
-    db: Database | None
-    replica: Replica | None
-    outbox: Outbox | None
+    backend: Backend
     hosts: Hosts
     jobs: dict[str, Job]
     active: set[str]
@@ -55,24 +48,6 @@ class HostsMixin:
     if TYPE_CHECKING:
 
         def _apply(self, job: Job, fx: Effects, now: float) -> None: ...
-
-    def _save_hosts(self, records: list[HostRecord], removed: list[str]) -> bool:
-        if self.outbox is not None and self.replica is not None:  # HA: queued in order (REST waits for it)
-            self.outbox.write(HOSTS_KEY, self.replica.host_ops(records, removed), coalesce=False)
-            return True
-        if self.db is None:
-            return True
-        try:
-            self.db.save_hosts(records, removed)
-            return True
-        except sqlite3.Error as e:
-            log.error(
-                "cannot save host record(s) %s to %s: %s",
-                ", ".join(printable(r.host) for r in records),
-                self.db.path,
-                e,
-            )
-            return False
 
     def host_failure(self, host: str, job_id: str, reason: str, now: float | None = None) -> HostRecord | None:
         """A failure counted against ``host``; a host that reaches the limit is
@@ -87,7 +62,7 @@ class HostsMixin:
                 printable(reason),
             )
             return None
-        self._save_hosts([rec], evicted)
+        self.backend.write_hosts([rec], evicted)
         if cooled:
             log.warning(
                 "host %s cooled down: %s",
@@ -171,7 +146,7 @@ class HostsMixin:
                 f"the host table is full ({len(self.hosts.records)} records, all cordons); uncordon a host first",
                 ErrorCode.UNAVAILABLE,
             )
-        self._save_hosts([rec], evicted)
+        self.backend.write_hosts([rec], evicted)
         self._unblock_at = self.hosts.next_unblock(now)
         self.events.emit("host_cordoned", None, host=host, reason=reason, ttl_s=ttl_s, drain=drain)
         self._hosts_changed(now, drain={host} if drain else None)
@@ -182,7 +157,7 @@ class HostsMixin:
         rec = self.hosts.uncordon(self.check_host(host), now)
         if rec is None:
             raise RequestError(f"no record of host {host!r}: it is not cordoned", ErrorCode.NOT_FOUND)
-        self._save_hosts([rec], [])
+        self.backend.write_hosts([rec], [])
         self._unblock_at = self.hosts.next_unblock(now)
         self.events.emit("host_uncordoned", None, host=host)
         self._hosts_changed(now)

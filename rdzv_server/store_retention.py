@@ -4,7 +4,7 @@ request (``DELETE /v1/jobs/{job_id}``), from the database first, then memory,
 the listing order and the metric series.
 
 :class:`RetentionMixin` is a part of :class:`rdzv_server.store.Store`, split
-out to keep one module readable; it uses the store's jobs, database and metrics.
+out to keep one module readable; it uses the store's jobs, storage backend and metrics.
 """
 
 from __future__ import annotations
@@ -12,18 +12,16 @@ from __future__ import annotations
 import bisect
 import heapq
 import logging
-import sqlite3
 from typing import TYPE_CHECKING
 
 from .protocol import ErrorCode, JobNotFinishedError, UnavailableError
+from .storage import WriteError
 
 if TYPE_CHECKING:
-    from .database import Database
-    from .ha import Replica
     from .metrics import Metrics
-    from .outbox import Outbox
     from .rounds import Job
-    from .store import StoreSettings
+    from .storage import Backend
+    from .store_settings import StoreSettings
 
 log = logging.getLogger("rdzv_server.store")  # the store's log, as before the split
 
@@ -35,9 +33,7 @@ class RetentionMixin:
 
     # provided by Store
     settings: StoreSettings
-    db: Database | None
-    outbox: Outbox | None
-    replica: Replica | None
+    backend: Backend
     metrics: Metrics | None
     jobs: dict[str, Job]
     _ended: list[tuple[float, str]]
@@ -60,11 +56,11 @@ class RetentionMixin:
             return
         try:
             self._remove(expired)
-        except sqlite3.Error as e:
+        except WriteError as e:
             log.error(
                 "cannot remove %d finished job(s) from %s: %s; trying again in a minute",
                 len(expired),
-                self.db.path if self.db else "?",
+                self.backend.where,
                 e,
             )
             for job in expired:  # due again in 60 s
@@ -79,13 +75,9 @@ class RetentionMixin:
         )
 
     def _remove(self, jobs: list[Job]) -> None:
-        """Forget finished jobs: database first (raises sqlite3.Error), then
-        memory and metric series."""
-        if self.db is not None:
-            self.db.delete([j.job_id for j in jobs])
-        if self.outbox is not None and self.replica is not None:  # HA: queued behind the job's writes
-            for job in jobs:
-                self.outbox.write(job.job_id, None)
+        """Forget finished jobs: storage first (raises WriteError when that fails
+        at once; etcd: queued behind the jobs' writes), then memory and metric series."""
+        self.backend.remove_jobs([j.job_id for j in jobs])
         for job in jobs:
             self.jobs.pop(job.job_id, None)
             self._unlist(job)
@@ -109,7 +101,7 @@ class RetentionMixin:
             )
         try:
             self._remove([job])
-        except sqlite3.Error as e:
+        except WriteError as e:
             raise UnavailableError(
                 f"the server cannot delete job {job_id!r} from its database ({e}); retry later", ErrorCode.UNAVAILABLE
             ) from e

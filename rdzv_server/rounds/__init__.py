@@ -8,12 +8,14 @@ caller needs is here. Inside:
   ``Node``/``Job`` data and the ``Effects`` a step returns;
 * :mod:`.machine`: the steps (reports, disconnects, time), and :mod:`.joins`:
   a join and its named cases (reconnect, resume, new node, rejoin);
+* :mod:`.events`: the typed events a step returns (``Effects.events``), made in one place;
 * :mod:`.progress`: heartbeats with progress, and the straggler flag;
 * :mod:`.gates`: host blocks (cordon, cool-down, drain) applied to a job's nodes;
 * :mod:`.views`: what REST and a forming round's status show (read-only);
 * :mod:`.records`: jobs to JSON-able records for the store, and back.
 """
 
+from .events import job_created
 from .gates import hosts_changed
 from .joins import check_owner, join, starts_run
 from .machine import (
@@ -42,6 +44,7 @@ from .model import (
     TRANSITIONS,
     WAITING,
     Effects,
+    Event,
     HostGate,
     IllegalTransitionError,
     Job,
@@ -74,6 +77,7 @@ __all__ = [
     "TRANSITIONS",
     "WAITING",
     "Effects",
+    "Event",
     "HostGate",
     "IllegalTransitionError",
     "Job",
@@ -94,6 +98,7 @@ __all__ = [
     "held",
     "hosts_changed",
     "job_secret_hash",
+    "job_created",
     "join",
     "leave",
     "move",

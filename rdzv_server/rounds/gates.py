@@ -9,8 +9,8 @@ same blocks in :mod:`.joins`.
 
 from __future__ import annotations
 
-from ..logs import event_line
 from ..protocol import SpareMsg
+from .events import note
 from .machine import _check_complete, _open_round
 from .model import RUNNING, SPARE, WAITING, Effects, Job, Node, blocked, count, move
 
@@ -34,13 +34,13 @@ def hosts_changed(job: Job, now: float, drain: set[str]) -> Effects:
             node.note = why
             fx.send(node.node_id, SpareMsg(round=job.round, reason=why))
             text = f"job {job.job_id} round {job.round}: node {node.node_id} waits as a spare: {why}"
-            fx.logs.append(event_line(job, None, text, node.node_id, host=node.host, reason=why))
+            fx.logs.append(note(job, text, node.node_id, host=node.host, reason=why))
             fx.persist = True
         elif node.state == SPARE and why is None and node.note is not None:
             node.note = None
             fx.persist = True
             text = f"job {job.job_id} round {job.round}: host {node.host} of spare {node.node_id} may be admitted again"
-            fx.logs.append(event_line(job, None, text, node.node_id, host=node.host))
+            fx.logs.append(note(job, text, node.node_id, host=node.host))
             if job.forming:
                 move(job, node, WAITING)
             elif len(job.order) + count(job, WAITING) < job.spec.max_nodes:

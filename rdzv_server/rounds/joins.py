@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hmac
 
-from ..logs import event_line
 from ..protocol import (
     AssignedMsg,
     EvictedError,
@@ -26,6 +25,8 @@ from ..protocol import (
     StaleRoundError,
     heartbeat_interval,
 )
+from . import events
+from .events import note
 from .machine import _assignment, _check_complete, new_run
 from .model import (
     REJOINING,
@@ -163,11 +164,11 @@ def join(job: Job, msg: JoinMsg, now: float, node_secret: str | None = None) -> 
     _check_run(job, msg)
     if job.finished:  # a fresh agent: the job id's next run, with this join's settings
         check_owner(job, msg)
+        ended = job.state.value
         new_run(job, msg.spec, now, msg.job_secret)
-        started = join(job, msg, now, node_secret)  # (once: the job is not finished any more)
-        started.persist = True
-        started.logs.insert(0, f"job {job.job_id} {job.history[0].reason}")
-        return started
+        started = Effects(persist=True)
+        started.event(events.run_started(job, ended))
+        return started.merge(join(job, msg, now, node_secret))  # (once: the job is not finished any more)
     _check_job_secret(job, msg)
     _check_spec(job, msg)
     node = job.nodes.get(msg.node_id)
@@ -183,9 +184,9 @@ def join(job: Job, msg: JoinMsg, now: float, node_secret: str | None = None) -> 
     if node is not None and node.state == SUCCEEDED:
         raise StaleRoundError(f"node {msg.node_id!r} already succeeded in round {job.round}; it cannot join again")
     if node is None:
-        return _enter(job, _new_node(job, msg, now, node_secret), now, issued=node_secret)
+        return _enter(job, _new_node(job, msg, now, node_secret), now, issued=node_secret, new=True)
     _rejoin(node, msg, now)
-    return _enter(job, node, now, issued=None)
+    return _enter(job, node, now, issued=None, new=False)
 
 
 def _heard(node: Node, now: float) -> None:
@@ -202,9 +203,7 @@ def _reconnect(job: Job, node: Node, now: float) -> Effects:
     _heard(node, now)
     fx = Effects()
     fx.send(node.node_id, AssignedMsg(assignment=_assignment(job, node)))
-    fx.logs.append(
-        event_line(job, None, f"job {job.job_id} round {job.round}: node {node.node_id} reconnected", node.node_id)
-    )
+    fx.logs.append(note(job, f"job {job.job_id} round {job.round}: node {node.node_id} reconnected", node.node_id))
     return fx
 
 
@@ -252,24 +251,31 @@ def _rejoin(node: Node, msg: JoinMsg, now: float) -> None:
     _heard(node, now)
 
 
-def _enter(job: Job, node: Node, now: float, issued: str | None) -> Effects:
+def _enter(job: Job, node: Node, now: float, issued: str | None, new: bool) -> Effects:
     """Place a joining node: in the forming round; or, while a round runs, in
     the queue of a scale-up below max_nodes, else as a spare. ``issued``: the
-    node secret to send in ``joined`` (only to the join that created the node)."""
+    node secret to send in ``joined`` (only to the join that created the node);
+    ``new``: the node's first join (a node_joined event)."""
     spec = job.spec
     fx = Effects()
     why = blocked(job, node, now)
     if why is not None:
-        return _hold(job, node, now, why, issued)
+        return _hold(job, node, now, why, issued, new)
     if node.replaced is not None:  # a straggler replaced by a spare (straggler_policy replace)
         why, node.replaced = node.replaced, None
-        fx = _hold(job, node, now, why, issued)
+        fx = _hold(job, node, now, why, issued, new)
         node.note = None  # a spare like any other from now on: its host is not blocked
         return fx
     node.note = None
     if job.forming:
         move(job, node, WAITING)
         job.status_dirty = True
+        if new:  # as it joined: waiting (a round its join completes is the next event)
+            fx.event(
+                events.node_joined(
+                    job, node, f"job {job.job_id} round {job.round}: node {node.node_id} ({node.host}) joined"
+                )
+            )
         done = _check_complete(job, now)
         fx.send(
             node.node_id,
@@ -302,16 +308,24 @@ def _enter(job: Job, node: Node, now: float, issued: str | None) -> Effects:
             f"job {job.job_id} round {job.round}: node {node.node_id} ({node.host}) arrived; "
             f"scale-up in {spec.scale_up_window_s:g}s"
         )
-        fx.logs.append(event_line(job, "node_joined", text, node.node_id, host=node.host, state="waiting"))
+        _arrived(fx, job, node, text, new)
     else:
         move(job, node, SPARE)
         fx.send(node.node_id, SpareMsg(round=job.round))
         text = f"job {job.job_id} round {job.round}: node {node.node_id} ({node.host}) is a spare"
-        fx.logs.append(event_line(job, "node_joined", text, node.node_id, host=node.host, state="spare"))
+        _arrived(fx, job, node, text, new)
     return fx
 
 
-def _hold(job: Job, node: Node, now: float, why: str, issued: str | None) -> Effects:
+def _arrived(fx: Effects, job: Job, node: Node, text: str, new: bool) -> None:
+    """A node placed while a round runs: its first join is an event, a later one a note."""
+    if new:
+        fx.event(events.node_joined(job, node, text))
+    else:
+        fx.logs.append(note(job, text, node.node_id, host=node.host))
+
+
+def _hold(job: Job, node: Node, now: float, why: str, issued: str | None, new: bool) -> Effects:
     """The node's host is cordoned or cooled down: it waits as a spare, told
     why, and is admitted when that ends (see gates.hosts_changed)."""
     was = node.state
@@ -329,9 +343,11 @@ def _hold(job: Job, node: Node, now: float, why: str, issued: str | None) -> Eff
     )
     move(job, node, SPARE)
     fx.send(node.node_id, SpareMsg(round=job.round, reason=why))
-    if node.note != why:
-        text = f"job {job.job_id} round {job.round}: node {node.node_id} waits as a spare: {why}"
-        fx.logs.append(event_line(job, None, text, node.node_id, host=node.host, reason=why))
+    text = f"job {job.job_id} round {job.round}: node {node.node_id} waits as a spare: {why}"
+    if new:
+        fx.event(events.node_joined(job, node, text, reason=why))
+    elif node.note != why:
+        fx.logs.append(note(job, text, node.node_id, host=node.host, reason=why))
     node.note = why
     job.status_dirty = True
     if job.forming and was in (REJOINING, WAITING):

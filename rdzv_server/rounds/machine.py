@@ -31,7 +31,6 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Literal
 
-from ..logs import event_line
 from ..protocol import (
     AssignedMsg,
     Assignment,
@@ -49,6 +48,7 @@ from ..protocol import (
     printable,
 )
 from ..sizes import MAX_CAUSE_BYTES, MAX_REASON_BYTES, clip
+from . import events
 from .model import (
     REJOINING,
     RUNNING,
@@ -161,22 +161,23 @@ def fail(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], now:
     # signal and message came over the network: one line, control characters escaped
     cause = clip(printable(f"node {node.node_id} ({node.host}) {first.describe()}"), MAX_CAUSE_BYTES)
     fx = Effects()
-    text = f"job {job.job_id} round {job.round}: worker failure on {cause}"
-    fx.logs.append(event_line(job, "node_failed", text, node.node_id, host=node.host, exit=first.model_dump()))
     # (nodes restored from disk and not back yet are not gone: they have a heartbeat timeout)
     gone = [n for n in job.order if n in job.nodes and job.nodes[n].state == RUNNING and job.nodes[n].dropped]
     if gone:
         # A member's connection already dropped: its death is the root cause and this
         # failure its echo (a collective lost its peer). Lose it now, charge nothing.
+        fx.event(events.node_failed(job, node, failures, cause))
         for node_id in gone:
             if node_id in job.nodes:
-                fx.merge(_lose(job, node_id, "connection lost", now, evict=True))
+                fx.merge(_lose(job, node_id, "connection lost", now, evict=True, lost=True))
         return fx
     if all(r.reason == "collective" for r in failures):
         # In-place mode: a parked worker's echo, and no member is known gone: the
         # cause (a peer's own failure report) follows, or the agent's plain report
         # of the same worker a second later (design.md "In-place re-formation").
+        # Nothing happened: no node_failed event.
         return Effects()
+    fx.event(events.node_failed(job, node, failures, cause))
     fx.host_failures.append((node.host, f"worker failure: {first.describe()}"))
     if job.restarts >= job.spec.max_restarts:
         job.root_cause = cause
@@ -194,8 +195,9 @@ def fail(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], now:
             )
         )
     job.restarts += 1
-    fx.restarts += 1
-    return fx.merge(_open_round(job, f"worker failure: {cause} (restart {job.restarts}/{job.spec.max_restarts})", now))
+    opened = _open_round(job, f"worker failure: {cause} (restart {job.restarts}/{job.spec.max_restarts})", now)
+    fx.event(events.restart_charged(job))  # (the round it opened, that round's reason)
+    return fx.merge(opened)
 
 
 def give_up(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], now: float) -> Effects:
@@ -233,8 +235,7 @@ def give_up(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], n
         if gone:  # a collective lost its peer: the peer's death is the root cause
             root = f"node {gone[0]} ({job.nodes[gone[0]].host}) connection lost"
     fx = Effects()
-    text = f"job {job.job_id} round {job.round}: worker failure on {cause}"
-    fx.logs.append(event_line(job, "node_failed", text, node.node_id, host=node.host, exit=first.model_dump()))
+    fx.event(events.node_failed(job, node, failures, cause))
     if root == cause:
         fx.host_failures.append((node.host, f"worker failure: {first.describe()}"))
     job.root_cause = root
@@ -277,11 +278,7 @@ def succeed(job: Job, node_id: str, round_no: int, now: float) -> Effects:
     node = _member(job, node_id, round_no, "success report")
     move(job, node, SUCCEEDED)
     fx = Effects(persist=True)
-    fx.logs.append(
-        event_line(
-            job, "node_succeeded", f"job {job.job_id} round {job.round}: node {node.node_id} succeeded", node.node_id
-        )
-    )
+    fx.event(events.node_succeeded(job, node))
     if count(job, RUNNING) == 0:  # members are running or succeeded: O(1), not a scan per report
         fx.merge(_end(job, JobState.SUCCEEDED, f"all {len(job.order)} nodes of round {job.round} succeeded", now))
     return fx
@@ -291,7 +288,7 @@ def leave(job: Job, node_id: str, reason: str, now: float) -> Effects:
     """A node leaves on purpose (SIGTERM to its agent): re-form without it now."""
     if job.finished or job.nodes.get(node_id) is None:
         return Effects()  # a finished job stays finished; agents leave after DoneMsg
-    return _lose(job, node_id, f"left ({printable(reason)})", now, evict=False)
+    return _lose(job, node_id, f"left ({printable(reason)})", now, evict=False, lost=True)
 
 
 def close(job: Job, now: float) -> Effects:
@@ -348,10 +345,10 @@ def tick(job: Job, now: float) -> Effects:
             continue
         if node.lost_deadline is not None:  # not connected: judged by the grace it was given
             if now >= node.lost_deadline:
-                fx.merge(_lose(job, node.node_id, "connection lost", now, evict=True))
+                fx.merge(_lose(job, node.node_id, "connection lost", now, evict=True, lost=True))
         elif now - node.last_seen >= timeout:
             fx.host_failures.append((node.host, f"evicted: no heartbeat for {timeout:g}s"))
-            fx.merge(_lose(job, node.node_id, f"no heartbeat for {timeout:g}s", now, evict=True))
+            fx.merge(_lose(job, node.node_id, f"no heartbeat for {timeout:g}s", now, evict=True, lost=False))
         if job.finished:
             return fx
     if job.forming:
@@ -416,15 +413,17 @@ def next_due(job: Job, nodes: bool = True) -> float | None:
 # ------------------------------------------------------------------ internal
 
 
-def _lose(job: Job, node_id: str, why: str, now: float, *, evict: bool) -> Effects:
+def _lose(job: Job, node_id: str, why: str, now: float, *, evict: bool, lost: bool) -> Effects:
+    """The node is out of the job. ``evict``: the server drops its connection
+    (told why); ``lost``: it left or its connection stayed lost (node_lost),
+    else the server gave up on a silent node (node_evicted)."""
     node = job.nodes[node_id]
     move(job, node, None)
     fx = Effects()
     if evict:
         fx.evicted.append(node_id)
         fx.send(node_id, EvictedMsg(reason=f"node {node_id} {why}"))
-    text = f"job {job.job_id} round {job.round}: node {node_id} ({node.host}) {why}"
-    fx.logs.append(event_line(job, "node_evicted" if evict else "node_lost", text, node_id, host=node.host, reason=why))
+    fx.event(events.node_gone(job, node, why, lost=lost))
     job.status_dirty = True
     if node.state == RUNNING and not job.forming:
         return fx.merge(_open_round(job, f"node {node_id} ({node.host}) {why}", now))
@@ -435,7 +434,8 @@ def _lose(job: Job, node_id: str, why: str, now: float, *, evict: bool) -> Effec
 
 def _open_round(job: Job, reason: str, now: float) -> Effects:
     """Round r+1 opens: running members must stop their workers and rejoin."""
-    fx = Effects(persist=True, rounds_opened=1)
+    fx = Effects(persist=True)
+    previous = job.state.value
     job.prev_order = [n for n in job.order if n in job.nodes and job.nodes[n].state == RUNNING]
     job.round += 1
     job.state = JobState.WAITING
@@ -447,7 +447,8 @@ def _open_round(job: Job, reason: str, now: float) -> Effects:
     job.join_deadline = now + job.spec.join_timeout_s
     job.status_dirty = True
     reason = clip(reason, MAX_REASON_BYTES)
-    add_round(job, RoundRecord(round=job.round, reason=reason, started_at=now), MAX_HISTORY)
+    rec = RoundRecord(round=job.round, reason=reason, started_at=now)
+    add_round(job, rec, MAX_HISTORY)
     restart = RestartMsg(round=job.round, reason=reason)  # one message for all members
     for node in list(job.nodes.values()):
         node.group_rank = None
@@ -459,13 +460,9 @@ def _open_round(job: Job, reason: str, now: float) -> Effects:
         elif node.state == SPARE and blocked(job, node, now) is None:
             node.note = None
             move(job, node, WAITING)
-    text = (
-        f"job {job.job_id} round {job.round} opened: {reason}; "
-        f"waiting for {len(job.prev_order)} node(s) {', '.join(job.prev_order[:16]) or 'nobody'}"
-        f"{' ...' if len(job.prev_order) > 16 else ''}"
-    )
-    waiting_for, restarts = len(job.prev_order), job.restarts
-    fx.logs.append(event_line(job, "round_opened", text, reason=reason, waiting_for=waiting_for, restarts=restarts))
+    fx.event(events.round_opened(job, rec, job.prev_order))
+    if previous != job.state.value:
+        fx.event(events.job_state(job, previous))
     return fx.merge(_check_complete(job, now))
 
 
@@ -545,7 +542,7 @@ def _complete(job: Job, now: float) -> Effects:
     rec = job.history[-1]
     rec.completed_at, rec.world_size, rec.nodes = now, job.world_size, len(members)
     job.round_step = job.max_step  # progress in this round: a step beyond it (see storm)
-    fx = Effects(persist=True, rounds_completed=1).merge(held)
+    fx = Effects(persist=True).merge(held)
     offset = 0
     for rank, node in enumerate(members):
         move(job, node, RUNNING)
@@ -558,17 +555,8 @@ def _complete(job: Job, now: float) -> Effects:
     spare = SpareMsg(round=job.round)  # one message for all spares
     for node in spares:
         fx.send(node.node_id, spare)
-    shown = ", ".join(f"{n.node_id}={n.group_rank}" for n in members[:16])
-    more = f" (+{len(members) - 16} more)" if len(members) > 16 else ""
-    text = (
-        f"job {job.job_id} round {job.round} complete: {len(members)} nodes, world size "
-        f"{job.world_size}, master {job.master_addr}:{job.master_port}, spares {len(spares)}; "
-        f"ranks {shown}{more}"
-    )
-    formation = round(now - rec.started_at, 3)
-    fx.logs.append(
-        event_line(job, "round_completed", text, nodes=len(members), world_size=job.world_size, formation_s=formation)
-    )
+    fx.event(events.round_completed(job, rec, members, len(spares)))
+    fx.event(events.job_state(job, "waiting"))
     return fx
 
 
@@ -592,6 +580,7 @@ def _assignment(job: Job, node: Node) -> Assignment:
 
 def _end(job: Job, state: JobState, reason: str, now: float, stop: Literal["no_progress"] | None = None) -> Effects:
     reason = clip(reason, MAX_REASON_BYTES)
+    previous = job.state.value
     job.state = state
     job.end_reason = reason
     job.ended_at = now
@@ -600,6 +589,5 @@ def _end(job: Job, state: JobState, reason: str, now: float, stop: Literal["no_p
     msg = DoneMsg(state=_DONE_STATE[state], reason=reason, root_cause=job.root_cause, stop=stop)
     for node_id in job.nodes:
         fx.send(node_id, msg)
-    text = f"job {job.job_id} round {job.round}: {state.value}: {reason}"
-    fx.logs.append(event_line(job, "job_state", text, state=state.value, reason=reason))
+    fx.event(events.job_state(job, previous, f"job {job.job_id} round {job.round}: {state.value}: {reason}"))
     return fx

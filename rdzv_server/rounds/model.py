@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
-from ..protocol import TERMINAL_STATES, JobSpec, JobState
+from ..logs import Line
+from ..protocol import TERMINAL_STATES, JobSpec, JobState, ServerMessage
 
 
 class NodeState(str, Enum):
@@ -163,30 +164,71 @@ class Job:
         return self.state in TERMINAL_STATES
 
 
+@dataclass(frozen=True, slots=True)
+class Event:
+    """Something that happened to a job (made in :mod:`.events`): the event
+    stream's ``type`` (one of ``logs.EVENTS``), job, run, round, node and
+    fields, and the words of its log line. The stream, the json log and the
+    metrics all read it."""
+
+    kind: str
+    job: str
+    run: int
+    round: int
+    node: str | None
+    text: str
+    fields: dict[str, Any]
+
+    @property
+    def line(self) -> Line:
+        """The event as a log line (its ``event`` field, job, round, node and fields)."""
+        return Line(self.text, self.kind, job=self.job, round=self.round, node=self.node, **self.fields)
+
+
 @dataclass
 class Effects:
-    """What the caller must do after a step, in order: persist, then send, then log."""
+    """What the caller must do after a step, in order: persist, then send, then log.
 
-    sends: list[tuple[str, Any]] = field(default_factory=list)
+    ``events``: what happened (typed, see :class:`Event`); ``logs``: every log
+    line in order, an event's line (:meth:`event`) or a note that is no event."""
+
+    sends: list[tuple[str, ServerMessage]] = field(default_factory=list)
     persist: bool = False
     logs: list[str] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
     evicted: list[str] = field(default_factory=list)
-    rounds_opened: int = 0
-    rounds_completed: int = 0
-    restarts: int = 0
     host_failures: list[tuple[str, str]] = field(default_factory=list)  # (host, reason): counted against it
 
-    def send(self, node_id: str, msg: Any) -> None:
+    def send(self, node_id: str, msg: ServerMessage) -> None:
         self.sends.append((node_id, msg))
+
+    def event(self, ev: Event) -> None:
+        """Something happened: the event, and its line in the log."""
+        self.events.append(ev)
+        self.logs.append(ev.line)
+
+    def count(self, kind: str) -> int:
+        return sum(1 for ev in self.events if ev.kind == kind)
+
+    @property
+    def rounds_opened(self) -> int:
+        return self.count("round_opened")
+
+    @property
+    def rounds_completed(self) -> int:
+        return self.count("round_completed")
+
+    @property
+    def restarts(self) -> int:
+        """Restarts charged against the budget."""
+        return self.count("restart_charged")
 
     def merge(self, other: Effects) -> Effects:
         self.sends.extend(other.sends)
         self.persist |= other.persist
         self.logs.extend(other.logs)
+        self.events.extend(other.events)
         self.evicted.extend(other.evicted)
-        self.rounds_opened += other.rounds_opened
-        self.rounds_completed += other.rounds_completed
-        self.restarts += other.restarts
         self.host_failures.extend(other.host_failures)
         return self
 

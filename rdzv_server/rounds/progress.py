@@ -10,7 +10,7 @@ running members by the job's ``straggler_fraction`` and ``straggler_window_s``
 
 from __future__ import annotations
 
-from ..logs import event_line
+from .events import note
 from .machine import _open_round
 from .model import RUNNING, SPARE, Effects, Job, Node, blocked
 
@@ -69,7 +69,7 @@ def check_stragglers(job: Job, now: float) -> Effects:
                     f"steps/s for {now - n.slow_since:.0f}s, job median {median:g} "
                     f"(straggler policy {spec.straggler_policy})"
                 )
-                fx.logs.append(event_line(job, None, text, n.node_id, host=n.host))
+                fx.logs.append(note(job, text, n.node_id, host=n.host))
         else:
             n.slow_since = None
             n.straggler_note = None
@@ -79,7 +79,7 @@ def check_stragglers(job: Job, now: float) -> Effects:
                     f"job {job.job_id}: node {n.node_id} ({n.host}) is no longer a straggler: "
                     f"{n.step_rate:g} steps/s, job median {median:g}"
                 )
-                fx.logs.append(event_line(job, None, text, n.node_id, host=n.host))
+                fx.logs.append(note(job, text, n.node_id, host=n.host))
     if spec.straggler_policy == "replace":
         fx.merge(_replace(job, [n for n in rated if n.straggler], median, now))
     return fx
@@ -99,7 +99,7 @@ def _replace(job: Job, stragglers: list[Node], median: float, now: float) -> Eff
         if n.straggler_note is None:
             n.straggler_note = "no spare waits to replace it: flagged only (straggler policy replace)"
             text = f"job {job.job_id}: straggler node {n.node_id} ({n.host}) is kept: {n.straggler_note}"
-            fx.logs.append(event_line(job, None, text, n.node_id, host=n.host))
+            fx.logs.append(note(job, text, n.node_id, host=n.host))
     if not out:
         return fx
     spec = job.spec

@@ -131,6 +131,7 @@ def test_finished_jobs_beyond_the_bound_leave_metrics() -> None:
     """Live jobs always have series; of finished ones only the last N do."""
     from rdzv_server.hosts import Hosts
     from rdzv_server.rounds import Effects
+    from rdzv_server.rounds.events import round_opened
     from tests.unit.test_rounds import spec
 
     m = Metrics(max_finished_jobs=3)
@@ -138,7 +139,7 @@ def test_finished_jobs_beyond_the_bound_leave_metrics() -> None:
     jobs = [live]
     for i in range(6):
         job = new_job(f"done{i}", spec(), float(i))
-        m.observe(job, Effects(rounds_opened=1))
+        m.observe(job, Effects(events=[round_opened(job, job.history[-1], [])]))
         job.state = JobState.SUCCEEDED
         m.observe(job, Effects())
         jobs.append(job)

@@ -65,8 +65,14 @@ def test_json_logs_of_server_and_agents_parse_and_carry_the_jobs_events(cluster:
     assert opened["round"] == 1 and "restart 1/2" in opened["reason"], opened
     assert sorted(r["round"] for r in events["node_succeeded"]) == [1, 1]
     assert len({r["node"] for r in events["node_succeeded"]}) == 2, events["node_succeeded"]
-    (state,) = events["job_state"]
+    # the job's states, as the event stream has them: created, formed, re-forming, formed, succeeded
+    states = [r["state"] for r in events["job_state"]]
+    assert states == ["waiting", "running", "waiting", "running", "succeeded"], events["job_state"]
+    state = events["job_state"][-1]
     assert state["state"] == "succeeded" and state["round"] == 1, state
+    (charged,) = events["restart_charged"]
+    assert charged["round"] == 1 and charged["restarts"] == 1, charged
+    assert len(events["node_joined"]) == 2, events["node_joined"]
     assert any("listening on" in r["message"] for r in rows)
 
     for agent in agents:

@@ -216,7 +216,7 @@ async def test_a_job_record_etcd_refuses_as_too_large_is_named_with_its_size(
     """etcd refuses a request over its --max-request-bytes (a job of ~3,500 nodes
     at the default): the log says how big the record is and what to raise.
     (The size limit is stood in for: BIG_RECORD lowered, etcd's refusal injected.)"""
-    from rdzv_server import store as store_mod
+    from rdzv_server import storage as store_mod
 
     monkeypatch.setattr(store_mod, "BIG_RECORD", 100)
     replica = leader.app[STORE].replica

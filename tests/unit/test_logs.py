@@ -150,21 +150,27 @@ def test_round_machine_lines_carry_their_event_job_round_and_node():
     job = rounds.new_job("j", sp, 0.0)
     rounds.join(job, join_msg("a", sp=sp), 0.0)
     fx = rounds.join(job, join_msg("b", sp=sp), 0.5)  # max reached: the round completes
-    assert _events(fx) == [("round_completed", "j", 0, None)]
-    done = _lines(fx)[0].fields
+    assert _events(fx) == [("node_joined", "j", 0, "b"), ("round_completed", "j", 0, None), ("job_state", "j", 0, None)]
+    done = _lines(fx)[1].fields
     assert done["nodes"] == 2 and done["world_size"] == 2 and done["formation_s"] == 0.5
     fail = ExitRecord(local_rank=0, rank=1, pid=9, exit_code=3, message="boom")
     fx = rounds.fail(job, "b", 0, [fail], 5.0)
-    assert _events(fx) == [("node_failed", "j", 0, "b"), ("round_opened", "j", 1, None)]
+    assert _events(fx) == [
+        ("node_failed", "j", 0, "b"),
+        ("restart_charged", "j", 1, None),
+        ("round_opened", "j", 1, None),
+        ("job_state", "j", 1, None),
+    ]
     exit_record = _lines(fx)[0].fields["exit"]
     assert exit_record["rank"] == 1 and exit_record["exit_code"] == 3 and exit_record["message"] == "boom"
-    assert "restart 1/1" in _lines(fx)[1].fields["reason"] and _lines(fx)[1].fields["restarts"] == 1
+    assert "restart 1/1" in _lines(fx)[2].fields["reason"] and _lines(fx)[2].fields["restarts"] == 1
     fx = rejoin(job, ["a", "b"], 6.0)
     assert ("round_completed", "j", 1, None) in _events(fx)
     fx = rounds.succeed(job, "a", 1, 7.0)
     assert _events(fx) == [("node_succeeded", "j", 1, "a")]
     fx = rounds.succeed(job, "b", 1, 8.0)
     assert _events(fx) == [("node_succeeded", "j", 1, "b"), ("job_state", "j", 1, None)]
+    assert [ev.kind for ev in fx.events] == [e for e, *_ in _events(fx)]  # the lines are the events' lines
     assert _lines(fx)[1].fields["state"] == "succeeded"
 
 

@@ -1,0 +1,61 @@
+"""Active jobs by the next time a tick could change them: the store's heap of
+deadlines (:func:`rdzv_server.rounds.next_due`), so that a tick visits only the
+jobs whose deadline passed and its cost does not grow with idle jobs."""
+
+from __future__ import annotations
+
+import heapq
+
+from . import rounds
+from .rounds import Job
+
+
+class Due:
+    """Entries ``(due, seq, job_id)``; one is stale when :attr:`at` says otherwise
+    (the heap is rebuilt when stale entries outnumber live ones)."""
+
+    def __init__(self) -> None:
+        self.heap: list[tuple[float, int, str]] = []
+        self.at: dict[str, float] = {}  # each queued job's live entry
+        self._seq = 0
+
+    def __contains__(self, job_id: str) -> bool:
+        return job_id in self.at
+
+    def discard(self, job_id: str) -> None:
+        self.at.pop(job_id, None)
+
+    def schedule(self, job: Job, also: float | None = None) -> None:
+        """Queue the job for the tick at rounds.next_due. An entry already
+        queued is at or before every node's deadline (those only move later,
+        but for ``also``: a dropped connection's, or a join's after a failover's
+        longer grace), so then only the job's own deadlines are looked at: O(1)
+        per join or report, not O(nodes)."""
+        queued = self.at.get(job.job_id)
+        if queued is None:
+            at = rounds.next_due(job)
+        else:
+            at = rounds.next_due(job, nodes=False)
+            if at is not None and also is not None:
+                at = min(at, also)
+        if at is None:
+            self.at.pop(job.job_id, None)
+            return
+        if at == float("inf") or (queued is not None and queued <= at):
+            return
+        self._seq += 1
+        self.at[job.job_id] = at
+        heapq.heappush(self.heap, (at, self._seq, job.job_id))
+
+    def pop(self, now: float) -> list[str]:
+        """The jobs whose deadline passed by ``now`` (taken out: schedule them again)."""
+        due: list[str] = []
+        while self.heap and self.heap[0][0] <= now:
+            at, _, job_id = heapq.heappop(self.heap)
+            if self.at.get(job_id) == at:
+                del self.at[job_id]
+                due.append(job_id)
+        if len(self.heap) > 2 * len(self.at) + 1024:  # stale entries: rebuild
+            self.heap = [(at, i, j) for i, (j, at) in enumerate(self.at.items())]
+            heapq.heapify(self.heap)
+        return due

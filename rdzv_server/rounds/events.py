@@ -1,0 +1,166 @@
+"""What happened to a job, as the round machine's steps return it: typed
+events (:class:`.model.Event`) in ``Effects.events``. Pure, no I/O, no clock.
+
+The one place an event is made: its type (one of ``logs.EVENTS``), job, run,
+round, node, fields and the words of its log line. The store publishes each
+one to the event stream (``rdzv_server.events``), logs its line (the json
+log's ``event`` field) and counts it in the metrics, so the three never
+disagree. Lines that are no event (a node reconnected, a straggler flagged)
+are notes: :func:`note`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..logs import Line, event_line
+from ..protocol import ExitRecord, printable
+from ..sizes import TRUNCATED, clip
+from .model import Effects, Event, Job, Node, RoundRecord
+
+MAX_FAILURES = 8  # exit records a node_failed event carries (a node may report one per local rank)
+MAX_FAILURE_TEXT = 1024  # bytes (as JSON) of a text field of one exit record in an event
+
+
+def note(job: Job, text: str, node: str | None = None, **fields: Any) -> Line:
+    """A log line about ``job`` in its current round that is no event."""
+    return event_line(job, None, text, node, **fields)
+
+
+def _event(job: Job, kind: str, text: str, node: str | None = None, **fields: Any) -> Event:
+    return Event(kind, job.job_id, job.run, job.round, node, text, fields)
+
+
+def job_created(job: Job) -> Effects:
+    """A new job (its first run): the first event of its stream, saved with it."""
+    spec = job.spec
+    text = f"job {job.job_id} created: nnodes {spec.min_nodes}:{spec.max_nodes}, max_restarts {spec.max_restarts}" + (
+        ", with a job secret" if job.secret_hash is not None else ""
+    )
+    fx = Effects(persist=True)
+    fx.event(_event(job, "job_state", text, state=job.state.value, previous=None, reason="job created"))
+    return fx
+
+
+def run_started(job: Job, previous: str) -> Event:
+    """A finished job id started its next run (``previous``: how the last one ended)."""
+    reason = job.history[0].reason
+    return _event(
+        job, "job_state", f"job {job.job_id} {reason}", state=job.state.value, previous=previous, reason=reason
+    )
+
+
+def job_state(job: Job, previous: str, text: str | None = None) -> Event:
+    """The job's state changed from ``previous``; an ended job says why."""
+    fields: dict[str, Any] = {"state": job.state.value, "previous": previous}
+    if job.finished:
+        fields.update(reason=job.end_reason, root_cause=job.root_cause)
+    if text is None:
+        text = f"job {job.job_id} round {job.round}: {previous} -> {job.state.value}"
+    return _event(job, "job_state", text, **fields)
+
+
+def node_joined(job: Job, node: Node, text: str, **fields: Any) -> Event:
+    """A node's first join (``state``: waiting or spare, as it joined)."""
+    state = node.state.value if node.state is not None else "waiting"
+    return _event(
+        job,
+        "node_joined",
+        text,
+        node.node_id,
+        host=node.host,
+        addr=node.addr,
+        nproc=node.local_world_size,
+        state="spare" if state == "spare" else "waiting",
+        **fields,
+    )
+
+
+def node_gone(job: Job, node: Node, why: str, *, lost: bool) -> Event:
+    """A node left the job: ``lost`` (it left, or its connection stayed lost past
+    the grace: node_lost) or else evicted (no heartbeat in time: node_evicted)."""
+    text = f"job {job.job_id} round {job.round}: node {node.node_id} ({node.host}) {why}"
+    return _event(job, "node_lost" if lost else "node_evicted", text, node.node_id, host=node.host, reason=why)
+
+
+def node_failed(job: Job, node: Node, failures: list[ExitRecord], cause: str) -> Event:
+    text = f"job {job.job_id} round {job.round}: worker failure on {cause}"
+    return _event(job, "node_failed", text, node.node_id, host=node.host, **failure_fields(failures))
+
+
+def node_succeeded(job: Job, node: Node) -> Event:
+    text = f"job {job.job_id} round {job.round}: node {node.node_id} succeeded"
+    return _event(job, "node_succeeded", text, node.node_id)
+
+
+def restart_charged(job: Job) -> Event:
+    """A restart was charged against the budget (the round it opened is ``job.round``)."""
+    reason = job.history[-1].reason if job.history else None
+    text = f"job {job.job_id} round {job.round}: restart {job.restarts}/{job.spec.max_restarts} charged"
+    return _event(
+        job, "restart_charged", text, restarts=job.restarts, max_restarts=job.spec.max_restarts, reason=reason
+    )
+
+
+def round_opened(job: Job, rec: RoundRecord, waiting_for: list[str]) -> Event:
+    text = (
+        f"job {job.job_id} round {job.round} opened: {rec.reason}; "
+        f"waiting for {len(waiting_for)} node(s) {', '.join(waiting_for[:16]) or 'nobody'}"
+        f"{' ...' if len(waiting_for) > 16 else ''}"
+    )
+    return _event(
+        job,
+        "round_opened",
+        text,
+        reason=rec.reason,
+        started_at=rec.started_at,
+        waiting_for=len(waiting_for),
+        restarts=job.restarts,
+    )
+
+
+def round_completed(job: Job, rec: RoundRecord, members: list[Node], spares: int) -> Event:
+    assert rec.completed_at is not None
+    shown = ", ".join(f"{n.node_id}={n.group_rank}" for n in members[:16])
+    more = f" (+{len(members) - 16} more)" if len(members) > 16 else ""
+    text = (
+        f"job {job.job_id} round {job.round} complete: {len(members)} nodes, world size "
+        f"{job.world_size}, master {job.master_addr}:{job.master_port}, spares {spares}; "
+        f"ranks {shown}{more}"
+    )
+    return _event(
+        job,
+        "round_completed",
+        text,
+        reason=rec.reason,
+        formation_s=round(rec.completed_at - rec.started_at, 6),
+        world_size=rec.world_size,
+        nodes=rec.nodes,
+    )
+
+
+def failure_fields(failures: list[ExitRecord]) -> dict[str, Any]:
+    """A node_failed event's fields from its exit records (bounded, printable;
+    ``truncated`` true when a text was clipped): ``cause`` (the first failure in
+    one line), ``exit`` (its record), ``failures`` (up to MAX_FAILURES records)."""
+    first = min(failures, key=lambda r: (r.timestamp or float("inf"), r.rank))
+    clipped = False
+
+    def text(value: str) -> str:
+        nonlocal clipped
+        out = clip(printable(value), MAX_FAILURE_TEXT)
+        clipped = clipped or out.endswith(TRUNCATED)
+        return out
+
+    def record(r: ExitRecord) -> dict[str, Any]:
+        return {k: (text(v) if isinstance(v, str) else v) for k, v in r.model_dump(mode="json").items()}
+
+    fields: dict[str, Any] = {
+        "cause": text(first.describe()),
+        "exit": record(first),  # the first failure's record (the cause)
+        "failures": [record(r) for r in failures[:MAX_FAILURES]],
+        "failures_omitted": max(0, len(failures) - MAX_FAILURES),
+    }
+    if clipped:
+        fields["truncated"] = True
+    return fields
