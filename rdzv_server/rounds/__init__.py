@@ -16,13 +16,13 @@ caller needs is here. Inside:
 """
 
 from .events import job_created
+from .forming import assign_ranks
 from .gates import hosts_changed
 from .joins import check_owner, join, starts_run
 from .machine import (
     MAX_HISTORY,
     MAX_RUNS,
     STATUS_PUSH_INTERVAL_S,
-    assign_ranks,
     close,
     disconnect,
     fail,

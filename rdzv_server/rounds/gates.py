@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from ..protocol import SpareMsg
 from .events import note
-from .machine import _check_complete, _open_round
+from .forming import _check_complete
+from .machine import _open_round
 from .model import RUNNING, SPARE, WAITING, Effects, Job, Node, blocked, count, move
 
 

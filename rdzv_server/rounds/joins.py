@@ -27,7 +27,8 @@ from ..protocol import (
 )
 from . import events
 from .events import note
-from .machine import _assignment, _check_complete, new_run
+from .forming import _assignment, _check_complete
+from .machine import new_run
 from .model import (
     REJOINING,
     RUNNING,

@@ -578,7 +578,7 @@ def test_plain_join_from_a_running_member_gets_its_assignment_again():
     before = record(job)
     fx = rounds.join(job, join_msg("a", sp=job.spec), 2.0)
     after = record(job)
-    assert sent(fx, AssignedMsg)["a"].assignment == rounds.machine._assignment(job, job.nodes["a"])
+    assert sent(fx, AssignedMsg)["a"].assignment == rounds.forming._assignment(job, job.nodes["a"])
     assert job.round == 0 and job.state == JobState.RUNNING and job.nodes["a"].connected
     for key in ("round", "order", "restarts", "history", "state"):
         assert after[key] == before[key]

@@ -1,0 +1,121 @@
+"""A forming round completes: when its membership freezes, who gets which rank,
+and what each member is told. Pure, no I/O, no clock (see :mod:`.machine`).
+"""
+
+from __future__ import annotations
+
+from ..protocol import AssignedMsg, Assignment, JobState, SpareMsg
+from . import events
+from .model import REJOINING, RUNNING, SPARE, WAITING, Effects, Job, Node, blocked, count, move, natural_key
+
+
+def _check_complete(job: Job, now: float) -> Effects:
+    if not job.forming:
+        return Effects()
+    spec = job.spec
+    waiting = count(job, WAITING)
+    if job.prev_order:  # a re-formed round: no last call, the server knows who lives
+        # Wait for every live previous member even when max_nodes already wait
+        # (promoted spares): otherwise a spare takes its slot and rank 0 moves.
+        if count(job, REJOINING) == 0 and waiting >= spec.min_nodes:
+            return _complete(job, now)
+        return Effects()
+    if waiting >= spec.max_nodes:
+        return _complete(job, now)
+    if waiting >= spec.min_nodes:
+        if job.last_call_deadline is None:
+            job.last_call_deadline = now + spec.last_call_s
+            job.status_dirty = True
+    else:
+        job.last_call_deadline = None
+    return Effects()
+
+
+def assign_ranks(prev_order: list[str], candidates: list[Node], world: int) -> tuple[list[Node], list[Node]]:
+    """Pick ``world`` members and order them; return (members by group rank, spares).
+
+    1. previous members first, in their previous order, then new nodes in
+       natural host order, then node id; the first ``world`` are members;
+    2. a surviving previous rank 0 keeps rank 0 (MASTER_ADDR does not move);
+    3. a requested rank is honoured when free and < world;
+    4. the rest fill the free slots in the order of 1.
+    """
+    prev_pos = {nid: i for i, nid in enumerate(prev_order)}
+    old = sorted((n for n in candidates if n.node_id in prev_pos), key=lambda n: prev_pos[n.node_id])
+    new = sorted((n for n in candidates if n.node_id not in prev_pos), key=natural_key)
+    ordered = old + new
+    members, spares = ordered[:world], ordered[world:]
+    slots: list[Node | None] = [None] * len(members)
+    placed: set[str] = set()
+    if prev_order and members and members[0].node_id == prev_order[0]:
+        slots[0] = members[0]
+        placed.add(members[0].node_id)
+    for node in members:
+        r = node.requested_rank
+        if node.node_id not in placed and r is not None and r < len(slots) and slots[r] is None:
+            slots[r] = node
+            placed.add(node.node_id)
+    rest = iter(n for n in members if n.node_id not in placed)
+    result = [s if s is not None else next(rest) for s in slots]
+    return result, spares
+
+
+def _complete(job: Job, now: float) -> Effects:
+    """Freeze the membership: ranks, master, everyone told. A waiting node
+    whose host was blocked meanwhile becomes a spare, told why."""
+    candidates = [n for n in job.nodes.values() if n.state == WAITING]
+    held = Effects()
+    if job.gate is not None:
+        for node in candidates:
+            why = blocked(job, node, now)
+            if why is not None:
+                move(job, node, SPARE)
+                node.note = why
+                held.send(node.node_id, SpareMsg(round=job.round, reason=why))
+        candidates = [n for n in candidates if n.state == WAITING]
+        if len(candidates) < job.spec.min_nodes:  # not enough admissible nodes: keep forming
+            job.last_call_deadline = None
+            return held
+    members, spares = assign_ranks(job.prev_order, candidates, min(len(candidates), job.spec.max_nodes))
+    job.order = [n.node_id for n in members]
+    job.state = JobState.RUNNING
+    job.world_size = sum(n.local_world_size for n in members)
+    job.master_addr, job.master_port = members[0].addr, members[0].master_port
+    job.last_call_deadline = job.join_deadline = job.scale_up_deadline = None
+    rec = job.history[-1]
+    rec.completed_at, rec.world_size, rec.nodes = now, job.world_size, len(members)
+    job.round_step = job.max_step  # progress in this round: a step beyond it (see storm)
+    fx = Effects(persist=True).merge(held)
+    offset = 0
+    for rank, node in enumerate(members):
+        move(job, node, RUNNING)
+        node.group_rank, node.rank_offset = rank, offset
+        offset += node.local_world_size
+    for node in spares:
+        move(job, node, SPARE)
+    for node in members:
+        fx.send(node.node_id, AssignedMsg(assignment=_assignment(job, node)))
+    spare = SpareMsg(round=job.round)  # one message for all spares
+    for node in spares:
+        fx.send(node.node_id, spare)
+    fx.event(events.round_completed(job, rec, members, len(spares)))
+    fx.event(events.job_state(job, "waiting"))
+    return fx
+
+
+def _assignment(job: Job, node: Node) -> Assignment:
+    # set when the round's membership froze, which is when assignments are made
+    assert node.group_rank is not None and job.master_addr is not None and job.master_port is not None
+    return Assignment(
+        job_id=job.job_id,
+        round=job.round,
+        group_rank=node.group_rank,
+        group_world_size=len(job.order),
+        local_world_size=node.local_world_size,
+        rank_offset=node.rank_offset,
+        world_size=job.world_size,
+        master_addr=job.master_addr,
+        master_port=job.master_port,
+        max_restarts=job.spec.max_restarts,
+        restarts=job.restarts,
+    )
