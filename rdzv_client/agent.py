@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, TextIO, cast
 from rdzv_server import logs
 from rdzv_server.wire import DEFAULT_MAX_RESTARTS, heartbeat_every, printable
 
-from .client import AgentLink, parse_endpoint, parse_endpoints
+from .client import AgentLink
 from .config import (  # noqa: F401 - build_parser, config_from_args, UsageError: the agent's public names
     DEFAULT_SERVER_TIMEOUT_S,
     AgentConfig,
@@ -48,6 +48,7 @@ from .config import (  # noqa: F401 - build_parser, config_from_args, UsageError
     build_parser,
     config_from_args,
 )
+from .endpoints import parse_endpoint, parse_endpoints
 from .exits import entrypoint_name, failure_summary
 from .health import wait_healthy
 from .launch import WORKER_EXIT_RESTART, in_place_env_note

@@ -41,7 +41,7 @@ from rdzv_server.wire import (  # not protocol: no pydantic before the first joi
 )
 
 from . import secret_source
-from .client import parse_endpoints
+from .endpoints import parse_endpoints
 from .launch import Std, parse_std
 
 if TYPE_CHECKING:

@@ -104,9 +104,11 @@ from rdzv_server.protocol import (
 from rdzv_server.tasks import cancel_and_wait
 
 from . import secret_source
-from .client import AgentLink, Endpoints, RestClient, parse_endpoint
+from .client import AgentLink
+from .endpoints import Endpoints, parse_endpoint
 from .exits import read_error_file
 from .launch import WITHHELD_FROM_WORKERS
+from .rest import RestClient
 from .service import RETRY_LATER_CODES, outage_word
 from .session import NodeSession, OutageWatch, route_addr
 
