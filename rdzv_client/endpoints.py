@@ -3,15 +3,18 @@ one of which leads) is read wherever a server endpoint is taken
 (:func:`parse_endpoints`), and how a client goes through it: on to the next
 endpoint when one fails, or at once to the leader a ``not_leader`` refusal
 names if it is one of the list (:class:`EndpointTries`), backing off only after
-every endpoint failed (:func:`backoff_delays`, :func:`election_wait`).
+every endpoint failed (:func:`backoff_delays`, :func:`election_wait`); the
+agent looks the list up before it starts (:func:`resolve`).
 Standard library only: the agent's link and the REST client both read it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import random
+import socket
 from collections.abc import Iterator
 
 from rdzv_server.wire import printable
@@ -173,3 +176,24 @@ def election_wait(delay: float, not_leader: bool, down_s: float) -> float:
     if not_leader and down_s < NOT_LEADER_FAST_S and delay > NOT_LEADER_BACKOFF_MAX_S:
         return random.uniform(NOT_LEADER_BACKOFF_MAX_S / 2, NOT_LEADER_BACKOFF_MAX_S)
     return delay
+
+
+async def resolve(endpoint: str) -> tuple[tuple[str, int] | None, list[str]]:
+    """Every server of the list (HA replicas) looked up: ``(host, port)`` of the
+    first that resolves (the route to it is this node's address), or None, and
+    a line for each one whose name does not exist (it will not start to; one of
+    several may be a replica that is down). A resolver that fails for now
+    (EAI_AGAIN) counts as resolving."""
+    loop = asyncio.get_running_loop()
+    unknown: list[str] = []
+    reach: tuple[str, int] | None = None
+    for url in parse_endpoints(endpoint):
+        _, host, port = parse_endpoint(url)
+        try:
+            await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            if e.errno != socket.EAI_AGAIN:
+                unknown.append(f"server host {printable(host)!r} does not resolve: {e.strerror}")
+                continue
+        reach = reach or (host, port)
+    return reach, unknown
