@@ -7,10 +7,10 @@ heartbeats. It speaks WebSocket through :mod:`rdzv_client.wsclient` (standard
 library only) and sends its intent before it imports pydantic: an agent's
 first join leaves within a few tens of milliseconds of its start, and every
 server message is still validated with the protocol models before the agent
-acts on it. It keeps the node secret the server's ``joined`` issued and puts
-it on every later join of that node id (held in memory only), and the run of
-the job that ``joined`` named, on every later join whatever its node id (a
-late agent of a finished run is then told so, never starting the next). A server
+acts on it. It is only a transport: who this node is (its id, the node
+secret the server issued it, the job's run) is the
+:class:`~rdzv_client.session.NodeSession`'s, which sets the intent and hears
+every server message first (``observer``), before the link queues it. A server
 hiccup therefore never reaches the agent's loop as an error: the loop just
 hears nothing until the server is back.
 
@@ -27,7 +27,7 @@ import json
 import logging
 import ssl
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any
 
 from rdzv_server.errors import LEADER_HEADER, error_from_body
@@ -128,10 +128,10 @@ class AgentLink:
         # sends and closes in flight: the loop holds only weak references to tasks
         self._background: set[asyncio.Task[Any]] = set()
         self._pending: list[str] = []  # reports to re-send after a reconnect, until acked
-        self._secret: tuple[str, str] | None = None  # (node id, the node secret the server issued it)
         self._not_leader = False  # a replica of this cycle of the list said not_leader: an election
-        self.run: int | None = None  # the job's run the first ``joined`` named (design.md "Job lifecycle")
         self._closing = False  # close() was called
+        # hears every message that serves the join before it is queued (the NodeSession: a joined's secret, the run)
+        self.observer: Callable[[Any], None] | None = None
 
     async def start(self) -> None:
         self._closing = False
@@ -144,32 +144,13 @@ class AgentLink:
             await asyncio.wait([asyncio.ensure_future(self._ws.close())], timeout=1.0)
 
     def set_intent(self, msg: dict[str, Any] | None, send: bool = True) -> None:
-        """Remember what to say after a reconnect, and say it now. A join of the
-        node id the server issued a secret to carries that secret; every join
-        carries this agent's run once a ``joined`` named it."""
-        msg = self._with_secret(msg)
+        """Remember what to say after a reconnect (as it is: the session built
+        it), and say it now."""
         self.intent = msg
         if msg is not None and send:
             if msg.get("op") == "join" and self.connected.is_set():
                 self.service.unserved()  # served again once the server answers this join
             self.send_nowait(_dump(msg))
-
-    def _with_secret(self, msg: dict[str, Any] | None) -> dict[str, Any] | None:
-        if msg is not None and msg.get("op") == "join" and msg.get("run") is None and self.run is not None:
-            msg = {**msg, "run": self.run}  # this agent's run, for every node id it joins as
-        if (
-            msg is not None
-            and msg.get("node_secret") is None
-            and self._secret is not None
-            and msg.get("node_id") == self._secret[0]
-        ):
-            return {**msg, "node_secret": self._secret[1]}
-        return msg
-
-    def _learn_secret(self, node_id: str, secret: str) -> None:
-        """The server created node ``node_id`` for us: from now on its joins carry ``secret``."""
-        self._secret = (node_id, secret)
-        self.intent = self._with_secret(self.intent)
 
     def report(self, msg: BaseModel) -> None:
         """A report (failed, succeeded, leave): sent now and after each reconnect until acked."""
@@ -331,12 +312,8 @@ class AgentLink:
                     self.last_error = None
                     if isinstance(msg, JoinedMsg):
                         self.heartbeat_s = msg.heartbeat_s
-                        if self.run is None:
-                            self.run = msg.run
-                        if msg.node_secret is not None:
-                            self._learn_secret(msg.node_id, msg.node_secret)
-                        else:
-                            self.intent = self._with_secret(self.intent)
+                    if self.observer is not None:
+                        self.observer(msg)
                     self._messages.put_nowait(msg)
                 if self.last_error == NO_ANSWER:  # the server closed before it answered: say how
                     self.last_error = None

@@ -84,13 +84,11 @@ from rdzv_server.protocol import (
     DoneMsg,
     ErrorCode,
     ErrorMsg,
-    EvictedMsg,
     ExitRecord,
     JobSpec,
     JoinedMsg,
     RdzvError,
     RestartMsg,
-    ServerMessage,
     SpareMsg,
     StatusMsg,
     heartbeat_interval,
@@ -105,7 +103,7 @@ from .endpoints import Endpoints, parse_endpoint
 from .launch import WITHHELD_FROM_WORKERS
 from .rest import RestClient
 from .service import RETRY_LATER_CODES, outage_word
-from .session import NodeSession, OutageWatch, route_addr
+from .session import Heard, Meaning, NodeSession, OutageWatch, classify, route_addr
 from .torch_params import exit_records, server_and_job, spec_nproc, torchrun_nproc
 
 _T = TypeVar("_T")
@@ -120,8 +118,6 @@ FAILURE_REPORT_DELAY_S = 1.0
 DEFAULT_SERVER_TIMEOUT_S = 300.0
 # while a round forms, say what it waits for this often
 PROGRESS_EVERY_S = 10.0
-# The server forgot this node, or its node of this id is not ours (node secret): join as a new node.
-_NEW_NODE_CODES = (ErrorCode.EVICTED, ErrorCode.NODE_SECRET_MISMATCH)
 
 
 class RdzvRendezvousHandler(RendezvousHandler):
@@ -189,7 +185,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._link: AgentLink | None = None
-        self._inbox: asyncio.Queue[ServerMessage | RdzvError] | None = None
+        self._inbox: asyncio.Queue[Heard] | None = None  # what the link hands over, classified once
 
     @property
     def node_id(self) -> str:
@@ -266,9 +262,10 @@ class RdzvRendezvousHandler(RendezvousHandler):
         assert inbox is not None  # made with the link
         while True:
             msg = await link.recv()
+            heard = classify(msg)
             if isinstance(msg, RestartMsg):
                 self._restart_round = max(self._restart_round, msg.round)
-            elif isinstance(msg, EvictedMsg) or (isinstance(msg, ErrorMsg) and msg.code in _NEW_NODE_CODES):
+            elif heard.meaning is Meaning.NEW_NODE:
                 self._restart_round = max(self._restart_round, (self._assignment.round + 1) if self._assignment else 0)
             elif isinstance(msg, DoneMsg) and msg.state != "succeeded":
                 self._closed_why = f"{msg.state}: {printable(msg.reason)}"
@@ -282,7 +279,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
                 if text != self._waiting_text:
                     log.warning("job %s: waiting as a spare: %s", self.run_id, text)
                 self._waiting_text = text
-            inbox.put_nowait(msg)
+            inbox.put_nowait(heard)
             self._news.set()
 
     async def _answered(self, timeout: float) -> None:
@@ -291,8 +288,8 @@ class RdzvRendezvousHandler(RendezvousHandler):
         assert inbox is not None  # made with the link
         deadline = time.monotonic() + timeout
         while not self._closed and (left := deadline - time.monotonic()) > 0:
-            msg = await asyncio.wait_for(inbox.get(), left)
-            if isinstance(msg, (AckMsg, DoneMsg, ErrorMsg)):
+            heard = await asyncio.wait_for(inbox.get(), left)
+            if isinstance(heard.msg, (AckMsg, DoneMsg, ErrorMsg)):
                 return
 
     def _call(self, coro: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
@@ -422,9 +419,10 @@ class RdzvRendezvousHandler(RendezvousHandler):
                     f": {self._waiting_text}" if self._waiting_text else "",
                 )
             try:
-                msg = await asyncio.wait_for(inbox.get(), min(left, 0.5))
+                heard = await asyncio.wait_for(inbox.get(), min(left, 0.5))
             except asyncio.TimeoutError:
                 continue
+            msg = heard.msg
             if isinstance(msg, AssignedMsg):
                 a = msg.assignment
                 if prev is not None and a.round <= prev.round:
@@ -439,12 +437,12 @@ class RdzvRendezvousHandler(RendezvousHandler):
             if isinstance(msg, DoneMsg):
                 self._closed = msg.state != "succeeded"
                 raise RendezvousClosedError(f"job {self.run_id} {msg.state}: {printable(msg.reason)}")
-            if isinstance(msg, EvictedMsg) or (isinstance(msg, ErrorMsg) and msg.code in _NEW_NODE_CODES):
+            if heard.meaning is Meaning.NEW_NODE:
                 self.session.evicted()
-            elif isinstance(msg, ErrorMsg) and msg.code not in (ErrorCode.STALE_ROUND, *RETRY_LATER_CODES):
-                raise RendezvousError(f"rdzv server refused this node: {printable(msg.message)}")
-            elif isinstance(msg, RdzvError):
-                raise RendezvousError(printable(msg.message))
+            elif heard.meaning is Meaning.REFUSED and heard.code not in (ErrorCode.STALE_ROUND, *RETRY_LATER_CODES):
+                raise RendezvousError(f"rdzv server refused this node: {printable(heard.reason)}")
+            elif heard.meaning is Meaning.LINK_ERROR:
+                raise RendezvousError(printable(heard.reason))
 
     def shutdown(self) -> bool:
         """torchrun calls this from a ``finally``. No exception in flight: its
