@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from . import channel_grammar as grammar
 from .launch import WORKER_EXIT_RESTART
 from .workers import worker_env
 
@@ -31,28 +32,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rdzv_agent")
 
-# What an in-place assignment sets in a kept worker's environment (rdzv_client.worker.ASSIGNED_VARS).
-IN_PLACE_VARS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS",
-)
+# What an in-place assignment sets in a kept worker's environment: the worker channel's grammar says.
+IN_PLACE_VARS = grammar.ASSIGNED_VARS
 
 
 def in_place_assignment(a: Assignment, local_rank: int, job_id: str, virtual_local_rank: bool) -> str:
-    """The variables a kept worker of ``local_rank`` takes for round ``a``
-    (``NAME=VALUE ...``), as worker_env gives a started one."""
+    """The ``assign`` datagram for a kept worker of ``local_rank`` in round
+    ``a``: the variables it takes, as worker_env gives a started one."""
     env = worker_env({}, a, local_rank, job_id, "", virtual_local_rank=virtual_local_rank)
-    return " ".join(f"{k}={env[k]}" for k in IN_PLACE_VARS)
+    return grammar.assign(a.round, {k: env[k] for k in IN_PLACE_VARS})
 
 
 # A worker that parks unasked saw a collective fail. Its agent says so at once
@@ -93,7 +81,7 @@ class InPlace:
         cfg, channel = self.cfg, self.watch.channel
         if not all(group.running(lr) for lr in range(cfg.nproc)):
             return False
-        if not all(channel.tell(lr, f"stop {new_round}") for lr in range(cfg.nproc)):
+        if not all(channel.tell(lr, grammar.stop(new_round)) for lr in range(cfg.nproc)):
             self._say("a worker does not take rounds in place (rdzv_client.worker.rounds()): restarting them")
             return False
         now = time.monotonic()
@@ -120,8 +108,7 @@ class InPlace:
             )
             return False
         for lr in range(cfg.nproc):
-            text = in_place_assignment(a, lr, cfg.job_id, cfg.virtual_local_rank)
-            if not channel.tell(lr, f"assign {a.round} {text}"):
+            if not channel.tell(lr, in_place_assignment(a, lr, cfg.job_id, cfg.virtual_local_rank)):
                 self._say("round %d: local rank %d no longer listens; restarting this node's workers", a.round, lr)
                 return False
         return True
