@@ -28,12 +28,11 @@ import signal
 import socket
 import sys
 import time
-from typing import TYPE_CHECKING, TextIO, cast
+from typing import TYPE_CHECKING, TextIO
 
 # Not rdzv_server.protocol (pydantic) here: the agent sends its first join
 # without it; the link imports the models right after, and the branches below
 # that need them import them then (a dictionary look-up by that time).
-from rdzv_server import logs
 from rdzv_server.wire import DEFAULT_MAX_RESTARTS, heartbeat_every, printable
 
 from .attempt import announce, cannot_start, exit_records, note_failures, run_log_dir, worker_envs, worker_group
@@ -60,7 +59,7 @@ from .reactions import (  # noqa: F401 - Phase and the exit codes: the agent's p
 from .reform import PLAIN_REPORT_AFTER_S, InPlace
 from .service import outage_word
 from .session import NodeSession, OutageWatch, route_addr
-from .status import FreshLineHandler, StatusLine
+from .status import StatusLine, setup_logging
 from .tmpdirs import open_agent_dir
 from .watch import WorkerWatch
 from .workers import ExitInfo, WorkerGroup
@@ -508,24 +507,7 @@ def main(argv: list[str] | None = None) -> None:
         a = agent.assignment
         return {"job": agent.cfg.job_id, "node": agent.node_id, "round": a.round if a is not None else None}
 
-    stderr = sys.stderr
-    if args.log_format == "json":
-        # stderr is the agent's log: what it prints there directly becomes json too
-        sys.stderr = cast(TextIO, logs.JsonStream(stderr, context))
-    if args.log_format == "text":
-        # on a terminal each line starts on a cleared line: never inside a worker's progress bar
-        handler = FreshLineHandler(stderr)
-        handler.setFormatter(logging.Formatter("[rdzv-agent %(asctime)s] %(message)s", datefmt="%H:%M:%S"))
-        logging.basicConfig(level=os.environ.get("RDZV_LOG_LEVEL", "INFO"), handlers=[handler])
-    else:
-        logs.setup(
-            args.log_format,
-            os.environ.get("RDZV_LOG_LEVEL", "INFO"),
-            "[rdzv-agent %(asctime)s] %(message)s",
-            datefmt="%H:%M:%S",
-            context=context,
-            stream=stderr,
-        )
+    stderr = setup_logging(args.log_format, context)
     try:
         cfg = config_from_args(args)
     except UsageError as e:

@@ -17,6 +17,8 @@ from typing import Any
 
 from rdzv_server.errors import ErrorCode
 
+from .session import Meaning, classify
+
 # refusals that say "not now": the link backs off and joins again, the clock runs
 # (the torchrun plugin waits on them; any other refusal ends its rendezvous)
 RETRY_LATER_CODES = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.RATE_LIMITED, ErrorCode.NOT_LEADER})
@@ -70,8 +72,6 @@ def refusal(msg: Any, serving: bool) -> str | None:
     drops the connection and backs off before it joins again, so a server that
     refuses or evicts at each join is not asked in a tight loop; None: an error
     that refuses a report of a served node, only passed on."""
-    from .session import Meaning, classify
-
     heard = classify(msg)
     if serving and heard.meaning is not Meaning.NEW_NODE:
         return None
