@@ -100,15 +100,21 @@ def classify(msg: Any) -> Heard:
     return Heard(Meaning.NEWS, msg)
 
 
+def _ascii_label(host: str) -> str:
+    """``host`` with every character but ASCII letters, digits and ``._-``
+    replaced by ``-`` (the server's id and host patterns are ASCII: ``é`` is
+    alphanumeric to ``str.isalnum`` but would make a join it refuses)."""
+    return "".join(c if (c.isascii() and c.isalnum()) or c in "._-" else "-" for c in host)
+
+
 def new_node_id(host: str) -> str:
     """host, pid and a random suffix: IP addresses make poor ids (reused)."""
-    clean = "".join(c if c.isalnum() or c in "._-" else "-" for c in host)[:80].lstrip("-._") or "node"
+    clean = _ascii_label(host)[:80].lstrip("-._") or "node"
     return f"{clean}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 def host_label(host: str) -> str:
-    clean = "".join(c if c.isalnum() or c in "._-" else "-" for c in host)[:255]
-    return clean or "node"
+    return _ascii_label(host)[:255] or "node"
 
 
 def free_port(addr: str) -> int:

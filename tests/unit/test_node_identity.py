@@ -185,6 +185,15 @@ def test_the_session_learns_its_secret_and_run_from_joined_and_the_intent_carrie
     assert new.node_id != old and new.node_secret is None and new.run == 7  # the run whatever the node id
 
 
+@pytest.mark.parametrize("host", ["gpu-é1", "ñode", "节点", "host\u0663"])
+def test_a_non_ascii_host_name_makes_a_join_the_server_takes(host: str) -> None:
+    """str.isalnum() is true of é, ñ, 节 and Arabic-indic digits: the node id and
+    host label kept them, and the server refused the join (its patterns are ASCII)."""
+    s = NodeSession(job_id="j", host=host, nproc=1, spec=JobSpec(min_nodes=1, max_nodes=1), addr="127.0.0.1")
+    msg = JoinMsg.model_validate_json(json.dumps(s.join_msg()))  # the server's model: raises on a bad id or host
+    assert msg.node_id == s.node_id and msg.host.isascii()
+
+
 # ------------------------------------------------------------ the agent's reactions
 
 
