@@ -33,7 +33,7 @@ stdin, answers come back as JSON lines on stdout:
 
 ``--follow`` (HA replicas, bench/ha.py): URL is an endpoint list
 (``127.0.0.1:P1,127.0.0.1:P2``, as ``rdzv-agent --endpoint`` takes it) and each
-node is a link like the real agent's (rdzv_client.client's EndpointTries and
+node is a link like the real agent's (rdzv_client.endpoints's EndpointTries and
 backoff): it connects to the endpoint that answers, follows a ``not_leader``
 refusal's ``X-Rdzv-Leader`` hint within the list, and when its connection
 drops it reconnects and resumes its round (a join with ``resume_round`` and
@@ -216,7 +216,8 @@ class ClientProc:
         endpoint walk and backoff); after a drop, resume the round it runs."""
         import aiohttp
 
-        from rdzv_client.client import STABLE_S, Endpoints, backoff_delays, election_wait
+        from rdzv_client.client import STABLE_S
+        from rdzv_client.endpoints import Endpoints, backoff_delays, election_wait
         from rdzv_server.errors import LEADER_HEADER
         from rdzv_server.wire import AGENT_PATH
 

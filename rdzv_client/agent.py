@@ -27,20 +27,16 @@ import os
 import signal
 import socket
 import sys
-import tempfile
 import time
-from dataclasses import dataclass
-from pathlib import Path
-from string import Template
-from typing import TYPE_CHECKING, TextIO, cast
+from typing import TYPE_CHECKING, TextIO
 
 # Not rdzv_server.protocol (pydantic) here: the agent sends its first join
 # without it; the link imports the models right after, and the branches below
 # that need them import them then (a dictionary look-up by that time).
-from rdzv_server import logs
 from rdzv_server.wire import DEFAULT_MAX_RESTARTS, heartbeat_every, printable
 
-from .client import AgentLink, parse_endpoint, parse_endpoints
+from .attempt import announce, cannot_start, exit_records, note_failures, run_log_dir, worker_envs, worker_group
+from .client import AgentLink
 from .config import (  # noqa: F401 - build_parser, config_from_args, UsageError: the agent's public names
     DEFAULT_SERVER_TIMEOUT_S,
     AgentConfig,
@@ -48,7 +44,7 @@ from .config import (  # noqa: F401 - build_parser, config_from_args, UsageError
     build_parser,
     config_from_args,
 )
-from .exits import entrypoint_name, failure_summary
+from .endpoints import resolve
 from .health import wait_healthy
 from .launch import WORKER_EXIT_RESTART, in_place_env_note
 from .quiet import Quiet
@@ -60,59 +56,18 @@ from .reactions import (  # noqa: F401 - Phase and the exit codes: the agent's p
     Phase,
     ServerReactions,
 )
+from .reform import PLAIN_REPORT_AFTER_S, InPlace
 from .service import outage_word
 from .session import NodeSession, OutageWatch, route_addr
-from .status import FreshLineHandler, StatusLine
+from .status import StatusLine, setup_logging
 from .tmpdirs import open_agent_dir
 from .watch import WorkerWatch
-from .workers import ExitInfo, LaunchConfig, WorkerGroup, describe, error_file_path, worker_env
+from .workers import ExitInfo, WorkerGroup
 
 if TYPE_CHECKING:
     from rdzv_server.protocol import Assignment
 
 log = logging.getLogger("rdzv_agent")
-
-# What an in-place assignment sets in a kept worker's environment (rdzv_client.worker.ASSIGNED_VARS).
-IN_PLACE_VARS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS",
-)
-
-
-def in_place_assignment(a: Assignment, local_rank: int, job_id: str, virtual_local_rank: bool) -> str:
-    """The variables a kept worker of ``local_rank`` takes for round ``a``
-    (``NAME=VALUE ...``), as worker_env gives a started one."""
-    env = worker_env({}, a, local_rank, job_id, "", virtual_local_rank=virtual_local_rank)
-    return " ".join(f"{k}={env[k]}" for k in IN_PLACE_VARS)
-
-
-# A worker that parks unasked saw a collective fail. Its agent says so at once
-# (reason "collective": the server only loses a member whose connection already
-# dropped, the usual cause, and otherwise waits for the cause's own report); if
-# the round has not changed this much later, it reports a plain (charged) failure.
-PLAIN_REPORT_AFTER_S = 1.0
-
-
-@dataclass
-class Reform:
-    """An in-place re-formation under way: the kept workers left ``old_round``
-    and must all reach their safe point (``parked``) by ``deadline``."""
-
-    old_round: int
-    new_round: int
-    started: float
-    deadline: float
-
 
 # -------------------------------------------------------------------- agent
 
@@ -146,25 +101,13 @@ class Agent(ServerReactions):
         # a SIGKILLed agent's is removed by the next agent on the node (tmpdirs.py)
         self._dir = open_agent_dir()
         self._err_dir = self._dir.path / "err" if cfg.log_dir is None else None
-        # torchrun's layout: LOG_DIR/<job id>_<random>/attempt_N/..., one run directory per agent,
-        # so a re-run with the same --log-dir never replaces the last run's logs and error files
-        self.log_dir: Path | None = None
-        if cfg.log_dir is not None:
-            cfg.log_dir.mkdir(parents=True, exist_ok=True)
-            self.log_dir = Path(tempfile.mkdtemp(prefix=f"{cfg.job_id}_", dir=cfg.log_dir))
-        elif any(v for s in (cfg.redirects, cfg.tee) for v in (s.values() if isinstance(s, dict) else [s])):
-            # --redirects/--tee without --log-dir: in this agent's directory, kept after it exits
-            # until the next agent on the node starts (torchrun's /tmp/torchelastic_* stay for ever)
-            self.log_dir = self._dir.path / "logs"
-            self.log_dir.mkdir()
+        self.log_dir = run_log_dir(cfg, self._dir.path)  # --log-dir's run directory, or logs kept for --tee
         self.outage = OutageWatch(cfg.server_timeout_s)
         self._quiet = Quiet()
         self.watch = WorkerWatch(cfg, self._say, self._dir.path)  # hangs, progress heartbeats, torch FileTimers
         self._held_for: str | None = None  # why the server holds this node as a spare (its host's block)
         self.failure_summary: tuple[int, str] | None = None  # (round, torchrun's block) of this node's last failure
-        self._reform: Reform | None = None  # in-place mode: kept workers moving to the next round
-        # the round a parked worker's failure was reported for, and whether as an echo
-        self._broken_reported: tuple[int, bool] | None = None
+        self.in_place = InPlace(cfg, self.watch, self._say)  # in-place mode: kept workers between rounds
         self.watch.channel.on_parked = self._on_parked
 
     @property
@@ -244,19 +187,7 @@ class Agent(ServerReactions):
 
                 server = await start_embedded()
                 self.cfg.endpoint = f"127.0.0.1:{server[1]}"
-            # every server of the list (HA replicas): one whose name does not exist will not start to;
-            # a usage error when none does (one of several may be a replica that is down)
-            unknown: list[str] = []
-            reach: tuple[str, int] | None = None  # the first that resolves: its route is our address
-            for url in parse_endpoints(self.cfg.endpoint):
-                _, host, port = parse_endpoint(url)
-                try:
-                    await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-                except socket.gaierror as e:
-                    if e.errno != socket.EAI_AGAIN:
-                        unknown.append(f"server host {printable(host)!r} does not resolve: {e.strerror}")
-                        continue
-                reach = reach or (host, port)
+            reach, unknown = await resolve(self.cfg.endpoint)
             if reach is None:
                 print(f"rdzv-agent: error: {unknown[0]}", file=sys.stderr, flush=True)
                 return EXIT_USAGE
@@ -317,13 +248,13 @@ class Agent(ServerReactions):
                 if self.group is not None and workers is None and self.phase is Phase.RUNNING:
                     workers, workers_for = asyncio.ensure_future(self.group.wait()), self.group
                 waits = [recv, sig] + ([workers] if workers else [])
-                tick = self.watch.tick_s() if self._reform is None else 0.05
+                tick = self.watch.tick_s() if self.in_place.reform is None else 0.05
                 done, _ = await asyncio.wait(waits, timeout=tick, return_when=asyncio.FIRST_COMPLETED)
                 if sig not in done:
                     code = await self._check_server()
                     if code is not None:
                         return code
-                    if self._reform is not None:
+                    if self.in_place.reform is not None:
                         await self._check_reform()
                     if workers is not None and workers not in done and self.phase is Phase.RUNNING:
                         await self._watch_workers()
@@ -410,47 +341,24 @@ class Agent(ServerReactions):
         self.status.show(f"[rdzv-agent] {notice}")
         return None
 
-    # -- in-place re-formation (design.md "In-place re-formation")
+    # -- in-place re-formation (design.md "In-place re-formation"; the steps: reform.InPlace)
 
     def _keep_workers(self, new_round: int) -> bool:
-        """In-place mode, on a round change: tell every worker to leave its step
-        and keep them. False (stop them the process way) when a worker is gone
-        or does not listen (it does not use rdzv_client.worker.rounds())."""
-        a, group, cfg = self.assignment, self.group, self.cfg
-        if cfg.restart_mode != "in-place" or a is None or group is None or self.phase is not Phase.RUNNING:
+        """In-place mode, on a round change: keep the workers (they leave their
+        step). False: stop them the process way."""
+        a, group = self.assignment, self.group
+        if self.cfg.restart_mode != "in-place" or a is None or group is None or self.phase is not Phase.RUNNING:
             return False
-        if not all(group.running(lr) for lr in range(cfg.nproc)):
-            return False
-        if not all(self.watch.channel.tell(lr, f"stop {new_round}") for lr in range(cfg.nproc)):
-            self._say("a worker does not take rounds in place (rdzv_client.worker.rounds()): restarting them")
-            return False
-        now = time.monotonic()
-        self._reform = Reform(a.round, new_round, now, now + cfg.in_place_timeout_s)
-        return True
+        return self.in_place.keep(a.round, new_round, group)
 
     def _end_reform(self) -> None:
         """Kept workers are not moving to a next round any more (they are stopped)."""
-        self._reform = None
+        self.in_place.end()
 
     def _assign_in_place(self, a: Assignment) -> bool:
         """Hand kept workers round ``a``; False: they must be restarted."""
-        group, cfg = self.group, self.cfg
-        if self._reform is None or group is None:
+        if not self.in_place.assign(a, self.group):
             return False
-        gone = [lr for lr in range(cfg.nproc) if not group.running(lr)]
-        if gone:
-            codes = group.returncode(gone[0])
-            asked = codes == WORKER_EXIT_RESTART
-            why = " (it asked for a process restart: NCCL or its GPU did not recover)" if asked else ""
-            self._say(
-                "round %d: kept local rank %d exited %s%s; restarting this node's workers", a.round, gone[0], codes, why
-            )
-            return False
-        for lr in range(cfg.nproc):
-            text = in_place_assignment(a, lr, cfg.job_id, cfg.virtual_local_rank)
-            if not self.watch.channel.tell(lr, f"assign {a.round} {text}"):
-                self._say("round %d: local rank %d no longer listens; restarting this node's workers", a.round, lr)
-                return False
         self.session.assignment = a
         self._say(
             "round %d: group rank %d of %d, ranks %d-%d of world %d, master %s:%d: workers kept in place",
@@ -470,29 +378,8 @@ class Agent(ServerReactions):
 
     async def _check_reform(self) -> None:
         """Every kept worker parked: done. Past --in-place-timeout: restart them."""
-        r, group = self._reform, self.group
-        if r is None:
+        if not await self.in_place.check(self.group, self.phase is Phase.RUNNING):
             return
-        if group is None:
-            self._reform = None
-            return
-        late = [lr for lr in range(self.cfg.nproc) if self.watch.channel.parked.get(lr) != r.old_round]
-        if not late:
-            if self.phase is Phase.RUNNING:  # assigned in place too: done
-                self._reform = None
-                log.debug("round %d: in place %.3fs after the round change", r.new_round, time.monotonic() - r.started)
-            return
-        if time.monotonic() < r.deadline:
-            return
-        self._reform = None
-        blocked = await self.watch.where(group, r.new_round, late)
-        self._say(
-            "local rank(s) %s did not reach a safe point within %gs (--in-place-timeout): %s; restarting this "
-            "node's workers",
-            ",".join(map(str, late)),
-            self.cfg.in_place_timeout_s,
-            blocked,
-        )
         a, running = self.assignment, self.phase is Phase.RUNNING
         await self._stop_workers()
         if running and a is not None:
@@ -510,27 +397,11 @@ class Agent(ServerReactions):
 
     def _report_parked(self, local_rank: int, round_no: int, echo: bool) -> bool:
         a, group = self.assignment, self.group
-        if self._reform is not None or a is None or group is None or self.phase is not Phase.RUNNING:
+        if a is None or group is None or self.phase is not Phase.RUNNING:
             return False  # the round changed meanwhile: the server knew
-        if round_no != a.round or self._broken_reported == (a.round, echo):
+        rec = self.in_place.parked_failure(a, group, local_rank, round_no, echo)
+        if rec is None:
             return False
-        from rdzv_server.protocol import ExitRecord
-
-        self._broken_reported = (a.round, echo)
-        if echo:
-            self._say(
-                "round %d: local rank %d left its step (a collective failed); telling the server", a.round, local_rank
-            )
-        else:
-            self._say("round %d: still no new round %gs later; reporting a failure", a.round, PLAIN_REPORT_AFTER_S)
-        rec = ExitRecord(
-            local_rank=local_rank,
-            rank=a.rank_offset + local_rank,
-            pid=group.pids[local_rank] if local_rank < len(group.pids) else 0,
-            message="a collective failed; the worker waits in place for the next round",
-            timestamp=time.time(),
-            reason="collective" if echo else None,
-        )
         self.session.report_failed(a.round, [rec])
         return True
 
@@ -538,89 +409,24 @@ class Agent(ServerReactions):
         if self.group is not None:  # kept in place through a round change
             if self._assign_in_place(a):
                 return
-            self._reform = None
+            self.in_place.end()
             await self._stop_workers()
         cfg = self.cfg
         self.session.assignment = a
-        self._say(
-            "round %d: group rank %d of %d, ranks %d-%d of world %d, master %s:%d, restart %d/%d",
-            a.round,
-            a.group_rank,
-            a.group_world_size,
-            a.rank_offset,
-            a.rank_offset + a.local_world_size - 1,
-            a.world_size,
-            a.master_addr,
-            a.master_port,
-            a.restarts,
-            a.max_restarts,
-        )
-        if cfg.node_rank is not None and a.group_rank != cfg.node_rank:
-            why = (
-                f"this round has {a.group_world_size} node(s)"
-                if cfg.node_rank >= a.group_world_size
-                else f"rank {cfg.node_rank} is held by another node"
-            )
-            self._say("asked for node rank %d, got %d (%s)", cfg.node_rank, a.group_rank, why)
-        base = dict(os.environ)
+        announce(cfg, a, self._say)
         err_root = self.log_dir or self._err_dir
         assert err_root is not None  # _err_dir is made when there is no log_dir
-        envs = []
-        for lr in range(cfg.nproc):
-            ef = error_file_path(err_root, a.round, lr)
-            ef.parent.mkdir(parents=True, exist_ok=True)
-            if ef.exists():
-                ef.unlink()
-            env = worker_env(
-                base,
-                a,
-                lr,
-                cfg.job_id,
-                str(ef),
-                role=cfg.role,
-                signals_to_handle=cfg.signals_to_handle,
-                virtual_local_rank=cfg.virtual_local_rank,
-                in_place=cfg.restart_mode == "in-place",
-            )
-            self.watch.add_env(env)
-            envs.append(env)
+        envs = worker_envs(cfg, a, err_root, self.watch)
         self.watch.new_round(a.round)
-        launch = LaunchConfig(
-            cmd=cfg.cmd,
-            local_world_size=cfg.nproc,
-            log_dir=self.log_dir,
-            redirects=cfg.redirects,
-            tee=cfg.tee,
-            local_ranks_filter=cfg.local_ranks_filter,
-            share_console=not cfg.line_prefix,
-        )
-        template = os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
-
-        def prefix(lr: int) -> str:  # torchrun's template for prefixed lines
-            return Template(template or "").safe_substitute(
-                role_name=envs[lr].get("ROLE_NAME", "default"), rank=a.rank_offset + lr, local_rank=lr
-            )
-
-        self.group = WorkerGroup(
-            launch, envs, attempt=a.round, prefix_fn=prefix if template else None, stderr=self.worker_stderr
-        )
+        self.group = worker_group(cfg, a, envs, self.log_dir, self.worker_stderr)
         # workers that write to this terminal own it: no status line over their progress bars
-        self.status.hold = launch.shares_console()
+        self.status.hold = self.group.config.shares_console()
         try:
             await self.group.start()
         except OSError as e:
-            from rdzv_server.protocol import ExitRecord
-
             self.group = None
             self._say("cannot start workers: %s", e)
-            rec = ExitRecord(
-                local_rank=0,
-                rank=a.rank_offset,
-                pid=0,
-                exit_code=127,
-                message=f"cannot start {cfg.cmd[0]}: {e}",
-                timestamp=time.time(),
-            )
+            rec = cannot_start(cfg, a, e)
             self.phase = Phase.REPORTED
             self.session.report_failed(a.round, [rec])
             return
@@ -645,10 +451,10 @@ class Agent(ServerReactions):
         a = self.assignment
         if self.phase is not Phase.RUNNING or a is None:
             return None
-        if self._reform is not None and all(i.exit_code == WORKER_EXIT_RESTART for i in infos if not i.ok):
+        if self.in_place.reform is not None and all(i.exit_code == WORKER_EXIT_RESTART for i in infos if not i.ok):
             # assigned in place, then a kept worker asked for a new process before it parked
             # (rdzv_client.inplace_nccl): an escalation, as past --in-place-timeout, not a failure
-            self._reform = None
+            self.in_place.end()
             for i in infos:
                 self._say(
                     "round %d: kept local rank %d exited %d (it asked for a process restart: NCCL or its GPU did "
@@ -666,55 +472,19 @@ class Agent(ServerReactions):
             self._say("round %d: all %d worker(s) exited 0; reporting success", a.round, len(infos))
             self.session.report_succeeded(a.round)
             return None
-        from rdzv_server.protocol import ExitRecord
-
         failed = [i for i in infos if not i.ok]
         try:  # torchrun's "host" (its fully qualified name); a slow resolver must not stall the loop
             host = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, socket.getfqdn), 2.0)
         except asyncio.TimeoutError:
             host = self.cfg.host
-        self._note_failures(a, failed, host)
+        err_root = self.log_dir or self._err_dir
+        assert err_root is not None
+        self.failure_summary = note_failures(self.cfg, a, failed, host, err_root, self.log_dir, self._say)
         await self._stop_workers()
-        records = [
-            ExitRecord(
-                local_rank=i.local_rank,
-                rank=a.rank_offset + i.local_rank,
-                pid=i.pid,
-                exit_code=i.exit_code,
-                signal=i.signal,
-                message=self.watch.exit_message(i),
-                timestamp=i.timestamp,
-                reason="timer" if self.watch.timer_killed(i.pid) else None,
-            )
-            for i in failed
-        ]
+        records = exit_records(a, failed, self.watch)
         self.phase = Phase.REPORTED
         self.session.report_failed(a.round, records)
         return None
-
-    def _note_failures(self, a: Assignment, failed: list[ExitInfo], host: str) -> None:
-        """Say each failure (with its error file when --log-dir keeps it) and keep
-        torchrun's summary block, printed if the job fails with this round; the
-        error files are read now: without --log-dir they go when the agent exits."""
-        err_root = self.log_dir or self._err_dir
-        assert err_root is not None
-        # the file each worker was given: one kept in place has the round it started in
-        error_files = {
-            i.local_rank: i.error_file or str(error_file_path(err_root, a.round, i.local_rank)) for i in failed
-        }
-        for i in failed:
-            kept = self.log_dir is not None and os.path.isfile(error_files[i.local_rank])
-            where = f"; error file {error_files[i.local_rank]}" if kept else ""
-            self._say("round %d: %s%s", a.round, describe(i, a.rank_offset + i.local_rank), where)
-        self.failure_summary = (
-            a.round,
-            failure_summary(
-                entrypoint_name(self.cfg.cmd, sys.executable),
-                [(a.rank_offset + i.local_rank, i, error_files[i.local_rank]) for i in failed],
-                host,
-                show_paths=self.log_dir is not None,
-            ),
-        )
 
     async def _on_signal(self, signum: int) -> int:
         name = signal.Signals(signum).name
@@ -737,24 +507,7 @@ def main(argv: list[str] | None = None) -> None:
         a = agent.assignment
         return {"job": agent.cfg.job_id, "node": agent.node_id, "round": a.round if a is not None else None}
 
-    stderr = sys.stderr
-    if args.log_format == "json":
-        # stderr is the agent's log: what it prints there directly becomes json too
-        sys.stderr = cast(TextIO, logs.JsonStream(stderr, context))
-    if args.log_format == "text":
-        # on a terminal each line starts on a cleared line: never inside a worker's progress bar
-        handler = FreshLineHandler(stderr)
-        handler.setFormatter(logging.Formatter("[rdzv-agent %(asctime)s] %(message)s", datefmt="%H:%M:%S"))
-        logging.basicConfig(level=os.environ.get("RDZV_LOG_LEVEL", "INFO"), handlers=[handler])
-    else:
-        logs.setup(
-            args.log_format,
-            os.environ.get("RDZV_LOG_LEVEL", "INFO"),
-            "[rdzv-agent %(asctime)s] %(message)s",
-            datefmt="%H:%M:%S",
-            context=context,
-            stream=stderr,
-        )
+    stderr = setup_logging(args.log_format, context)
     try:
         cfg = config_from_args(args)
     except UsageError as e:

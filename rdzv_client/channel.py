@@ -33,6 +33,7 @@ from pathlib import Path
 
 from rdzv_server.wire import printable
 
+from . import channel_grammar as grammar
 from . import peercred
 from .quiet import Quiet
 from .where import MAX_WHERE
@@ -144,14 +145,14 @@ class WorkerChannel:
 
     def received(self, data: bytes, now: float) -> None:
         head = data.split(maxsplit=3)
-        if len(head) >= 3 and head[2] == b"where" and len(data) <= MAX_DATAGRAM + MAX_WHERE:
+        if len(head) >= 3 and head[2] == grammar.WHERE and len(data) <= MAX_DATAGRAM + MAX_WHERE:
             self._where(head[0], head[1], head[3] if len(head) == 4 else b"")
             return
         parts = data.split() if len(data) <= MAX_DATAGRAM else []
-        if len(parts) == 3 and parts[2] == b"parked":
+        if len(parts) == 3 and parts[2] == grammar.PARKED:
             self._parked(parts[0], parts[1])
             return
-        end = len(parts) == 3 and parts[2] == b"end"
+        end = len(parts) == 3 and parts[2] == grammar.END
         try:
             round_no, local_rank = (int(p) for p in parts[:2]) if len(parts) == 3 else (-1, -1)
             step = 0 if end else int(parts[2])
@@ -200,7 +201,7 @@ class WorkerChannel:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             s.setblocking(False)
-            s.sendto(message.encode(), str(self.dir / f"w{local_rank}"))
+            s.sendto(message.encode(), grammar.worker_socket(self.dir, local_rank))
             return True
         except OSError:
             return False

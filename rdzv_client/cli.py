@@ -46,7 +46,7 @@ from rdzv_server.protocol import (
     printable,
 )
 
-from .client import RestClient
+from .rest import RestClient
 
 
 def _table(headers: list[str], rows: Sequence[Sequence[object]]) -> str:

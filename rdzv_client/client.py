@@ -1,4 +1,4 @@
-"""The HTTP client for rdzv's API: the agent channel and the REST calls.
+"""The agent channel: one agent's WebSocket to the server.
 
 :class:`AgentLink` is one agent's WebSocket to the server. It reconnects on its
 own with exponential backoff and jitter, re-sends the node's current *intent*
@@ -7,21 +7,16 @@ heartbeats. It speaks WebSocket through :mod:`rdzv_client.wsclient` (standard
 library only) and sends its intent before it imports pydantic: an agent's
 first join leaves within a few tens of milliseconds of its start, and every
 server message is still validated with the protocol models before the agent
-acts on it. It keeps the node secret the server's ``joined`` issued and puts
-it on every later join of that node id (held in memory only), and the run of
-the job that ``joined`` named, on every later join whatever its node id (a
-late agent of a finished run is then told so, never starting the next). A server
+acts on it. It is only a transport: who this node is (its id, the node
+secret the server issued it, the job's run) is the
+:class:`~rdzv_client.session.NodeSession`'s, which sets the intent and hears
+every server message first (``observer``), before the link queues it. A server
 hiccup therefore never reaches the agent's loop as an error: the loop just
 hears nothing until the server is back.
 
-Both take an endpoint list (``h1:29400,h2:29400``: the replicas of an HA
-server, one of which leads; :func:`parse_endpoints`): they go on to the next
-endpoint when one fails, or at once to the leader a ``not_leader`` refusal
-names if it is one of the list (:class:`EndpointTries`), and back off only
-after every endpoint failed.
-
-:class:`RestClient` wraps the REST paths for the ``rdzv`` command and tests
-(on aiohttp, imported when one is made).
+It takes an endpoint list (``h1:29400,h2:29400``: the replicas of an HA
+server, one of which leads) and goes through it as :mod:`rdzv_client.endpoints`
+says. The REST client is :mod:`rdzv_client.rest`.
 """
 
 from __future__ import annotations
@@ -30,37 +25,25 @@ import asyncio
 import collections
 import json
 import logging
-import random
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote, urlencode
 
-from rdzv_server.errors import LEADER_HEADER, NotLeaderError, RdzvError, UnavailableError, error_from_body
+from rdzv_server.errors import LEADER_HEADER, error_from_body
 from rdzv_server.tasks import cancel_and_wait
 from rdzv_server.wire import AGENT_PATH, HEARTBEAT_FRAME, printable
 
 from . import wsclient
+from .endpoints import Endpoints, backoff_delays, election_wait, parse_endpoint
 from .quiet import Quiet
 from .service import NO_ANSWER, ServiceClock, refusal
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
-    from rdzv_server.protocol import CloseResult, DeleteResult, JobList, JobView
-
 log = logging.getLogger(__name__)
 
-BACKOFF_START_S = 0.05
-BACKOFF_MAX_S = 3.0
-# A replica answered not_leader: an HA election is on (the dead leader's key
-# lives until its lease expires, 2 s by default), and a leader is due any
-# moment. The link's waits between cycles of its list stay this short then,
-# for the first NOT_LEADER_FAST_S of the outage; after that (etcd itself is
-# down, say) it backs off as for any outage.
-NOT_LEADER_BACKOFF_MAX_S = 0.5
-NOT_LEADER_FAST_S = 15.0
 CONNECT_TIMEOUT_S = 5.0
 # Detects a frozen or cut-off server (wsclient pings after this long without a
 # frame and gives up after half of it without an answer); the workers keep
@@ -80,11 +63,6 @@ TCP_USER_TIMEOUT_S = 4.0
 # backoff over. One the server closes sooner (it refused us) keeps backing off.
 STABLE_S = 2.0
 MAX_MSG_BYTES = 4 * 1024 * 1024
-# An event stream that sent nothing (not even its keep-alive comment, every 15 s) this long is dead: reconnect.
-STREAM_READ_TIMEOUT_S = 45.0
-MAX_EVENT_BYTES = 1024 * 1024
-# The most endpoints (HA replicas) one --endpoint list may name.
-MAX_ENDPOINTS = 16
 
 
 def _dump(msg: dict[str, Any]) -> str:
@@ -105,150 +83,6 @@ def _link_ssl(scheme: str, ssl_ctx: ssl.SSLContext | bool | None) -> ssl.SSLCont
         ctx.verify_mode = ssl.CERT_NONE
         return ctx
     return ssl.create_default_context()
-
-
-def parse_endpoint(endpoint: str, default_port: int = 29400) -> tuple[str, str, int]:
-    """``host:port``, ``http(s)://host:port`` or ``[v6]:port`` -> (scheme, host, port)."""
-    scheme = "http"
-    text = endpoint.strip()
-    if "://" in text:
-        scheme, _, text = text.partition("://")
-        if scheme not in ("http", "https"):
-            raise ValueError(f"endpoint {endpoint!r}: scheme must be http or https")
-    text = text.rstrip("/")
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port_s = rest[1:] if rest.startswith(":") else ""
-    elif text.count(":") == 1:
-        host, _, port_s = text.partition(":")
-    else:
-        host, port_s = text, ""
-    if not host:
-        raise ValueError(f"endpoint {endpoint!r} has no host")
-    try:
-        port = int(port_s) if port_s else default_port
-    except ValueError:
-        raise ValueError(f"endpoint {endpoint!r}: port {port_s!r} is not a number") from None
-    if not 0 < port < 65536:
-        raise ValueError(f"endpoint {endpoint!r}: port {port} out of range")
-    return scheme, host, port
-
-
-def base_url(endpoint: str) -> str:
-    scheme, host, port = parse_endpoint(endpoint)
-    return f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
-
-
-def parse_endpoints(text: str) -> list[str]:
-    """A comma-separated list of endpoints (each what :func:`parse_endpoint`
-    takes; whitespace around items ignored) -> their base URLs, in order,
-    duplicates removed. An empty or bad item, or more than MAX_ENDPOINTS, is a
-    ValueError of one line naming it. A single endpoint is a list of one."""
-    items = text.split(",")
-    if len(items) > MAX_ENDPOINTS:
-        raise ValueError(f"endpoint list of {len(items)} items: at most {MAX_ENDPOINTS}")
-    urls: list[str] = []
-    for n, item in enumerate(items, 1):
-        item = item.strip()
-        if not item:
-            raise ValueError(
-                f"endpoint list: item {n} of {len(items)} is empty" if len(items) > 1 else "the endpoint is empty"
-            )
-        url = base_url(item)
-        if url not in urls:
-            urls.append(url)
-    return urls
-
-
-class Endpoints:
-    """The servers of an endpoint list (HA replicas: one of them leads) and
-    ``good``, the index of the last one that answered: where the next tries
-    start. A hint of which one leads (``X-Rdzv-Leader``) is followed only to
-    an endpoint of this list: a replica must not send a client, and its
-    token, elsewhere (design.md "Endpoint lists and leader following")."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.urls = parse_endpoints(endpoint)
-        self.good = 0
-        self._said: collections.deque[str] = collections.deque(maxlen=8)  # ignored hints, said once
-
-    def tries(self) -> EndpointTries:
-        """A new sequence of tries (one per call or link), from the last good endpoint."""
-        return EndpointTries(self)
-
-    def index_of(self, leader: str) -> int | None:
-        """The index of the endpoint ``leader`` (a hint) names, or None (said once)."""
-        try:
-            url = base_url(leader).lower()
-        except ValueError:
-            url = None
-        for i, ours in enumerate(self.urls):
-            if ours.lower() == url:
-                return i
-        text = printable(leader, limit=200)
-        if text not in self._said:
-            self._said.append(text)
-            log.warning("ignoring the leader hint %r: not one of the endpoints given (%s)", text, ", ".join(self.urls))
-        return None
-
-
-class EndpointTries:
-    """Which endpoint of a list to try now (:attr:`url`), and after a failure
-    which next: the leader a refusal named if it is in the list and was not
-    tried since the last full cycle, else the next untried one, at once;
-    every endpoint failed: back off, then start over (the hint first)."""
-
-    def __init__(self, endpoints: Endpoints) -> None:
-        self.endpoints = endpoints
-        self.index = endpoints.good
-        self._tried: set[int] = set()
-
-    @property
-    def url(self) -> str:
-        return self.endpoints.urls[self.index]
-
-    def ok(self) -> None:
-        """The current endpoint answered: the next tries start here."""
-        self.endpoints.good = self.index
-        self._tried.clear()
-
-    def failed(self, leader: str | None = None) -> bool:
-        """The current endpoint failed (``leader``: the hint its refusal
-        carried). Moves to the endpoint to try next; True to try it at once,
-        False when every endpoint failed since the last full cycle (back off)."""
-        self._tried.add(self.index)
-        urls = self.endpoints.urls
-        hint = self.endpoints.index_of(leader) if leader else None
-        if hint is not None and hint not in self._tried:
-            self.index = hint
-            return True
-        for step in range(1, len(urls)):
-            i = (self.index + step) % len(urls)
-            if i not in self._tried:
-                self.index = i
-                return True
-        self._tried.clear()
-        self.index = hint if hint is not None else (self.index + 1) % len(urls)
-        return False
-
-
-def backoff_delays(start: float = BACKOFF_START_S, cap: float = BACKOFF_MAX_S) -> Iterator[float]:
-    """Exponential backoff with full jitter: 0.05, 0.1, 0.2 ... capped."""
-    delay = start
-    while True:
-        yield random.uniform(delay / 2, delay)
-        delay = min(cap, delay * 2)
-
-
-def election_wait(delay: float, not_leader: bool, down_s: float) -> float:
-    """The wait after a failed cycle of the list: ``delay`` (the backoff's),
-    or, when a replica of that cycle said not_leader and the server has been
-    unreachable for less than NOT_LEADER_FAST_S, at most
-    NOT_LEADER_BACKOFF_MAX_S (jittered over its upper half: agents that all
-    lost the same leader do not retry in step)."""
-    if not_leader and down_s < NOT_LEADER_FAST_S and delay > NOT_LEADER_BACKOFF_MAX_S:
-        return random.uniform(NOT_LEADER_BACKOFF_MAX_S / 2, NOT_LEADER_BACKOFF_MAX_S)
-    return delay
 
 
 class AgentLink:
@@ -294,10 +128,10 @@ class AgentLink:
         # sends and closes in flight: the loop holds only weak references to tasks
         self._background: set[asyncio.Task[Any]] = set()
         self._pending: list[str] = []  # reports to re-send after a reconnect, until acked
-        self._secret: tuple[str, str] | None = None  # (node id, the node secret the server issued it)
         self._not_leader = False  # a replica of this cycle of the list said not_leader: an election
-        self.run: int | None = None  # the job's run the first ``joined`` named (design.md "Job lifecycle")
         self._closing = False  # close() was called
+        # hears every message that serves the join before it is queued (the NodeSession: a joined's secret, the run)
+        self.observer: Callable[[Any], None] | None = None
 
     async def start(self) -> None:
         self._closing = False
@@ -310,32 +144,13 @@ class AgentLink:
             await asyncio.wait([asyncio.ensure_future(self._ws.close())], timeout=1.0)
 
     def set_intent(self, msg: dict[str, Any] | None, send: bool = True) -> None:
-        """Remember what to say after a reconnect, and say it now. A join of the
-        node id the server issued a secret to carries that secret; every join
-        carries this agent's run once a ``joined`` named it."""
-        msg = self._with_secret(msg)
+        """Remember what to say after a reconnect (as it is: the session built
+        it), and say it now."""
         self.intent = msg
         if msg is not None and send:
             if msg.get("op") == "join" and self.connected.is_set():
                 self.service.unserved()  # served again once the server answers this join
             self.send_nowait(_dump(msg))
-
-    def _with_secret(self, msg: dict[str, Any] | None) -> dict[str, Any] | None:
-        if msg is not None and msg.get("op") == "join" and msg.get("run") is None and self.run is not None:
-            msg = {**msg, "run": self.run}  # this agent's run, for every node id it joins as
-        if (
-            msg is not None
-            and msg.get("node_secret") is None
-            and self._secret is not None
-            and msg.get("node_id") == self._secret[0]
-        ):
-            return {**msg, "node_secret": self._secret[1]}
-        return msg
-
-    def _learn_secret(self, node_id: str, secret: str) -> None:
-        """The server created node ``node_id`` for us: from now on its joins carry ``secret``."""
-        self._secret = (node_id, secret)
-        self.intent = self._with_secret(self.intent)
 
     def report(self, msg: BaseModel) -> None:
         """A report (failed, succeeded, leave): sent now and after each reconnect until acked."""
@@ -497,12 +312,8 @@ class AgentLink:
                     self.last_error = None
                     if isinstance(msg, JoinedMsg):
                         self.heartbeat_s = msg.heartbeat_s
-                        if self.run is None:
-                            self.run = msg.run
-                        if msg.node_secret is not None:
-                            self._learn_secret(msg.node_id, msg.node_secret)
-                        else:
-                            self.intent = self._with_secret(self.intent)
+                    if self.observer is not None:
+                        self.observer(msg)
                     self._messages.put_nowait(msg)
                 if self.last_error == NO_ANSWER:  # the server closed before it answered: say how
                     self.last_error = None
@@ -548,19 +359,6 @@ class AgentLink:
             pass
 
 
-def _refusal(status: int, headers: Any, body: bytes, where: str) -> RdzvError:
-    """A REST refusal as its RdzvError (a ``not_leader`` with the leader its header names)."""
-    try:
-        data = json.loads(body)
-        err = error_from_body(data["code"], data["message"])
-    except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: JSON nested too deep
-        return RdzvError(f"HTTP {status} from {where}")
-    if isinstance(err, NotLeaderError):
-        leader = headers.get(LEADER_HEADER)
-        return NotLeaderError(f"{where}: {err.message}", leader=leader if isinstance(leader, str) else None)
-    return err
-
-
 def _refusal_code(body: bytes) -> str | None:
     """The ``code`` of a refusal's JSON body ``{"code","message"}``, if it has one."""
     try:
@@ -569,215 +367,3 @@ def _refusal_code(body: bytes) -> str | None:
         return None
     code = data.get("code") if isinstance(data, dict) else None
     return code if isinstance(code, str) else None
-
-
-async def _walk(fetch: Callable[[str | None], Awaitable[Any]], max_pages: int) -> list[Any]:
-    """Pages of a paged REST list, first to last (at most ``max_pages``): the
-    one loop behind every ``all_*`` call."""
-    pages = [await fetch(None)]
-    while pages[-1].next_cursor and len(pages) < max_pages:
-        pages.append(await fetch(pages[-1].next_cursor))
-    return pages
-
-
-class RestClient:
-    """The REST API: jobs, one job, close, health. Errors come back as the
-    :class:`RdzvError` of their code; an unreachable server as UnavailableError.
-    ``endpoint`` may be a list (HA replicas): a call starts at the last one
-    that answered and, on an unreachable one or a ``not_leader`` refusal,
-    goes on to the leader it named (if in the list) or the next; it raises
-    the last error once every endpoint failed."""
-
-    def __init__(
-        self,
-        endpoint: str,
-        token: str | None = None,
-        timeout: float = 10.0,
-        ssl_ctx: ssl.SSLContext | bool | None = None,
-    ) -> None:
-        self.endpoints = Endpoints(endpoint)
-        import aiohttp
-
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.timeout = aiohttp.ClientTimeout(total=timeout)
-        self.ssl = ssl_ctx if ssl_ctx is not None else True
-
-    @property
-    def base(self) -> str:
-        """The base URL of the endpoint that answered last (the first before any did)."""
-        return self.endpoints.urls[self.endpoints.good]
-
-    async def _call(self, method: str, path: str, json_body: dict[str, Any] | None = None) -> Any:
-        import aiohttp
-
-        tries = self.endpoints.tries()
-        while True:
-            base = tries.url
-            try:
-                async with aiohttp.ClientSession(timeout=self.timeout) as s:  # noqa: SIM117 - the inner uses s
-                    async with s.request(method, base + path, json=json_body, headers=self.headers, ssl=self.ssl) as r:
-                        body = await r.read()
-                        if r.status >= 400:
-                            raise _refusal(r.status, r.headers, body, base + path)
-                        tries.ok()
-                        return body
-            except NotLeaderError as e:
-                err: RdzvError = e
-                leader = e.leader
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
-                err = UnavailableError(f"cannot reach rdzv server at {base}: {e or type(e).__name__}")
-                err.__cause__ = e
-                leader = None
-            if not tries.failed(leader):  # every endpoint failed
-                raise err
-
-    async def jobs(self, state: str | None = None, limit: int | None = None, cursor: str | None = None) -> JobList:
-        """One page of jobs (the server's default page size unless ``limit``)."""
-        params = {k: v for k, v in (("state", state), ("limit", limit), ("cursor", cursor)) if v is not None}
-        query = "?" + urlencode(params) if params else ""
-        from rdzv_server.protocol import JobList
-
-        return JobList.model_validate_json(await self._call("GET", "/v1/jobs" + query))
-
-    async def all_jobs(self, state: str | None = None, page: int = 1000, max_pages: int = 10_000) -> JobList:
-        """Every job, ``page`` at a time; ``max_pages`` bounds the walk."""
-        from rdzv_server.protocol import JobList
-
-        pages = await _walk(lambda cursor: self.jobs(state, page, cursor), max_pages)
-        return JobList(jobs=[j for p in pages for j in p.jobs], next_cursor=pages[-1].next_cursor)
-
-    async def job(self, job_id: str) -> JobView:
-        from rdzv_server.protocol import JobView
-
-        return JobView.model_validate_json(await self._call("GET", f"/v1/jobs/{quote(job_id, safe='')}"))
-
-    async def close_job(self, job_id: str) -> CloseResult:
-        from rdzv_server.protocol import CloseResult
-
-        return CloseResult.model_validate_json(await self._call("POST", f"/v1/jobs/{quote(job_id, safe='')}/close"))
-
-    async def delete_job(self, job_id: str) -> DeleteResult:
-        from rdzv_server.protocol import DeleteResult
-
-        return DeleteResult.model_validate_json(await self._call("DELETE", f"/v1/jobs/{quote(job_id, safe='')}"))
-
-    async def _send_json(self, path: str, body: dict[str, Any] | None) -> bytes:
-        """POST a JSON body (or none); errors as in :meth:`_call`."""
-        result: bytes = await self._call("POST", path, body)
-        return result
-
-    async def hosts(self, limit: int | None = None, cursor: str | None = None) -> Any:
-        """One page of host records (HostList)."""
-        from rdzv_server.protocol import HostList
-
-        params = {k: v for k, v in (("limit", limit), ("cursor", cursor)) if v is not None}
-        query = "?" + urlencode(params) if params else ""
-        return HostList.model_validate_json(await self._call("GET", "/v1/hosts" + query))
-
-    async def all_hosts(self, page: int = 1000, max_pages: int = 100) -> Any:
-        from rdzv_server.protocol import HostList
-
-        pages = await _walk(lambda cursor: self.hosts(page, cursor), max_pages)
-        return HostList(hosts=[h for p in pages for h in p.hosts], next_cursor=pages[-1].next_cursor)
-
-    async def host(self, host: str) -> Any:
-        from rdzv_server.protocol import HostView
-
-        return HostView.model_validate_json(await self._call("GET", f"/v1/hosts/{quote(host, safe='')}"))
-
-    async def cordon(self, host: str, reason: str, ttl_s: float | None = None, drain: bool = False) -> Any:
-        from rdzv_server.protocol import HostView
-
-        body: dict[str, Any] = {"reason": reason, "drain": drain}
-        if ttl_s is not None:
-            body["ttl_s"] = ttl_s
-        return HostView.model_validate_json(await self._send_json(f"/v1/hosts/{quote(host, safe='')}/cordon", body))
-
-    async def uncordon(self, host: str) -> Any:
-        from rdzv_server.protocol import HostView
-
-        return HostView.model_validate_json(await self._send_json(f"/v1/hosts/{quote(host, safe='')}/uncordon", None))
-
-    async def report_health(self, host: str, reason: str, job_id: str | None = None) -> Any:
-        """A failed health check on ``host`` (``reason``: its last line), for the host record."""
-        from rdzv_server.protocol import HostView
-
-        body: dict[str, Any] = {"reason": reason}
-        if job_id is not None:
-            body["job_id"] = job_id
-        return HostView.model_validate_json(await self._send_json(f"/v1/hosts/{quote(host, safe='')}/health", body))
-
-    async def events(
-        self,
-        job_id: str | None = None,
-        last_id: int | None = None,
-        on_retry: Callable[[str], None] | None = None,
-        on_open: Callable[[], None] | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:
-        """The server's event stream (one job's, or every event) as dicts, for
-        as long as the caller iterates: reconnects with backoff and
-        ``Last-Event-ID`` when the connection drops (``on_retry`` hears why).
-        ``last_id``: start with the held events after it (0: all held);
-        ``on_open`` is called each time the stream is open. A
-        refusal (token, a bad job id) raises its :class:`RdzvError`. With an
-        endpoint list, a dropped stream or a ``not_leader`` goes on to the
-        next endpoint (or the leader named) as :meth:`_call` does, backing
-        off once every endpoint failed."""
-        import aiohttp
-
-        path = f"/v1/jobs/{quote(job_id, safe='')}/events" if job_id else "/v1/events"
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout.total, sock_read=STREAM_READ_TIMEOUT_S)
-        delays = backoff_delays(cap=BACKOFF_MAX_S)
-        tries = self.endpoints.tries()
-        several = len(self.endpoints.urls) > 1
-        while True:
-            headers = dict(self.headers)
-            if last_id is not None:
-                headers["Last-Event-ID"] = str(last_id)
-            base, leader = tries.url, None
-            try:
-                async with aiohttp.ClientSession(timeout=timeout, read_bufsize=MAX_EVENT_BYTES) as s:  # noqa: SIM117
-                    async with s.get(base + path, headers=headers, ssl=self.ssl) as r:
-                        if r.status >= 400:
-                            err = _refusal(r.status, r.headers, await r.read(), base + path)
-                            if not isinstance(err, UnavailableError):  # a stream cap: retry like a drop
-                                raise err
-                            if isinstance(err, NotLeaderError):
-                                leader = err.leader
-                            raise aiohttp.ClientError(err.message)
-                        tries.ok()
-                        delays = backoff_delays(cap=BACKOFF_MAX_S)
-                        if on_open is not None:
-                            on_open()
-                        async for event in _sse(r.content):
-                            if isinstance(event.get("id"), int):
-                                last_id = event["id"]
-                            yield event
-                why = "the server ended the stream"
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as e:
-                why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-            if on_retry is not None:
-                on_retry(printable(f"{base}: {why}" if several else why, 300))
-            if not tries.failed(leader):
-                await asyncio.sleep(next(delays))
-
-
-async def _sse(content: Any) -> AsyncIterator[dict[str, Any]]:
-    """Parse Server-Sent Events (``data`` lines of JSON objects); comments and
-    ``retry`` lines are skipped, as are events whose data is not a JSON object."""
-    data: list[str] = []
-    async for raw in content:
-        line = raw.decode("utf-8", "replace").rstrip("\r\n")
-        if line:
-            field, _, value = line.partition(":")
-            if field == "data":
-                data.append(value[1:] if value.startswith(" ") else value)
-            continue
-        if data:
-            try:
-                obj = json.loads("\n".join(data))
-            except (ValueError, RecursionError):  # RecursionError: JSON nested too deep
-                obj = None
-            data = []
-            if isinstance(obj, dict):
-                yield obj

@@ -24,7 +24,7 @@ from rdzv_server.spec_table import FIELDS
 from rdzv_server.wire import HOST_PATTERN, is_valid_id, job_secret_problem
 
 from . import secret_source
-from .client import parse_endpoints
+from .endpoints import parse_endpoints
 from .launch import Std, parse_std
 from .service import DEFAULT_SERVER_TIMEOUT_S as DEFAULT_SERVER_TIMEOUT_S  # re-exported: the agent's name
 from .spec_flags import add_spec_flags, conf_spec, spec_from_args

@@ -118,7 +118,7 @@ async def report_health(cfg: AgentConfig, line: str) -> None:
     """The failed check's last line into the server's host record (best effort)."""
     from rdzv_server.protocol import RdzvError, printable
 
-    from .client import RestClient
+    from .rest import RestClient
     from .session import host_label
 
     try:
@@ -179,7 +179,7 @@ def check_clock(endpoint: str | None, max_skew: float, timeout: float = 5.0) -> 
     replicas, every one answers /healthz): the first that answers is asked."""
     if not endpoint:
         return None
-    from .client import parse_endpoints  # stdlib only, as this module at import
+    from .endpoints import parse_endpoints  # stdlib only, as this module at import
 
     try:
         urls = parse_endpoints(endpoint)

@@ -17,10 +17,11 @@ from rdzv_server.errors import ErrorCode, RdzvError
 from rdzv_server.wire import printable
 
 from .quiet import Quiet
+from .session import Heard, Meaning, classify
 from .status import first_line
 
 if TYPE_CHECKING:
-    from rdzv_server.protocol import Assignment, ErrorMsg, ServerMessage, WaitingInfo
+    from rdzv_server.protocol import Assignment, ServerMessage, WaitingInfo
 
     from .client import AgentLink
     from .config import AgentConfig
@@ -95,18 +96,17 @@ class ServerReactions:
         async def _stop_workers(self, timeout: float | None = None, sig: int = signal.SIGTERM) -> None: ...
 
     async def _on_message(self, msg: ServerMessage | RdzvError) -> int | None:
-        from rdzv_server.protocol import (
-            AckMsg,
-            AssignedMsg,
-            DoneMsg,
-            ErrorMsg,
-            EvictedMsg,
-            JoinedMsg,
-            RestartMsg,
-            SpareMsg,
-            StatusMsg,
-        )
+        from rdzv_server.protocol import AckMsg, AssignedMsg, DoneMsg, JoinedMsg, RestartMsg, SpareMsg, StatusMsg
 
+        heard = classify(msg)
+        if heard.meaning is Meaning.NEW_NODE:
+            return await self._on_new_node(heard)
+        if heard.meaning is Meaning.REFUSED:
+            return await self._on_error(heard)
+        if heard.meaning is Meaning.LINK_ERROR:  # e.g. the token was refused
+            print(f"[rdzv-agent] error: {printable(heard.reason)}", file=sys.stderr, flush=True)
+            await self._stop_workers()
+            return EXIT_USAGE
         cfg = self.cfg
         if isinstance(msg, JoinedMsg):
             if msg.waiting_for:
@@ -157,15 +157,6 @@ class ServerReactions:
                 self._say("round %d: %s; stopping workers and rejoining", msg.round, printable(first_line(msg.reason)))
                 await self._stop_workers()
             await self._join_when_healthy(rejoining=True)  # after a signal: the loop handles it next
-        elif isinstance(msg, EvictedMsg):
-            # Fencing: workers die before anything else, then this is a new node.
-            if self.group is not None:
-                self.group.kill_now()
-                await self._stop_workers(timeout=1.0)
-            if self._quiet_ok("evicted"):
-                self._say("evicted (%s); rejoining as a new node", printable(msg.reason))
-            self.phase = Phase.JOINING
-            self.session.evicted()
         elif isinstance(msg, DoneMsg):
             self.link.clear_reports()
             await self._stop_workers()
@@ -187,47 +178,52 @@ class ServerReactions:
                 self.phase = Phase.DONE
                 self._say("workers succeeded; done")
                 return 0
-        elif isinstance(msg, ErrorMsg):
-            return await self._on_error(msg)
-        elif isinstance(msg, RdzvError):  # from the link: e.g. the token was refused
-            print(f"[rdzv-agent] error: {printable(msg.message)}", file=sys.stderr, flush=True)
-            await self._stop_workers()
-            return EXIT_USAGE
         return None
 
-    async def _on_error(self, msg: ErrorMsg) -> int | None:
-        from rdzv_server.protocol import EvictedMsg
+    async def _on_new_node(self, heard: Heard) -> int | None:
+        """The server has no node of ours under this id (evicted, or its node of
+        this id is not ours: session.NEW_NODE_CODES). Fencing: workers die before
+        anything else, then this is a new node."""
+        self.link.clear_reports()
+        if self.group is not None:
+            self.group.kill_now()
+            await self._stop_workers(timeout=1.0)
+        if self._quiet_ok("evicted"):
+            self._say("evicted (%s); rejoining as a new node", printable(heard.reason))
+        self.phase = Phase.JOINING
+        self.session.evicted()
+        return None
 
-        if msg.code == ErrorCode.UNAVAILABLE:
+    async def _on_error(self, heard: Heard) -> int | None:
+        """A refusal with its code (not one that makes a new node)."""
+        code, message = heard.code, heard.reason
+        if code == ErrorCode.UNAVAILABLE:
             # the server cannot serve us now: the link backs off and joins again
             # (--server-timeout counts); said at most every 30 s
-            self._warn("unavailable", "server unavailable: %s", printable(msg.message))
+            self._warn("unavailable", "server unavailable: %s", printable(message))
             return None
         self.link.clear_reports()
-        if msg.code in (ErrorCode.EVICTED, ErrorCode.NODE_SECRET_MISMATCH):
-            # node_secret_mismatch: the server's node of this id is not ours (we never
-            # got its secret, or it was lost and re-created): fence, then join as new
-            return await self._on_message(EvictedMsg(reason=msg.message))
-        if msg.code == ErrorCode.STALE_ROUND:
+        if code == ErrorCode.STALE_ROUND:
             if self.phase is Phase.SUCCEEDED:
                 return 0  # our success was recorded before the connection dropped
             if self.group is not None and self.phase is Phase.RUNNING:
                 # we resumed a round that is over: stop and join the next one
-                self._say("%s; stopping workers and rejoining", printable(msg.message))
+                self._say("%s; stopping workers and rejoining", printable(message))
                 await self._stop_workers()
                 self._join()
             else:
-                log.info("server: %s", printable(msg.message))
+                log.info("server: %s", printable(message))
             return None
-        if msg.code in FATAL_CODES:
+        if code in FATAL_CODES:
             print(
-                f"[rdzv-agent] error: the server refused this node: {printable(msg.message)}",
+                f"[rdzv-agent] error: the server refused this node: {printable(message)}",
                 file=sys.stderr,
                 flush=True,
             )
             await self._stop_workers()
             return EXIT_USAGE
-        self._warn(msg.code.value, "server error %s: %s", msg.code.value, printable(msg.message))
+        assert code is not None  # a refusal has its code
+        self._warn(code.value, "server error %s: %s", code.value, printable(message))
         return None
 
     def _quiet_ok(self, kind: str) -> bool:

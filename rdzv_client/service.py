@@ -16,15 +16,14 @@ from collections.abc import Callable
 from typing import Any
 
 from rdzv_server.errors import ErrorCode
-from rdzv_server.wire import printable
+
+from .session import Meaning, classify
 
 # --server-timeout (rdzv-agent) and --rdzv-conf server_timeout (the torchrun plugin): the default
 DEFAULT_SERVER_TIMEOUT_S = 300.0
 # refusals that say "not now": the link backs off and joins again, the clock runs
 # (the torchrun plugin waits on them; any other refusal ends its rendezvous)
 RETRY_LATER_CODES = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.RATE_LIMITED, ErrorCode.NOT_LEADER})
-# error codes after which the agent joins as a new node (an eviction by another name)
-REJOIN_CODES = frozenset({ErrorCode.EVICTED, ErrorCode.NODE_SECRET_MISMATCH})
 # the link's last_error while a connection is up and the join not answered yet
 NO_ANSWER = "connected, but no answer to the join"
 
@@ -70,18 +69,15 @@ class ServiceClock:
 
 def refusal(msg: Any, serving: bool) -> str | None:
     """What an ``error`` or ``evicted`` message means for the link: a refusal of
-    our join (any code, while the join is unanswered) or an eviction (at any
-    time) -> the reason to show, and the link drops the connection and backs
-    off before it joins again, so a server that refuses or evicts at each join
-    is not asked in a tight loop; None: an error that refuses a report of a
-    served node, only passed on."""
-    from rdzv_server.protocol import EvictedMsg
-
-    if isinstance(msg, EvictedMsg):
-        return f"join refused: evicted: {printable(msg.reason, 200)}"
-    if serving and msg.code not in REJOIN_CODES:
+    our join (any code, while the join is unanswered) or a new node needed (an
+    eviction, at any time: session.classify) -> the reason to show, and the link
+    drops the connection and backs off before it joins again, so a server that
+    refuses or evicts at each join is not asked in a tight loop; None: an error
+    that refuses a report of a served node, only passed on."""
+    heard = classify(msg)
+    if serving and heard.meaning is not Meaning.NEW_NODE:
         return None
-    return f"join refused: {msg.code.value}: {printable(msg.message, 200)}"
+    return heard.refusal()
 
 
 def outage_word(last_error: str | None) -> str:

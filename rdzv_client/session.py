@@ -1,9 +1,14 @@
 """One node's session with the server: the rules both rdzv-agent and the
 torchrun plugin follow, in one place.
 
-A :class:`NodeSession` holds the node id (the node secret the server issues
-for it lives in the :class:`~rdzv_client.client.AgentLink`, keyed by that id),
-the round this node runs, and builds every join:
+A :class:`NodeSession` is this node's identity: the node id, the node secret
+the server issued for it (held in memory only), the job's run the first
+``joined`` named, and the round this node runs. The
+:class:`~rdzv_client.client.AgentLink` is only its transport: the session
+sets the intent the link re-sends after a reconnect, and hears every server
+message before the link queues it (:meth:`NodeSession.heard`), so a
+reconnect right after ``joined`` already carries the secret. It builds every
+join:
 
 * :meth:`NodeSession.join` - a fresh join; the round this node ran is over.
 * :meth:`NodeSession.resume` - the intent while workers run a round: after a
@@ -12,9 +17,15 @@ the round this node runs, and builds every join:
 * :meth:`NodeSession.evicted` - the server forgot this node (eviction, or a node
   secret that is not ours): drop the reports that name the old node and join
   under a new node id, which carries no secret until the server issues one.
+  Every join carries the run, whatever its node id (a late agent of a finished
+  run is then told so, never starting the next).
 * :meth:`NodeSession.check_assignment` - what the protocol model cannot check:
   the job id and this node's worker count.
 * :meth:`NodeSession.report_failed` (also a give-up), :meth:`report_succeeded`, :meth:`leave`.
+
+:func:`classify` says what a server message or a link error means for this
+node, once for the agent, the plugin and the link: news to act on, a new node
+needed (:data:`NEW_NODE_CODES`), a refusal with its code, or a link error.
 
 :class:`OutageWatch` is the server-timeout bookkeeping: when an outage is news,
 when to say it again, when to give up.
@@ -22,6 +33,7 @@ when to say it again, when to give up.
 
 from __future__ import annotations
 
+import enum
 import os
 import secrets
 import socket
@@ -29,7 +41,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rdzv_server.wire import join_fields
+from rdzv_server.errors import ErrorCode, RdzvError
+from rdzv_server.wire import join_fields, printable
 
 if TYPE_CHECKING:
     from rdzv_server.protocol import Assignment, ExitRecord, JobSpec
@@ -42,15 +55,66 @@ OUTAGE_NOTICE_AFTER_S = 2.0
 OUTAGE_LOG_EVERY_S = 30.0
 
 
+# Error codes that mean "the server has no node of ours under this id": it
+# forgot this node (evicted), or its node of this id is not ours (we never got
+# its secret, or it was lost and re-created). Fence, then join as a new node.
+NEW_NODE_CODES = frozenset({ErrorCode.EVICTED, ErrorCode.NODE_SECRET_MISMATCH})
+
+
+class Meaning(enum.Enum):
+    """What one thing the link hands over means for this node."""
+
+    NEWS = "news"  # a server message to act on (joined, assigned, restart, done, ...)
+    NEW_NODE = "new_node"  # an eviction, or an error of NEW_NODE_CODES: fence, join as a new node
+    REFUSED = "refused"  # any other error: ``code`` says which
+    LINK_ERROR = "link_error"  # the link's own RdzvError (the token refused at the handshake)
+
+
+@dataclass(frozen=True)
+class Heard:
+    """A server message or link error, classified (:func:`classify`).
+    ``reason``: the eviction's reason or the error's message, as sent."""
+
+    meaning: Meaning
+    msg: Any
+    code: ErrorCode | None = None
+    reason: str = ""
+
+    def refusal(self) -> str:
+        """How the link names it as a refusal of our join."""
+        return f"join refused: {self.code.value if self.code else 'evicted'}: {printable(self.reason, 200)}"
+
+
+def classify(msg: Any) -> Heard:
+    """What ``msg`` (a protocol model from the link, or its RdzvError) means:
+    the one place that says which codes make a new node."""
+    from rdzv_server.protocol import ErrorMsg, EvictedMsg
+
+    if isinstance(msg, EvictedMsg):
+        return Heard(Meaning.NEW_NODE, msg, None, msg.reason)
+    if isinstance(msg, ErrorMsg):
+        meaning = Meaning.NEW_NODE if msg.code in NEW_NODE_CODES else Meaning.REFUSED
+        return Heard(meaning, msg, msg.code, msg.message)
+    if isinstance(msg, RdzvError):
+        return Heard(Meaning.LINK_ERROR, msg, msg.code, msg.message)
+    return Heard(Meaning.NEWS, msg)
+
+
+def _ascii_label(host: str) -> str:
+    """``host`` with every character but ASCII letters, digits and ``._-``
+    replaced by ``-`` (the server's id and host patterns are ASCII: ``é`` is
+    alphanumeric to ``str.isalnum`` but would make a join it refuses)."""
+    return "".join(c if (c.isascii() and c.isalnum()) or c in "._-" else "-" for c in host)
+
+
 def new_node_id(host: str) -> str:
     """host, pid and a random suffix: IP addresses make poor ids (reused)."""
-    clean = "".join(c if c.isalnum() or c in "._-" else "-" for c in host)[:80].lstrip("-._") or "node"
+    clean = _ascii_label(host)[:80].lstrip("-._") or "node"
     return f"{clean}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 def host_label(host: str) -> str:
-    clean = "".join(c if c.isalnum() or c in "._-" else "-" for c in host)[:255]
-    return clean or "node"
+    return _ascii_label(host)[:255] or "node"
 
 
 def free_port(addr: str) -> int:
@@ -78,7 +142,8 @@ def route_addr(host: str, port: int) -> str:
 
 
 class NodeSession:
-    """This node, as the server knows it. ``link`` is set once it exists.
+    """This node, as the server knows it. ``link`` is set once it exists (the
+    session then hears every server message first: :meth:`heard`).
 
     ``spec``: the job's ``JobSpec``, or its plain fields (``check_spec``): the
     agent builds and sends its first join without pydantic. Joins are plain
@@ -105,8 +170,16 @@ class NodeSession:
         self.requested_rank = requested_rank
         self.new_run = new_run  # False: a finished job id refuses this node instead of starting its next run
         self.node_id = new_node_id(host)
+        self._secret: tuple[str, str] | None = None  # (node id, the node secret the server issued it)
+        self.run: int | None = None  # the job's run the first ``joined`` named: on every later join
         self.assignment: Assignment | None = None  # the round this node runs (or ran and reported)
         self._link: AgentLink | None = None
+
+    @property
+    def node_secret(self) -> str | None:
+        """The secret the server issued this node id, if it did: on its every later join."""
+        secret = self._secret
+        return secret[1] if secret is not None and secret[0] == self.node_id else None
 
     @property
     def link(self) -> AgentLink:
@@ -117,6 +190,33 @@ class NodeSession:
     @link.setter
     def link(self, link: AgentLink) -> None:
         self._link = link
+        link.observer = self.heard
+
+    def heard(self, msg: Any) -> None:
+        """A server message, as the link received it (before the agent or the
+        plugin sees it): a ``joined`` names the run and issues this node's secret,
+        and the intent the link re-sends after a reconnect carries them from now on."""
+        from rdzv_server.protocol import JoinedMsg
+
+        if not isinstance(msg, JoinedMsg):
+            return
+        if self.run is None:
+            self.run = msg.run
+        if msg.node_secret is not None:
+            self._secret = (msg.node_id, msg.node_secret)
+        intent = self.link.intent
+        if intent is not None and intent.get("op") == "join":
+            self.link.set_intent(self._identify(intent), send=False)
+
+    def _identify(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """A join of this node as it must go: with the run once known, and the
+        node secret when it is this node id's."""
+        if msg.get("run") is None and self.run is not None:
+            msg = {**msg, "run": self.run}  # this agent's run, for every node id it joins as
+        secret = self._secret
+        if msg.get("node_secret") is None and secret is not None and msg.get("node_id") == secret[0]:
+            msg = {**msg, "node_secret": secret[1]}
+        return msg
 
     def join_msg(self, resume: Assignment | None = None) -> dict[str, Any]:
         """The join (or resume) as its plain JSON object."""
@@ -133,7 +233,9 @@ class NodeSession:
             spec=self.spec,
             requested_rank=self.requested_rank,
             resume_round=resume.round if resume is not None else None,
+            node_secret=self.node_secret,
             job_secret=self.job_secret,
+            run=self.run,
             new_run=self.new_run,
         )
 
@@ -150,7 +252,7 @@ class NodeSession:
     def evicted(self) -> None:
         """The server forgot this node: a new node id (no secret yet), then join."""
         self.link.clear_reports()  # they name the old node
-        self.node_id = new_node_id(self.host)
+        self.node_id = new_node_id(self.host)  # the old id's secret goes on none of its joins
         self.join()
 
     def check_assignment(self, a: Assignment) -> str | None:

@@ -1,12 +1,17 @@
-"""What the agent shows a person on its terminal: one status line that updates
-in place, and the first line of a (possibly multi-line) reason."""
+"""What the agent shows a person on its terminal: its log lines
+(:func:`setup_logging`), one status line that updates in place, and the first
+line of a (possibly multi-line) reason."""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
-from typing import TextIO
+from collections.abc import Callable
+from typing import TextIO, cast
+
+from rdzv_server import logs
 
 
 class StatusLine:
@@ -56,6 +61,31 @@ class FreshLineHandler(logging.StreamHandler):  # type: ignore[type-arg]
         text = super().format(record)
         isatty = getattr(self.stream, "isatty", None)
         return "\r\x1b[2K" + text if isatty is not None and isatty() else text
+
+
+def setup_logging(log_format: str, context: Callable[[], dict[str, object]]) -> TextIO:
+    """The agent's log lines as --log-format says (``context``: the job, node
+    and round a json line names); returns the original stderr (with json,
+    sys.stderr becomes a json stream: what the agent prints there directly
+    becomes json too)."""
+    stderr = sys.stderr
+    if log_format == "json":
+        sys.stderr = cast(TextIO, logs.JsonStream(stderr, context))
+    if log_format == "text":
+        # on a terminal each line starts on a cleared line: never inside a worker's progress bar
+        handler = FreshLineHandler(stderr)
+        handler.setFormatter(logging.Formatter("[rdzv-agent %(asctime)s] %(message)s", datefmt="%H:%M:%S"))
+        logging.basicConfig(level=os.environ.get("RDZV_LOG_LEVEL", "INFO"), handlers=[handler])
+    else:
+        logs.setup(
+            log_format,
+            os.environ.get("RDZV_LOG_LEVEL", "INFO"),
+            "[rdzv-agent %(asctime)s] %(message)s",
+            datefmt="%H:%M:%S",
+            context=context,
+            stream=stderr,
+        )
+    return stderr
 
 
 def first_line(text: str) -> str:

@@ -58,7 +58,6 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 from datetime import timedelta
-from types import FrameType
 from typing import Any, TypeVar
 
 # torch exports these without marking them as re-exported (no __all__ entry): mypy's strict mode says so
@@ -77,37 +76,34 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from rdzv_server.protocol import (
-    MAX_ERROR_MESSAGE,
-    MAX_FAILURES_PER_REPORT,
     AckMsg,
     AssignedMsg,
     Assignment,
     DoneMsg,
     ErrorCode,
     ErrorMsg,
-    EvictedMsg,
     ExitRecord,
     JobSpec,
     JoinedMsg,
     RdzvError,
     RestartMsg,
-    ServerMessage,
     SpareMsg,
     StatusMsg,
     heartbeat_interval,
-    is_valid_id,
     job_secret_problem,
     printable,
 )
 from rdzv_server.tasks import cancel_and_wait
 
 from . import secret_source
-from .client import AgentLink, Endpoints, RestClient, parse_endpoint
-from .exits import read_error_file
+from .client import AgentLink
+from .endpoints import Endpoints, parse_endpoint
 from .launch import WITHHELD_FROM_WORKERS
+from .rest import RestClient
 from .service import DEFAULT_SERVER_TIMEOUT_S, RETRY_LATER_CODES, outage_word
-from .session import NodeSession, OutageWatch, route_addr
+from .session import Heard, Meaning, NodeSession, OutageWatch, classify, route_addr
 from .spec_flags import conf_spec
+from .torch_params import exit_records, server_and_job, spec_nproc, torchrun_nproc
 
 _T = TypeVar("_T")
 
@@ -120,8 +116,6 @@ STORE_TIMEOUT_S = 300.0
 FAILURE_REPORT_DELAY_S = 1.0
 # while a round forms, say what it waits for this often
 PROGRESS_EVERY_S = 10.0
-# The server forgot this node, or its node of this id is not ours (node secret): join as a new node.
-_NEW_NODE_CODES = (ErrorCode.EVICTED, ErrorCode.NODE_SECRET_MISMATCH)
 
 
 class RdzvRendezvousHandler(RendezvousHandler):
@@ -129,7 +123,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
 
     def __init__(self, params: RendezvousParameters) -> None:
         self.params = params
-        self.endpoint, self.run_id = _server_and_job(params)
+        self.endpoint, self.run_id = server_and_job(params)
         self.endpoints = Endpoints(self.endpoint)  # HOST:PORT, or a list of them (HA replicas); a bad one: ValueError
         _, host, port = parse_endpoint(self.endpoints.urls[0])
         self.token = params.get("token") or os.environ.get("RDZV_TOKEN") or None
@@ -160,7 +154,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
             min_nodes=params.min_nodes, max_nodes=params.max_nodes, **conf_spec(params.get, plugin=True)
         )
         self.join_timeout_s = self.spec.join_timeout_s
-        self.nproc = _torchrun_nproc()  # until next_rendezvous finds torch's WorkerSpec (_spec_nproc)
+        self.nproc = torchrun_nproc()  # until next_rendezvous finds torch's WorkerSpec (spec_nproc)
         self._nproc_known = False
         new_run_default = "0" if os.environ.get("RDZV_NO_NEW_RUN", "") not in ("", "0") else "1"
         self.session = NodeSession(
@@ -183,7 +177,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._link: AgentLink | None = None
-        self._inbox: asyncio.Queue[ServerMessage | RdzvError] | None = None
+        self._inbox: asyncio.Queue[Heard] | None = None  # what the link hands over, classified once
 
     @property
     def node_id(self) -> str:
@@ -260,9 +254,10 @@ class RdzvRendezvousHandler(RendezvousHandler):
         assert inbox is not None  # made with the link
         while True:
             msg = await link.recv()
+            heard = classify(msg)
             if isinstance(msg, RestartMsg):
                 self._restart_round = max(self._restart_round, msg.round)
-            elif isinstance(msg, EvictedMsg) or (isinstance(msg, ErrorMsg) and msg.code in _NEW_NODE_CODES):
+            elif heard.meaning is Meaning.NEW_NODE:
                 self._restart_round = max(self._restart_round, (self._assignment.round + 1) if self._assignment else 0)
             elif isinstance(msg, DoneMsg) and msg.state != "succeeded":
                 self._closed_why = f"{msg.state}: {printable(msg.reason)}"
@@ -276,7 +271,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
                 if text != self._waiting_text:
                     log.warning("job %s: waiting as a spare: %s", self.run_id, text)
                 self._waiting_text = text
-            inbox.put_nowait(msg)
+            inbox.put_nowait(heard)
             self._news.set()
 
     async def _answered(self, timeout: float) -> None:
@@ -285,8 +280,8 @@ class RdzvRendezvousHandler(RendezvousHandler):
         assert inbox is not None  # made with the link
         deadline = time.monotonic() + timeout
         while not self._closed and (left := deadline - time.monotonic()) > 0:
-            msg = await asyncio.wait_for(inbox.get(), left)
-            if isinstance(msg, (AckMsg, DoneMsg, ErrorMsg)):
+            heard = await asyncio.wait_for(inbox.get(), left)
+            if isinstance(heard.msg, (AckMsg, DoneMsg, ErrorMsg)):
                 return
 
     def _call(self, coro: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
@@ -331,7 +326,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
             raise RendezvousClosedError(f"job {self.run_id} {self._closed_why}")
         if not self._nproc_known:
             self._nproc_known = True
-            nproc = _spec_nproc(self)
+            nproc = spec_nproc(self)
             if nproc is None:
                 log.warning(
                     "rdzv: no torch WorkerSpec calls this handler; %d local worker(s), from the command line",
@@ -416,9 +411,10 @@ class RdzvRendezvousHandler(RendezvousHandler):
                     f": {self._waiting_text}" if self._waiting_text else "",
                 )
             try:
-                msg = await asyncio.wait_for(inbox.get(), min(left, 0.5))
+                heard = await asyncio.wait_for(inbox.get(), min(left, 0.5))
             except asyncio.TimeoutError:
                 continue
+            msg = heard.msg
             if isinstance(msg, AssignedMsg):
                 a = msg.assignment
                 if prev is not None and a.round <= prev.round:
@@ -433,12 +429,12 @@ class RdzvRendezvousHandler(RendezvousHandler):
             if isinstance(msg, DoneMsg):
                 self._closed = msg.state != "succeeded"
                 raise RendezvousClosedError(f"job {self.run_id} {msg.state}: {printable(msg.reason)}")
-            if isinstance(msg, EvictedMsg) or (isinstance(msg, ErrorMsg) and msg.code in _NEW_NODE_CODES):
+            if heard.meaning is Meaning.NEW_NODE:
                 self.session.evicted()
-            elif isinstance(msg, ErrorMsg) and msg.code not in (ErrorCode.STALE_ROUND, *RETRY_LATER_CODES):
-                raise RendezvousError(f"rdzv server refused this node: {printable(msg.message)}")
-            elif isinstance(msg, RdzvError):
-                raise RendezvousError(printable(msg.message))
+            elif heard.meaning is Meaning.REFUSED and heard.code not in (ErrorCode.STALE_ROUND, *RETRY_LATER_CODES):
+                raise RendezvousError(f"rdzv server refused this node: {printable(heard.reason)}")
+            elif heard.meaning is Meaning.LINK_ERROR:
+                raise RendezvousError(printable(heard.reason))
 
     def shutdown(self) -> bool:
         """torchrun calls this from a ``finally``. No exception in flight: its
@@ -452,7 +448,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
         failed = exc is not None
         a = self._assignment
         gives_up = a is not None and isinstance(exc, ChildFailedError) and not self._closed
-        records = _exit_records(exc, a) if gives_up and a is not None and isinstance(exc, ChildFailedError) else []
+        records = exit_records(exc, a) if gives_up and a is not None and isinstance(exc, ChildFailedError) else []
 
         async def finish() -> None:
             if a is not None and not failed:
@@ -485,106 +481,6 @@ class RdzvRendezvousHandler(RendezvousHandler):
             self._thread.join(timeout=5)
         self._loop = None
         return True
-
-
-def _server_and_job(params: RendezvousParameters) -> tuple[str, str]:
-    """The server's HOST:PORT and the job id. ``--rdzv-conf server=HOST:PORT``
-    overrides torchrun's --rdzv-endpoint (accelerate builds that from
-    --main_process_ip/--main_process_port, or leaves it empty under
-    --same_network), then $RDZV_ENDPOINT fills an empty one.
-    ``--rdzv-conf job_id=NAME`` overrides --rdzv-id (accelerate has no such
-    flag), and torchrun's default ``none`` becomes $SLURM_JOB_ID under SLURM
-    (as rdzv-agent's default), else stays ``none`` with a warning."""
-    endpoint = str(params.get("server") or params.endpoint or os.environ.get("RDZV_ENDPOINT") or "")
-    if not endpoint:
-        raise ValueError(
-            "rdzv: no server: torchrun got an empty --rdzv-endpoint (accelerate's --same_network passes none); "
-            "pass --rdzv-conf server=HOST:PORT (accelerate: --rdzv_conf server=HOST:PORT) or set RDZV_ENDPOINT"
-        )
-    job_id = str(params.get("job_id") or params.run_id)
-    if job_id == "none" and not params.get("job_id"):
-        slurm = os.environ.get("SLURM_JOB_ID")
-        if slurm:
-            job_id = slurm
-        else:
-            log.warning(
-                "rdzv: job id is torchrun's default 'none', shared by every job on %s that gives none: "
-                "pass --rdzv-id NAME (accelerate: --rdzv_conf job_id=NAME, or PET_RDZV_ID=NAME)",
-                printable(endpoint),
-            )
-    if not is_valid_id(job_id):
-        raise ValueError(f"rdzv: job id {printable(job_id)!r}: use 1-128 characters of letters, digits and ._:@+-")
-    return endpoint, job_id
-
-
-def _spec_nproc(handler: RendezvousHandler) -> int | None:
-    """The local world size of the torch WorkerSpec whose rdzv_handler is
-    ``handler``. torch creates the handler before the spec and never tells it
-    the number of local workers (--nproc-per-node: accelerate derives it from
-    --num_processes / --num_machines); its agent calls next_rendezvous from
-    ``_rendezvous(worker_group)``, so the spec is in a caller's frame."""
-    from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerSpec
-
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(_FRAMES_SEARCHED):
-        if frame is None:
-            break
-        for value in list(frame.f_locals.values()):
-            spec = value.spec if isinstance(value, WorkerGroup) else value
-            if isinstance(spec, WorkerSpec) and spec.rdzv_handler is handler and spec.local_world_size > 0:
-                return int(spec.local_world_size)
-        frame = frame.f_back
-    return None
-
-
-_FRAMES_SEARCHED = 20
-
-
-def _exit_records(exc: ChildFailedError, a: Assignment) -> list[ExitRecord]:
-    """torchrun's failures (global rank -> ProcessFailure) as exit records, the
-    message from each worker's error file (torch's ``@record``) when it wrote one."""
-    records = []
-    for rank, f in sorted(exc.failures.items())[:MAX_FAILURES_PER_REPORT]:
-        try:
-            message = read_error_file(f.error_file) if os.path.isfile(f.error_file) else None
-            code = int(f.exitcode)
-            records.append(
-                ExitRecord(
-                    local_rank=int(f.local_rank),
-                    rank=int(rank),
-                    pid=int(f.pid),
-                    exit_code=code if code >= 0 else None,
-                    signal=f.signal_name()[:32] if code < 0 else None,
-                    message=(message or "")[:MAX_ERROR_MESSAGE],
-                    timestamp=float(f.timestamp),
-                )
-            )
-        except (ValueError, TypeError, OSError) as e:  # torch's record is not what we expect: say less
-            log.warning("rdzv: cannot read torchrun's failure of rank %s: %s", rank, e)
-    return records or [
-        ExitRecord(
-            local_rank=0,
-            rank=a.rank_offset,
-            pid=os.getpid(),
-            exit_code=1,
-            timestamp=time.time(),
-            message="torchrun gave up after a worker failure (see its log for the worker error)",
-        )
-    ]
-
-
-def _torchrun_nproc() -> int:
-    """--nproc-per-node from torchrun's command line: only where no torch
-    agent calls the handler (see _spec_nproc)."""
-    argv = sys.argv
-    value = os.environ.get("PET_NPROC_PER_NODE", "1")
-    for i, arg in enumerate(argv):
-        for flag in ("--nproc-per-node", "--nproc_per_node"):
-            if arg == flag and i + 1 < len(argv):
-                value = argv[i + 1]
-            elif arg.startswith(flag + "="):
-                value = arg.split("=", 1)[1]
-    return int(value) if value.isdigit() and int(value) > 0 else 1
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:

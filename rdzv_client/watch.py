@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from rdzv_server.errors import MAX_ERROR_MESSAGE
 from rdzv_server.wire import printable
 
+from . import channel_grammar as grammar
 from .channel import FileTimerServer, WorkerChannel
 
 if TYPE_CHECKING:
@@ -158,7 +159,7 @@ class WorkerWatch:
         ch = self.channel
         for lr in late:
             ch.where.pop(lr, None)
-            ch.tell(lr, f"where {new_round}")
+            ch.tell(lr, grammar.ask_where(new_round))
             if lr < len(group.pids):
                 try:
                     os.kill(group.pids[lr], signal.SIGUSR1)

@@ -60,7 +60,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from . import peercred, where  # standard library only too
+from . import channel_grammar as grammar  # standard library only too, as are these:
+from . import peercred, where
 
 __all__ = [
     "progress",
@@ -93,22 +94,7 @@ _calls = 0
 IN_PLACE = os.environ.get("RDZV_RESTART_MODE") == "in-place"
 MAX_MESSAGE = 4096
 # what an assignment may set in os.environ (the rest of the environment stays)
-ASSIGNED_VARS = frozenset(
-    {
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "GROUP_RANK",
-        "GROUP_WORLD_SIZE",
-        "ROLE_RANK",
-        "ROLE_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TORCHELASTIC_RESTART_COUNT",
-        "TORCHELASTIC_MAX_RESTARTS",
-    }
-)
+ASSIGNED_VARS = frozenset(grammar.ASSIGNED_VARS)
 _inbox: socket.socket | None = None
 _inbox_checked = False  # the kernel tells each message's sender (SO_PASSCRED, Linux)
 _agent_pid = os.environ.get("RDZV_AGENT_PID", "")  # the only sender stop/assign are taken from
@@ -207,7 +193,7 @@ def finished() -> None:
         return
     _last_sent = -1.0e9  # a progress() after this is sent at once
     try:
-        s.send(_prefix + b"end")
+        s.send(_prefix + grammar.END)
     except OSError:
         pass
 
@@ -273,7 +259,7 @@ def _bind_inbox() -> None:
     global _inbox
     if _inbox is not None or not in_place() or _path is None:
         return
-    path = os.path.join(os.path.dirname(_path), f"w{_local_rank}")
+    path = grammar.worker_socket(os.path.dirname(_path), _local_rank)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
         os.unlink(path)  # a killed predecessor of this local rank left it
@@ -370,23 +356,19 @@ def _read() -> bool:
         return False
     if not _from_agent(pid):
         return True  # not the agent's: ignored
-    parts = data.decode("ascii", "replace").split()
-    current = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    try:
-        round_no = int(parts[1]) if len(parts) >= 2 else -1
-    except ValueError:
+    order = grammar.parse_order(data)
+    if order is None:
         return True  # not the agent's: ignored
-    if round_no <= current:
+    kind, round_no, env = order
+    if round_no <= int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
         return True  # about a round that is over
-    if parts[0] == "where":  # the agent escalates: say which call the main thread is in
-        _send(b"where " + where.frames().encode())
-    elif parts[0] == "stop":
+    if kind == grammar.ASK_WHERE:  # the agent escalates: say which call the main thread is in
+        _send(grammar.WHERE + b" " + where.frames().encode())
+    elif kind == grammar.STOP:
         _stopped = max(_stopped or 0, round_no)
-    elif parts[0] == "assign":
-        env = dict(p.split("=", 1) for p in parts[2:] if "=" in p)
-        if set(env) <= ASSIGNED_VARS and (_assigned is None or _assigned[0] < round_no):
-            _assigned = (round_no, env)
-            _stopped = max(_stopped or 0, round_no)
+    elif kind == grammar.ASSIGN and set(env) <= ASSIGNED_VARS and (_assigned is None or _assigned[0] < round_no):
+        _assigned = (round_no, env)
+        _stopped = max(_stopped or 0, round_no)
     return True
 
 
@@ -424,7 +406,7 @@ def _park() -> None:
     s = _sock if _sock is not None else _open()
     if s is not None:
         try:
-            s.send(_prefix + b"parked")
+            s.send(_prefix + grammar.PARKED)
         except OSError:
             pass
     parent = os.getppid()
@@ -442,7 +424,7 @@ def _park() -> None:
         _assigned = None
         if _stopped is not None and _stopped <= round_no:
             _stopped = None  # else a later round was announced already: the next check() raises
-    _prefix = f"{round_no} {_local_rank} ".encode()
+    _prefix = grammar.prefix(round_no, _local_rank)
     _last_sent = -1.0e9  # the new round's first progress() is sent at once
 
 

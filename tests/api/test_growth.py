@@ -181,7 +181,7 @@ def test_openapi_is_a_valid_3_1_document_with_the_enforced_patterns():
 
 async def test_the_rest_client_walks_every_page(client, connect):
     """RestClient.all_jobs (what `rdzv status` uses) follows next_cursor to the end."""
-    from rdzv_client.client import RestClient
+    from rdzv_client.rest import RestClient
 
     for i in range(5):
         await form(connect, f"j{i}", ["node1"])

@@ -17,7 +17,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from rdzv_client import wsclient
-from rdzv_client.client import AgentLink, RestClient
+from rdzv_client.client import AgentLink
+from rdzv_client.rest import RestClient
 from rdzv_server.errors import LEADER_HEADER, NotLeaderError, UnavailableError
 from rdzv_server.protocol import AGENT_PATH, JoinedMsg
 from tests.helpers.procs import free_port
@@ -232,7 +233,7 @@ async def test_while_replicas_say_not_leader_the_link_retries_within_a_short_cap
     election is on and a leader is due within the lease TTL, so the waits
     between cycles stay short instead of growing to BACKOFF_MAX_S (an agent
     that slept 1.6-3 s here came back that long after the new leader)."""
-    from rdzv_client.client import NOT_LEADER_BACKOFF_MAX_S
+    from rdzv_client.endpoints import NOT_LEADER_BACKOFF_MAX_S
 
     dead = f"127.0.0.1:{free_port()}"
     f = await follower(f"http://{dead}")
@@ -245,7 +246,7 @@ async def test_while_replicas_say_not_leader_the_link_retries_within_a_short_cap
 
 
 async def test_with_no_replica_answering_the_backoff_grows_as_before(follower, monkeypatch) -> None:
-    from rdzv_client.client import BACKOFF_MAX_S, NOT_LEADER_BACKOFF_MAX_S
+    from rdzv_client.endpoints import BACKOFF_MAX_S, NOT_LEADER_BACKOFF_MAX_S
 
     link = AgentLink(f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}", heartbeat_s=1.0)
     waits = await _waits(monkeypatch, link, 12)
@@ -258,7 +259,7 @@ async def test_not_leader_for_longer_than_an_election_backs_off_as_before(follow
     agents must not poll the replicas twice a second for the whole outage)."""
     import time
 
-    from rdzv_client.client import NOT_LEADER_BACKOFF_MAX_S, NOT_LEADER_FAST_S
+    from rdzv_client.endpoints import NOT_LEADER_BACKOFF_MAX_S, NOT_LEADER_FAST_S
 
     f = await follower(None)
     c = await follower(None)

@@ -5,9 +5,9 @@ while late agents of the old run are told it finished."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 from rdzv_client.client import AgentLink
+from rdzv_client.session import NodeSession
 from rdzv_server.app import Settings
 from rdzv_server.protocol import AGENT_PATH, ExitRecord, FailedMsg, JobSpec, SucceededMsg
 
@@ -168,32 +168,38 @@ async def test_a_memory_only_server_takes_an_agents_run_back_after_a_restart(cli
 
 
 async def test_the_agent_link_carries_its_run_into_every_later_join(client):
-    """The real AgentLink: it learns its run from ``joined``; after the job
-    ended, its join under a new node id (what an evicted agent sends) is told
-    job_finished, while a fresh link starts run 2."""
+    """The real AgentLink under the node's session: it learns its run from
+    ``joined``; after the job ended, its join under a new node id (what an
+    evicted agent sends) is told job_finished, while a fresh agent starts run 2."""
 
-    def join(node_id: str) -> dict:
-        return json.loads(join_msg("linked", node_id, nnodes=(1, 2)).model_dump_json())
+    def on(link: AgentLink, node_id: str) -> NodeSession:
+        s = NodeSession(job_id="linked", host="h", nproc=1, spec=JobSpec(min_nodes=1, max_nodes=2), addr="127.0.0.1")
+        s.node_id = node_id
+        s.link = link
+        return s
 
     port = client.server.port
     old, fresh = AgentLink(f"127.0.0.1:{port}", heartbeat_s=1.0), AgentLink(f"127.0.0.1:{port}", heartbeat_s=1.0)
+    old_node, fresh_node = on(old, "n1"), on(fresh, "n2")
     await old.start()
     await fresh.start()
     try:
-        old.set_intent(join("n1"))
+        old_node.join()
         assert (await asyncio.wait_for(old.recv(), 3)).run == 1
-        assert old.run == 1 and old.intent["run"] == 1
+        assert old_node.run == 1 and old.intent["run"] == 1
         await client.post("/v1/jobs/linked/close")
         while (await asyncio.wait_for(old.recv(), 3)).op != "done":
             pass
         # as after an eviction: a new node id (no node secret: only the run says who it is),
         # sent when the link reconnects
-        old.set_intent(join("n1-evicted"), send=False)
+        old_node.node_id = "n1-evicted"
+        old.set_intent(old_node.join_msg(), send=False)
+        assert old.intent["run"] == 1 and old.intent["node_secret"] is None
         assert old._ws is not None
         await old._ws.close()
         err = await asyncio.wait_for(old.recv(), 10)
         assert err.op == "error" and err.code == "job_finished" and "run 1" in err.message, err
-        fresh.set_intent(join("n2"))
+        fresh_node.join()
         assert (await asyncio.wait_for(fresh.recv(), 3)).run == 2
         view = await get_json(client, "/v1/jobs/linked")
         assert (view["run"], [n["node_id"] for n in view["nodes"]]) == (2, ["n2"]), view

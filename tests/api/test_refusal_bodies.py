@@ -14,7 +14,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from rdzv_client.client import AgentLink, RestClient
+from rdzv_client.client import AgentLink
+from rdzv_client.rest import RestClient
 from rdzv_server.errors import RdzvError
 
 T = 10.0  # deadline on every wait

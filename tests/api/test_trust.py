@@ -349,27 +349,31 @@ async def test_closing_a_job_on_request_is_audited_once(client, connect, caplog)
 
 
 async def test_the_agent_link_keeps_its_node_secret_across_reconnects(client):
-    """The real AgentLink: the secret from `joined` goes on its later joins, so
-    after the server drops its connection it resumes as the same node."""
+    """The real AgentLink under the node's session: the secret from `joined` goes
+    on its later joins, so after the server drops its connection it resumes as
+    the same node."""
     from rdzv_client.client import AgentLink
+    from rdzv_client.session import NodeSession
 
     link = AgentLink(f"127.0.0.1:{client.server.port}", heartbeat_s=1.0)
+    session = NodeSession(job_id="linked", host="h", nproc=1, spec=JobSpec(min_nodes=1, max_nodes=1), addr="127.0.0.1")
+    session.node_id = "node1"
+    session.link = link
     await link.start()
     try:
-        link.set_intent(join_msg("linked", "node1", (1, 1)).model_dump(mode="json"))
+        session.join()
         joined = await asyncio.wait_for(link.recv(), 3)
         assert joined.op == "joined" and joined.node_secret
         assigned = await asyncio.wait_for(link.recv(), 3)
         assert assigned.op == "assigned"
-        # what the agent does once its workers run: a resume, built without the secret
-        link.set_intent(join_msg("linked", "node1", (1, 1), resume_round=0).model_dump(mode="json"), send=False)
+        session.resume(assigned.assignment)  # what the agent does once its workers run
         assert link.intent["node_secret"] == joined.node_secret
         client.app[STORE].channels[("linked", "node1")].drop()  # the server drops it; the link reconnects
         again = await asyncio.wait_for(link.recv(), 5)
         assert again.op == "assigned" and again.assignment == assigned.assignment, again
         view = await (await client.get("/v1/jobs/linked")).json()
         assert [(n["node_id"], n["state"]) for n in view["nodes"]] == [("node1", "running")]
-        link.set_intent(join_msg("linked", "node2", (1, 1)).model_dump(mode="json"), send=False)  # no secret
-        assert link.intent["node_secret"] is None
+        session.node_id = "node2"  # another node id: no secret
+        assert session.join_msg()["node_secret"] is None
     finally:
         await link.close()

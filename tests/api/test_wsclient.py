@@ -19,9 +19,10 @@ from aiohttp.test_utils import TestServer
 
 from rdzv_client import wsclient
 from rdzv_client.client import AgentLink
+from rdzv_client.session import NodeSession
 from rdzv_server.app import Settings
 from rdzv_server.errors import ErrorCode, RdzvError
-from rdzv_server.protocol import AGENT_PATH, HEARTBEAT_FRAME, JobSpec, JoinMsg
+from rdzv_server.protocol import AGENT_PATH, HEARTBEAT_FRAME, JobSpec
 
 from .conftest import join_msg
 
@@ -75,26 +76,17 @@ async def test_the_link_reports_a_refused_token_as_the_agent_did(make_client) ->
 
 async def test_the_link_joins_and_validates_what_the_server_says(client) -> None:
     link = AgentLink(f"127.0.0.1:{client.server.port}", heartbeat_s=1.0)
+    # the node's identity is its session's: it hears the joined first and learns the secret
+    session = NodeSession(job_id="wsl", host="h", nproc=1, spec=JobSpec(min_nodes=1, max_nodes=1), addr="127.0.0.1")
+    session.link = link
     await link.start()
     try:
-        spec = JobSpec(min_nodes=1, max_nodes=1)
-        link.set_intent(
-            json.loads(
-                JoinMsg(
-                    job_id="wsl",
-                    node_id="n1",
-                    host="h",
-                    addr="127.0.0.1",
-                    local_world_size=1,
-                    master_port=29500,
-                    spec=spec,
-                ).model_dump_json()
-            )
-        )
+        session.join()
         joined = await asyncio.wait_for(link.recv(), T)
         assigned = await asyncio.wait_for(link.recv(), T)
         assert type(joined).__name__ == "JoinedMsg" and type(assigned).__name__ == "AssignedMsg"
-        assert link.intent["node_secret"] == joined.node_secret  # learnt for later joins
+        assert session.node_secret == joined.node_secret  # learnt for later joins
+        assert link.intent["node_secret"] == joined.node_secret  # the intent a reconnect re-sends
     finally:
         await link.close()
 
@@ -413,19 +405,24 @@ async def test_a_bug_in_handling_a_message_does_not_end_the_link(make_client, mo
     # join deadline: 2 s here (default 10), then the link reconnects and the node is assigned
     client = await make_client(Settings(join_deadline_s=2.0))
     link = AgentLink(f"127.0.0.1:{client.server.port}", heartbeat_s=1.0)
-    real = link._learn_secret
+    session = NodeSession(job_id="wsbug", host="h", nproc=1, spec=JobSpec(min_nodes=1, max_nodes=1), addr="127.0.0.1")
+    session.node_id = "n1"
+    session.link = link
+    real = link.observer
+    assert real is not None
     calls = []
 
-    def flaky(node_id: str, secret: str) -> None:
-        calls.append(node_id)
-        if len(calls) == 1:
-            raise ValueError("a bug while handling a message")
-        real(node_id, secret)
+    def flaky(msg) -> None:  # the session hears the joined (its secret) inside the link's loop
+        if type(msg).__name__ == "JoinedMsg":
+            calls.append(msg.node_id)
+            if len(calls) == 1:
+                raise ValueError("a bug while handling a message")
+        real(msg)
 
-    monkeypatch.setattr(link, "_learn_secret", flaky)
+    link.observer = flaky
     await link.start()
     try:
-        link.set_intent(json.loads(join_msg("wsbug", "n1", (1, 1)).model_dump_json()))
+        session.join()
         got = []
         while not any(type(m).__name__ == "AssignedMsg" for m in got):
             got.append(await asyncio.wait_for(link.recv(), T))

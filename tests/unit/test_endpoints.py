@@ -11,8 +11,8 @@ import os
 import pytest
 
 from rdzv_client import cli
-from rdzv_client.client import MAX_ENDPOINTS, Endpoints, base_url, parse_endpoints
 from rdzv_client.config import UsageError, build_parser, config_from_args
+from rdzv_client.endpoints import MAX_ENDPOINTS, Endpoints, base_url, parse_endpoints
 
 # ------------------------------------------------------------ parsing
 
@@ -122,7 +122,7 @@ def test_a_hint_already_tried_in_this_cycle_is_not_followed_again() -> None:
 
 def test_a_hint_not_in_the_list_is_ignored_and_said_once_escaped(caplog: pytest.LogCaptureFixture) -> None:
     e = Endpoints("a:1,b:2,c:3").tries()
-    with caplog.at_level(logging.WARNING, logger="rdzv_client.client"):
+    with caplog.at_level(logging.WARNING, logger="rdzv_client.endpoints"):
         assert (e.failed(leader="http://evil:1\x1b[2J"), e.url) == (True, "http://b:2")
         assert (e.failed(leader="http://evil:1\x1b[2J"), e.url) == (True, "http://c:3")
         assert (e.failed(leader="not a url at all:x"), e.url) == (False, "http://a:1")

@@ -189,7 +189,7 @@ def test_the_agent_sends_exactly_what_a_worker_takes() -> None:
     (the worker module registers a signal handler on import, so the agent does
     not import it): a name on one side only would be dropped by every worker."""
     code = (
-        "from rdzv_client.agent import IN_PLACE_VARS\n"
+        "from rdzv_client.reform import IN_PLACE_VARS\n"
         "from rdzv_client.worker import ASSIGNED_VARS\n"
         "print(sorted(set(IN_PLACE_VARS) ^ ASSIGNED_VARS), len(IN_PLACE_VARS) == len(set(IN_PLACE_VARS)))\n"
     )

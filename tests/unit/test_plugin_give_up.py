@@ -13,7 +13,7 @@ pytest.importorskip("torch")
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from rdzv_client.torch_plugin import _exit_records
+from rdzv_client.torch_params import exit_records as _exit_records
 from rdzv_server.protocol import Assignment
 
 A = Assignment(

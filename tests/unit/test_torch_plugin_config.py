@@ -16,7 +16,8 @@ pytest.importorskip("torch")
 from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerSpec
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from rdzv_client.torch_plugin import RdzvRendezvousHandler, _spec_nproc
+from rdzv_client.torch_params import spec_nproc as _spec_nproc
+from rdzv_client.torch_plugin import RdzvRendezvousHandler
 
 
 @pytest.fixture(autouse=True)

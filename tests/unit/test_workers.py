@@ -726,7 +726,7 @@ def test_worker_env_gives_the_channel_the_real_local_rank() -> None:
 def test_in_place_assignment_keeps_virtual_local_rank() -> None:
     """What a kept worker is told for a new round: LOCAL_RANK stays 0 under
     --virtual-local-rank, as its first round's environment said."""
-    from rdzv_client.agent import in_place_assignment
+    from rdzv_client.reform import in_place_assignment
 
     a = assignment(local_world_size=2)
     texts = [in_place_assignment(a, i, "j", virtual_local_rank=True) for i in range(2)]

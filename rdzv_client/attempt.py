@@ -1,0 +1,182 @@
+"""One attempt of this node's workers, as rdzv-agent makes and ends it: for a
+round, the agent's line (:func:`announce`), the workers' environments (error
+files, the worker channel) and launch settings (:func:`worker_group`) under
+the run's log directory (:func:`run_log_dir`); when they cannot start, the
+failure to report (:func:`cannot_start`); when some failed, the lines the
+agent says, torchrun's summary block (:func:`note_failures`) and the exit
+records it reports (:func:`exit_records`). The agent's loop decides when."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from string import Template
+from typing import TYPE_CHECKING, TextIO
+
+from .exits import entrypoint_name, failure_summary
+from .workers import ExitInfo, LaunchConfig, WorkerGroup, describe, error_file_path, worker_env
+
+if TYPE_CHECKING:
+    from rdzv_server.protocol import Assignment, ExitRecord
+
+    from .config import AgentConfig
+    from .watch import WorkerWatch
+
+
+def run_log_dir(cfg: AgentConfig, agent_dir: Path) -> Path | None:
+    """Where this agent's attempts write their logs and error files, if anywhere
+    kept: torchrun's layout, LOG_DIR/<job id>_<random>/attempt_N/..., one run
+    directory per agent, so a re-run with the same --log-dir never replaces the
+    last run's logs and error files; --redirects/--tee without --log-dir: in this
+    agent's directory, kept after it exits until the next agent on the node
+    starts (torchrun's /tmp/torchelastic_* stay for ever)."""
+    if cfg.log_dir is not None:
+        cfg.log_dir.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f"{cfg.job_id}_", dir=cfg.log_dir))
+    if any(v for s in (cfg.redirects, cfg.tee) for v in (s.values() if isinstance(s, dict) else [s])):
+        logs = agent_dir / "logs"
+        logs.mkdir()
+        return logs
+    return None
+
+
+def announce(cfg: AgentConfig, a: Assignment, say: Callable[..., None]) -> None:
+    """The agent's line for a round its workers start (and why the node rank
+    asked for is not the one given)."""
+    say(
+        "round %d: group rank %d of %d, ranks %d-%d of world %d, master %s:%d, restart %d/%d",
+        a.round,
+        a.group_rank,
+        a.group_world_size,
+        a.rank_offset,
+        a.rank_offset + a.local_world_size - 1,
+        a.world_size,
+        a.master_addr,
+        a.master_port,
+        a.restarts,
+        a.max_restarts,
+    )
+    if cfg.node_rank is not None and a.group_rank != cfg.node_rank:
+        why = (
+            f"this round has {a.group_world_size} node(s)"
+            if cfg.node_rank >= a.group_world_size
+            else f"rank {cfg.node_rank} is held by another node"
+        )
+        say("asked for node rank %d, got %d (%s)", cfg.node_rank, a.group_rank, why)
+
+
+def worker_envs(cfg: AgentConfig, a: Assignment, err_root: Path, watch: WorkerWatch) -> list[dict[str, str]]:
+    """Each local worker's environment for round ``a`` (its error file made
+    empty under ``err_root``, the channel's variables added)."""
+    base = dict(os.environ)
+    envs = []
+    for lr in range(cfg.nproc):
+        ef = error_file_path(err_root, a.round, lr)
+        ef.parent.mkdir(parents=True, exist_ok=True)
+        if ef.exists():
+            ef.unlink()
+        env = worker_env(
+            base,
+            a,
+            lr,
+            cfg.job_id,
+            str(ef),
+            role=cfg.role,
+            signals_to_handle=cfg.signals_to_handle,
+            virtual_local_rank=cfg.virtual_local_rank,
+            in_place=cfg.restart_mode == "in-place",
+        )
+        watch.add_env(env)
+        envs.append(env)
+    return envs
+
+
+def worker_group(
+    cfg: AgentConfig, a: Assignment, envs: list[dict[str, str]], log_dir: Path | None, stderr: TextIO | None
+) -> WorkerGroup:
+    """The worker group of round ``a`` (not started), its output as --redirects,
+    --tee, --local-ranks-filter and torchrun's line prefix template say."""
+    launch = LaunchConfig(
+        cmd=cfg.cmd,
+        local_world_size=cfg.nproc,
+        log_dir=log_dir,
+        redirects=cfg.redirects,
+        tee=cfg.tee,
+        local_ranks_filter=cfg.local_ranks_filter,
+        share_console=not cfg.line_prefix,
+    )
+    template = os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
+
+    def prefix(lr: int) -> str:  # torchrun's template for prefixed lines
+        return Template(template or "").safe_substitute(
+            role_name=envs[lr].get("ROLE_NAME", "default"), rank=a.rank_offset + lr, local_rank=lr
+        )
+
+    return WorkerGroup(launch, envs, attempt=a.round, prefix_fn=prefix if template else None, stderr=stderr)
+
+
+def cannot_start(cfg: AgentConfig, a: Assignment, e: OSError) -> ExitRecord:
+    """The failure to report when the workers of round ``a`` cannot be started."""
+    from rdzv_server.protocol import ExitRecord
+
+    return ExitRecord(
+        local_rank=0,
+        rank=a.rank_offset,
+        pid=0,
+        exit_code=127,
+        message=f"cannot start {cfg.cmd[0]}: {e}",
+        timestamp=time.time(),
+    )
+
+
+def note_failures(
+    cfg: AgentConfig,
+    a: Assignment,
+    failed: list[ExitInfo],
+    host: str,
+    err_root: Path,
+    log_dir: Path | None,
+    say: Callable[..., None],
+) -> tuple[int, str]:
+    """Say each failure (with its error file when --log-dir keeps it) and
+    return torchrun's summary block (with its round), printed if the job fails
+    with this round; the error files are read now: without --log-dir they go
+    when the agent exits."""
+    # the file each worker was given: one kept in place has the round it started in
+    error_files = {i.local_rank: i.error_file or str(error_file_path(err_root, a.round, i.local_rank)) for i in failed}
+    for i in failed:
+        kept = log_dir is not None and os.path.isfile(error_files[i.local_rank])
+        where = f"; error file {error_files[i.local_rank]}" if kept else ""
+        say("round %d: %s%s", a.round, describe(i, a.rank_offset + i.local_rank), where)
+    return (
+        a.round,
+        failure_summary(
+            entrypoint_name(cfg.cmd, sys.executable),
+            [(a.rank_offset + i.local_rank, i, error_files[i.local_rank]) for i in failed],
+            host,
+            show_paths=log_dir is not None,
+        ),
+    )
+
+
+def exit_records(a: Assignment, failed: list[ExitInfo], watch: WorkerWatch) -> list[ExitRecord]:
+    """The failed workers of round ``a`` as the exit records of a failure report."""
+    from rdzv_server.protocol import ExitRecord
+
+    return [
+        ExitRecord(
+            local_rank=i.local_rank,
+            rank=a.rank_offset + i.local_rank,
+            pid=i.pid,
+            exit_code=i.exit_code,
+            signal=i.signal,
+            message=watch.exit_message(i),
+            timestamp=i.timestamp,
+            reason="timer" if watch.timer_killed(i.pid) else None,
+        )
+        for i in failed
+    ]
