@@ -1,0 +1,221 @@
+"""rdzv_client.inplace_backend and inplace_fsdp (issue 20): the round's group
+as a Python ``ProcessGroup`` whose Work objects rdzv controls. Torch's own
+``dist.*`` calls on it (FSDP2's all-gather and reduce-scatter among them)
+return, or raise ``MembershipChanged`` the moment the agent says the round is
+over; a Work completed before stays completed. Ranks are threads of one
+worker process (gloo on loopback) where the collectives alone are at stake,
+two processes for FSDP2 (a ``DeviceMesh`` takes its coordinates from the
+process's default group)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rdzv_client import inplace, inplace_backend
+from rdzv_client.worker import MembershipChanged
+from tests.unit.test_inplace_ddp import COMMON, _run
+
+ROOT = Path(__file__).resolve().parents[2]
+
+WORD = (
+    COMMON
+    + r"""
+import time
+from rdzv_client import inplace_backend
+gen = worker.rounds()
+next(gen)
+inbox = os.path.join(os.path.dirname(os.environ["RDZV_AGENT_SOCKET"]), "w0")
+agent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+port0 = free_port()
+release, out = threading.Event(), {}
+
+def round0(r):
+    pg = inplace.process_group(world(0, r, port0), timeout_s=60)
+    g = inplace_backend.interruptible(pg)
+    assert isinstance(g, dist.ProcessGroup) and inplace_backend.interruptible(pg) is g
+    t = torch.ones(2) * (r + 1)
+    dist.all_reduce(t, group=g)
+    gathered = torch.empty(4)
+    dist.all_gather_into_tensor(gathered, torch.full((2,), float(r)), group=g)
+    scattered = torch.empty(1)
+    dist.reduce_scatter_tensor(scattered, torch.tensor([1.0, 2.0]), group=g)
+    b = torch.tensor([float(r)])
+    dist.broadcast(b, src=1, group=g)
+    dist.barrier(group=g)
+    objs = [None, None]
+    dist.all_gather_object(objs, f"rank{r}", group=g)
+    assert (t.tolist(), gathered.tolist(), scattered.item(), b.item(), objs) == (
+        [3.0, 3.0], [0.0, 0.0, 1.0, 1.0], 2.0 * (r + 1), 1.0, ["rank0", "rank1"]), (t, gathered, scattered, b, objs)
+    done = dist.all_reduce(torch.ones(1), group=g, async_op=True)
+    done.wait()  # completed before the word
+    if r == 1:
+        release.wait(60)  # takes no part in the next all-gather: rank 0 blocks in it
+        return
+    threading.Timer(0.3, agent.sendto, args=(b"stop 1", inbox)).start()  # the agent's word
+    try:
+        dist.all_gather_into_tensor(torch.empty(4), torch.ones(2), group=g)  # synchronous, as FSDP2's
+        out["raised"] = "nothing"
+    except MembershipChanged as e:
+        out["raised"] = str(e)
+    out["done"] = (done.is_completed(), done.is_success(), done.wait(), done.get_future().done())
+    try:
+        dist.all_reduce(torch.ones(1), group=g)
+        out["after"] = "nothing"
+    except MembershipChanged as e:
+        out["after"] = str(e)  # a collective on a finished round fails at once
+    release.set()
+
+run_ranks(round0)
+assert out["raised"] == "round 1 replaces round 0", out  # the word, not gloo's timeout
+assert out["done"] == (True, True, True, True), out
+assert out["after"] == "round 1 replaces round 0", out
+print("ok", flush=True)
+os._exit(0)
+"""
+)
+
+
+def test_the_agents_word_fails_a_pending_all_gather_and_a_completed_work_stays_completed(tmp_path: Path) -> None:
+    """Torch's own API on the interruptible group: all-reduce, all-gather,
+    reduce-scatter, broadcast, barrier, an object collective. Rank 0 then
+    blocks in a synchronous all-gather rank 1 never joins; the agent's
+    ``stop`` fails it with MembershipChanged carrying the word (not gloo's
+    timeout); a Work completed before the word stays completed and
+    successful; a collective issued after the word fails at once."""
+    res = _run(WORD, tmp_path, in_place=True)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
+
+
+class _Inner:
+    """A gloo Work's stand-in: its future is completed by the test."""
+
+    def __init__(self) -> None:
+        self.fut: torch.futures.Future[object] = torch.futures.Future()
+
+    def get_future(self) -> torch.futures.Future[object]:
+        return self.fut
+
+
+def test_a_work_is_completed_once_by_its_collective_or_by_the_round_end() -> None:
+    """The Work's future belongs to the round: completed by the collective
+    (then the word changes nothing), or failed by the word (then a late
+    completion is ignored); a failed collective raises outside in-place mode
+    as torch's RuntimeError."""
+    rnd = inplace._Round(pg=None, round_no=0)
+    done, pending, failed = _Inner(), _Inner(), _Inner()
+    w_done = inplace_backend._Work(rnd, done)
+    w_pending = inplace_backend._Work(rnd, pending)
+    w_failed = inplace_backend._Work(rnd, failed)
+    done.fut.set_result([torch.ones(1)])
+    failed.fut.set_exception(RuntimeError("Connection closed by peer"))
+    assert w_done.is_completed() and not w_pending.is_completed()
+    rnd.end("round 1 replaces round 0")
+    assert w_done.wait() and w_done.is_success()
+    pending.fut.set_result([torch.ones(1)])  # gloo finished after the word: ignored
+    with pytest.raises(MembershipChanged, match="round 1 replaces round 0"):
+        w_pending.wait()
+    assert w_pending.is_completed() and not w_pending.is_success()
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        w_failed.wait()
+    late = inplace_backend._Work(rnd, _Inner())
+    with pytest.raises(MembershipChanged):
+        late.wait()  # issued after the word: failed at once
+
+
+FSDP = r"""
+import os, sys, time, threading
+rank, port, flag = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+os.environ["RDZV_AGENT_PID"] = str(os.getpid())  # this process plays its own agent
+import socket
+import torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from rdzv_client import inplace, inplace_fsdp, worker
+from rdzv_client.worker import MembershipChanged, World
+
+gen = worker.rounds()
+next(gen)
+w = World(round=0, rank=rank, world_size=2, local_rank=0, local_world_size=1, group_rank=rank,
+          group_world_size=2, master_addr="127.0.0.1", master_port=port, fresh=False)
+pg = inplace.process_group(w, timeout_s=60)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+fully_shard(model, mesh=inplace_fsdp.mesh(pg), reshard_after_forward=False)  # backward: reduce-scatter only
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+for _ in range(2):
+    opt.zero_grad(); model(x).sum().backward(); opt.step()
+before = [p.to_local().clone() for p in opt.param_groups[0]["params"]]  # the shards
+loss = model(x).sum()  # both join the forward's all-gather
+if rank == 1:
+    deadline = time.monotonic() + 100
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.05)  # never joins the backward's reduce-scatter
+    os._exit(0)
+inbox = os.path.join(os.path.dirname(os.environ["RDZV_AGENT_SOCKET"]), "w0")
+agent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+threading.Timer(0.5, agent.sendto, args=(b"stop 1", inbox)).start()
+try:
+    loss.backward()
+    opt.step()
+    print("raised nothing", flush=True)
+except MembershipChanged as e:
+    print("raised", e, time.time(), flush=True)
+except BaseException as e:
+    print("raised other", type(e).__name__, e, flush=True)
+unchanged = all(torch.equal(a, p.to_local()) for a, p in zip(before, opt.param_groups[0]["params"]))
+print("unchanged", unchanged, time.time(), flush=True)
+os._exit(0)  # as inplace.exit
+"""
+
+
+def test_an_fsdp2_backward_blocked_in_its_reduce_scatter_raises_membership_changed(tmp_path: Path) -> None:
+    """FSDP2 (``fully_shard`` on ``inplace_fsdp.mesh(pg)``) trains; then rank
+    1 takes no part in a backward: rank 0's ``loss.backward()``, blocked in
+    FSDP2's reduce-scatter, raises MembershipChanged (not a RuntimeError, not
+    gloo's timeout) when the agent's word comes, and no optimizer step is
+    taken."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RDZV_", "TORCHELASTIC_"))}
+    env.update(PYTHONPATH=str(ROOT), RDZV_RESTART_MODE="in-place", LOCAL_RANK="0", TORCHELASTIC_RESTART_COUNT="0")
+    agents, procs = [], []
+    try:
+        for r in range(2):
+            (tmp_path / str(r)).mkdir()
+            sock = tmp_path / str(r) / "sock"
+            agent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # the agent's end: takes "parked"
+            agent.bind(str(sock))
+            agents.append(agent)
+            cmd = [sys.executable, "-c", FSDP, str(r), str(port), str(tmp_path / "flag")]
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env={**env, "RDZV_AGENT_SOCKET": str(sock)},
+                )
+            )
+        out, err = procs[0].communicate(timeout=110)
+        (tmp_path / "flag").touch()  # rank 1 leaves (rank 0 may have failed before saying so)
+        procs[1].communicate(timeout=30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+        for a in agents:
+            a.close()
+    assert procs[0].returncode == 0, out + err[-3000:]
+    assert "raised round 1 replaces round 0" in out, out + err[-3000:]
+    assert "unchanged True" in out, out
