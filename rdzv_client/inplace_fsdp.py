@@ -50,8 +50,17 @@ _COMPLETE = ".metadata"
 def mesh(pg: Any, device_type: str = "cpu") -> DeviceMesh:
     """A 1-D ``DeviceMesh`` over the round's group ``pg``, its collectives
     interruptible (:func:`rdzv_client.inplace_backend.interruptible`, made the
-    default group): ``fully_shard(module, mesh=inplace_fsdp.mesh(pg))``."""
-    return DeviceMesh.from_group(interruptible(pg), device_type)
+    default group): ``fully_shard(module, mesh=inplace_fsdp.mesh(pg))``.
+
+    Its dimension is named after the round (``round<N>``): torch compares
+    meshes by their ranks, layout, device type and dimension names, never by
+    their groups, and DTensor's caches hand out the mesh they met first, so
+    an unnamed mesh of a later round with the same ranks (3 -> 2 -> 3 nodes)
+    came back as the earlier round's, on its abandoned group (seen: "Could
+    not resolve the process group registered under the name
+    rdzv-round0-...")."""
+    group = interruptible(pg)
+    return DeviceMesh.from_group(group, device_type, mesh_dim_names=(f"round{group.round.round}",))
 
 
 def _dir(root: str | os.PathLike[str], step: int) -> Path:
@@ -75,6 +84,8 @@ def _group(model: torch.nn.Module) -> InterruptibleGroup:
         if spec is not None:
             g = spec.get_group()
             if isinstance(g, InterruptibleGroup):
+                if g.round.over is not None:
+                    raise worker.MembershipChanged(g.round.over)
                 return g
     raise ValueError("the model is not sharded on a mesh from inplace_fsdp.mesh(pg) (fully_shard(..., mesh=...))")
 
