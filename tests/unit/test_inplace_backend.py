@@ -219,3 +219,34 @@ def test_an_fsdp2_backward_blocked_in_its_reduce_scatter_raises_membership_chang
     assert procs[0].returncode == 0, out + err[-3000:]
     assert "raised round 1 replaces round 0" in out, out + err[-3000:]
     assert "unchanged True" in out, out
+
+
+def test_latest_is_the_newest_complete_save(tmp_path: Path) -> None:
+    """A save is complete once DCP renamed its ``.metadata`` in (written last,
+    after every rank's files): a newer save without it (cut short by a round
+    change) is never the one resumed; stray names are ignored."""
+    from rdzv_client import inplace_fsdp
+
+    assert inplace_fsdp.latest(tmp_path / "none") == -1
+    for step, complete in ((10, True), (20, True), (30, False)):
+        d = tmp_path / f"step-{step:09d}"
+        d.mkdir()
+        (d / "__0_0.distcp").write_bytes(b"x")
+        if complete:
+            (d / ".metadata").write_bytes(b"x")
+    (tmp_path / "step-40").mkdir()  # not a save's name
+    (tmp_path / "step-000000040.tmp").mkdir()
+    assert inplace_fsdp.latest(tmp_path) == 20
+
+
+def test_save_refuses_bad_input_before_touching_anything(tmp_path: Path) -> None:
+    from rdzv_client import inplace_fsdp
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="keep"):
+        inplace_fsdp.save(tmp_path / "ck", model, None, 10, keep=0)
+    with pytest.raises(ValueError, match="step"):
+        inplace_fsdp.save(tmp_path / "ck", model, None, -1)
+    with pytest.raises(ValueError, match="not sharded"):
+        inplace_fsdp.save(tmp_path / "ck", model, None, 10)  # a model not on inplace_fsdp.mesh(pg)
+    assert not (tmp_path / "ck").exists()
