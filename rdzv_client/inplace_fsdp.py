@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -147,17 +146,14 @@ def _steps(root: str | os.PathLike[str]) -> list[int]:
 
 
 def _guarded(call: Any) -> None:
-    """``call()``; DCP gathers its ranks' errors into a CheckpointException (a
-    BaseException): one that holds a :class:`MembershipChanged`, or raised
-    once the round is over, is :class:`MembershipChanged`."""
+    """``call()``, for DCP: its collectives raise :class:`MembershipChanged`
+    themselves; any other error (DCP gathers its ranks' errors into a
+    ``CheckpointException``, a ``BaseException``) raised once the round is
+    over is :class:`MembershipChanged` too."""
     try:
         call()
-    except CheckpointException as e:
-        for error, _ in e.failures.values():
-            if isinstance(error, worker.MembershipChanged):
-                raise worker.MembershipChanged(str(error)) from None
-        worker.check()
+    except worker.MembershipChanged:
         raise
-    except Exception:
-        worker.check()  # the round is over: MembershipChanged, not the error it caused
+    except BaseException:
+        worker.check()
         raise

@@ -131,7 +131,7 @@ def test_a_work_is_completed_once_by_its_collective_or_by_the_round_end() -> Non
 
 FSDP = r"""
 import os, sys, time, threading
-rank, port, flag = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+rank, port, tmp, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 os.environ["RDZV_AGENT_PID"] = str(os.getpid())  # this process plays its own agent
 import socket
 import torch, torch.distributed as dist
@@ -150,38 +150,44 @@ model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
 fully_shard(model, mesh=inplace_fsdp.mesh(pg), reshard_after_forward=False)  # backward: reduce-scatter only
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+ckpt = os.path.join(tmp, "ckpt")
 for _ in range(2):
     opt.zero_grad(); model(x).sum().backward(); opt.step()
+inplace_fsdp.save(ckpt, model, opt, 2)  # complete: both take part
 before = [p.to_local().clone() for p in opt.param_groups[0]["params"]]  # the shards
-loss = model(x).sum()  # both join the forward's all-gather
-if rank == 1:
+if mode == "backward":
+    opt.zero_grad()
+    loss = model(x).sum()  # both join the forward's all-gather
+if rank == 1:  # takes no part in what follows: rank 0 blocks in it
+    if mode == "save":
+        inplace.all_reduce(torch.zeros(1), pg)  # save's own first all-reduce: rank 0 blocks in DCP's
     deadline = time.monotonic() + 100
-    while not os.path.exists(flag) and time.monotonic() < deadline:
-        time.sleep(0.05)  # never joins the backward's reduce-scatter
+    while not os.path.exists(os.path.join(tmp, "flag")) and time.monotonic() < deadline:
+        time.sleep(0.05)
     os._exit(0)
 inbox = os.path.join(os.path.dirname(os.environ["RDZV_AGENT_SOCKET"]), "w0")
 agent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-threading.Timer(0.5, agent.sendto, args=(b"stop 1", inbox)).start()
+threading.Timer(0.5, agent.sendto, args=(b"stop 1", inbox)).start()  # the agent's word
 try:
-    loss.backward()
-    opt.step()
+    if mode == "backward":
+        loss.backward()  # blocks in FSDP2's reduce-scatter
+        opt.step()
+    else:
+        inplace_fsdp.save(ckpt, model, opt, 4)  # blocks in DCP's first collective (rank 1 joined save's own)
     print("raised nothing", flush=True)
 except MembershipChanged as e:
-    print("raised", e, time.time(), flush=True)
+    print("raised", e, flush=True)
 except BaseException as e:
     print("raised other", type(e).__name__, e, flush=True)
 unchanged = all(torch.equal(a, p.to_local()) for a, p in zip(before, opt.param_groups[0]["params"]))
-print("unchanged", unchanged, time.time(), flush=True)
+print("unchanged", unchanged, "latest", inplace_fsdp.latest(ckpt), flush=True)
 os._exit(0)  # as inplace.exit
 """
 
 
-def test_an_fsdp2_backward_blocked_in_its_reduce_scatter_raises_membership_changed(tmp_path: Path) -> None:
-    """FSDP2 (``fully_shard`` on ``inplace_fsdp.mesh(pg)``) trains; then rank
-    1 takes no part in a backward: rank 0's ``loss.backward()``, blocked in
-    FSDP2's reduce-scatter, raises MembershipChanged (not a RuntimeError, not
-    gloo's timeout) when the agent's word comes, and no optimizer step is
-    taken."""
+def _two_ranks(tmp_path: Path, mode: str) -> str:
+    """FSDP run by two worker processes, each its own agent; rank 1 stays
+    (and takes no part) until rank 0 is done. Rank 0's output."""
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -196,10 +202,9 @@ def test_an_fsdp2_backward_blocked_in_its_reduce_scatter_raises_membership_chang
             agent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # the agent's end: takes "parked"
             agent.bind(str(sock))
             agents.append(agent)
-            cmd = [sys.executable, "-c", FSDP, str(r), str(port), str(tmp_path / "flag")]
             procs.append(
                 subprocess.Popen(
-                    cmd,
+                    [sys.executable, "-c", FSDP, str(r), str(port), str(tmp_path), mode],
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     text=True,
@@ -217,8 +222,28 @@ def test_an_fsdp2_backward_blocked_in_its_reduce_scatter_raises_membership_chang
         for a in agents:
             a.close()
     assert procs[0].returncode == 0, out + err[-3000:]
-    assert "raised round 1 replaces round 0" in out, out + err[-3000:]
+    return out + err[-3000:]
+
+
+def test_an_fsdp2_backward_blocked_in_its_reduce_scatter_raises_membership_changed(tmp_path: Path) -> None:
+    """FSDP2 (``fully_shard`` on ``inplace_fsdp.mesh(pg)``) trains; then rank
+    1 takes no part in a backward: rank 0's ``loss.backward()``, blocked in
+    FSDP2's reduce-scatter, raises MembershipChanged (not a RuntimeError, not
+    gloo's timeout) when the agent's word comes, and no optimizer step is
+    taken."""
+    out = _two_ranks(tmp_path, "backward")
+    assert "raised round 1 replaces round 0" in out, out
     assert "unchanged True" in out, out
+
+
+def test_a_save_cut_short_by_the_word_raises_membership_changed_and_is_never_resumed(tmp_path: Path) -> None:
+    """A DCP save of step 2 completes; rank 1 takes no part in the save of
+    step 4: rank 0's ``inplace_fsdp.save`` raises MembershipChanged (not
+    DCP's CheckpointException) on the agent's word, and the newest complete
+    save is still step 2's."""
+    out = _two_ranks(tmp_path, "save")
+    assert "raised round 1 replaces round 0" in out, out
+    assert "unchanged True latest 2" in out, out
 
 
 def test_latest_is_the_newest_complete_save(tmp_path: Path) -> None:
