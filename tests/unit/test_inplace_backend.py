@@ -93,6 +93,48 @@ def test_the_agents_word_fails_a_pending_all_gather_and_a_completed_work_stays_c
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
 
 
+DDP_BUILD = (
+    COMMON
+    + r"""
+gen = worker.rounds()
+next(gen)
+inbox = os.path.join(os.path.dirname(os.environ["RDZV_AGENT_SOCKET"]), "w0")
+agent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+port0 = free_port()
+release, out = threading.Event(), {}
+
+def round0(r):
+    pg = inplace.process_group(world(0, r, port0), timeout_s=60)
+    if r == 1:
+        inplace.all_reduce(torch.zeros(1), pg)  # inplace.ddp's own check-in, then never DDP's construction
+        release.wait(60)
+        return
+    threading.Timer(0.5, agent.sendto, args=(b"stop 1", inbox)).start()  # the agent's word
+    try:
+        inplace.ddp(nn.Linear(4, 2), pg)  # blocks in DDP's construction (its C++ parameter check)
+        out["raised"] = "nothing"
+    except MembershipChanged as e:
+        out["raised"] = str(e)
+    release.set()
+
+run_ranks(round0)
+assert out["raised"] == "round 1 replaces round 0", out  # the word, not gloo's timeout
+print("ok", flush=True)
+os._exit(0)
+"""
+)
+
+
+def test_ddp_construction_blocked_on_a_silent_peer_ends_on_the_agents_word(tmp_path: Path) -> None:
+    """A peer that checked in before DDP's construction and then went
+    silent: DDP's own blocking collectives (the C++ parameter check and
+    broadcast) run on the interruptible group, so the survivor's
+    ``inplace.ddp`` raises MembershipChanged with the agent's word, not
+    after gloo's timeout (60 s) or ``--in-place-timeout``."""
+    res = _run(DDP_BUILD, tmp_path, in_place=True)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
+
+
 class _Inner:
     """A gloo Work's stand-in: its future is completed by the test."""
 
