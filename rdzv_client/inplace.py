@@ -381,7 +381,7 @@ def ddp(module: torch.nn.Module, pg: Any, **kwargs: Any) -> DistributedDataParal
     group; the previous round's DDP on ``module`` lets go of the module's
     parameters. DDP's own blocking collectives (construction, the bucket
     rebuild after the first step, buffer broadcasts) run on
-    ``inplace_backend.interruptible(pg)``: they raise
+    ``inplace_backend.ddp_group(pg)``: they raise
     :class:`MembershipChanged` when a lost peer fails them or the agent says
     the round is over, in in-place mode. Construction is preceded by a
     sliced all-reduce every rank joins: a peer lost or frozen before it is
@@ -398,10 +398,10 @@ def ddp(module: torch.nn.Module, pg: Any, **kwargs: Any) -> DistributedDataParal
     if old is not None:
         # its reducer may be mid-backward forever: it must never see a gradient again
         old._remove_autograd_hooks()  # type: ignore[no-untyped-call]
-    from .inplace_backend import interruptible  # (it imports this module)
+    from .inplace_backend import ddp_group  # (it imports this module)
 
     try:  # DDP's own collectives (construction, bucket rebuild) wait on Works the agent's word fails
-        model = _DDP(module, process_group=interruptible(pg), **kwargs)
+        model = _DDP(module, process_group=ddp_group(pg), **kwargs)
     except RuntimeError as e:
         _raise_membership(e)
     state = _HookState(rnd)

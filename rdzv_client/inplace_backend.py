@@ -42,7 +42,7 @@ import torch.distributed as dist
 from . import inplace, worker
 from .worker import MembershipChanged
 
-__all__ = ["interruptible", "InterruptibleGroup"]
+__all__ = ["interruptible", "ddp_group", "InterruptibleGroup"]
 
 # the ProcessGroup methods that start a collective (torch 2.13's names): each is
 # sent to the round's group and its Work wrapped
@@ -253,3 +253,13 @@ def interruptible(pg: Any) -> InterruptibleGroup:
 _made: dict[int, InterruptibleGroup] = {}  # by id(pg), this round's
 _registered: dict[str, int] = {}  # names in torch's registry (functional collectives) -> their round
 _keep: list[InterruptibleGroup] = []  # never destroyed, as the rounds' groups (inplace._abandoned)
+
+
+def ddp_group(pg: Any) -> Any:
+    """The group :func:`rdzv_client.inplace.ddp` builds DDP on: a gloo
+    round's :func:`interruptible` group (DDP's own construction, bucket
+    rebuild and buffer broadcasts then end on the agent's word); a round
+    with NCCL keeps its own group (its communicator is aborted on the word;
+    rdzv's Work would wait for CUDA work on the CPU, untested on a GPU)."""
+    kind = dist.distributed_c10d._world.pg_map.get(pg, ("",))[0]
+    return interruptible(pg) if kind == "gloo" else pg
