@@ -66,14 +66,22 @@ def _dir(root: str | os.PathLike[str], step: int) -> Path:
     return Path(root) / f"step-{step:09d}"
 
 
-def latest(root: str | os.PathLike[str]) -> int:
-    """The step of the newest complete save under ``root`` (-1: none)."""
+def _steps(root: str | os.PathLike[str]) -> list[int]:
+    """The steps of the saves under ``root``, complete or not."""
     try:
         names = os.listdir(root)
     except FileNotFoundError:
-        return -1
-    steps = [int(m.group(1)) for n in names if (m := _STEP_DIR.match(n))]
-    return max((s for s in steps if (_dir(root, s) / _COMPLETE).exists()), default=-1)
+        return []
+    return [int(m.group(1)) for n in names if (m := _STEP_DIR.match(n))]
+
+
+def _complete(root: str | os.PathLike[str]) -> list[int]:
+    return sorted(s for s in _steps(root) if (_dir(root, s) / _COMPLETE).exists())
+
+
+def latest(root: str | os.PathLike[str]) -> int:
+    """The step of the newest complete save under ``root`` (-1: none)."""
+    return max(_complete(root), default=-1)
 
 
 def _group(model: torch.nn.Module) -> InterruptibleGroup:
@@ -135,14 +143,10 @@ def save(root: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any, s
     inplace.all_reduce(torch.zeros(1), group.inner)
     _guarded(lambda: dcp_save(state, checkpoint_id=str(target), process_group=group))
     if group.rank() == 0:
-        complete = sorted(s for s in _steps(root) if (_dir(root, s) / _COMPLETE).exists())
+        complete = _complete(root)
         for s in _steps(root):
             if s not in complete[-keep:] and s < step:
                 shutil.rmtree(_dir(root, s), ignore_errors=True)
-
-
-def _steps(root: str | os.PathLike[str]) -> list[int]:
-    return [int(m.group(1)) for n in os.listdir(root) if (m := _STEP_DIR.match(n))]
 
 
 def _guarded(call: Any) -> None:

@@ -9,6 +9,7 @@ process's default group)."""
 
 from __future__ import annotations
 
+import ast
 import os
 import socket
 import subprocess
@@ -195,7 +196,13 @@ x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
 ckpt = os.path.join(tmp, "ckpt")
 for _ in range(2):
     opt.zero_grad(); model(x).sum().backward(); opt.step()
-inplace_fsdp.save(ckpt, model, opt, 2)  # complete: both take part
+if rank == 0:  # an earlier save of step 1 cut short: files, no .metadata
+    os.makedirs(os.path.join(ckpt, "step-000000001"))
+    open(os.path.join(ckpt, "step-000000001", "__5_0.distcp"), "w").close()
+for step in (1, 2, 3):
+    inplace_fsdp.save(ckpt, model, opt, step, keep=2)  # complete: both take part
+    if step == 1 and rank == 0:
+        print("step1", sorted(os.listdir(os.path.join(ckpt, "step-000000001"))), flush=True)
 before = [p.to_local().clone() for p in opt.param_groups[0]["params"]]  # the shards
 if mode == "backward":
     opt.zero_grad()
@@ -223,6 +230,7 @@ except BaseException as e:
     print("raised other", type(e).__name__, e, flush=True)
 unchanged = all(torch.equal(a, p.to_local()) for a, p in zip(before, opt.param_groups[0]["params"]))
 print("unchanged", unchanged, "latest", inplace_fsdp.latest(ckpt), flush=True)
+print("saves", sorted((n, sorted(os.listdir(os.path.join(ckpt, n)))) for n in os.listdir(ckpt)), flush=True)
 os._exit(0)  # as inplace.exit
 """
 
@@ -279,13 +287,20 @@ def test_an_fsdp2_backward_blocked_in_its_reduce_scatter_raises_membership_chang
 
 
 def test_a_save_cut_short_by_the_word_raises_membership_changed_and_is_never_resumed(tmp_path: Path) -> None:
-    """A DCP save of step 2 completes; rank 1 takes no part in the save of
-    step 4: rank 0's ``inplace_fsdp.save`` raises MembershipChanged (not
-    DCP's CheckpointException) on the agent's word, and the newest complete
-    save is still step 2's."""
+    """Saves of steps 1-3 complete (``keep=2``: step 1's goes, with the
+    leftover of an earlier, interrupted save of step 1); rank 1 takes no part
+    in the save of step 4: rank 0's ``inplace_fsdp.save`` raises
+    MembershipChanged on the agent's word, and the newest complete save is
+    still step 3's."""
     out = _two_ranks(tmp_path, "save")
     assert "raised round 1 replaces round 0" in out, out
-    assert "unchanged True latest 2" in out, out
+    assert "unchanged True latest 3" in out, out
+    assert "step1 ['.metadata', '__0_0.distcp', '__1_0.distcp']" in out, out  # the leftover went first
+    saves = dict(ast.literal_eval(out.split("saves ")[1].splitlines()[0]))
+    # the keep=2 newest complete stay; step 4's is incomplete
+    assert sorted(saves) == ["step-000000002", "step-000000003", "step-000000004"], saves
+    assert saves["step-000000002"] == saves["step-000000003"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert ".metadata" not in saves["step-000000004"], saves
 
 
 def test_latest_is_the_newest_complete_save(tmp_path: Path) -> None:
