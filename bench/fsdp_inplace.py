@@ -14,6 +14,10 @@
   worker processes, gloo on loopback, a ~10M-parameter MLP (each Linear
   sharded) on CPU, 1 torch thread each, the two alternated so that load
   drifts hit both.
+* ``memory``: 21 rounds in one process (2 worker processes, each round a
+  new group, a fresh 1M-parameter FSDP2 model with AdamW, two steps and a
+  forward whose backward never comes, then the round's end): the resident
+  memory a round leaves behind (after 5 rounds of warm-up).
 """
 
 from __future__ import annotations
@@ -120,29 +124,10 @@ inplace.exit(0)
 
 
 def step_cost(steps: int, segments: int) -> dict[str, object]:
-    ports = [str(C.free_port()) for _ in range(2 * segments)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RDZV_", "TORCHELASTIC_"))}
-    env["PYTHONPATH"] = str(C.ROOT)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(r), str(steps), *ports],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for r in range(2)
-    ]
-    try:
-        outs = [p.communicate(timeout=600) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
-    line = next((ln for ln in outs[0][0].splitlines() if ln.startswith("RESULT")), None)
+    out, err = _two_workers(WORKER, [str(steps), *(str(C.free_port()) for _ in range(2 * segments))])
+    line = next((ln for ln in out.splitlines() if ln.startswith("RESULT")), None)
     if line is None:
-        return {"error": (outs[0][1] or outs[1][1])[-500:]}
+        return {"error": err[-500:]}
     _, n, plain, interruptible = line.split()
     return {
         "params": int(n),
@@ -152,12 +137,87 @@ def step_cost(steps: int, segments: int) -> dict[str, object]:
     }
 
 
+MEMORY = r"""
+import ctypes, gc, os, sys
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from rdzv_client import inplace, inplace_fsdp
+from rdzv_client.worker import World
+
+rank, ports = int(sys.argv[1]), [int(p) for p in sys.argv[2:]]
+torch.set_num_threads(1)
+
+def rss_mb():
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # what malloc caches is not what is kept
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+marks = []
+x = torch.randn(4, 1000)
+for i, port in enumerate(ports):
+    world = World(round=i, rank=rank, world_size=2, local_rank=0, local_world_size=1, group_rank=rank,
+                  group_world_size=2, master_addr="127.0.0.1", master_port=port, fresh=False)
+    mesh = inplace_fsdp.mesh(inplace.process_group(world))
+    model = nn.Sequential(nn.Linear(1000, 1000), nn.ReLU(), nn.Linear(1000, 10))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        opt.zero_grad(); model(x).sum().backward(); opt.step()
+    loss = model(x).sum()  # a round cut short between forward and backward
+    del model, opt, loss, mesh
+    inplace._end_rounds("the round is over")
+    marks.append(rss_mb())
+if rank == 0:
+    print("RESULT", marks[5], marks[-1], (marks[-1] - marks[5]) / (len(marks) - 6), flush=True)
+inplace.exit(0)
+"""
+
+
+def _two_workers(code: str, args: list[str], timeout: float = 600) -> tuple[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RDZV_", "TORCHELASTIC_"))}
+    env["PYTHONPATH"] = str(C.ROOT)
+    env["MALLOC_ARENA_MAX"] = "1"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(r), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        return "", f"timed out after {timeout:g} s (a port taken by another process meanwhile?)"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+    return outs[0][0], outs[0][1] or outs[1][1]
+
+
+def memory(rounds: int = 21) -> dict[str, object]:
+    out, err = _two_workers(MEMORY, [str(C.free_port()) for _ in range(rounds)], timeout=120)
+    line = next((ln for ln in out.splitlines() if ln.startswith("RESULT")), None)
+    if line is None:
+        return {"error": err[-500:]}
+    _, at5, last, per_round = line.split()
+    return {"rss_round5_mb": float(at5), "rss_last_mb": float(last), "per_round_mb": float(per_round)}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10, help="timed steps per segment (cost row)")
     ap.add_argument("--segments", type=int, default=3, help="segments of each kind, alternated (cost row)")
-    ap.add_argument("--only", default="loss,loss0,cost")
+    ap.add_argument("--only", default="loss,loss0,cost,memory")
     args = ap.parse_args(argv)
     rows = args.only.split(",")
     results: dict[str, list[dict[str, object]]] = {r: [] for r in rows}
@@ -166,6 +226,8 @@ def main(argv: list[str] | None = None) -> None:
             for row in rows:
                 if row == "cost":
                     out = step_cost(args.steps, args.segments)
+                elif row == "memory":
+                    out = memory()
                 else:
                     out = node_loss(Path(tmp), rank0=row == "loss0")
                 out["load"] = C.loadavg()
@@ -189,6 +251,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"FSDP2 step on the plain gloo group {plain * 1000:.1f} ms, on the interruptible group "
               f"{intr * 1000:.1f} ms ({ok[0]['params']} parameters): ratio {statistics.median(ratios):.3f} "
               f"({min(ratios):.3f}-{max(ratios):.3f}, {len(ok)} runs)")  # fmt: skip
+    ok = [o for o in results.get("memory", []) if "per_round_mb" in o]
+    if ok:
+        per = [float(o["per_round_mb"]) for o in ok]  # type: ignore[arg-type]
+        print(f"20 round changes in one process (1M-parameter FSDP2 model, AdamW): {statistics.median(per):.2f} "
+              f"MB a round stays ({min(per):.2f}-{max(per):.2f}, {len(ok)} runs)")  # fmt: skip
 
 
 if __name__ == "__main__":
