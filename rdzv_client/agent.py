@@ -47,6 +47,7 @@ from .config import (  # noqa: F401 - build_parser, config_from_args, UsageError
 from .endpoints import resolve
 from .health import wait_healthy
 from .launch import WORKER_EXIT_RESTART, in_place_env_note
+from .preflight import command_problem
 from .quiet import Quiet
 from .reactions import (  # noqa: F401 - Phase and the exit codes: the agent's public names
     EXIT_FAILED,
@@ -190,6 +191,10 @@ class Agent(ServerReactions):
             reach, unknown = await resolve(self.cfg.endpoint)
             if reach is None:
                 print(f"rdzv-agent: error: {unknown[0]}", file=sys.stderr, flush=True)
+                return EXIT_USAGE
+            # before joining: a missing script is one line, not a job whose workers fail at every restart
+            if problem := command_problem(self.cfg.cmd):
+                print(f"rdzv-agent: error: {problem}", file=sys.stderr, flush=True)
                 return EXIT_USAGE
             for why in unknown:
                 self._say("%s; trying the other servers of --endpoint", why)

@@ -380,10 +380,10 @@ def ddp(module: torch.nn.Module, pg: Any, **kwargs: Any) -> DistributedDataParal
     step is taken on a partial all-reduce. Make one per round, on that round's
     group; the previous round's DDP on ``module`` lets go of the module's
     parameters. DDP's own blocking collectives (construction, the bucket
-    rebuild after the first step, buffer broadcasts) raise
-    :class:`MembershipChanged` when a lost peer fails them, in in-place mode;
-    they wait in C++, so a silent peer holds them until the group's timeout
-    (or the agent's ``--in-place-timeout``). Construction is preceded by a
+    rebuild after the first step, buffer broadcasts) run on
+    ``inplace_backend.ddp_group(pg)``: they raise
+    :class:`MembershipChanged` when a lost peer fails them or the agent says
+    the round is over, in in-place mode. Construction is preceded by a
     sliced all-reduce every rank joins: a peer lost or frozen before it is
     met there, where the agent's word is taken."""
     if isinstance(pg, _Over):
@@ -391,15 +391,17 @@ def ddp(module: torch.nn.Module, pg: Any, **kwargs: Any) -> DistributedDataParal
     rnd = _rounds.get(id(pg))
     if rnd is None:
         raise ValueError("ddp(): pg must come from inplace.process_group()")
-    # every rank here before DDP's construction, whose collectives wait in C++:
-    # a peer lost or frozen before it is seen (and the agent's word taken) here
+    # every rank here before DDP's construction: a peer lost or frozen
+    # before it is seen (and the agent's word taken) here
     all_reduce(torch.zeros(1), pg)
     old = _ddps.pop(module, None)
     if old is not None:
         # its reducer may be mid-backward forever: it must never see a gradient again
         old._remove_autograd_hooks()  # type: ignore[no-untyped-call]
-    try:
-        model = _DDP(module, process_group=pg, **kwargs)
+    from .inplace_backend import ddp_group  # (it imports this module)
+
+    try:  # DDP's own collectives (construction, bucket rebuild) wait on Works the agent's word fails
+        model = _DDP(module, process_group=ddp_group(pg), **kwargs)
     except RuntimeError as e:
         _raise_membership(e)
     state = _HookState(rnd)
@@ -412,8 +414,8 @@ def ddp(module: torch.nn.Module, pg: Any, **kwargs: Any) -> DistributedDataParal
 class _DDP(DistributedDataParallel):
     """DDP whose own blocking collectives around ``forward`` (the bucket
     rebuild after its first step, buffer broadcasts) raise
-    :class:`MembershipChanged` when they fail (a peer lost) in in-place mode.
-    They wait in C++: a silent peer holds them until the group's timeout."""
+    :class:`MembershipChanged` when they fail (a peer lost; on the
+    interruptible group, the agent's word) in in-place mode."""
 
     def _pre_forward(self, *args: Any, **kwargs: Any) -> Any:
         try:
