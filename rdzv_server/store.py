@@ -54,6 +54,7 @@ from .protocol import (
     JobState,
     JoinMsg,
     NotLeaderError,
+    RankTiming,
     UnavailableError,
     printable,
 )
@@ -492,11 +493,18 @@ class Store(HostsMixin, RetentionMixin):
             # its deadline is now + timeout: sooner than a failover's longer grace already queued
             self._schedule(job, also=now + job.spec.heartbeat_timeout_s)
 
-    def heartbeat(self, job_id: str, node_id: str, step: int | None = None, rate: float | None = None) -> None:
+    def heartbeat(
+        self,
+        job_id: str,
+        node_id: str,
+        step: int | None = None,
+        rate: float | None = None,
+        timings: tuple[RankTiming, ...] | None = None,
+    ) -> None:
         job = self.jobs.get(job_id)
         if job is not None:
             now = self.clock()
-            fx = rounds.heartbeat(job, node_id, now, step, rate)
+            fx = rounds.heartbeat(job, node_id, now, step, rate, timings)
             if step is not None:
                 self.progress_jobs.add(job_id)
             # stragglers flagged (or no longer, or kept): warnings; the round a

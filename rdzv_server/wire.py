@@ -32,6 +32,9 @@ MAX_RESTARTS = 1_000_000
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 MAX_BODY_BYTES = 64 * 1024
 MAX_FAILURES_PER_REPORT = MAX_NPROC
+# A progress heartbeat's per-rank timings (HeartbeatMsg.timings, rdzv_client.steptime): at most
+# one entry per local rank; a window, and the compute and wait in it, of at most this many seconds.
+MAX_TIMING_WINDOW_S = MAX_TIMEOUT_S
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*$"
 _ID_RE = re.compile(ID_PATTERN)
