@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rdzv_server.wire import MAX_TIMING_WINDOW_S, printable
+from rdzv_server.wire import MAX_TIMING_WINDOW_S, MAX_TIMINGS, printable
 
 from . import peercred
 from .quiet import Quiet
@@ -49,6 +49,7 @@ MAX_TIMERS = 1024
 MAX_LINE = 4096  # PIPE_BUF: torch's client refuses larger requests
 MAX_SCOPE_ID = 256
 MAX_TRUSTED = 4096  # senders remembered as ours per round (workers and their children)
+MIN_WINDOW_S = 0.001  # a rank's timing window spans at least this (two datagrams drained at once: none)
 
 
 @dataclass
@@ -275,11 +276,11 @@ class WorkerChannel:
         """Per local rank that sent timing totals since the previous call: its
         window (seconds between the two datagrams), the steps in it, and its
         compute and wait inside collectives in it (``HeartbeatMsg.timings``,
-        within the wire's bounds). A rank whose totals went back (a new
-        process) starts a new window."""
+        within the wire's bounds: the first MAX_TIMINGS local ranks). A rank
+        whose totals went back (a new process) starts a new window."""
         out: list[dict[str, float | int]] = []
         for lr, rp in sorted(self.ranks.items()):
-            if rp.compute_us is None or rp.at <= rp.t_at:
+            if rp.compute_us is None or rp.at - rp.t_at < MIN_WINDOW_S or len(out) == MAX_TIMINGS:
                 continue
             window, steps = rp.at - rp.t_at, rp.step - rp.t_step
             compute, wait = rp.compute_us - rp.t_compute_us, rp.wait_us - rp.t_wait_us

@@ -107,6 +107,7 @@ from .wire import (  # noqa: F401  (re-exported: the wire contract is one import
     MAX_SECRET_LEN,
     MAX_TIMEOUT_S,
     MAX_TIMING_WINDOW_S,
+    MAX_TIMINGS,
     MIN_JOB_SECRET_LEN,
     SECRET_PATTERN,
     heartbeat_every,
@@ -288,12 +289,13 @@ class HeartbeatMsg(_Strict):
     ``rdzv_client.worker.progress()``, the same with this node's progress: the
     lowest last step of its local ranks and that rank's steps per second, and
     the ranks' timings over the interval when they time (``RankTiming``, one
-    per local rank at most, in local-rank order; kept in the server's memory only)."""
+    per local rank at most, in local-rank order, the first MAX_TIMINGS; kept in
+    the server's memory only)."""
 
     op: Literal["hb"] = "hb"
     step: int | None = Field(default=None, ge=0, le=2**53)
     rate: float | None = Field(default=None, ge=0, le=1e9, allow_inf_nan=False)
-    timings: list[RankTiming] | None = Field(default=None, min_length=1, max_length=MAX_NPROC)
+    timings: list[RankTiming] | None = Field(default=None, min_length=1, max_length=MAX_TIMINGS)
 
     @model_validator(mode="after")
     def _one_per_rank(self) -> HeartbeatMsg:

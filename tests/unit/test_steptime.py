@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from rdzv_client import steptime
 from rdzv_client.channel import WorkerChannel
-from rdzv_server.protocol import AGENT_MESSAGE, HeartbeatMsg, RankTiming
+from rdzv_server.protocol import AGENT_MESSAGE, MAX_BODY_BYTES, MAX_TIMINGS, HeartbeatMsg, RankTiming
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -173,7 +173,7 @@ def test_a_heartbeats_timings_are_bounded_and_one_per_rank() -> None:
         [ok, ok],  # twice the same rank
         [{**ok, "local_rank": 1}, ok],  # out of order
         [],
-        [ok] * 1025,
+        [{**ok, "local_rank": i} for i in range(MAX_TIMINGS + 1)],
     ]
     for timings in bad:
         with pytest.raises(ValidationError):
@@ -212,6 +212,27 @@ def test_the_agent_makes_windows_from_each_ranks_totals() -> None:
         assert all(RankTiming.model_validate(t) for t in ch.timings())  # within the wire's bounds
         ch.new_round(4)
         assert ch.timings() == []
+    finally:
+        ch.close()
+
+
+def test_the_agents_heartbeat_stays_within_a_frame_however_many_ranks_time() -> None:
+    """A node of more local ranks than MAX_TIMINGS, each at the widest numbers:
+    the agent sends the first MAX_TIMINGS, and the frame fits the server's limit."""
+    n = MAX_TIMINGS + 8
+    ch = WorkerChannel(nproc=n)
+    try:
+        ch.new_round(2**40)
+        big = 2**53
+        for lr in range(n):
+            ch.received(b"%d %d %d 0 0" % (2**40, lr, big - 10**9), 1.0)
+            ch.received(b"%d %d %d %d %d" % (2**40, lr, big, big, big), 1.0 + 7 * 24 * 3600.0 + 5.0)
+        timings = ch.timings()
+        assert [t["local_rank"] for t in timings] == list(range(MAX_TIMINGS))
+        msg = HeartbeatMsg(step=big, rate=1e9, timings=[RankTiming.model_validate(t) for t in timings])
+        frame = msg.model_dump_json()
+        assert len(frame.encode()) < MAX_BODY_BYTES // 2, len(frame)
+        assert AGENT_MESSAGE.validate_json(frame) == msg
     finally:
         ch.close()
 
