@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from . import worker
-from .inplace_wait import _SLICE, wait, wait_all  # noqa: F401  (sliced, timed waits: inplace.wait)
+from .inplace_wait import wait, wait_all  # sliced, timed waits (inplace.wait is public)
 from .worker import MembershipChanged, World
 
 __all__ = ["process_group", "group", "all_reduce", "wait", "sync_state", "ddp", "exit", "MembershipChanged"]
