@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     if body:
         print(C.md_table(["row (median of runs)", *LAUNCHERS], body))
     if hooks:
-        print(hook_line(hooks))
+        print(("\n" if body else "") + hook_line(hooks))  # a table of its own
     if args.out:
         data: dict[str, object] = {k: {n: [vars(o) for o in v] for n, v in by.items()} for k, by in results.items()}
         if hooks:
