@@ -36,6 +36,7 @@ _now = time.perf_counter_ns
 compute_ns = 0  # compute time so far (this process)
 wait_ns = 0  # time waiting inside collectives so far (this process)
 _mark = 0  # when the last timed wait ended (0: none since the window started)
+_open = 0  # when the timed wait in progress began (0: none)
 _measured = False  # compute() or add() was used: the gaps between waits are not compute
 _depth = 0  # nested compute() blocks: only the outermost counts
 window = 0  # new_window() calls so far: device times never span two (rdzv_client.inplace_wait)
@@ -44,19 +45,21 @@ window = 0  # new_window() calls so far: device times never span two (rdzv_clien
 def wait_begin() -> int:
     """A collective's wait starts now: returns the time to give :func:`wait_end`.
     The gap since the previous wait's end is compute (unless measured)."""
-    global compute_ns
+    global compute_ns, _open
     t = _now()
     if _mark and not _measured:
         compute_ns += t - _mark
+    _open = t
     return t
 
 
 def wait_end(started: int) -> None:
     """The wait :func:`wait_begin` started is over (done or failed)."""
-    global wait_ns, _mark
+    global wait_ns, _mark, _open
     t = _now()
     wait_ns += t - started
     _mark = t
+    _open = 0
 
 
 def collective_wait(seconds: float) -> None:
@@ -113,14 +116,23 @@ def compute() -> _Compute:
 
 def new_window() -> None:
     """A round ends (or the training loop): the time until the next wait is not compute."""
-    global _mark, window
-    _mark = 0
+    global _mark, _open, window
+    _mark = _open = 0
     window += 1
 
 
 def totals_us() -> tuple[int, int] | None:
-    """(compute, wait) so far in microseconds; None while nothing was timed
-    (the progress datagram then stays as it was)."""
-    if not (compute_ns or wait_ns):
+    """(compute, wait) so far in microseconds, what is in progress included
+    (a wait, a ``compute()`` block, the gap since the last wait), so that a
+    window inside one long wait or step still says where its time went; they
+    never go back. None while nothing was timed (the datagram stays as it was)."""
+    if not (compute_ns or wait_ns or _open or _depth):
         return None
-    return compute_ns // 1000, wait_ns // 1000
+    compute, wait, t = compute_ns, wait_ns, _now()
+    if _open:
+        wait += t - _open
+    elif _depth:
+        compute += t - _block._t
+    elif _mark and not _measured:
+        compute += t - _mark
+    return compute // 1000, wait // 1000

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -40,8 +41,9 @@ class Clock:
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     c = Clock()
     monkeypatch.setattr(steptime, "_now", c)
-    for name, value in (("compute_ns", 0), ("wait_ns", 0), ("_mark", 0), ("_measured", False), ("_depth", 0)):
-        monkeypatch.setattr(steptime, name, value)
+    for name in ("compute_ns", "wait_ns", "_mark", "_open", "_depth"):
+        monkeypatch.setattr(steptime, name, 0)
+    monkeypatch.setattr(steptime, "_measured", False)
     return c
 
 
@@ -61,6 +63,35 @@ def test_waits_and_the_compute_between_them(clock: Clock) -> None:
     clock.tick(0.25)
     steptime.wait_end(t)
     assert steptime.totals_us() == (2_000_000, 1_000_000)
+
+
+def test_the_totals_include_what_is_in_progress_and_never_go_back(clock: Clock) -> None:
+    """A heartbeat window that falls inside one long wait (a peer 5x slower)
+    or one long step still says where its time went."""
+    seen: list[tuple[int, int]] = []
+
+    def totals() -> tuple[int, int]:
+        t = steptime.totals_us()
+        assert t is not None
+        seen.append(t)
+        return t
+
+    t = steptime.wait_begin()
+    clock.tick(1.0)
+    assert totals() == (0, 1_000_000)  # inside a long wait
+    steptime.wait_end(t)
+    clock.tick(0.5)
+    assert totals() == (500_000, 1_000_000)  # computing since the wait's end
+    t = steptime.wait_begin()
+    clock.tick(0.25)
+    assert totals() == (500_000, 1_250_000)
+    steptime.wait_end(t)
+    with steptime.compute():
+        clock.tick(2.0)
+        assert totals() == (2_500_000, 1_250_000)  # inside a compute() block
+    clock.tick(3.0)  # once compute() is used, a gap is not compute
+    assert totals() == (2_500_000, 1_250_000)
+    assert all(a[0] <= b[0] and a[1] <= b[1] for a, b in pairwise(seen))
 
 
 def test_measured_compute_replaces_the_gaps_and_counts_nested_blocks_once(clock: Clock) -> None:
