@@ -14,7 +14,9 @@ block ends and the next round begins in the same process.
 
 Every rank prints ``resumed S rank R world W round C pid P sum X`` after the
 load and, per step, ``step S rank R world W round C pid P sum X`` (``X``: a
-checksum of the full parameters, all-gathered).
+checksum of the full parameters, all-gathered), then ``saved S ...`` once
+that step's save returned (a save can be complete on disk without it: the
+kill may come between DCP's last write and the rank's return).
 """
 
 from __future__ import annotations
@@ -78,9 +80,11 @@ def train(args: argparse.Namespace) -> None:
                 nn.functional.mse_loss(model(x), y).backward()
                 opt.step()
                 step += 1
+                total = checksum(model)
+                say(f"step {where(step)} sum {total:.10f} t {time.time():.4f}")
                 if step % args.save_every == 0:
                     inplace_fsdp.save(args.ckpt, model, opt, step)
-                say(f"step {where(step)} sum {checksum(model):.10f} t {time.time():.4f}")
+                    say(f"saved {where(step)} sum {total:.10f}")
                 time.sleep(args.step_sleep)
     inplace.exit(0)
 

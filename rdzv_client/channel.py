@@ -3,7 +3,9 @@
 * :class:`WorkerChannel` - a Unix datagram socket in a private (0700)
   directory, given to workers as ``RDZV_AGENT_SOCKET``; it keeps each local
   rank's last step and the time of its last :func:`rdzv_client.worker.progress`
-  call (:class:`RankProgress`), for the round the agent runs now.
+  call (:class:`RankProgress`), for the round the agent runs now, and its
+  timing totals (:mod:`rdzv_client.steptime`): :meth:`WorkerChannel.timings`
+  makes each heartbeat's per-rank window of them.
 * :class:`FileTimerServer` - torch elastic's ``FileTimerClient`` wire format
   (a named pipe of JSON lines ``{"version", "pid", "scope_id",
   "expiration_time", "signal"}``; a negative expiration releases), read without
@@ -31,7 +33,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rdzv_server.wire import printable
+from rdzv_server.wire import MAX_TIMING_WINDOW_S, MAX_TIMINGS, printable
 
 from . import channel_grammar as grammar
 from . import peercred
@@ -40,13 +42,15 @@ from .where import MAX_WHERE
 
 log = logging.getLogger("rdzv_agent")
 
-MAX_DATAGRAM = 64
+MAX_DATAGRAM = 96  # "<round> <local_rank> <step> <compute_us> <wait_us>"
+MAX_WHERE_HEAD = 64  # "<round> <local_rank> where ": a where answer is at most this and MAX_WHERE
 MAX_DRAIN = 1024  # datagrams one hang check reads from the socket itself
 MAX_STEP = 2**53
 MAX_TIMERS = 1024
 MAX_LINE = 4096  # PIPE_BUF: torch's client refuses larger requests
 MAX_SCOPE_ID = 256
 MAX_TRUSTED = 4096  # senders remembered as ours per round (workers and their children)
+MIN_WINDOW_S = 0.001  # a rank's timing window spans at least this (two datagrams drained at once: none)
 
 
 @dataclass
@@ -60,6 +64,14 @@ class RankProgress:
     rate_at: float = 0.0
     rate: float | None = None
     finished: bool = False  # rdzv_client.worker.finished(): not watched for hangs
+    # timing totals (rdzv_client.steptime, microseconds) as of the last datagram; None: not timed
+    compute_us: int | None = None
+    wait_us: int = 0
+    # the totals, step and datagram time at the previous timings() window: the next starts there
+    t_compute_us: int = 0
+    t_wait_us: int = 0
+    t_step: int = 0
+    t_at: float = 0.0
 
 
 class WorkerChannel:
@@ -145,7 +157,7 @@ class WorkerChannel:
 
     def received(self, data: bytes, now: float) -> None:
         head = data.split(maxsplit=3)
-        if len(head) >= 3 and head[2] == grammar.WHERE and len(data) <= MAX_DATAGRAM + MAX_WHERE:
+        if len(head) >= 3 and head[2] == grammar.WHERE and len(data) <= MAX_WHERE_HEAD + MAX_WHERE:
             self._where(head[0], head[1], head[3] if len(head) == 4 else b"")
             return
         parts = data.split() if len(data) <= MAX_DATAGRAM else []
@@ -153,22 +165,36 @@ class WorkerChannel:
             self._parked(parts[0], parts[1])
             return
         end = len(parts) == 3 and parts[2] == grammar.END
+        timed: tuple[int, int] | None = None
         try:
-            round_no, local_rank = (int(p) for p in parts[:2]) if len(parts) == 3 else (-1, -1)
+            round_no, local_rank = (int(p) for p in parts[:2]) if len(parts) in (3, 5) else (-1, -1)
             step = 0 if end else int(parts[2])
+            if len(parts) == 5:
+                timed = (int(parts[3]), int(parts[4]))
         except (ValueError, IndexError):
             round_no = local_rank = step = -1
-        if round_no != self.round or not 0 <= local_rank < self.nproc or not 0 <= step <= MAX_STEP:
+        if (
+            round_no != self.round
+            or not 0 <= local_rank < self.nproc
+            or not 0 <= step <= MAX_STEP
+            or (timed is not None and not (0 <= timed[0] <= MAX_STEP and 0 <= timed[1] <= MAX_STEP))
+        ):
             self.dropped += 1
             return
         rp = self.ranks.get(local_rank)
         if end:
             if rp is not None:
                 rp.finished = True
-        elif rp is None:
-            self.ranks[local_rank] = RankProgress(step=step, at=now, rate_step=step, rate_at=now)
-        else:
-            rp.step, rp.at, rp.finished = step, now, False
+            return
+        if rp is None:
+            rp = self.ranks[local_rank] = RankProgress(step=step, at=now, rate_step=step, rate_at=now)
+            if timed is not None:  # the first window starts at the round's first datagram
+                rp.t_compute_us, rp.t_wait_us, rp.t_step, rp.t_at = timed[0], timed[1], step, now
+        elif rp.compute_us is None and timed is not None:  # timed from now on: its first window starts here
+            rp.t_compute_us, rp.t_wait_us, rp.t_step, rp.t_at = timed[0], timed[1], step, now
+        rp.step, rp.at, rp.finished = step, now, False
+        if timed is not None:
+            rp.compute_us, rp.wait_us = timed
 
     def _parked(self, round_b: bytes, rank_b: bytes) -> None:
         """A worker is at its safe point, out of round ``round_b`` (in-place mode)."""
@@ -216,7 +242,8 @@ class WorkerChannel:
             return
         for _ in range(MAX_DRAIN):
             try:
-                data, pid, uid = peercred.recv(sock, MAX_DATAGRAM + MAX_WHERE + 1)  # longer: dropped
+                # one byte more than the longest datagram taken: a longer one is dropped
+                data, pid, uid = peercred.recv(sock, max(MAX_DATAGRAM, MAX_WHERE_HEAD + MAX_WHERE) + 1)
             except OSError:  # BlockingIOError: none left
                 return
             if self._from_workers(pid, uid):
@@ -245,6 +272,32 @@ class WorkerChannel:
         slowest = min(self.ranks.values(), key=lambda rp: rp.step)
         rate = slowest.rate
         return slowest.step, (round(rate, 3) if rate is not None and math.isfinite(rate) else None)
+
+    def timings(self) -> list[dict[str, float | int]]:
+        """Per local rank that sent timing totals since the previous call: its
+        window (seconds between the two datagrams), the steps in it, and its
+        compute and wait inside collectives in it (``HeartbeatMsg.timings``,
+        within the wire's bounds: the first MAX_TIMINGS local ranks). A rank
+        whose totals went back (a new process) starts a new window."""
+        out: list[dict[str, float | int]] = []
+        for lr, rp in sorted(self.ranks.items()):
+            if rp.compute_us is None or rp.at - rp.t_at < MIN_WINDOW_S or len(out) == MAX_TIMINGS:
+                continue
+            window, steps = rp.at - rp.t_at, rp.step - rp.t_step
+            compute, wait = rp.compute_us - rp.t_compute_us, rp.wait_us - rp.t_wait_us
+            rp.t_compute_us, rp.t_wait_us, rp.t_step, rp.t_at = rp.compute_us, rp.wait_us, rp.step, rp.at
+            if min(steps, compute, wait) < 0:
+                continue
+            out.append(
+                {
+                    "local_rank": lr,
+                    "window_s": round(min(window, MAX_TIMING_WINDOW_S), 6),
+                    "steps": steps,
+                    "compute_s": round(min(compute / 1e6, MAX_TIMING_WINDOW_S), 6),
+                    "wait_s": round(min(wait / 1e6, MAX_TIMING_WINDOW_S), 6),
+                }
+            )
+        return out
 
 
 # ------------------------------------------------------------- torch's FileTimer

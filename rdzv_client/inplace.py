@@ -44,12 +44,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from . import worker
+from .inplace_wait import wait, wait_all  # sliced, timed waits (inplace.wait is public)
 from .worker import MembershipChanged, World
 
 __all__ = ["process_group", "group", "all_reduce", "wait", "sync_state", "ddp", "exit", "MembershipChanged"]
 
-# the slices a pending collective is waited in: the agent's word is checked between them
-_SLICE = timedelta(milliseconds=20)
 # every group this process made: abandoned groups stay referenced (see the docstring)
 _abandoned: list[Any] = []
 
@@ -255,36 +254,11 @@ def _wait_listening(addr: str, port: int, deadline: float) -> None:
             time.sleep(0.005)
 
 
-def wait(work: Any) -> None:
-    """Wait for an ``async_op`` collective in slices of :data:`_SLICE`
-    (``Work.wait(timeout)``: it wakes the moment the work is done). A failed
-    collective (a peer died) or the agent's word raises
-    :class:`MembershipChanged` in in-place mode; outside it, a failure raises
-    as torch raised it."""
-    while True:
-        try:
-            work.wait(_SLICE)
-            return
-        except RuntimeError as e:
-            if not work.is_completed():  # the slice ran out: a slow or stuck peer
-                if worker.in_place():
-                    worker.check()
-                    worker.waiting()  # not hung: waiting on a peer (which may be)
-                continue
-            try:
-                work.wait()  # it completed meanwhile, or failed: which one
-                return
-            except RuntimeError:
-                if worker.in_place():
-                    raise MembershipChanged(f"a collective failed: {str(e).splitlines()[0][:200]}") from e
-                raise
-
-
 def all_reduce(tensor: torch.Tensor, pg: Any, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
     """``tensor`` reduced over ``pg`` in place (and returned)."""
     opts = dist.AllreduceOptions()
     opts.reduceOp = op
-    wait(pg.allreduce([tensor], opts))
+    wait(pg.allreduce([tensor], opts), tensor.is_cuda)
     return tensor
 
 
@@ -293,7 +267,7 @@ def broadcast(tensor: torch.Tensor, pg: Any, src: int) -> None:
     opts = dist.BroadcastOptions()
     opts.rootRank = src
     opts.rootTensor = 0
-    wait(pg.broadcast([tensor], opts))
+    wait(pg.broadcast([tensor], opts), tensor.is_cuda)
 
 
 def broadcast_bytes(data: bytes | None, pg: Any, rank: int, src: int) -> bytes:
@@ -444,6 +418,8 @@ def _raise_membership(e: RuntimeError) -> NoReturn:
 class _HookState:
     """One DDP's hook state: its round, and the futures of the backward pass in flight."""
 
+    cuda = False  # its buckets are on the GPU: the wait is timed with CUDA events
+
     def __init__(self, rnd: _Round) -> None:
         self.round = rnd
         self.size = rnd.pg.size()
@@ -454,13 +430,7 @@ class _HookState:
         wait for every bucket; a failed one raises here, as a Python exception
         (MembershipChanged), so DDP never reads a failed bucket."""
         batch, self.batch = self.batch, []
-        error: BaseException | None = None
-        for fut in batch:
-            try:
-                _wait_future(fut)
-            except Exception as e:
-                error = e
-                break
+        error = wait_all(batch, self.cuda)  # timed as one wait (rdzv_client.steptime)
         del batch
         if error is None:
             return
@@ -486,20 +456,10 @@ def _forward(state: _HookState) -> None:
     worker.progress()
 
 
-def _wait_future(fut: torch.futures.Future[Any]) -> None:
-    """``fut.wait()`` (it releases the GIL: the channel's thread can fail it),
-    telling the agent every :data:`_SLICE` that this rank waits on its peers."""
-    if not fut.done():
-        ready = threading.Event()
-        fut.add_done_callback(lambda _: ready.set())
-        while not ready.wait(_SLICE.total_seconds()):
-            worker.waiting()
-    fut.wait()
-
-
 def _allreduce_hook(state: _HookState, bucket: Any) -> torch.futures.Future[torch.Tensor]:
     """DDP's own all-reduce (average), on a future the round controls."""
     tensor = bucket.buffer()
+    state.cuda = tensor.is_cuda
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     if not state.batch:
         torch.autograd.Variable._execution_engine.queue_callback(state.finish)

@@ -68,7 +68,7 @@ from accelerate.state import AcceleratorState, GradientState  # type: ignore[imp
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, DynamoBackend, RNGType  # type: ignore[import-untyped]
 from accelerate.utils.other import extract_model_from_parallel  # type: ignore[import-untyped]
 
-from . import inplace
+from . import inplace, inplace_backend
 from .worker import MembershipChanged, World
 
 __all__ = ["InPlaceAccelerator", "MembershipChanged"]
@@ -98,7 +98,7 @@ class InPlaceAccelerator(Accelerator):  # type: ignore[misc]
             raise MembershipChanged(pg._reason)
         if id(pg) not in inplace._rounds:
             raise ValueError("InPlaceAccelerator: pg must come from inplace.process_group() or inplace.group()")
-        if torch.distributed.distributed_c10d._get_default_group() is not pg:
+        if torch.distributed.distributed_c10d._get_default_group() not in (pg, inplace_backend._made.get(id(pg))):
             raise ValueError("InPlaceAccelerator: pg is not the default group (a later group was made)")
         for handler in kwargs.get("kwargs_handlers") or ():
             if isinstance(handler, DistributedDataParallelKwargs) and _value(handler.comm_hook) != "no":

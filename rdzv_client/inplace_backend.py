@@ -39,7 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import inplace, worker
+from . import inplace, steptime, worker
+from .inplace_wait import _SLICE
 from .worker import MembershipChanged
 
 __all__ = ["interruptible", "ddp_group", "InterruptibleGroup"]
@@ -114,12 +115,16 @@ class _Work(dist.Work):
         deadline = None if timeout is None or timeout <= timedelta(0) else time.monotonic() + timeout.total_seconds()
         fut = self._fut
         if not fut.done():
-            ready = threading.Event()
-            fut.add_done_callback(lambda _: ready.set())
-            while not ready.wait(inplace._SLICE.total_seconds()):
-                worker.waiting()
-                if deadline is not None and time.monotonic() > deadline:
-                    raise RuntimeError(f"a collective did not complete within {timeout}")
+            started = steptime.wait_begin()  # FSDP2's and DTensor's waits count as waits in the rank's timings
+            try:
+                ready = threading.Event()
+                fut.add_done_callback(lambda _: ready.set())
+                while not ready.wait(_SLICE.total_seconds()):
+                    worker.waiting()
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise RuntimeError(f"a collective did not complete within {timeout}")
+            finally:
+                steptime.wait_end(started)
         try:
             fut.wait()
         except Exception as e:

@@ -101,9 +101,11 @@ class WorkerWatch:
             sample = self.channel.sample(now)
             if sample is not None:
                 self._progress_sent_at = now
-                from rdzv_server.protocol import HeartbeatMsg
+                from rdzv_server.protocol import HeartbeatMsg, RankTiming
 
-                link.send_nowait(HeartbeatMsg(step=sample[0], rate=sample[1]).model_dump_json())
+                timings = [RankTiming.model_validate(t) for t in self.channel.timings()]
+                msg = HeartbeatMsg(step=sample[0], rate=sample[1], timings=timings or None)
+                link.send_nowait(msg.model_dump_json())
         return []
 
     async def dump_hung(self, a: Assignment, group: WorkerGroup, hung: list[int], now: float) -> list[ExitRecord]:

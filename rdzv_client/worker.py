@@ -18,9 +18,16 @@ imports it runs exactly as before.
   stderr): the agent sends SIGUSR1 to dump every worker's Python stack into
   the node's log before it ends a hung round.
 
+* :func:`compute` / :func:`collective_wait` - what this rank's time goes to
+  (:mod:`rdzv_client.steptime`): ``with worker.compute():`` around a step's
+  compute, ``worker.collective_wait(seconds)`` after a collective the loop
+  timed itself. The library's group (:mod:`rdzv_client.inplace`) times its
+  own waits; neither is needed with it.
+
 The datagram is ASCII: ``"<round> <local_rank> <step>"`` (the step is the
-number of calls so far when :func:`progress` was never given one), or
-``"<round> <local_rank> end"`` from :func:`finished`.
+number of calls so far when :func:`progress` was never given one), followed
+by ``" <compute_us> <wait_us>"`` (this process's totals) once anything was
+timed, or ``"<round> <local_rank> end"`` from :func:`finished`.
 
 In-place re-formation (``--restart-mode in-place``; design.md "In-place
 re-formation"): the agent keeps a survivor's workers on a round change.
@@ -61,11 +68,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from . import channel_grammar as grammar  # standard library only too, as are these:
-from . import peercred, where
+from . import peercred, steptime, where
+from .steptime import collective_wait, compute
 
 __all__ = [
     "progress",
     "waiting",
+    "compute",
+    "collective_wait",
     "finished",
     "SEND_EVERY_S",
     "rounds",
@@ -155,11 +165,17 @@ def progress(step: int | None = None) -> None:
     if s is None:
         return
     _last_sent = now
-    shown = _step if _step is not None else _calls
     try:
-        s.send(_prefix + str(shown).encode())
+        s.send(_prefix + _shown())
     except OSError:
         pass  # the agent is busy (queue full) or gone: the next call tries again
+
+
+def _shown() -> bytes:
+    """The datagram's step, and the timing totals once anything was timed."""
+    step = str(_step if _step is not None else _calls)
+    t = steptime.totals_us()
+    return (step if t is None else f"{step} {t[0]} {t[1]}").encode()
 
 
 def waiting() -> None:
@@ -177,7 +193,7 @@ def waiting() -> None:
         return
     _last_sent = now
     try:
-        s.send(_prefix + str(_step if _step is not None else _calls).encode())
+        s.send(_prefix + _shown())
     except OSError:
         pass
 
@@ -186,6 +202,7 @@ def finished() -> None:
     """The training loop is over: stop watching this worker for hangs (until
     its next :func:`progress` call). Never blocks, never raises."""
     global _last_sent
+    steptime.new_window()
     if _calls == 0:
         return  # never watched
     s = _sock if _sock is not None else _open()
@@ -401,6 +418,7 @@ def _park() -> None:
     """Tell the agent this worker is at its safe point, wait for the next
     round's assignment, and take it into ``os.environ``."""
     global _prefix, _stopped, _assigned, _last_sent
+    steptime.new_window()  # parked: not compute
     for callback in list(_before_park):
         callback()
     s = _sock if _sock is not None else _open()

@@ -29,6 +29,7 @@ error tree.
 from __future__ import annotations
 
 import re
+from itertools import pairwise
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -77,6 +78,7 @@ from .rest_models import (  # noqa: F401  (re-exported: the wire contract is one
     JobState,
     JobSummary,
     NodeView,
+    RankTimingView,
     RoundView,
     RunView,
 )
@@ -105,6 +107,8 @@ from .wire import (  # noqa: F401  (re-exported: the wire contract is one import
     MAX_RESTARTS,
     MAX_SECRET_LEN,
     MAX_TIMEOUT_S,
+    MAX_TIMING_WINDOW_S,
+    MAX_TIMINGS,
     MIN_JOB_SECRET_LEN,
     SECRET_PATTERN,
     heartbeat_every,
@@ -268,15 +272,46 @@ class JoinMsg(_Strict):
     new_run: bool = True
 
 
+TimingSeconds = Annotated[float, Field(ge=0, le=MAX_TIMING_WINDOW_S, allow_inf_nan=False)]
+
+
+class RankTiming(_Strict):
+    """One local rank's time over a window (``rdzv_client.steptime``): the
+    seconds between two of its progress datagrams, the steps it made in them,
+    and how much of them it computed and waited inside collectives (on a GPU,
+    the device's times). Lock-step ranks share their step rate; the slow one
+    computes longest and waits least (issue 22 scores median / own compute)."""
+
+    local_rank: int = Field(ge=0, lt=MAX_NPROC)
+    window_s: float = Field(gt=0, le=MAX_TIMING_WINDOW_S, allow_inf_nan=False)
+    steps: int = Field(ge=0, le=2**53)
+    compute_s: TimingSeconds
+    wait_s: TimingSeconds
+
+
 class HeartbeatMsg(_Strict):
     """``{"op":"hb"}`` (HEARTBEAT_FRAME, matched without parsing), or, at most
     once per heartbeat interval from an agent whose workers call
     ``rdzv_client.worker.progress()``, the same with this node's progress: the
-    lowest last step of its local ranks and that rank's steps per second."""
+    lowest last step of its local ranks and that rank's steps per second, and
+    the ranks' timings over the interval when they time (``RankTiming``, one
+    per local rank at most, in local-rank order, the first MAX_TIMINGS; kept in
+    the server's memory only)."""
 
     op: Literal["hb"] = "hb"
     step: int | None = Field(default=None, ge=0, le=2**53)
     rate: float | None = Field(default=None, ge=0, le=1e9, allow_inf_nan=False)
+    timings: list[RankTiming] | None = Field(default=None, min_length=1, max_length=MAX_TIMINGS)
+
+    @model_validator(mode="after")
+    def _one_per_rank(self) -> HeartbeatMsg:
+        if self.timings is not None:
+            if self.step is None:
+                raise ValueError("timings come with a step")
+            ranks = [t.local_rank for t in self.timings]
+            if any(a >= b for a, b in pairwise(ranks)):
+                raise ValueError("timings: one per local rank, in increasing local_rank order")
+        return self
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:

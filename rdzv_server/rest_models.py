@@ -26,6 +26,18 @@ class JobState(str, Enum):
 TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CLOSED})
 
 
+class RankTimingView(BaseModel):
+    """One rank's time over a window (the heartbeat's ``RankTiming``, as the server keeps it)."""
+
+    rank: int | None = Field(description="its global rank in the node's round (null: the node is not running)")
+    local_rank: int
+    window_s: float = Field(description="seconds between the two progress datagrams the window spans")
+    steps: int = Field(description="steps it made in the window")
+    compute_s: float = Field(description="seconds it computed in the window (on a GPU: the device's)")
+    wait_s: float = Field(description="seconds it waited inside collectives in the window")
+    age_s: float = Field(description="seconds since the heartbeat that brought it")
+
+
 class NodeView(BaseModel):
     node_id: str
     host: str
@@ -44,6 +56,11 @@ class NodeView(BaseModel):
     )
     steps_per_s: float | None = Field(default=None, description="that rank's recent steps per second")
     since_progress_s: float | None = Field(default=None, description="seconds since its step last advanced")
+    timings: list[RankTimingView] | None = Field(
+        default=None,
+        description="its ranks' time over its last progress heartbeat's window: compute, and waiting inside "
+        "collectives (null: its ranks do not time; kept in memory only)",
+    )
     straggler: bool = Field(
         default=False,
         description="its steps/s stayed below the job's straggler fraction (default half) of the job's median "

@@ -51,6 +51,7 @@ from .protocol import (
     JobNotFoundError,
     JobState,
     JoinMsg,
+    RankTiming,
     UnavailableError,
     printable,
 )
@@ -371,11 +372,18 @@ class Store(HostsMixin, RetentionMixin):
             # its deadline is now + timeout: sooner than a failover's longer grace already queued
             self.due.schedule(job, also=now + job.spec.heartbeat_timeout_s)
 
-    def heartbeat(self, job_id: str, node_id: str, step: int | None = None, rate: float | None = None) -> None:
+    def heartbeat(
+        self,
+        job_id: str,
+        node_id: str,
+        step: int | None = None,
+        rate: float | None = None,
+        timings: tuple[RankTiming, ...] | None = None,
+    ) -> None:
         job = self.jobs.get(job_id)
         if job is not None:
             now = self.clock()
-            fx = rounds.heartbeat(job, node_id, now, step, rate)
+            fx = rounds.heartbeat(job, node_id, now, step, rate, timings)
             if step is not None:
                 self.progress_jobs.add(job_id)
             # stragglers flagged (or no longer, or kept): notes, as warnings; the round a

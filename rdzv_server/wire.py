@@ -51,6 +51,11 @@ MAX_ID_LEN = 128
 MAX_NPROC = 1024
 MAX_BODY_BYTES = 64 * 1024
 MAX_FAILURES_PER_REPORT = MAX_NPROC
+# A progress heartbeat's per-rank timings (HeartbeatMsg.timings, rdzv_client.steptime): one entry
+# per local rank, at most MAX_TIMINGS (the first local ranks: ~100 bytes each, a frame stays far
+# below MAX_BODY_BYTES); a window, and the compute and wait in it, of at most MAX_TIMING_WINDOW_S.
+MAX_TIMINGS = 256
+MAX_TIMING_WINDOW_S = MAX_TIMEOUT_S
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*$"
 _ID_RE = re.compile(ID_PATTERN)

@@ -80,6 +80,10 @@ class Node:
     # a spare, told this (see progress.check_stragglers); None: not replaced
     replaced: str | None = None
     straggler_note: str | None = None  # what the policy did not do about its flag (no spare waits); not saved
+    # its ranks' timings over the last progress heartbeat's window (protocol.RankTiming) and when
+    # they came; memory only, replaced by each progress heartbeat (None: its ranks do not time)
+    timings: tuple[Any, ...] | None = None
+    timings_at: float | None = None
 
 
 class HostGate(Protocol):

@@ -10,6 +10,8 @@ running members by the job's ``straggler_fraction`` and ``straggler_window_s``
 
 from __future__ import annotations
 
+from ..errors import ErrorCode, RequestError
+from ..protocol import RankTiming
 from .events import note
 from .machine import _open_round
 from .model import RUNNING, SPARE, Effects, Job, Node, blocked
@@ -20,15 +22,30 @@ from .model import RUNNING, SPARE, Effects, Job, Node, blocked
 STRAGGLER_CHECK_S = 1.0
 
 
-def heartbeat(job: Job, node_id: str, now: float, step: int | None = None, rate: float | None = None) -> Effects:
+def heartbeat(
+    job: Job,
+    node_id: str,
+    now: float,
+    step: int | None = None,
+    rate: float | None = None,
+    timings: tuple[RankTiming, ...] | None = None,
+) -> Effects:
     """The fast path: a node is alive. Unknown nodes are ignored (their
     connection is told on their next real message). ``step``/``rate``: the
-    progress its workers reported (the heartbeat's second form). The effects
-    are log lines (a node became, or stopped being, a straggler) and, under
+    progress its workers reported (the heartbeat's second form), ``timings``
+    its ranks' (kept as they are, replacing the last ones; a local rank the
+    node does not have is refused, and nothing changes). The effects are log
+    lines (a node became, or stopped being, a straggler) and, under
     straggler_policy "replace", a new round without a straggler."""
     node = job.nodes.get(node_id)
     if node is None:
         return Effects()
+    if timings and timings[-1].local_rank >= node.local_world_size:  # in local-rank order (RankTiming)
+        raise RequestError(
+            f"timings: local rank {timings[-1].local_rank}, but node {node_id!r} has "
+            f"{node.local_world_size} local rank(s)",
+            ErrorCode.VALIDATION_ERROR,
+        )
     node.last_seen = now
     node.graced = False
     if step is None:
@@ -36,6 +53,7 @@ def heartbeat(job: Job, node_id: str, now: float, step: int | None = None, rate:
     if node.step is None or step != node.step or node.progress_at is None:
         node.progress_at = now
     node.step = step
+    node.timings, node.timings_at = timings, (now if timings else None)
     if job.max_step is None or step > job.max_step:
         job.max_step = step  # restart storms: progress is a step beyond the round's start
     node.step_rate = rate

@@ -3,7 +3,17 @@
 
 from __future__ import annotations
 
-from ..protocol import TERMINAL_STATES, JobState, JobSummary, JobView, NodeView, RoundView, RunView, WaitingInfo
+from ..protocol import (
+    TERMINAL_STATES,
+    JobState,
+    JobSummary,
+    JobView,
+    NodeView,
+    RankTimingView,
+    RoundView,
+    RunView,
+    WaitingInfo,
+)
 from .model import REJOINING, RUNNING, SPARE, WAITING, Job, Node, count, natural_key
 
 MAX_VIEW_NODES = 10_000  # a job view lists at most this many nodes (members first, by rank)
@@ -66,7 +76,27 @@ def _node_view(node: Node, now: float, job_state: JobState | None = None) -> Nod
             else None
         ),
         host_blocked=node.note if node.state == SPARE else None,
+        timings=_timings(node, now),
     )
+
+
+def _timings(node: Node, now: float) -> list[RankTimingView] | None:
+    if not node.timings or node.timings_at is None:
+        return None
+    age = round(max(0.0, now - node.timings_at), 3)
+    running = node.state == RUNNING
+    return [
+        RankTimingView(
+            rank=node.rank_offset + t.local_rank if running else None,
+            local_rank=t.local_rank,
+            window_s=t.window_s,
+            steps=t.steps,
+            compute_s=t.compute_s,
+            wait_s=t.wait_s,
+            age_s=age,
+        )
+        for t in node.timings
+    ]
 
 
 def view(job: Job, now: float) -> JobView:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 
 import pytest
 
-from rdzv_server.protocol import HeartbeatMsg, JobSpec
+from rdzv_server.protocol import HeartbeatMsg, JobSpec, RankTiming
 
 from .conftest import form, join_msg
 
@@ -59,6 +60,53 @@ async def test_invalid_progress_heartbeat_is_refused_and_changes_nothing(client,
     nodes = {n["node_id"]: n for n in (await _view(client, "q"))["nodes"]}
     assert nodes["n0"]["step"] == 5 and nodes["n0"]["steps_per_s"] == 1.0
     assert not agents[0].ws.closed
+
+
+async def test_rank_timings_show_per_rank_in_the_job_view_and_bad_ones_change_nothing(client, connect) -> None:
+    """Per-rank timings (issue 20 item 6) ride on a progress heartbeat: the job
+    view shows them per node and global rank; a heartbeat with bad timings is
+    refused with a clear error and changes nothing (step, rate, timings)."""
+    agents, assigned = await form(connect, "t", ["n0", "n1"], nproc=2)
+    timings = [
+        RankTiming(local_rank=0, window_s=2.0, steps=10, compute_s=0.4, wait_s=1.5),
+        RankTiming(local_rank=1, window_s=2.0, steps=10, compute_s=1.9, wait_s=0.05),
+    ]
+    await agents[1].send(HeartbeatMsg(step=10, rate=5.0, timings=timings))
+    for _ in range(200):
+        nodes = {n["node_id"]: n for n in (await _view(client, "t"))["nodes"]}
+        if nodes["n1"]["timings"] is not None:
+            break
+        await asyncio.sleep(0.01)
+    offset = assigned["n1"].rank_offset
+    shown = nodes["n1"]["timings"]
+    assert [(t["rank"], t["local_rank"], t["compute_s"], t["wait_s"], t["steps"]) for t in shown] == [
+        (offset, 0, 0.4, 1.5, 10),
+        (offset + 1, 1, 1.9, 0.05, 10),
+    ], shown
+    assert all(t["window_s"] == 2.0 and t["age_s"] >= 0 for t in shown)
+    assert nodes["n0"]["timings"] is None  # its ranks do not time
+    ok = {"local_rank": 0, "window_s": 1.0, "steps": 1, "compute_s": 0.5, "wait_s": 0.5}
+    for bad, says in (
+        ({**ok, "compute_s": -0.1}, "compute_s"),
+        ({**ok, "wait_s": float("inf")}, "wait_s"),
+        ({**ok, "local_rank": 2}, "local rank 2, but node 'n1' has 2 local rank(s)"),  # the node has 2
+    ):
+        body = HeartbeatMsg(step=99, rate=9.0).model_dump(mode="json") | {"timings": [bad]}
+        await agents[1].send(json.dumps(body, allow_nan=True))
+        err = await agents[1].expect("error")
+        assert err.code.value == "validation_error" and says in err.message and "\n" not in err.message, err
+    nodes = {n["node_id"]: n for n in (await _view(client, "t"))["nodes"]}
+    assert nodes["n1"]["step"] == 10 and nodes["n1"]["steps_per_s"] == 5.0
+    assert [t["compute_s"] for t in nodes["n1"]["timings"]] == [0.4, 1.9]
+    assert not agents[1].ws.closed
+    # the next progress heartbeat without timings: its ranks stopped timing (nothing stale shown)
+    await agents[1].send(HeartbeatMsg(step=11, rate=5.0))
+    for _ in range(200):
+        nodes = {n["node_id"]: n for n in (await _view(client, "t"))["nodes"]}
+        if nodes["n1"]["step"] == 11:
+            break
+        await asyncio.sleep(0.01)
+    assert nodes["n1"]["timings"] is None
 
 
 async def test_a_slow_node_is_flagged_straggler_in_the_view_and_the_log(client, connect, monkeypatch, caplog) -> None:

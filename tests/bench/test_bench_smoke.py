@@ -53,6 +53,8 @@ def test_bench_smoke(tmp_path):
     prog = data["progress_cost"]
     assert "10. Worker: `rdzv_client.worker.progress()` per call" in table
     assert prog["median_s"] > 0 and prog["agent_saw_step"] is not None, prog
+    assert "10b. Worker: step timing" in table
+    assert prog["compute_block_median_s"] > 0 and prog["timed_wait_median_s"] > 0, prog
     finished = data["finished_jobs"]
     assert finished["held"] == 30 and finished["failed"] == 0 and finished["first_page"]["errors"] == 0
     # rows 11 and 12: what `python -m bench.ui_events --smoke` gives (the same run(10, 3, 50, 1))

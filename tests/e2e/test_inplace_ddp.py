@@ -77,3 +77,13 @@ def test_plain_ddp_keeps_survivors_in_place_after_a_node_loss(cluster: Cluster, 
         assert len(sums[s]) == 1, f"step {s}: the ranks hold different weights {sums[s]}"
     job = server.job("ddp")
     assert job is not None and job["restarts"] == 0, job
+    if victim == "other":  # the group times its waits: each survivor's rank in the job view (issue 20 item 6)
+
+        def timed(view: dict) -> bool:
+            running = [n for n in view["nodes"] if n["state"] == "running"]
+            return len(running) == 2 and all(n["timings"] for n in running)
+
+        view = server.wait_job("ddp", timed, 15, "both survivors' rank timings in the job view")
+        shown = [t for n in view["nodes"] if n["state"] == "running" for t in n["timings"]]
+        assert sorted(t["rank"] for t in shown) == [0, 1], shown
+        assert all(t["steps"] > 0 and t["compute_s"] > 0 and t["wait_s"] > 0 for t in shown), shown

@@ -21,7 +21,9 @@ from tests.helpers.procs import ROOT, Proc, Server, alive, wait_until
 pytestmark = pytest.mark.e2e
 
 EXAMPLE = ROOT / "examples" / "train_fsdp_inplace.py"
-LINE_RE = re.compile(r"^\[\d+\]: (step|resumed) (\d+) rank (\d+) world (\d+) round (\d+) pid (\d+) sum (\S+)", re.M)
+LINE_RE = re.compile(
+    r"^\[\d+\]: (step|resumed|saved) (\d+) rank (\d+) world (\d+) round (\d+) pid (\d+) sum (\S+)", re.M
+)
 SAVE_EVERY = 4
 
 
@@ -43,8 +45,9 @@ def reached(agent: Proc, round_no: int) -> int:
 
 def saved_by(agents: list[Proc], round_no: int) -> int:
     """The newest save complete in ``round_no`` by what ``agents`` printed (a
-    step line comes after that step's save returned)."""
-    return max((s for a in agents for s in steps_of(a, round_no) if s % SAVE_EVERY == 0), default=-1)
+    ``saved`` line comes after that step's save returned; a newer one may be
+    complete on disk without its line)."""
+    return max((ln[1] for a in agents for ln in lines(a) if ln[0] == "saved" and ln[4] == round_no), default=-1)
 
 
 def check_resumed(agents: list[Proc], round_no: int, world: int, saved: int, sums_before: dict[int, str]) -> None:

@@ -32,6 +32,7 @@ from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwa
 from rdzv_client import inplace
 from rdzv_client.inplace import _DDP
 from rdzv_client.inplace_accelerate import InPlaceAccelerator
+from rdzv_client.inplace_backend import ddp_group
 from rdzv_client.worker import MembershipChanged, World
 
 rank, port0, port1 = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
@@ -102,7 +103,7 @@ acc = InPlaceAccelerator(pg, cpu=True, mixed_precision="bf16")
 assert (acc.num_processes, acc.process_index) == (2, rank)
 model, opt, dl, sched = acc.prepare(model, opt, dl, sched)
 assert type(model) is _DDP and model.module is module, type(model)
-assert model.process_group is pg
+assert model.process_group is ddp_group(pg)  # gloo: the round's interruptible group
 assert len(dl) == 8, len(dl)  # 16 batches over 2 ranks
 # the shuffle is the same on both ranks (rank 0's generator state, sent by the library's broadcast):
 # the two shards make the whole dataset, each sample once
@@ -144,7 +145,7 @@ pg1 = inplace.process_group(w1, timeout_s=20)
 acc = InPlaceAccelerator(pg1, cpu=True, mixed_precision="bf16")
 assert acc.num_processes == 1
 model, opt, dl, sched = acc.prepare(model, opt, dl, sched)
-assert type(model) is _DDP and model.module is module and model.process_group is pg1
+assert type(model) is _DDP and model.module is module and model.process_group is ddp_group(pg1)
 assert opt.optimizer is inner_opt and sched.scheduler.optimizer is inner_opt
 assert len(dl) == 16 and dl.dataset is dataset_dl.dataset, len(dl)
 # accelerate's autocast wraps the module's own forward once, not the last round's wrapper
