@@ -57,7 +57,7 @@ from .reactions import (  # noqa: F401 - Phase and the exit codes: the agent's p
     ServerReactions,
 )
 from .reform import PLAIN_REPORT_AFTER_S, InPlace
-from .service import outage_word
+from .service import never_reached_text, outage_word
 from .session import NodeSession, OutageWatch, route_addr
 from .status import StatusLine, setup_logging
 from .tmpdirs import open_agent_dir
@@ -311,9 +311,19 @@ class Agent(ServerReactions):
         when it starts, every OUTAGE_LOG_EVERY_S and when it ends, a countdown on
         the status line), and give up after --server-timeout."""
         link, cfg = self.link, self.cfg
-        out = self.outage.check(link.unserved_for(), link.service.stable())
+        tried = link.first_contact.never_reached()
+        out = self.outage.check(link.unserved_for(), link.service.stable(), tried is not None)
         if out is None:
             return None
+        if out.kind == "never_reached":
+            self.status.done()
+            print(
+                f"[rdzv-agent] job {cfg.job_id}: giving up: {never_reached_text(out.down, tried)}",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.phase = Phase.DONE
+            return EXIT_GAVE_UP
         if out.kind == "back":
             self._say("server %s reachable again", cfg.endpoint)
             return None

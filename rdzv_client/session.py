@@ -288,7 +288,8 @@ class NodeSession:
 class Outage:
     """What :meth:`OutageWatch.check` found: ``kind`` is ``"back"`` (an outage
     that was logged ended), ``"notice"`` (say it now), ``"ongoing"`` (say it on a
-    status line at most) or ``"give_up"``."""
+    status line at most), ``"give_up"`` or ``"never_reached"`` (give up: no
+    endpoint was ever reached, see service.NEVER_REACHED_S)."""
 
     kind: str
     down: float = 0.0
@@ -299,13 +300,17 @@ class OutageWatch:
     """The --server-timeout bookkeeping shared by the agent and the plugin."""
 
     def __init__(self, timeout_s: float) -> None:
+        from .service import never_reached_s
+
         self.timeout_s = timeout_s
+        self.never_reached_s = never_reached_s()
         self._logged_at: float | None = None  # when the outage notice was last logged
 
-    def check(self, down: float, settled: bool = True) -> Outage | None:
+    def check(self, down: float, settled: bool = True, never_reached: bool = False) -> Outage | None:
         """``down``: seconds without a served join (0 while served); ``settled``:
         the service has held (a server that answers, then drops us at each join,
-        is not "back" at each answer)."""
+        is not "back" at each answer); ``never_reached``: no endpoint was ever
+        reached, every try refused or naming an unknown host."""
         if down < OUTAGE_NOTICE_AFTER_S:
             if down == 0 and settled and self._logged_at is not None:
                 self._logged_at = None
@@ -314,6 +319,8 @@ class OutageWatch:
         left = self.timeout_s - down
         if left <= 0:
             return Outage("give_up", down, left)
+        if never_reached and down >= self.never_reached_s:
+            return Outage("never_reached", down, left)
         now = time.monotonic()
         if self._logged_at is None or now - self._logged_at >= OUTAGE_LOG_EVERY_S:
             self._logged_at = now
