@@ -38,6 +38,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -98,6 +99,26 @@ def classify(msg: Any) -> Heard:
     if isinstance(msg, RdzvError):
         return Heard(Meaning.LINK_ERROR, msg, msg.code, msg.message)
     return Heard(Meaning.NEWS, msg)
+
+
+NO_NEW_RUN_ENV = "RDZV_NO_NEW_RUN"
+# set in every Kubernetes pod: a scheduler that restarts pods (a lost pod comes back)
+KUBERNETES_ENV = "KUBERNETES_SERVICE_HOST"
+
+
+def new_run_default(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a fresh agent (or torchrun plugin) may start the next run of a
+    finished job id when no flag says (``--no-new-run`` / ``--new-run``,
+    ``--rdzv-conf new_run=``): ``$RDZV_NO_NEW_RUN`` when set (``0``: may);
+    else not under Kubernetes, where a node that starts after its job ended is
+    most likely a lost pod the scheduler restarted, which must not start a lone
+    new run of a job that failed moments ago; elsewhere (a person, a new SLURM
+    allocation) it may."""
+    env = os.environ if environ is None else environ
+    value = env.get(NO_NEW_RUN_ENV, "")
+    if value:
+        return value == "0"
+    return not env.get(KUBERNETES_ENV)
 
 
 def _ascii_label(host: str) -> str:

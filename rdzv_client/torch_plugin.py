@@ -105,7 +105,7 @@ from .endpoints import Endpoints, parse_endpoint
 from .launch import WITHHELD_FROM_WORKERS
 from .rest import RestClient
 from .service import DEFAULT_SERVER_TIMEOUT_S, RETRY_LATER_CODES, never_reached_text, outage_word
-from .session import Heard, Meaning, NodeSession, OutageWatch, classify, route_addr
+from .session import Heard, Meaning, NodeSession, OutageWatch, classify, new_run_default, route_addr
 from .spec_flags import conf_spec
 from .torch_echo import hook_agent
 from .torch_params import exit_records, server_and_job, spec_nproc, torchrun_nproc
@@ -161,7 +161,6 @@ class RdzvRendezvousHandler(RendezvousHandler):
         self.join_timeout_s = self.spec.join_timeout_s
         self.nproc = torchrun_nproc()  # until next_rendezvous finds torch's WorkerSpec (spec_nproc)
         self._nproc_known = False
-        new_run_default = "0" if os.environ.get("RDZV_NO_NEW_RUN", "") not in ("", "0") else "1"
         self.session = NodeSession(
             job_id=self.run_id,
             host=socket.gethostname(),
@@ -169,9 +168,9 @@ class RdzvRendezvousHandler(RendezvousHandler):
             spec=self.spec,
             addr=addr,
             job_secret=self.job_secret,
-            # --rdzv-conf new_run=0 (else RDZV_NO_NEW_RUN=1, as rdzv-agent): a finished job id refuses this
-            # node instead of starting its next run
-            new_run=str(params.get("new_run", new_run_default)).lower() not in ("0", "false", "no"),
+            # --rdzv-conf new_run=0|1, else as rdzv-agent (RDZV_NO_NEW_RUN, off under Kubernetes): a finished
+            # job id refuses this node instead of starting its next run
+            new_run=str(params.get("new_run", "1" if new_run_default() else "0")).lower() not in ("0", "false", "no"),
         )
         self.failure_report_delay_s = float(params.get("failure_report_delay", FAILURE_REPORT_DELAY_S))
         self._assignment: Assignment | None = None

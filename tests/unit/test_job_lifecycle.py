@@ -339,3 +339,30 @@ def test_only_a_member_of_the_round_may_give_up():
     assert job.round == 1 and job.nodes["b"].state == rounds.REJOINING
     rounds.give_up(job, "b", 0, [BOOM], 4.0)
     assert job.finished
+
+
+def test_under_kubernetes_a_fresh_agent_may_not_start_a_new_run_unless_told(monkeypatch: pytest.MonkeyPatch):
+    """Issue 25, item 2: a pod the scheduler restarts after its job failed must not start the job id's next run
+    alone. In a Kubernetes pod (KUBERNETES_SERVICE_HOST) the default is --no-new-run; --new-run,
+    RDZV_NO_NEW_RUN=0 or --rdzv-conf new_run=1 allow it; --no-new-run stays no whatever the key says."""
+    from rdzv_client.config import build_parser, config_from_args
+    from rdzv_client.session import new_run_default
+
+    base = ["--endpoint", "127.0.0.1:29400", "--job-id", "j", "--local-addr", "127.0.0.1", "train.py"]
+
+    def new_run(*flags: str) -> bool:
+        return config_from_args(build_parser().parse_args([*flags, *base])).new_run
+
+    monkeypatch.delenv("RDZV_NO_NEW_RUN", raising=False)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    assert new_run_default() is False and new_run() is False
+    assert new_run("--new-run") is True
+    assert new_run("--rdzv-conf", "new_run=1") is True
+    assert new_run("--no-new-run", "--rdzv-conf", "new_run=1") is False
+    monkeypatch.setenv("RDZV_NO_NEW_RUN", "0")
+    assert new_run() is True and new_run("--no-new-run") is False
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
+    monkeypatch.delenv("RDZV_NO_NEW_RUN")
+    assert new_run_default() is True and new_run() is True
+    assert new_run_default({"KUBERNETES_SERVICE_HOST": "", "RDZV_NO_NEW_RUN": ""}) is True
+    assert new_run_default({"RDZV_NO_NEW_RUN": "1"}) is False
