@@ -348,7 +348,7 @@ class Agent(ServerReactions):
         )
         if out.kind == "notice":
             self._say("%s", notice)
-        self.status.show(f"[rdzv-agent] {notice}")
+        self.status.show(f"[rdzv-agent] {notice}", tty_only=True)  # off a terminal: the notice, every 30 s
         return None
 
     # -- in-place re-formation (design.md "In-place re-formation"; the steps: reform.InPlace)
