@@ -489,7 +489,9 @@ class Agent(ServerReactions):
             host = self.cfg.host
         err_root = self.log_dir or self._err_dir
         assert err_root is not None
-        self.failure_summary = note_failures(self.cfg, a, failed, host, err_root, self.log_dir, self._say)
+        self.failure_summary = note_failures(
+            self.cfg, a, failed, host, err_root, self.log_dir, self._say, self.watch.timer_killed
+        )
         await self._stop_workers()
         records = exit_records(a, failed, self.watch)
         self.phase = Phase.REPORTED
