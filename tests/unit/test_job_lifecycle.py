@@ -366,3 +366,19 @@ def test_under_kubernetes_a_fresh_agent_may_not_start_a_new_run_unless_told(monk
     assert new_run_default() is True and new_run() is True
     assert new_run_default({"KUBERNETES_SERVICE_HOST": "", "RDZV_NO_NEW_RUN": ""}) is True
     assert new_run_default({"RDZV_NO_NEW_RUN": "1"}) is False
+
+
+def test_a_spent_budget_names_the_failure_that_spent_it_as_the_last_one():
+    """Issue 25: the reason said "first failure:" before the last attempt's record (its pid): the failure that
+    spent the budget is the last one, and the reason says so."""
+    sp = spec(min_nodes=1, max_nodes=1, max_restarts=1)
+    job = form(["a"], sp)
+    rounds.fail(job, "a", 0, [BOOM], 5.0)  # restart 1/1: round 1
+    rounds.join(job, join_msg("a", sp), 6.0)
+    rounds.tick(job, 6.0 + sp.last_call_s)
+    assert job.state == JobState.RUNNING and job.round == 1
+    last = BOOM.model_copy(update={"pid": 88, "timestamp": 9.0, "message": "RuntimeError: again"})
+    rounds.fail(job, "a", 1, [last], 9.0)
+    assert job.state == JobState.FAILED
+    assert "last failure: " in job.end_reason and "pid 88" in job.end_reason, job.end_reason
+    assert "first failure" not in job.end_reason, job.end_reason
