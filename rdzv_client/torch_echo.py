@@ -12,7 +12,7 @@ gives up, and the plugin's give-up ends the job on every node.
 rdzv-agent does not charge such a failure (the server already knows the
 round changed). For torchrun, :func:`hook_agent` wraps the ``_monitor_workers``
 of the one torch agent whose worker spec uses this handler (that instance
-only; torch's classes are not patched): a failed or unhealthy result is held
+only; torch's classes are not patched): a failed result is held
 up to the handler's ``failure_report_delay`` for the server to open a later
 round (:meth:`RdzvRendezvousHandler.round_changed_since`); when it does, the
 monitor reports the group healthy, so torchrun's own membership branch sees
@@ -67,7 +67,7 @@ def hook_agent(handler: Any, round_changed: Callable[[], str | None]) -> bool:
 
     def monitor_workers(worker_group: Any) -> Any:
         result = monitor(worker_group)
-        if result.state not in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+        if result.state is not WorkerState.FAILED:  # (UNHEALTHY: a wedged worker, torchrun stops restarting)
             return result
         why = round_changed()
         if why is None:

@@ -43,6 +43,8 @@ def test_a_node_loss_under_max_restarts_0_keeps_the_job_going(rig: Rig) -> None:
     for n in survivors:
         assert n.wait_exit(60) == 0, n.text()[-4000:]
         assert re.search(r"^done rank [01] world 2 restart 0$", n.text(), re.M), n.text()[-3000:]
+    # which way it went (the echo came first, or the server's round change did): for the log, not asserted
+    print("echo restarts:", [n.text().count("not charged to --max-restarts") for n in survivors])
     view = rig.wait_job("loss0", lambda v: v["state"] == "succeeded", 10, "job succeeded")
     assert [r["round"] for r in view["history"]] == [0, 1], view["history"]
     assert "lost" in view["history"][-1]["reason"], view["history"]
