@@ -34,7 +34,8 @@ An unreachable server is waited for ``--rdzv-conf server_timeout=S`` seconds
 (default 300, as rdzv-agent's ``--server-timeout``), with a warning when the
 outage starts and every 30 s; then the handler gives up: a rendezvous raises
 RendezvousConnectionError, and running workers are stopped through
-:meth:`num_nodes_waiting` as for a closed job.
+:meth:`num_nodes_waiting` as for a closed job. An endpoint never reached at all
+(each connect refused) gives up after service.NEVER_REACHED_S instead.
 
 torchrun keeps its own restart budget (``--max-restarts``) for this node's own
 failures: a worker failure that follows a round change (a peer lost, or one
