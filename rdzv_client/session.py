@@ -340,8 +340,10 @@ class OutageWatch:
         left = self.timeout_s - down
         if left <= 0:
             return Outage("give_up", down, left)
-        if never_reached and down >= self.never_reached_s:
-            return Outage("never_reached", down, left)
+        if never_reached:  # (the countdown is to this deadline while nothing was ever reached)
+            if down >= self.never_reached_s:
+                return Outage("never_reached", down, left)
+            left = min(left, self.never_reached_s - down)
         now = time.monotonic()
         if self._logged_at is None or now - self._logged_at >= OUTAGE_LOG_EVERY_S:
             self._logged_at = now
