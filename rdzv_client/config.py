@@ -27,6 +27,7 @@ from . import secret_source
 from .endpoints import parse_endpoints
 from .launch import Std, parse_std
 from .service import DEFAULT_SERVER_TIMEOUT_S as DEFAULT_SERVER_TIMEOUT_S  # re-exported: the agent's name
+from .service import never_reached_s
 from .session import new_run_default
 from .spec_flags import add_spec_flags, conf_spec, spec_from_args
 from .torchrun_flags import SPEC_CONF_KEYS, add_torchrun_flags, pet, pet_flag, torchrun_notes
@@ -400,6 +401,10 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     # as the torchrun plugin reads them: job_id= over --job-id, server= over --endpoint, new_run=0 as --no-new-run
     conf_job_id = conf.pop("job_id", "")
     conf_server = conf.pop("server", "")
+    try:
+        never_reached_s()  # $RDZV_NEVER_REACHED_TIMEOUT, checked now, not when the link first fails
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     new_run = new_run_default() if args.new_run is None else bool(args.new_run)
     if "new_run" in conf:
         flag = conf.pop("new_run")

@@ -105,7 +105,7 @@ from .client import AgentLink
 from .endpoints import Endpoints, parse_endpoint
 from .launch import WITHHELD_FROM_WORKERS
 from .rest import RestClient
-from .service import DEFAULT_SERVER_TIMEOUT_S, RETRY_LATER_CODES, never_reached_text, outage_word
+from .service import DEFAULT_SERVER_TIMEOUT_S, RETRY_LATER_CODES, never_reached_s, never_reached_text, outage_word
 from .session import Heard, Meaning, NodeSession, OutageWatch, classify, new_run_default, route_addr
 from .spec_flags import conf_spec
 from .torch_echo import hook_agent
@@ -152,6 +152,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
         self.server_timeout_s = float(params.get("server_timeout", DEFAULT_SERVER_TIMEOUT_S))
         if not 0 < self.server_timeout_s < float("inf"):
             raise ValueError(f"rdzv-conf server_timeout={self.server_timeout_s}: must be a positive number of seconds")
+        never_reached_s()  # $RDZV_NEVER_REACHED_TIMEOUT: a bad one is a ValueError here, not in the link's thread
         self._gave_up: str | None = None  # why, once the server was unreachable for server_timeout_s
         self._waiting_text = ""  # what the forming round waits for, as the server last said
         # the spec's --rdzv-conf keys (the table's), at the plugin's defaults where the table gives one

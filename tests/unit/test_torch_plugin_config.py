@@ -86,6 +86,12 @@ def test_under_kubernetes_the_plugin_starts_no_new_run_unless_told(monkeypatch: 
     assert handler().session.new_run is True
 
 
+def test_a_bad_never_reached_timeout_is_refused_when_the_handler_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RDZV_NEVER_REACHED_TIMEOUT", "-1")
+    with pytest.raises(ValueError, match="RDZV_NEVER_REACHED_TIMEOUT=-1: must be a positive number"):
+        handler()
+
+
 def test_bad_job_id_is_refused_in_one_line() -> None:
     with pytest.raises(ValueError, match=r"job id 'a b': use 1-128 characters"):
         handler(job_id="a b")
