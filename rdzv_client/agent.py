@@ -58,7 +58,7 @@ from .reactions import (  # noqa: F401 - Phase and the exit codes: the agent's p
     ServerReactions,
 )
 from .reform import PLAIN_REPORT_AFTER_S, InPlace
-from .service import outage_word
+from .service import never_reached_text, outage_word
 from .session import NodeSession, OutageWatch, route_addr
 from .status import StatusLine, setup_logging
 from .tmpdirs import open_agent_dir
@@ -316,9 +316,19 @@ class Agent(ServerReactions):
         when it starts, every OUTAGE_LOG_EVERY_S and when it ends, a countdown on
         the status line), and give up after --server-timeout."""
         link, cfg = self.link, self.cfg
-        out = self.outage.check(link.unserved_for(), link.service.stable())
+        tried = link.first_contact.never_reached()
+        out = self.outage.check(link.unserved_for(), link.service.stable(), tried is not None)
         if out is None:
             return None
+        if out.kind == "never_reached":
+            self.status.done()
+            print(
+                f"[rdzv-agent] job {cfg.job_id}: giving up: {never_reached_text(out.down, tried)}",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.phase = Phase.DONE
+            return EXIT_GAVE_UP
         if out.kind == "back":
             self._say("server %s reachable again", cfg.endpoint)
             return None
@@ -343,7 +353,7 @@ class Agent(ServerReactions):
         )
         if out.kind == "notice":
             self._say("%s", notice)
-        self.status.show(f"[rdzv-agent] {notice}")
+        self.status.show(f"[rdzv-agent] {notice}", tty_only=True)  # off a terminal: the notice, every 30 s
         return None
 
     # -- in-place re-formation (design.md "In-place re-formation"; the steps: reform.InPlace)
@@ -484,7 +494,9 @@ class Agent(ServerReactions):
             host = self.cfg.host
         err_root = self.log_dir or self._err_dir
         assert err_root is not None
-        self.failure_summary = note_failures(self.cfg, a, failed, host, err_root, self.log_dir, self._say)
+        self.failure_summary = note_failures(
+            self.cfg, a, failed, host, err_root, self.log_dir, self._say, self.watch.timer_killed
+        )
         await self._stop_workers()
         records = exit_records(a, failed, self.watch)
         self.phase = Phase.REPORTED

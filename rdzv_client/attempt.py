@@ -141,8 +141,10 @@ def note_failures(
     err_root: Path,
     log_dir: Path | None,
     say: Callable[..., None],
+    timer_killed: Callable[[int], bool] = lambda pid: False,
 ) -> tuple[int, str]:
-    """Say each failure (with its error file when --log-dir keeps it) and
+    """Say each failure (with its error file when --log-dir keeps it; ``timer_killed``:
+    which pids the agent killed for an expired FileTimer) and
     return torchrun's summary block (with its round), printed if the job fails
     with this round; the error files are read now: without --log-dir they go
     when the agent exits."""
@@ -151,7 +153,7 @@ def note_failures(
     for i in failed:
         kept = log_dir is not None and os.path.isfile(error_files[i.local_rank])
         where = f"; error file {error_files[i.local_rank]}" if kept else ""
-        say("round %d: %s%s", a.round, describe(i, a.rank_offset + i.local_rank), where)
+        say("round %d: %s%s", a.round, describe(i, a.rank_offset + i.local_rank, timer_killed(i.pid)), where)
     return (
         a.round,
         failure_summary(

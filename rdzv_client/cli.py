@@ -61,6 +61,14 @@ def _when(ts: float | None) -> str:
     return "-" if ts is None else dt.datetime.fromtimestamp(ts).strftime("%H:%M:%S.%f")[:-3]
 
 
+def restarts_text(restarts: int, max_restarts: int) -> str:
+    """Restarts spent of the budget; the table's largest budget (the torchrun
+    plugin's default: torchrun keeps its own) is no limit, said so."""
+    from rdzv_server.spec_table import MAX_RESTARTS
+
+    return f"{restarts}/" + ("unlimited" if max_restarts >= MAX_RESTARTS else str(max_restarts))
+
+
 def render_jobs(jobs: JobList) -> str:
     if not jobs.jobs:
         return "no jobs"
@@ -74,7 +82,7 @@ def render_jobs(jobs: JobList) -> str:
                 j.nodes,
                 f"{j.min_nodes}:{j.max_nodes}",
                 j.world_size,
-                f"{j.restarts}/{j.max_restarts}",
+                restarts_text(j.restarts, j.max_restarts),
             ]
             for j in jobs.jobs
         ],
@@ -85,7 +93,7 @@ def render_job(job: JobView) -> str:
     out = [
         f"job {printable(job.job_id)}: {job.state.value}, round {job.round}, world size {job.world_size}, "
         f"nodes {len(job.nodes)} (min {job.min_nodes}, max {job.max_nodes}), spares {len(job.spares)}, "
-        f"restarts {job.restarts}/{job.max_restarts}",
+        f"restarts {restarts_text(job.restarts, job.max_restarts)}",
     ]
     if job.master_addr:
         out.append(f"master {printable(job.master_addr)}:{job.master_port}")

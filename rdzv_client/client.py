@@ -37,7 +37,7 @@ from rdzv_server.wire import AGENT_PATH, HEARTBEAT_FRAME, printable
 from . import wsclient
 from .endpoints import Endpoints, backoff_delays, election_wait, parse_endpoint
 from .quiet import Quiet
-from .service import NO_ANSWER, ServiceClock, refusal
+from .service import NO_ANSWER, FirstContact, ServiceClock, refusal
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -120,6 +120,7 @@ class AgentLink:
         # monotonic time since when the server has been unreachable; None while connected
         self.down_since: float | None = time.monotonic()
         self.service = ServiceClock(STABLE_S)  # the --server-timeout clock: time without a served join
+        self.first_contact = FirstContact()  # was any endpoint ever reached (a wrong endpoint fails fast)
         self._logged: collections.deque[str] = collections.deque(maxlen=32)  # protocol errors said once
         self._quiet = Quiet()  # lines a refusal loop would repeat
         self._messages: asyncio.Queue[Any] = asyncio.Queue()
@@ -236,6 +237,7 @@ class AgentLink:
                     user_timeout_s=TCP_USER_TIMEOUT_S,
                 )
             except wsclient.HandshakeError as e:
+                self.first_contact.seen()
                 if e.status == 401:
                     self._messages.put_nowait(error_from_body("unauthorized", "the server refused the token"))
                 leader = e.headers.get(LEADER_HEADER.lower()) if e.status == 503 else None
@@ -248,17 +250,20 @@ class AgentLink:
                 continue
             except (wsclient.WSError, OSError, asyncio.TimeoutError) as e:
                 self.last_error = f"cannot reach {self.url}: {e or type(e).__name__}"
+                self.first_contact.failed(base, e)
                 await self._next(delays)
                 continue
             except Exception as e:  # never let the link die: retry like any failed connect
                 log.warning("link to %s: connect failed: %s", self.url, printable(repr(e), 300), exc_info=True)
                 self.last_error = f"cannot reach {self.url}: {printable(type(e).__name__, 100)}"
+                self.first_contact.failed(base, e)
                 await self._next(delays)
                 continue
             if self._closing:  # close() came while connecting (its cancel swallowed): say nothing on it
                 await asyncio.wait([asyncio.ensure_future(ws.close())], timeout=1.0)
                 return
             self._tries.ok()
+            self.first_contact.seen()
             self._ws = ws
             self.connected.set()
             self.down_since = None

@@ -27,6 +27,8 @@ from . import secret_source
 from .endpoints import parse_endpoints
 from .launch import Std, parse_std
 from .service import DEFAULT_SERVER_TIMEOUT_S as DEFAULT_SERVER_TIMEOUT_S  # re-exported: the agent's name
+from .service import never_reached_s
+from .session import new_run_default
 from .spec_flags import add_spec_flags, conf_spec, spec_from_args
 from .torchrun_flags import SPEC_CONF_KEYS, add_torchrun_flags, pet, pet_flag, torchrun_notes
 
@@ -174,9 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-new-run",
         dest="new_run",
         action="store_false",
-        default=os.environ.get("RDZV_NO_NEW_RUN", "") in ("", "0"),
+        default=None,  # neither flag: --rdzv-conf new_run=, else session.new_run_default()
         help="if the job id's run has ended, exit 2 (job finished) instead of starting its next run: "
-        "for agents a scheduler may start late, e.g. Kubernetes pods (default: $RDZV_NO_NEW_RUN)",
+        "for agents a scheduler may restart (default: $RDZV_NO_NEW_RUN, else on under Kubernetes)",
+    )
+    a(
+        "--new-run",
+        dest="new_run",
+        action="store_true",
+        help="start the next run of an ended job id (default off Kubernetes)",
     )
     a(
         "--log-dir",
@@ -393,12 +401,17 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     # as the torchrun plugin reads them: job_id= over --job-id, server= over --endpoint, new_run=0 as --no-new-run
     conf_job_id = conf.pop("job_id", "")
     conf_server = conf.pop("server", "")
-    new_run = bool(args.new_run)
+    try:
+        never_reached_s()  # $RDZV_NEVER_REACHED_TIMEOUT, checked now, not when the link first fails
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    new_run = new_run_default() if args.new_run is None else bool(args.new_run)
     if "new_run" in conf:
         flag = conf.pop("new_run")
         if flag.lower() not in ("0", "1", "false", "true", "no", "yes"):
             raise UsageError(f"--rdzv-conf new_run={flag[:40]!r}: use 0 or 1")
-        new_run = new_run and flag.lower() in ("1", "true", "yes")
+        # a flag's "no" stays no; otherwise the key says
+        new_run = args.new_run is not False and flag.lower() in ("1", "true", "yes")
     if args.rdzv_backend not in (None, "rdzv", "c10d", "static"):
         raise UsageError(f"--rdzv-backend {args.rdzv_backend!r}: rdzv-agent always uses an rdzv server")
     notes = torchrun_notes(args, conf)

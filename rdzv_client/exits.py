@@ -51,13 +51,16 @@ def _decode_returncode(returncode: int) -> tuple[int | None, str | None]:
         return None, f"signal {-returncode}"
 
 
-def describe(info: ExitInfo, rank: int | None = None) -> str:
-    """One line for people: who ended, how, and the first words of why."""
+def describe(info: ExitInfo, rank: int | None = None, timer: bool = False) -> str:
+    """One line for people: who ended, how, and the first words of why.
+    ``timer``: the agent killed it, its torch FileTimer expired (not a guess of OOM)."""
     who = f"local rank {info.local_rank}" + (f" (rank {rank})" if rank is not None else "")
     who += f" pid {info.pid}"
     if info.signal is not None:
         how = f"was killed by {info.signal}"
-        if info.signal == "SIGKILL":
+        if timer:
+            how += " (torch elastic timer expired)"
+        elif info.signal == "SIGKILL":
             how += " (out of memory?)"
     elif info.exit_code == 0:
         how = "exited successfully"

@@ -19,10 +19,9 @@ destroyed (:data:`_abandoned` keeps it, so no destructor blocks mid-training),
 and the process leaves with :func:`exit`, which skips their destructors; an
 uncaught exception does the same once a group exists (``sys.excepthook``).
 
-With ``backend="nccl"`` CUDA tensors go over NCCL, whose communicator is
-aborted, not abandoned, when the round ends (:mod:`rdzv_client.inplace_nccl`).
-
-This module imports torch; :mod:`rdzv_client.worker` does not.
+With ``backend="nccl"`` CUDA tensors go over NCCL, whose communicator is aborted,
+not abandoned, when the round ends (:mod:`rdzv_client.inplace_nccl`). This module
+imports torch; :mod:`rdzv_client.worker` does not. The round's store: :mod:`rdzv_client.inplace_store`.
 """
 
 from __future__ import annotations
@@ -44,6 +43,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from . import worker
+from .inplace_store import StorePortTaken, port_taken
 from .inplace_wait import wait, wait_all  # sliced, timed waits (inplace.wait is public)
 from .worker import MembershipChanged, World
 
@@ -67,13 +67,11 @@ _previous_hook = sys.excepthook
 
 
 def process_group(world: World, timeout_s: float = 60.0, backend: str = "gloo") -> Any:
-    """A fresh gloo group for ``world`` (a ``torch.distributed.ProcessGroup``,
-    the default group from now on): a new TCPStore at the round's
-    MASTER_ADDR/MASTER_PORT (hosted by rank 0), keys under the round's prefix.
-    Raises :class:`MembershipChanged` if the round ends while it forms.
-    ``backend="nccl"``: CUDA tensors go over NCCL on ``cuda:LOCAL_RANK``
-    (made the current device), CPU tensors over gloo; the NCCL communicator is
-    aborted when the round ends (:mod:`rdzv_client.inplace_nccl`)."""
+    """A fresh gloo group for ``world`` (a ``torch.distributed.ProcessGroup``, the default group from now on):
+    a new TCPStore at the round's MASTER_ADDR/MASTER_PORT (hosted by rank 0), keys under the round's prefix.
+    Raises :class:`MembershipChanged` if the round ends while it forms, StorePortTaken at once if rank 0
+    finds the port taken. ``backend="nccl"``: CUDA tensors go over NCCL on ``cuda:LOCAL_RANK`` (made the
+    current device), CPU tensors over gloo; the NCCL communicator is aborted when the round ends."""
     global _previous_hook
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"process_group(backend={backend!r}): 'gloo' or 'nccl'")
@@ -100,7 +98,9 @@ def process_group(world: World, timeout_s: float = 60.0, backend: str = "gloo") 
                 use_libuv=True,
             )
             break
-        except (RuntimeError, OSError, dist.DistStoreError):
+        except (RuntimeError, OSError, dist.DistStoreError) as e:
+            if hosts and port_taken(e):  # another process holds it: retrying only stalls the round
+                raise StorePortTaken(world.master_addr, world.master_port) from e
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
@@ -243,8 +243,7 @@ def _end_rounds(reason: str) -> None:
 
 
 def _wait_listening(addr: str, port: int, deadline: float) -> None:
-    """Until the store's port accepts: TCPStore's own client retries with a
-    back-off of up to a second, this polls every few milliseconds."""
+    """Until the store's port accepts (TCPStore's client backs off up to 1 s; this polls every 5 ms)."""
     while time.monotonic() < deadline:
         worker.check()
         try:

@@ -211,8 +211,9 @@ class ServerReactions:
                 self._say("%s; stopping workers and rejoining", printable(message))
                 await self._stop_workers()
                 self._join()
-            else:
-                log.info("server: %s", printable(message))
+            else:  # harmless: a report (or resume) the server no longer needs, said as such
+                log.info("the round changed before this node's report arrived; nothing to do, nothing charged")
+                log.debug("server: %s", printable(message))
             return None
         if code in FATAL_CODES:
             print(

@@ -38,6 +38,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -98,6 +99,26 @@ def classify(msg: Any) -> Heard:
     if isinstance(msg, RdzvError):
         return Heard(Meaning.LINK_ERROR, msg, msg.code, msg.message)
     return Heard(Meaning.NEWS, msg)
+
+
+NO_NEW_RUN_ENV = "RDZV_NO_NEW_RUN"
+# set in every Kubernetes pod: a scheduler that restarts pods (a lost pod comes back)
+KUBERNETES_ENV = "KUBERNETES_SERVICE_HOST"
+
+
+def new_run_default(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a fresh agent (or torchrun plugin) may start the next run of a
+    finished job id when no flag says (``--no-new-run`` / ``--new-run``,
+    ``--rdzv-conf new_run=``): ``$RDZV_NO_NEW_RUN`` when set (``0``: may);
+    else not under Kubernetes, where a node that starts after its job ended is
+    most likely a lost pod the scheduler restarted, which must not start a lone
+    new run of a job that failed moments ago; elsewhere (a person, a new SLURM
+    allocation) it may."""
+    env = os.environ if environ is None else environ
+    value = env.get(NO_NEW_RUN_ENV, "")
+    if value:
+        return value == "0"
+    return not env.get(KUBERNETES_ENV)
 
 
 def _ascii_label(host: str) -> str:
@@ -288,7 +309,8 @@ class NodeSession:
 class Outage:
     """What :meth:`OutageWatch.check` found: ``kind`` is ``"back"`` (an outage
     that was logged ended), ``"notice"`` (say it now), ``"ongoing"`` (say it on a
-    status line at most) or ``"give_up"``."""
+    status line at most), ``"give_up"`` or ``"never_reached"`` (give up: no
+    endpoint was ever reached, see service.NEVER_REACHED_S)."""
 
     kind: str
     down: float = 0.0
@@ -299,13 +321,17 @@ class OutageWatch:
     """The --server-timeout bookkeeping shared by the agent and the plugin."""
 
     def __init__(self, timeout_s: float) -> None:
+        from .service import never_reached_s
+
         self.timeout_s = timeout_s
+        self.never_reached_s = never_reached_s()
         self._logged_at: float | None = None  # when the outage notice was last logged
 
-    def check(self, down: float, settled: bool = True) -> Outage | None:
+    def check(self, down: float, settled: bool = True, never_reached: bool = False) -> Outage | None:
         """``down``: seconds without a served join (0 while served); ``settled``:
         the service has held (a server that answers, then drops us at each join,
-        is not "back" at each answer)."""
+        is not "back" at each answer); ``never_reached``: no endpoint was ever
+        reached, every try refused or naming an unknown host."""
         if down < OUTAGE_NOTICE_AFTER_S:
             if down == 0 and settled and self._logged_at is not None:
                 self._logged_at = None
@@ -314,6 +340,10 @@ class OutageWatch:
         left = self.timeout_s - down
         if left <= 0:
             return Outage("give_up", down, left)
+        if never_reached:  # (the countdown is to this deadline while nothing was ever reached)
+            if down >= self.never_reached_s:
+                return Outage("never_reached", down, left)
+            left = min(left, self.never_reached_s - down)
         now = time.monotonic()
         if self._logged_at is None or now - self._logged_at >= OUTAGE_LOG_EVERY_S:
             self._logged_at = now

@@ -28,9 +28,11 @@ class StatusLine:
         self.open = False
         self.hold = False
 
-    def show(self, text: str) -> None:
+    def show(self, text: str, tty_only: bool = False) -> None:
+        """``tty_only``: a countdown, shown on a terminal only (elsewhere the
+        agent's own log lines say it at their cadence, not every few seconds)."""
         now = time.monotonic()
-        if text == self.last or (self.hold and self.tty):
+        if text == self.last or (self.hold and self.tty) or (tty_only and not self.tty):
             return
         if self.tty:
             self.stream.write("\r\x1b[2K" + text)

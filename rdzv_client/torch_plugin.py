@@ -34,9 +34,14 @@ An unreachable server is waited for ``--rdzv-conf server_timeout=S`` seconds
 (default 300, as rdzv-agent's ``--server-timeout``), with a warning when the
 outage starts and every 30 s; then the handler gives up: a rendezvous raises
 RendezvousConnectionError, and running workers are stopped through
-:meth:`num_nodes_waiting` as for a closed job.
+:meth:`num_nodes_waiting` as for a closed job. An endpoint never reached at all
+(each connect refused) gives up after service.NEVER_REACHED_S instead.
 
-torchrun keeps its own restart budget (``--max-restarts``); the server counts a
+torchrun keeps its own restart budget (``--max-restarts``) for this node's own
+failures: a worker failure that follows a round change (a peer lost, or one
+that failed first: its gloo error echoes theirs) is restarted as a membership
+change and not charged (rdzv_client/torch_echo.py), so a node loss never ends
+a job that keeps min_nodes, whatever --max-restarts. The server counts a
 torchrun restart as a failure of the round, with a budget of its own that is
 effectively unlimited unless ``--rdzv-conf max_restarts=K`` sets one. When
 torchrun's budget is spent (its default is 0) it gives up: :meth:`shutdown`
@@ -100,9 +105,10 @@ from .client import AgentLink
 from .endpoints import Endpoints, parse_endpoint
 from .launch import WITHHELD_FROM_WORKERS
 from .rest import RestClient
-from .service import DEFAULT_SERVER_TIMEOUT_S, RETRY_LATER_CODES, outage_word
-from .session import Heard, Meaning, NodeSession, OutageWatch, classify, route_addr
+from .service import DEFAULT_SERVER_TIMEOUT_S, RETRY_LATER_CODES, never_reached_s, never_reached_text, outage_word
+from .session import Heard, Meaning, NodeSession, OutageWatch, classify, new_run_default, route_addr
 from .spec_flags import conf_spec
+from .torch_echo import hook_agent
 from .torch_params import exit_records, server_and_job, spec_nproc, torchrun_nproc
 
 _T = TypeVar("_T")
@@ -146,6 +152,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
         self.server_timeout_s = float(params.get("server_timeout", DEFAULT_SERVER_TIMEOUT_S))
         if not 0 < self.server_timeout_s < float("inf"):
             raise ValueError(f"rdzv-conf server_timeout={self.server_timeout_s}: must be a positive number of seconds")
+        never_reached_s()  # $RDZV_NEVER_REACHED_TIMEOUT: a bad one is a ValueError here, not in the link's thread
         self._gave_up: str | None = None  # why, once the server was unreachable for server_timeout_s
         self._waiting_text = ""  # what the forming round waits for, as the server last said
         # the spec's --rdzv-conf keys (the table's), at the plugin's defaults where the table gives one
@@ -156,7 +163,6 @@ class RdzvRendezvousHandler(RendezvousHandler):
         self.join_timeout_s = self.spec.join_timeout_s
         self.nproc = torchrun_nproc()  # until next_rendezvous finds torch's WorkerSpec (spec_nproc)
         self._nproc_known = False
-        new_run_default = "0" if os.environ.get("RDZV_NO_NEW_RUN", "") not in ("", "0") else "1"
         self.session = NodeSession(
             job_id=self.run_id,
             host=socket.gethostname(),
@@ -164,13 +170,15 @@ class RdzvRendezvousHandler(RendezvousHandler):
             spec=self.spec,
             addr=addr,
             job_secret=self.job_secret,
-            # --rdzv-conf new_run=0 (else RDZV_NO_NEW_RUN=1, as rdzv-agent): a finished job id refuses this
-            # node instead of starting its next run
-            new_run=str(params.get("new_run", new_run_default)).lower() not in ("0", "false", "no"),
+            # --rdzv-conf new_run=0|1, else as rdzv-agent (RDZV_NO_NEW_RUN, off under Kubernetes): a finished
+            # job id refuses this node instead of starting its next run
+            new_run=str(params.get("new_run", "1" if new_run_default() else "0")).lower() not in ("0", "false", "no"),
         )
         self.failure_report_delay_s = float(params.get("failure_report_delay", FAILURE_REPORT_DELAY_S))
         self._assignment: Assignment | None = None
         self._restart_round = -1  # the newest round the server said is forming
+        self._restart_reason = ""  # why, as the server said
+        self._echo_checked = -1  # the round whose worker failure round_changed() already held (torch_echo)
         self._closed = False
         self._closed_why = "closed"  # "closed: closed by request", "failed: ..." once the server said so
         self._store: TCPStore | None = None
@@ -226,7 +234,8 @@ class RdzvRendezvousHandler(RendezvousHandler):
         watch = OutageWatch(self.server_timeout_s)
         while True:
             await asyncio.sleep(0.5)
-            out = watch.check(self.session.link.unserved_for(), self.session.link.service.stable())
+            tried = self.session.link.first_contact.never_reached()
+            out = watch.check(self.session.link.unserved_for(), self.session.link.service.stable(), tried is not None)
             if out is None or out.kind == "ongoing":
                 continue
             if out.kind == "back":
@@ -234,9 +243,11 @@ class RdzvRendezvousHandler(RendezvousHandler):
                 continue
             why = printable(self.session.link.last_error or "no answer", limit=300)
             word = outage_word(self.session.link.last_error)  # unreachable, or not serving this node
-            if out.kind == "give_up":
+            if out.kind in ("give_up", "never_reached"):
                 self._gave_up = (
-                    f"gave up: rdzv server {self.endpoint} {word} for {self.server_timeout_s:g}s "
+                    f"gave up: {never_reached_text(out.down, tried, plugin=True)}"
+                    if tried is not None and out.kind == "never_reached"
+                    else f"gave up: rdzv server {self.endpoint} {word} for {self.server_timeout_s:g}s "
                     f"(rdzv-conf server_timeout; {why})"
                 )
                 log.error("job %s: %s", self.run_id, self._gave_up)
@@ -257,6 +268,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
             heard = classify(msg)
             if isinstance(msg, RestartMsg):
                 self._restart_round = max(self._restart_round, msg.round)
+                self._restart_reason = printable(msg.reason, limit=200)
             elif heard.meaning is Meaning.NEW_NODE:
                 self._restart_round = max(self._restart_round, (self._assignment.round + 1) if self._assignment else 0)
             elif isinstance(msg, DoneMsg) and msg.state != "succeeded":
@@ -319,6 +331,23 @@ class RdzvRendezvousHandler(RendezvousHandler):
         a = self._assignment
         return 1 if a is not None and (self._restart_round > a.round or self._closed) else 0
 
+    def round_changed(self) -> str | None:
+        """torch's monitor saw this node's workers fail (torch_echo): wait up to
+        failure_report_delay for the server to open a later round (a peer lost,
+        or failed first); its reason, or None: the failure is this node's."""
+        a = self._assignment
+        if a is None or a.group_world_size <= 1:
+            return None
+        self._echo_checked = a.round
+        deadline = time.monotonic() + self.failure_report_delay_s
+        while not self._closed:
+            if self._restart_round > a.round:
+                return self._restart_reason or f"round {self._restart_round}"
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        return None
+
     def next_rendezvous(self) -> RendezvousInfo:
         if self._gave_up:
             raise RendezvousConnectionError(f"job {self.run_id}: {self._gave_up}")
@@ -327,6 +356,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
         if not self._nproc_known:
             self._nproc_known = True
             nproc = spec_nproc(self)
+            hook_agent(self, self.round_changed)  # a peer's echo is a membership change (torch_echo)
             if nproc is None:
                 log.warning(
                     "rdzv: no torch WorkerSpec calls this handler; %d local worker(s), from the command line",
@@ -361,7 +391,8 @@ class RdzvRendezvousHandler(RendezvousHandler):
         link, inbox = self.session.link, self._inbox
         assert inbox is not None  # made with the link
         prev = self._assignment
-        if prev is not None and self._restart_round <= prev.round and prev.group_world_size > 1:
+        held = prev is not None and self._echo_checked == prev.round  # round_changed() waited already
+        if prev is not None and self._restart_round <= prev.round and prev.group_world_size > 1 and not held:
             # A local worker failed. When a peer node died, our workers' collectives
             # fail within milliseconds, before the server has lost that node (its
             # disconnect grace). Give the server that long to open the next round

@@ -7,11 +7,33 @@ else is a validation error that changes nothing.
 from __future__ import annotations
 
 import base64
+import bisect
 import json
+from collections.abc import Callable
+from typing import TypeVar
 
 from .protocol import ErrorCode, RequestError, is_valid_host, is_valid_id
 
 MAX_CURSOR_LEN = 512
+
+_T = TypeVar("_T")
+
+
+def paged(
+    order: list[tuple[float, str]], cursor: str | None, limit: int, pick: Callable[[tuple[float, str]], _T | None]
+) -> tuple[list[_T], str | None]:
+    """One page of what ``pick`` gives for the keys of ``order`` (sorted
+    (created_at, id) keys) after ``cursor``, skipping None: (items,
+    next_cursor), ``next_cursor`` None on the last page."""
+    i = bisect.bisect_right(order, decode_cursor(cursor)) if cursor is not None else 0
+    out: list[_T] = []
+    while i < len(order) and len(out) < limit:
+        item = pick(order[i])
+        if item is not None:
+            out.append(item)
+        i += 1
+    more = i < len(order) and len(out) == limit
+    return out, (encode_cursor(order[i - 1]) if more else None)
 
 
 def encode_cursor(key: tuple[float, str]) -> str:

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from . import logs, rounds
-from .cursors import decode_cursor, encode_cursor
+from .cursors import paged
 from .database import Database, DataDirError  # noqa: F401  (DataDirError: re-exported)
 from .due import Due
 from .events import EventLog
@@ -404,13 +404,8 @@ class Store(HostsMixin, RetentionMixin):
             job = self.jobs.get(job_id)
             if job is None or job.finished:
                 self.progress_jobs.discard(job_id)
-                continue
-            ages = [  # running members only: a spare (a replaced straggler) keeps its last step
-                now - n.progress_at
-                for n in job.nodes.values()
-                if n.progress_at is not None and n.state == rounds.RUNNING
-            ]
-            out[job_id] = round(max(0.0, *ages), 3) if ages else 0.0
+            else:
+                out[job_id] = rounds.progress_age(job, now)
         return out
 
     def fail(self, job_id: str, node_id: str, round_no: int, failures: list[ExitRecord], give_up: bool = False) -> None:
@@ -458,18 +453,12 @@ class Store(HostsMixin, RetentionMixin):
     ) -> tuple[list[JobSummary], str | None]:
         """One page of job summaries in creation order: (summaries, next_cursor).
         ``cursor`` is a ``next_cursor`` this server returned (opaque to clients)."""
-        start = 0
-        if cursor is not None:
-            start = bisect.bisect_right(self._order, decode_cursor(cursor))
-        out: list[JobSummary] = []
-        i = start
-        while i < len(self._order) and len(out) < limit:
-            job = self.jobs[self._order[i][1]]
-            if state is None or job.state == state:
-                out.append(rounds.summary(job))
-            i += 1
-        more = i < len(self._order) and len(out) == limit
-        return out, (encode_cursor(self._order[i - 1]) if more else None)
+        page, more = paged(self._order, cursor, limit, lambda key: self._summary(self.jobs[key[1]], state))
+        return page, more
+
+    @staticmethod
+    def _summary(job: Job, state: JobState | None) -> JobSummary | None:
+        return rounds.summary(job) if state is None or job.state == state else None
 
     def close_job(self, job_id: str) -> Job:
         job, now = self._job(job_id), self.clock()

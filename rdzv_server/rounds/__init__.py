@@ -62,7 +62,7 @@ from .model import (
 from .progress import heartbeat
 from .reclaim import held, reclaim
 from .records import from_record, to_record
-from .views import MAX_VIEW_HISTORY, MAX_VIEW_NODES, summary, view, waiting_info
+from .views import MAX_VIEW_HISTORY, MAX_VIEW_NODES, progress_age, summary, view, waiting_info
 
 __all__ = [
     "MAX_HISTORY",
@@ -112,6 +112,7 @@ __all__ = [
     "starts_run",
     "check_owner",
     "succeed",
+    "progress_age",
     "summary",
     "tick",
     "to_record",

@@ -145,7 +145,8 @@ def _check_run(job: Job, msg: JoinMsg) -> None:
             + (
                 f"this agent belongs to that run (the same command started again starts run {job.run + 1})"
                 if msg.new_run
-                else "this agent may not start its next run (--no-new-run)"
+                else "this agent may not start its next run (--no-new-run, the default in a Kubernetes pod: "
+                "--new-run, or a new job id, starts one)"
             )
         )
 

@@ -179,7 +179,7 @@ def fail(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], now:
     if job.restarts >= job.spec.max_restarts:
         job.root_cause = cause
         return fx.merge(
-            _end(job, JobState.FAILED, f"restart budget of {job.spec.max_restarts} spent; first failure: {cause}", now)
+            _end(job, JobState.FAILED, f"restart budget of {job.spec.max_restarts} spent; last failure: {cause}", now)
         )
     if storm(job, now):  # (no root_cause: the job view shows this reason, the failure in it)
         return fx.merge(

@@ -144,6 +144,13 @@ def view(job: Job, now: float) -> JobView:
     )
 
 
+def progress_age(job: Job, now: float) -> float:
+    """The most seconds any running member's step has not advanced (0 with
+    none reporting; a spare, such as a replaced straggler, keeps its last step)."""
+    ages = [now - n.progress_at for n in job.nodes.values() if n.progress_at is not None and n.state == RUNNING]
+    return round(max(0.0, *ages), 3) if ages else 0.0
+
+
 def summary(job: Job) -> JobSummary:
     return JobSummary(
         job_id=job.job_id,

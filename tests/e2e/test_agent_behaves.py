@@ -178,6 +178,8 @@ def test_server_dies_while_workers_run_then_the_agent_gives_up(cluster: Cluster)
     assert alive(pid)
     assert agent.wait_exit(40) == 3, agent.text()
     assert "giving up: server" in agent.text() and "stopping workers" in agent.text()
+    # off a terminal the countdown is the notice, every 30 s as README says: one line in these 5 s, not one per 2 s
+    assert len([ln for ln in agent.text().splitlines() if "giving up in" in ln]) == 1, agent.text()
     assert not alive(pid)
     assert not cluster.leftovers()
     _no_traceback(agent)

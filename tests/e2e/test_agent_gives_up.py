@@ -80,3 +80,32 @@ def test_agent_refused_for_too_many_waiting_jobs_gives_up(cluster: Cluster) -> N
     holder.wait_log(r"round 0: 1 joined", 30)
     _gives_up(cluster, server.endpoint, "refused")
     assert holder.popen.poll() is None
+
+
+@pytest.mark.timeout(60)
+def test_agent_never_reaching_its_endpoint_fails_fast_naming_it(cluster: Cluster) -> None:
+    """A typo'd port (nothing listens, each connect refused) with the default
+    --server-timeout (300 s): the agent gives up after the never-reached deadline
+    (service.NEVER_REACHED_S, 10 s; 3 s here through its variable), naming what it
+    tried and what to check, not after 300 s."""
+    from tests.helpers.procs import free_port
+
+    port = free_port()
+    started = time.monotonic()
+    agent = cluster.start_agent(
+        None,
+        "typo",
+        "stubborn.py",
+        "--ignore",
+        "none",
+        nnodes="1",
+        flags=("--endpoint", f"127.0.0.1:{port}", "--job-id", "typo"),
+        env={"RDZV_NEVER_REACHED_TIMEOUT": "3"},
+    )
+    code = agent.wait_exit(40)  # the deadline bounds a hang: --server-timeout would be 300 s
+    text = agent.text()
+    print(f"typo: exit {code} after {time.monotonic() - started:.1f}s")
+    assert code == 3, text
+    [line] = [ln for ln in text.splitlines() if "giving up:" in ln]
+    assert "no rdzv server ever answered" in line and f"127.0.0.1:{port}" in line, line
+    assert "--endpoint" in line and "RDZV_NEVER_REACHED_TIMEOUT" in line, line

@@ -150,7 +150,8 @@ def test_torch_file_timer_expiry_kills_the_worker_and_counts_as_a_failure(cluste
     assert agent.wait_exit(90) == 0, agent.text()[-3000:]
     text = agent.text()
     assert "torch elastic timer 'guarded_step' of worker pid" in text, text[-3000:]
-    assert "was killed by SIGKILL" in text
+    assert "was killed by SIGKILL (torch elastic timer expired)" in text, text[-3000:]
+    assert "out of memory?" not in text, text[-3000:]  # issue 25: the agent knows why it killed it
     assert "[0]: done restart 1" in text and "[0]: done restart 0" not in text
     view = server.job("ftimer")
     assert view["state"] == "succeeded" and view["restarts"] == 1, view

@@ -132,3 +132,22 @@ def test_an_owned_job_id_reruns_only_with_its_job_secret(cluster: Cluster) -> No
     assert second.wait_exit(60) == 0, second.text()[-3000:]
     view = server.wait_job("nightly", lambda v: v["state"] == "succeeded", 10, "run 2 succeeded")
     assert view["run"] == 2 and [(r["run"], r["state"]) for r in view["runs"]] == [(1, "succeeded")], view
+
+
+@pytest.mark.timeout(90)
+def test_a_restarted_pod_after_a_failed_run_does_not_start_a_lone_run(cluster: Cluster) -> None:
+    """Issue 25, item 2: in a Kubernetes pod (KUBERNETES_SERVICE_HOST) the default is --no-new-run: the pod a
+    scheduler restarts after its job failed exits 2 at once, naming how to start a new run, and the job id stays
+    at its failed run (before: it started run 2 alone and waited out the join timeout)."""
+    server = cluster.start_server()
+    fail = {"RDZV_TEST_FAIL": "1"}
+    args = ("--steps", "3", "--fail-if-env", "RDZV_TEST_FAIL")
+    first = cluster.start_agent(server, "podjob", "loop.py", *args, nnodes="1", flags=("--max-restarts", "0"), env=fail)
+    assert first.wait_exit(60) == 1, first.text()[-3000:]
+    server.wait_job("podjob", lambda v: v["state"] == "failed", 10, "run 1 failed")
+    pod = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "RDZV_NO_NEW_RUN": ""}
+    restarted = cluster.start_agent(server, "podjob", "loop.py", "--steps", "3", nnodes="1", env=pod)
+    assert restarted.wait_exit(30) == 2, restarted.text()[-3000:]
+    assert "may not start its next run" in restarted.text() and "--new-run" in restarted.text(), restarted.text()
+    view = server.job("podjob")
+    assert (view["run"], view["state"]) == (1, "failed"), view

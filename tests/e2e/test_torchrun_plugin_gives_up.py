@@ -46,3 +46,17 @@ def test_plugin_gives_up_when_the_server_dies_while_workers_run(rig: Rig) -> Non
     assert rc != 0, text[-3000:]
     assert "unreachable for" in text and "server_timeout" in text, text[-3000:]
     wait_until(lambda: not any(alive(pid) for pid in workers), 10, "its workers gone")
+
+
+@pytest.mark.timeout(90)
+def test_plugin_never_reaching_its_endpoint_fails_fast_naming_it(rig: Rig) -> None:
+    """A typo'd port with the default server_timeout (300 s): torchrun exits
+    after the never-reached deadline (service.NEVER_REACHED_S, 10 s; 3 s here
+    through its variable) with what was tried and what to check."""
+    rig.port = free_port()  # nothing listens there
+    node = rig.torchrun("node0", "typo", "1:1", "--steps", "5", env={"RDZV_NEVER_REACHED_TIMEOUT": "3"})
+    rc = node.wait_exit(60)  # bounds a hang: server_timeout would be 300 s
+    text = node.text()
+    assert rc != 0, text[-3000:]
+    assert "no rdzv server ever answered" in text and "127.0.0.1:%d" % rig.port in text, text[-3000:]
+    assert "--rdzv-endpoint" in text and "RendezvousConnectionError" in text, text[-3000:]

@@ -147,7 +147,7 @@ def test_render_jobs_one_aligned_row_per_job() -> None:
     _assert_aligned(lines, starts)
     assert [_cells(ln, starts) for ln in lines[1:]] == [
         ["exp1", "running", "2", "3", "2:8", "24", "1/3"],
-        ["a-much-longer-job-id.v2", "waiting", "0", "1", "4:4", "0", "0/1000000"],
+        ["a-much-longer-job-id.v2", "waiting", "0", "1", "4:4", "0", "0/unlimited"],  # a plugin job (issue 25)
         ["j", "succeeded", "11", "0", "1:1", "1", "10/10"],
     ]
     # the widest cell sets its column's width; two spaces separate columns; no trailing blanks

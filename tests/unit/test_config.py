@@ -562,3 +562,13 @@ def test_straggler_flags_have_defaults_and_are_part_of_the_spec() -> None:
             cfg_of(*BASE, "--straggler-window-s", bad)
     with pytest.raises(SystemExit):  # argparse: not one of warn, replace
         cfg_of(*BASE, "--straggler-policy", "evict")
+
+
+def test_a_bad_never_reached_timeout_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$RDZV_NEVER_REACHED_TIMEOUT is checked with the flags (exit 2, one line), not when the link first fails."""
+    monkeypatch.setenv("RDZV_NEVER_REACHED_TIMEOUT", "soon")
+    with pytest.raises(UsageError, match="RDZV_NEVER_REACHED_TIMEOUT='soon': must be a number of seconds"):
+        cfg_of(*BASE)
+    monkeypatch.setenv("RDZV_NEVER_REACHED_TIMEOUT", "0")
+    with pytest.raises(UsageError, match="must be a positive number"):
+        cfg_of(*BASE)

@@ -339,3 +339,46 @@ def test_only_a_member_of_the_round_may_give_up():
     assert job.round == 1 and job.nodes["b"].state == rounds.REJOINING
     rounds.give_up(job, "b", 0, [BOOM], 4.0)
     assert job.finished
+
+
+def test_under_kubernetes_a_fresh_agent_may_not_start_a_new_run_unless_told(monkeypatch: pytest.MonkeyPatch):
+    """Issue 25, item 2: a pod the scheduler restarts after its job failed must not start the job id's next run
+    alone. In a Kubernetes pod (KUBERNETES_SERVICE_HOST) the default is --no-new-run; --new-run,
+    RDZV_NO_NEW_RUN=0 or --rdzv-conf new_run=1 allow it; --no-new-run stays no whatever the key says."""
+    from rdzv_client.config import build_parser, config_from_args
+    from rdzv_client.session import new_run_default
+
+    base = ["--endpoint", "127.0.0.1:29400", "--job-id", "j", "--local-addr", "127.0.0.1", "train.py"]
+
+    def new_run(*flags: str) -> bool:
+        return config_from_args(build_parser().parse_args([*flags, *base])).new_run
+
+    monkeypatch.delenv("RDZV_NO_NEW_RUN", raising=False)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    assert new_run_default() is False and new_run() is False
+    assert new_run("--new-run") is True
+    assert new_run("--rdzv-conf", "new_run=1") is True
+    assert new_run("--no-new-run", "--rdzv-conf", "new_run=1") is False
+    monkeypatch.setenv("RDZV_NO_NEW_RUN", "0")
+    assert new_run() is True and new_run("--no-new-run") is False
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
+    monkeypatch.delenv("RDZV_NO_NEW_RUN")
+    assert new_run_default() is True and new_run() is True
+    assert new_run_default({"KUBERNETES_SERVICE_HOST": "", "RDZV_NO_NEW_RUN": ""}) is True
+    assert new_run_default({"RDZV_NO_NEW_RUN": "1"}) is False
+
+
+def test_a_spent_budget_names_the_failure_that_spent_it_as_the_last_one():
+    """Issue 25: the reason said "first failure:" before the last attempt's record (its pid): the failure that
+    spent the budget is the last one, and the reason says so."""
+    sp = spec(min_nodes=1, max_nodes=1, max_restarts=1)
+    job = form(["a"], sp)
+    rounds.fail(job, "a", 0, [BOOM], 5.0)  # restart 1/1: round 1
+    rounds.join(job, join_msg("a", sp), 6.0)
+    rounds.tick(job, 6.0 + sp.last_call_s)
+    assert job.state == JobState.RUNNING and job.round == 1
+    last = BOOM.model_copy(update={"pid": 88, "timestamp": 9.0, "message": "RuntimeError: again"})
+    rounds.fail(job, "a", 1, [last], 9.0)
+    assert job.state == JobState.FAILED
+    assert "last failure: " in job.end_reason and "pid 88" in job.end_reason, job.end_reason
+    assert "first failure" not in job.end_reason, job.end_reason

@@ -228,6 +228,17 @@ def test_stale_round_after_a_reported_success_is_done(agent: Agent) -> None:
     assert react(agent, _error(ErrorCode.STALE_ROUND)) == 0
 
 
+def test_a_stale_report_is_said_as_harmless(agent: Agent, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 25: "server: failure report ... is stale: ..." read like an error after a report the round change had
+    made moot; the agent's line says it is harmless (the server's words only at debug level)."""
+    agent.phase = Phase.REPORTED
+    stale = ErrorMsg(code=ErrorCode.STALE_ROUND, message="failure report for round 0 from node 'n' is stale: ...")
+    with caplog.at_level(logging.INFO, logger="rdzv_agent"):
+        assert react(agent, stale) is None
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert said == ["the round changed before this node's report arrived; nothing to do, nothing charged"], said
+
+
 @pytest.mark.parametrize("code", [ErrorCode.JOB_SECRET_MISMATCH, ErrorCode.SPEC_MISMATCH, ErrorCode.JOB_FINISHED])
 def test_a_fatal_refusal_stops_the_workers_and_exits_2(agent: Agent, code: ErrorCode) -> None:
     group = running(agent)

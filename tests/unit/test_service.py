@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from rdzv_client.quiet import Quiet
 from rdzv_client.service import ServiceClock, outage_word
 
@@ -102,3 +104,68 @@ def test_refusal_is_any_error_to_an_unanswered_join_and_any_eviction() -> None:
     # an eviction, by message or code, drops even a served node's connection
     assert refusal(EvictedMsg(reason="gone"), serving=True) == "join refused: evicted: gone"
     assert refusal(ErrorMsg(code=ErrorCode.NODE_SECRET_MISMATCH, message="x"), serving=True) is not None
+
+
+def test_a_connect_that_finds_nothing_is_refused_or_an_unknown_host() -> None:
+    """Refused (also asyncio's joined error for every address of a name) or an
+    unknown host: nothing listens. A timeout or another error: maybe something."""
+    import errno
+    import socket
+
+    from rdzv_client.service import nothing_listens
+
+    assert nothing_listens(ConnectionRefusedError(errno.ECONNREFUSED, "Connect call failed ('127.0.0.1', 1)"))
+    assert nothing_listens(socket.gaierror(-2, "Name or service not known"))
+    both = OSError(
+        "Multiple exceptions: [Errno 111] Connect call failed ('::1', 1, 0, 0), "
+        "[Errno 111] Connect call failed ('127.0.0.1', 1)"
+    )
+    assert nothing_listens(both)
+    mixed = OSError(
+        "Multiple exceptions: [Errno 101] Connect call failed ('::1', 1, 0, 0), "
+        "[Errno 111] Connect call failed ('127.0.0.1', 1)"
+    )
+    assert not nothing_listens(mixed)
+    assert not nothing_listens(TimeoutError())
+    assert not nothing_listens(OSError(errno.EHOSTUNREACH, "No route to host"))
+
+
+def test_first_contact_names_what_was_tried_until_an_endpoint_is_reached() -> None:
+    """Never reached: what each endpoint's connect found. Once one was reached (or
+    a connect failed otherwise), an outage is a server's outage: None from then on."""
+    from rdzv_client.service import FirstContact
+
+    fc = FirstContact()
+    assert fc.never_reached() is None  # nothing tried yet
+    fc.failed("http://h:1", ConnectionRefusedError(111, "Connect call failed"))
+    fc.failed("http://h:2", ConnectionRefusedError(111, "Connect call failed"))
+    fc.failed("http://h:1", ConnectionRefusedError(111, "Connect call failed"))
+    text = fc.never_reached()
+    assert text is not None and text.count("http://h:1") == 1 and "http://h:2" in text
+    fc.seen()
+    fc.failed("http://h:1", ConnectionRefusedError(111, "Connect call failed"))
+    assert fc.never_reached() is None
+    slow = FirstContact()
+    slow.failed("http://h:1", ConnectionRefusedError(111, "Connect call failed"))
+    slow.failed("http://h:1", TimeoutError())
+    assert slow.never_reached() is None
+
+
+def test_a_never_reached_endpoint_gives_up_at_its_own_deadline_an_outage_at_the_server_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rdzv_client.service import NEVER_REACHED_ENV, NEVER_REACHED_S
+    from rdzv_client.session import OutageWatch
+
+    monkeypatch.delenv(NEVER_REACHED_ENV, raising=False)
+    w = OutageWatch(300.0)
+    notice = w.check(NEVER_REACHED_S - 1, never_reached=True)
+    assert notice is not None and (notice.kind, notice.left) == ("notice", 1.0)  # the countdown is to 10 s, not 300
+    assert w.check(NEVER_REACHED_S, never_reached=True).kind == "never_reached"  # type: ignore[union-attr]
+    assert w.check(NEVER_REACHED_S + 20, never_reached=False).kind == "ongoing"  # type: ignore[union-attr]
+    assert OutageWatch(5.0).check(5.0, never_reached=True).kind == "give_up"  # type: ignore[union-attr]
+    monkeypatch.setenv(NEVER_REACHED_ENV, "60")
+    assert OutageWatch(300.0).check(30.0, never_reached=True).kind == "notice"  # type: ignore[union-attr]
+    monkeypatch.setenv(NEVER_REACHED_ENV, "soon")
+    with pytest.raises(ValueError, match=NEVER_REACHED_ENV):
+        OutageWatch(300.0)

@@ -75,6 +75,23 @@ def test_rdzv_no_new_run_is_read_as_rdzv_agent_reads_it(monkeypatch: pytest.Monk
     assert handler().session.new_run is True
 
 
+def test_under_kubernetes_the_plugin_starts_no_new_run_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 25, item 2: torchrun in a Kubernetes pod (Kubeflow Trainer, JobSet) restarted after its job ended
+    is refused by the finished job id, as rdzv-agent is; --rdzv-conf new_run=1 or RDZV_NO_NEW_RUN=0 allow it."""
+    monkeypatch.delenv("RDZV_NO_NEW_RUN", raising=False)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    assert handler().session.new_run is False
+    assert handler(new_run="1").session.new_run is True
+    monkeypatch.setenv("RDZV_NO_NEW_RUN", "0")
+    assert handler().session.new_run is True
+
+
+def test_a_bad_never_reached_timeout_is_refused_when_the_handler_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RDZV_NEVER_REACHED_TIMEOUT", "-1")
+    with pytest.raises(ValueError, match="RDZV_NEVER_REACHED_TIMEOUT=-1: must be a positive number"):
+        handler()
+
+
 def test_bad_job_id_is_refused_in_one_line() -> None:
     with pytest.raises(ValueError, match=r"job id 'a b': use 1-128 characters"):
         handler(job_id="a b")
