@@ -66,7 +66,7 @@ async def probe_reused(ctx: Ctx) -> Result:
         "the secret, with other settings; run 1 with a job secret, and without one (the default)"
     )
     measured = "; ".join(f"{case}: {what}" for case, (_, what) in out.items())
-    # a run without a job secret has no credential to prove: its id is anyone's (README, Security), reported only
+    # a run without a job secret has no credential to prove: its id is anyone's (docs/security.md), reported only
     met = not out["with a job secret"][0] and not any(w.startswith("setup") for _, w in out.values())
     target = "with a job secret: refused (without one there is no credential: anyone's, as documented)"
     return Result("4", did, measured, target, met, {})

@@ -3,7 +3,7 @@
     rdzv-agent --standalone --restart-mode in-place --nproc-per-node 2 examples/train_accelerate_inplace.py
 
 A plain accelerate training loop (``Accelerator``, ``prepare``,
-``accelerator.backward``) with its set-up moved into the round loop (README,
+``accelerator.backward``) with its set-up moved into the round loop (docs/inplace.md,
 "An accelerate script, in place", shows the diff): per round a fresh gloo
 group, an ``InPlaceAccelerator`` on it (accelerate's state set up again for
 the round's world), ``prepare`` as usual (a DDP whose gradient all-reduce the

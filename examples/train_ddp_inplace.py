@@ -2,7 +2,7 @@
 
     rdzv-agent --standalone --restart-mode in-place --nproc-per-node 2 examples/train_ddp_inplace.py
 
-Five lines of the plain DDP loop it was differ, plus the import (README, "A
+Five lines of the plain DDP loop it was differ, plus the import (docs/inplace.md, "A
 plain DDP script, in place", shows the diff; the loop body moves two levels
 in): per round a fresh gloo group (the default
 group, so ``dist.get_rank()`` works), the state of the most advanced rank

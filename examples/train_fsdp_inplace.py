@@ -2,7 +2,7 @@
 
     rdzv-agent --standalone --restart-mode in-place --nproc-per-node 2 examples/train_fsdp_inplace.py
 
-README, "An FSDP2 script, in place", shows the diff against the plain FSDP2
+docs/inplace.md, "An FSDP2 script, in place", shows the diff against the plain FSDP2
 loop it was: per round the model is built and sharded anew on a ``DeviceMesh``
 over the round's group (``inplace_fsdp.mesh``: FSDP2's all-gathers and
 reduce-scatters, which the agent can interrupt), and the state comes back from

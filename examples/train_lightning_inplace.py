@@ -7,7 +7,7 @@ three lines of rdzv: the import, ``strategy=InPlaceDDPStrategy()`` in place of
 ``strategy="ddp"`` (no ``num_nodes``: the world size is the round's) and
 ``inplace.exit(0)`` at the end (it skips the destructors of the abandoned
 groups). On a round change ``fit`` goes on in the same process from the
-highest ``global_step`` any rank reached (README, "A Lightning script, in
+highest ``global_step`` any rank reached (docs/inplace.md, "A Lightning script, in
 place"). Without ``--restart-mode in-place`` it trains once per process.
 
 Every rank prints, per step, ``step S rank R world W round C pid P sum X t T``

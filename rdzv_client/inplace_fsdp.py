@@ -1,4 +1,4 @@
-"""FSDP2 (``torch.distributed.fsdp.fully_shard``) in place (README, "An FSDP2
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) in place (docs/inplace.md, "An FSDP2
 script, in place").
 
 Per round: :func:`mesh` gives a ``DeviceMesh`` on the round's group made

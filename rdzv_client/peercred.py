@@ -7,7 +7,7 @@ to both sockets (the directory is the user's own): this is what tells them
 apart. Standard library only (the worker side imports it).
 
 Where the kernel has no SO_PASSCRED (not Linux) :func:`enable` returns False
-and the sockets work as before, unchecked (README "Security")."""
+and the sockets work as before, unchecked (docs/security.md)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 runs torchrun in its own process, so our handler is found through the
 ``torchrun.handlers`` entry point) on two "nodes" (two launches on loopback, CPU,
 gloo) against a real ``rdzv-server``; the workers run scripts/accel_train.py, a
-plain accelerate script. The command lines are README's recipe ("Coming from
-torchrun / accelerate / Lightning").
+plain accelerate script. The command lines are docs/torchrun.md's recipe
+("accelerate").
 
 What broke before (issue 12, item 2): machine_rank 0 died in accelerate's own
 port check when the server listened on localhost at --main_process_port; the
