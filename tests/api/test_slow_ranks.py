@@ -127,3 +127,29 @@ async def test_replace_a_waiting_spare_takes_the_slow_rank_s_node_s_place_no_res
     assert view["round"] == 1 and view["restarts"] == 0 and view["state"] == "running"
     assert sorted(n["node_id"] for n in view["nodes"]) == ["n0", "n1", "n3"]
     assert [n["node_id"] for n in view["spares"]] == ["n2"]
+
+
+async def test_a_step_rate_flag_without_timings_counts_against_its_host_too(client, connect, monkeypatch) -> None:
+    from rdzv_server.rounds import progress
+
+    monkeypatch.setattr(progress, "STRAGGLER_CHECK_S", 0.0)
+    spec = JobSpec(min_nodes=3, max_nodes=3, straggler_window_s=0.001)
+    agents = await _form(connect, "lh", ["n0", "n1", "n2"], spec)
+    for agent, rate in zip(agents, (10.0, 10.0, 1.0)):  # not lock-stepped, no timings
+        await agent.send(HeartbeatMsg(step=100, rate=rate))
+    for _ in range(500):
+        if all(n["steps_per_s"] is not None for n in (await _view(client, "lh"))["nodes"]):
+            break
+        await asyncio.sleep(0.01)
+    for i in range(1, 3):
+        await agents[0].send(HeartbeatMsg(step=100 + i, rate=10.0))
+        await asyncio.sleep(0.01)
+    for _ in range(500):
+        resp = await client.get("/v1/hosts/n2")
+        if resp.status == 200:
+            break
+        await asyncio.sleep(0.01)
+    host = await resp.json()
+    assert host["failures_total"] == 1 and "is a straggler: 1 steps/s" in host["failures"][-1]["reason"], host
+    nodes = {n["node_id"]: n for n in (await _view(client, "lh"))["nodes"]}
+    assert nodes["n2"]["straggler"] and nodes["n2"]["slow_rank"] is None

@@ -197,3 +197,16 @@ def test_a_rank_flag_is_a_failure_of_its_host_each_time() -> None:
         assert not sim.flagged()
     assert [h for h, _ in sim.fx.host_failures] == ["n0", "n0"]
     assert all("straggler" in why for _, why in sim.fx.host_failures)
+
+
+def test_the_step_rate_rule_stays_for_jobs_without_timings_and_its_flag_counts_against_the_host() -> None:
+    job = form(["a", "b", "c"], spec(min_nodes=1, max_nodes=3, straggler_window_s=WINDOW_S))
+    fx = rounds.Effects()
+    t = 100.0
+    while t < 100 + 2 * WINDOW_S:
+        for name, rate in (("a", 10.0), ("b", 10.0), ("c", 2.0)):
+            fx.merge(rounds.heartbeat(job, name, t, step=int(t * rate), rate=rate))
+        t += HB_S
+    assert job.nodes["c"].straggler and job.nodes["c"].slow_rank is None
+    assert not [ev for ev in fx.events if ev.kind == "straggler_flagged"]  # a warning line, as before
+    assert [h for h, _ in fx.host_failures] == ["c"]
