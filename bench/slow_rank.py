@@ -2,6 +2,7 @@
 flag and to its replacement.
 
     python -m bench.slow_rank [--factors 5,1.5] [--window S] [--runs N] [--out FILE.json]
+    python -m bench.slow_rank --soak MINUTES [--window S] [--hogs N]
 
 A real rdzv-server, three real rdzv-agents in lock-step (``--nnodes 3``, one
 gloo worker each: ``bench/scripts/slow_rank_worker.py``, an all_reduce and a
@@ -12,6 +13,11 @@ Once every member's timings show in the job view, one worker computes
 replaces it opened (the server's clock: ``replace`` opens it at the check
 that flags); replaced: when that round completed with the spare in it. Both
 in seconds after T0 and in windows. Prints one table.
+
+``--soak M``: no rank turns slow; three equal lock-step nodes (``warn``) run
+for M minutes and every flag is a false one (the server's
+``rdzv_stragglers_flagged_total`` and its "is a straggler" lines), with the
+load average; ``--hogs N`` busy Python loops load the machine meanwhile.
 """
 
 from __future__ import annotations
@@ -86,15 +92,70 @@ def run_one(factor: float, window: float, tmp: Path, log=print) -> dict:
         cl.close()
 
 
+def soak(minutes: float, window: float, hogs: int, tmp: Path, log=print) -> dict:
+    cl = Cluster("rdzv", tmp, "slowsoak")
+    flags = ("--straggler-policy", "warn", "--straggler-window-s", f"{window:g}", "--host-name")
+    load0 = C.loadavg()
+    hog_procs: list[C.Proc] = []
+    try:
+        hog_procs = [
+            C.Proc(f"hog{i}", [sys.executable, "-c", "while True: pass"], cl.dir / f"hog{i}.log") for i in range(hogs)
+        ]
+        for i in range(3):
+            cl.launch("3:3", [str(WORKER)], rdzv_flags=(*flags, f"h{i}"))
+
+        def timed() -> bool:
+            running = [n for n in _view(cl).get("nodes", []) if n["state"] == "running"]
+            return len(running) == 3 and all(n["timings"] for n in running)
+
+        if not C.wait_until(timed, SETUP_S, 0.2):
+            raise RuntimeError("no timings:\n" + cl.agents[0].text()[-2000:])
+        log(f"[slow_rank] soak: 3 equal lock-step nodes for {minutes:g} min, window {window:g} s")
+        ratios: list[float] = []
+        end = time.time() + minutes * 60
+        while time.time() < end:
+            v = _view(cl)
+            fr = [t["compute_s"] / t["window_s"] for n in v.get("nodes", []) for t in (n["timings"] or [])]
+            if len(fr) >= 3:
+                mid = sorted(fr)[len(fr) // 2]
+                ratios += [mid / f for f in fr if f > 0]
+            time.sleep(1.0)
+        metrics = (C.http_get(f"http://{cl.endpoint}/metrics", 5) or b"").decode()
+        series = f'rdzv_stragglers_flagged_total{{job_id="{cl.job}"}}'
+        flagged = sum(float(ln.split()[-1]) for ln in metrics.splitlines() if ln.startswith(series))
+        lines = cl.server.text().count("is a straggler") if cl.server else -1
+        v = _view(cl)
+        return {
+            "minutes": minutes,
+            "window_s": window,
+            "flags": flagged,
+            "straggler_lines": lines,
+            "min_score_seen": round(min(ratios), 3) if ratios else None,
+            "steps": min((n["step"] or 0) for n in v["nodes"]),
+            "hogs": hogs,
+            "load": f"{load0} -> {C.loadavg()}",
+        }
+    finally:
+        for h in hog_procs:
+            h.stop(1.0)
+        cl.close()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--factors", default="5,1.5")
     p.add_argument("--window", type=float, default=5.0)
     p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--soak", type=float, default=0.0, help="minutes of equal ranks: false flags")
+    p.add_argument("--hogs", type=int, default=0, help="--soak: busy processes loading the machine")
     p.add_argument("--out")
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="rdzv-slow-rank-"))
     log = functools.partial(print, file=sys.stderr, flush=True)
+    if a.soak:
+        res = soak(a.soak, a.window, a.hogs, tmp, log)
+        print(json.dumps(res))
+        return
     rows = [run_one(float(f), a.window, tmp, log) for f in a.factors.split(",") for _ in range(a.runs)]
     header = ["slow rank", "window", "to flag", "to replaced", "flag (windows)", "restarts charged", "members after"]
     print(
