@@ -289,6 +289,9 @@ def _progress_cell(n: NodeView) -> str:
     rate = f" {n.steps_per_s:g}/s" if n.steps_per_s is not None else ""
     since = f" {n.since_progress_s:.0f}s ago" if n.since_progress_s is not None else ""
     mark = " STRAGGLER" + (" (no spare to replace it)" if n.straggler_note else "") if n.straggler else ""
+    if n.straggler and n.slow_rank is not None:  # flagged by a rank's compute (lock-step)
+        s = n.slow_rank
+        mark += f" rank {s.rank if s.rank is not None else '-'}: compute score {s.ratio:.2f} for {s.window_s:.0f}s"
     return f"step {n.step}{rate}{since}{mark}"
 
 

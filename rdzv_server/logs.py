@@ -50,6 +50,7 @@ EVENTS = frozenset(
         "job_state",
         "host_cordoned",
         "host_uncordoned",
+        "straggler_flagged",
     }
 )
 CORE_KEYS = ("time", "level", "logger", "job", "round", "node", "event", "message")

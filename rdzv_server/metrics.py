@@ -56,6 +56,12 @@ class Metrics:
             "rdzv_evictions", "Nodes evicted (lost connection or heartbeat)", ["job_id"], registry=r
         )
         self.restarts = Counter("rdzv_restarts", "Restarts counted against the budget", ["job_id"], registry=r)
+        self.stragglers = Counter(
+            "rdzv_stragglers_flagged",
+            "Ranks flagged as stragglers by their compute (lock-step; the straggler_flagged event)",
+            ["job_id"],
+            registry=r,
+        )
         self.live_nodes = Gauge("rdzv_live_nodes", "Nodes known to the job", ["job_id"], registry=r)
         self.job_round = Gauge("rdzv_job_round", "Current round number", ["job_id"], registry=r)
         self.latency = Histogram(
@@ -106,6 +112,7 @@ class Metrics:
             self.rounds_completed,
             self.evictions,
             self.restarts,
+            self.stragglers,
             self.live_nodes,
             self.job_round,
             self.since_progress,
@@ -127,6 +134,8 @@ class Metrics:
                 self.formation.observe(max(0.0, ev.fields["formation_s"]))
             elif ev.kind == "restart_charged":
                 self.restarts.labels(j).inc()
+            elif ev.kind == "straggler_flagged":
+                self.stragglers.labels(j).inc()
         if fx.evicted:
             self.evictions.labels(j).inc(len(fx.evicted))
         if j in self._finished:

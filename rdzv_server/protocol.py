@@ -81,6 +81,7 @@ from .rest_models import (  # noqa: F401  (re-exported: the wire contract is one
     RankTimingView,
     RoundView,
     RunView,
+    SlowRankView,
 )
 from .wire import (  # noqa: F401  (re-exported: the wire contract is one import)
     AGENT_PATH,
@@ -95,6 +96,7 @@ from .wire import (  # noqa: F401  (re-exported: the wire contract is one import
     DEFAULT_STORM_RESTARTS,
     DEFAULT_STRAGGLER_FRACTION,
     DEFAULT_STRAGGLER_POLICY,
+    DEFAULT_STRAGGLER_SCORE,
     DEFAULT_STRAGGLER_WINDOW_S,
     HEARTBEAT_FRAME,
     HOST_PATTERN,
@@ -181,6 +183,9 @@ class JobSpec(_Strict):
     # that does not reach its safe point within in_place_timeout_s is restarted
     restart_mode: Literal["process", "in-place"] = "process"
     in_place_timeout_s: Seconds = DEFAULT_IN_PLACE_TIMEOUT_S
+    # lock-step stragglers (design.md "Hangs and progress"): a rank whose median / own
+    # compute fraction stays below this for straggler_window_s (rounds.slow_ranks)
+    straggler_score: float = Field(default=DEFAULT_STRAGGLER_SCORE, gt=0, le=1, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _min_le_max(self) -> JobSpec:

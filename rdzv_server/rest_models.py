@@ -38,6 +38,17 @@ class RankTimingView(BaseModel):
     age_s: float = Field(description="seconds since the heartbeat that brought it")
 
 
+class SlowRankView(BaseModel):
+    """The rank that made its node a straggler by its compute (lock-step training)."""
+
+    rank: int | None = Field(description="its global rank (null: the node is not running)")
+    local_rank: int
+    ratio: float = Field(description="its score: the job's median compute fraction / its own")
+    compute_fraction: float = Field(description="the share of its last timing window it computed")
+    median_fraction: float = Field(description="the job's median of that share over its timed ranks")
+    window_s: float = Field(description="seconds its score has stayed below the job's straggler score")
+
+
 class NodeView(BaseModel):
     node_id: str
     host: str
@@ -64,7 +75,14 @@ class NodeView(BaseModel):
     straggler: bool = Field(
         default=False,
         description="its steps/s stayed below the job's straggler fraction (default half) of the job's median "
-        "for its straggler window (default 30 s)",
+        "for its straggler window (default 30 s); or, where at least 3 ranks report timings (lock-step), one "
+        "of its ranks computes too long (slow_rank)",
+    )
+    slow_rank: SlowRankView | None = Field(
+        default=None,
+        description="the rank that flagged it by its compute: a rank whose score (the job's median compute "
+        "fraction / its own) stayed below the straggler score (default 0.75) for the window (null: flagged by "
+        "its steps/s, or not at all)",
     )
     straggler_note: str | None = Field(
         default=None, description="what the straggler policy did not do about it (replace: no spare waits)"

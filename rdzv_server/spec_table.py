@@ -234,6 +234,15 @@ SPEC_FIELDS: Final[tuple[SpecField, ...]] = (
         "node's workers are restarted the process way" + _PART,
         flag="--in-place-timeout",
     ),
+    SpecField(
+        "straggler_score",
+        "fraction",
+        0.75,  # NVRx's threshold: median / own compute
+        "a rank whose compute score (the job's median compute fraction over its own; ranks that report "
+        "timings, lock-step training) stays below this for --straggler-window-s is a straggler" + _PART,
+        flag="--straggler-score",
+        hi=1,
+    ),
 )
 FIELDS: Final[Mapping[str, SpecField]] = {f.name: f for f in SPEC_FIELDS}
 DEFAULTS: Final[Mapping[str, Any]] = {f.name: f.default for f in SPEC_FIELDS if not f.required}
@@ -249,6 +258,7 @@ DEFAULT_MIN_ROUND_S: Final[float] = DEFAULTS["min_round_s"]
 DEFAULT_STRAGGLER_POLICY: Final[Literal["warn", "replace"]] = DEFAULTS["straggler_policy"]
 DEFAULT_STRAGGLER_FRACTION: Final[float] = DEFAULTS["straggler_fraction"]
 DEFAULT_STRAGGLER_WINDOW_S: Final[float] = DEFAULTS["straggler_window_s"]
+DEFAULT_STRAGGLER_SCORE: Final[float] = DEFAULTS["straggler_score"]
 DEFAULT_RESTART_MODE: Final[Literal["process", "in-place"]] = DEFAULTS["restart_mode"]
 DEFAULT_IN_PLACE_TIMEOUT_S: Final[float] = DEFAULTS["in_place_timeout_s"]
 

@@ -387,10 +387,11 @@ class Store(HostsMixin, RetentionMixin):
             if step is not None:
                 self.progress_jobs.add(job_id)
             # stragglers flagged (or no longer, or kept): notes, as warnings; the round a
-            # replacement opened (straggler_policy replace): its events as every step's,
+            # replacement opened (straggler_policy replace) and a rank's flag (slow_ranks): its
+            # events as every step's, a flag's failure counted against its host,
             # and all of them after the save (nothing is said of a refused step)
             warnings = [ln for ln in fx.logs if not (isinstance(ln, logs.Line) and ln.fields.get("event"))]
-            if fx.persist or fx.sends or fx.events:
+            if fx.persist or fx.sends or fx.events or fx.host_failures:
                 fx.logs = [ev.line for ev in fx.events]
                 self._apply(job, fx, now)
             for line in warnings:

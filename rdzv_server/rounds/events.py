@@ -5,7 +5,7 @@ The one place an event is made: its type (one of ``logs.EVENTS``), job, run,
 round, node, fields and the words of its log line. The store publishes each
 one to the event stream (``rdzv_server.events``), logs its line (the json
 log's ``event`` field) and counts it in the metrics, so the three never
-disagree. Lines that are no event (a node reconnected, a straggler flagged)
+disagree. Lines that are no event (a node reconnected, a straggler flagged by its steps/s)
 are notes: :func:`note`.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 from ..logs import Line, event_line
 from ..protocol import ExitRecord, printable
 from ..sizes import TRUNCATED, clip
-from .model import Effects, Event, Job, Node, RoundRecord
+from .model import Effects, Event, Job, Node, RoundRecord, SlowRank
 
 MAX_FAILURES = 8  # exit records a node_failed event carries (a node may report one per local rank)
 MAX_FAILURE_TEXT = 1024  # bytes (as JSON) of a text field of one exit record in an event
@@ -136,6 +136,33 @@ def round_completed(job: Job, rec: RoundRecord, members: list[Node], spares: int
         formation_s=round(rec.completed_at - rec.started_at, 6),
         world_size=rec.world_size,
         nodes=rec.nodes,
+    )
+
+
+def straggler_flagged(job: Job, node: Node, slow: SlowRank, now: float) -> Event:
+    """A rank's compute stayed above its job's median for the straggler window
+    (rounds.slow_ranks): the rank, its host, the ratio and the window measured."""
+    rank = node.rank_offset + slow.local_rank
+    spec = job.spec
+    text = (
+        f"job {job.job_id} round {job.round}: rank {rank} (local rank {slow.local_rank}) of node {node.node_id} "
+        f"({node.host}) is a straggler: compute score {slow.ratio:.2f} (job median compute fraction "
+        f"{slow.median:.3f} / its own {slow.fraction:.3f}) below {spec.straggler_score:g} for "
+        f"{now - slow.since:.0f}s (straggler policy {spec.straggler_policy})"
+    )
+    return _event(
+        job,
+        "straggler_flagged",
+        text,
+        node.node_id,
+        host=node.host,
+        rank=rank,
+        local_rank=slow.local_rank,
+        ratio=round(slow.ratio, 4),
+        compute_fraction=round(slow.fraction, 4),
+        median_fraction=round(slow.median, 4),
+        window_s=round(now - slow.since, 3),
+        policy=spec.straggler_policy,
     )
 
 

@@ -84,6 +84,23 @@ class Node:
     # they came; memory only, replaced by each progress heartbeat (None: its ranks do not time)
     timings: tuple[Any, ...] | None = None
     timings_at: float | None = None
+    # lock-step stragglers (slow_ranks): per local rank, since when its compute score is below
+    # the job's straggler_score; and what flagged the node (None: not flagged by its compute)
+    rank_slow_since: dict[int, float] = field(default_factory=dict)
+    slow_rank: SlowRank | None = None
+
+
+@dataclass(frozen=True)
+class SlowRank:
+    """A rank flagged by its compute (rounds.slow_ranks): its local rank, its
+    compute fraction and the job's median, their ratio (median / own), and
+    since when it stayed below the job's straggler_score."""
+
+    local_rank: int
+    fraction: float
+    median: float
+    ratio: float
+    since: float
 
 
 class HostGate(Protocol):

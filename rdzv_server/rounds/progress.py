@@ -6,12 +6,19 @@ reported; :func:`heartbeat` keeps them on the node and, at most every
 running members by the job's ``straggler_fraction`` and ``straggler_window_s``
 (log lines, nothing persisted or sent) and, under ``straggler_policy``
 "replace", opens a round in which a waiting spare takes a straggler's place.
+A job whose running members report at least ``slow_ranks.MIN_RANKS`` ranks'
+timings is lock-stepped: there :mod:`.slow_ranks` decides by the ranks'
+compute instead (every rank has the same step rate). A flag, by either rule,
+counts as a failure of the node's host (rdzv_server.hosts: cool-downs).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..errors import ErrorCode, RequestError
 from ..protocol import RankTiming
+from . import slow_ranks
 from .events import note
 from .machine import _open_round
 from .model import RUNNING, SPARE, Effects, Job, Node, blocked
@@ -70,6 +77,13 @@ def check_stragglers(job: Job, now: float) -> Effects:
     fx = Effects()
     spec = job.spec
     members = [job.nodes[n] for n in job.order if n in job.nodes and job.nodes[n].state == RUNNING]
+    ranks = slow_ranks.timed(job, members, now)
+    if len(ranks) >= slow_ranks.MIN_RANKS:  # lock-step: the ranks' compute decides (slow_ranks)
+        fx = slow_ranks.check(job, ranks, members, now)
+        if spec.straggler_policy == "replace":
+            out = [n for n in members if n.straggler and n.slow_rank is not None]
+            fx.merge(_replace(job, out, lambda n: slow_ranks.why(job, n), now))
+        return fx
     rated = [n for n in members if n.step_rate is not None]
     if len(rated) < 2:
         return fx
@@ -88,22 +102,30 @@ def check_stragglers(job: Job, now: float) -> Effects:
                     f"(straggler policy {spec.straggler_policy})"
                 )
                 fx.logs.append(note(job, text, n.node_id, host=n.host))
+                fx.host_failures.append((n.host, f"straggler: {text}"))
         else:
             n.slow_since = None
             n.straggler_note = None
             if n.straggler:
-                n.straggler = False
+                n.straggler, n.slow_rank = False, None
                 text = (
                     f"job {job.job_id}: node {n.node_id} ({n.host}) is no longer a straggler: "
                     f"{n.step_rate:g} steps/s, job median {median:g}"
                 )
                 fx.logs.append(note(job, text, n.node_id, host=n.host))
     if spec.straggler_policy == "replace":
-        fx.merge(_replace(job, [n for n in rated if n.straggler], median, now))
+
+        def why(n: Node) -> str:
+            return (
+                f"{n.step_rate:g} steps/s, below {spec.straggler_fraction:g} x the job's "
+                f"median {median:g} for {spec.straggler_window_s:g}s"
+            )
+
+        fx.merge(_replace(job, [n for n in rated if n.straggler], why, now))
     return fx
 
 
-def _replace(job: Job, stragglers: list[Node], median: float, now: float) -> Effects:
+def _replace(job: Job, stragglers: list[Node], why: Callable[[Node], str], now: float) -> Effects:
     """straggler_policy "replace": as many stragglers as spares wait (connected,
     host not blocked) are replaced: a round opens at once, the spares are in it,
     and each replaced node is told why when it rejoins (it waits as a spare).
@@ -120,12 +142,9 @@ def _replace(job: Job, stragglers: list[Node], median: float, now: float) -> Eff
             fx.logs.append(note(job, text, n.node_id, host=n.host))
     if not out:
         return fx
-    spec = job.spec
     for n in out:
-        n.replaced = (
-            f"replaced as a straggler: {n.step_rate:g} steps/s, below {spec.straggler_fraction:g} x the job's "
-            f"median {median:g} for {spec.straggler_window_s:g}s; waiting as a spare"
-        )
+        n.replaced = f"replaced as a straggler: {why(n)}; waiting as a spare"
         n.straggler, n.slow_since, n.straggler_note = False, None, None
+        n.slow_rank, n.rank_slow_since = None, {}
     names = ", ".join(f"{n.node_id} ({n.host})" for n in out[:8])
     return fx.merge(_open_round(job, f"straggler: node(s) {names} replaced by a spare", now))

@@ -15,7 +15,18 @@ from .model import Job, Node, NodeState, RoundRecord, RunRecord
 # Progress that agents send with heartbeats is not saved: the next heartbeat
 # brings it back (and records stay what older code wrote and reads).
 _NOT_SAVED_NODE = frozenset(
-    {"step", "step_rate", "progress_at", "slow_since", "straggler", "straggler_note", "timings", "timings_at"}
+    {
+        "step",
+        "step_rate",
+        "progress_at",
+        "slow_since",
+        "straggler",
+        "straggler_note",
+        "timings",
+        "timings_at",
+        "rank_slow_since",
+        "slow_rank",
+    }
 )
 _NOT_SAVED_JOB = frozenset({"spec", "nodes", "history", "state", "counts", "stragglers_at", "gate"})
 

@@ -12,6 +12,7 @@ from ..protocol import (
     RankTimingView,
     RoundView,
     RunView,
+    SlowRankView,
     WaitingInfo,
 )
 from .model import REJOINING, RUNNING, SPARE, WAITING, Job, Node, count, natural_key
@@ -70,6 +71,7 @@ def _node_view(node: Node, now: float, job_state: JobState | None = None) -> Nod
         steps_per_s=node.step_rate,
         straggler=node.straggler,
         straggler_note=node.straggler_note if node.straggler else None,
+        slow_rank=_slow_rank(node, now),
         since_progress_s=(  # running members only: a spare's last step is not the job's progress
             round(max(0.0, now - node.progress_at), 3)
             if node.progress_at is not None and node.state == RUNNING
@@ -77,6 +79,20 @@ def _node_view(node: Node, now: float, job_state: JobState | None = None) -> Nod
         ),
         host_blocked=node.note if node.state == SPARE else None,
         timings=_timings(node, now),
+    )
+
+
+def _slow_rank(node: Node, now: float) -> SlowRankView | None:
+    s = node.slow_rank
+    if s is None or not node.straggler:
+        return None
+    return SlowRankView(
+        rank=node.rank_offset + s.local_rank if node.state == RUNNING else None,
+        local_rank=s.local_rank,
+        ratio=round(s.ratio, 4),
+        compute_fraction=round(s.fraction, 4),
+        median_fraction=round(s.median, 4),
+        window_s=round(max(0.0, now - s.since), 3),
     )
 
 

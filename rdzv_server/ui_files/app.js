@@ -3,7 +3,7 @@
 "use strict";
 
 const EVENT_TYPES = ["round_opened", "round_completed", "node_joined", "node_lost", "node_evicted",
-  "node_succeeded", "node_failed", "restart_charged", "job_state", "host_cordoned", "host_uncordoned", "gap"];
+  "node_succeeded", "node_failed", "restart_charged", "job_state", "host_cordoned", "host_uncordoned", "straggler_flagged", "gap"];
 const MIN_REFRESH_MS = 200;   // at most this often a view is refetched on events
 const POLL_MS = 5000;         // and this often anyway (last seen, ages)
 const MAX_EVENTS_SHOWN = 100;
@@ -169,8 +169,10 @@ function nodeRow(n) {
   cell(null, n.host).title = n.host;
   cell(null, n.addr);
   const st = el("span");
+  const slow = n.straggler && n.slow_rank ? n.slow_rank : null;  // flagged by a rank's compute (lock-step)
   st.appendChild(el("span", "state " + n.state, n.state + (n.straggler ? " (straggler)" : "")));
   if (n.host_blocked) st.title = n.host_blocked;
+  else if (slow) st.title = "rank " + slow.rank + ": compute score " + slow.ratio.toFixed(2) + " for " + fmtSecs(slow.window_s);
   row.appendChild(st);
   cell("num", n.local_world_size);
   cell("num", (n.last_seen_s < 60 ? n.last_seen_s.toFixed(1) + " s" : fmtSecs(n.last_seen_s)) + " ago");

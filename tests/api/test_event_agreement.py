@@ -5,6 +5,7 @@ did not carry. Both read the typed events the round machine returns."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
@@ -12,7 +13,7 @@ import pytest
 
 from rdzv_server.app import Settings
 from rdzv_server.logs import EVENTS, JsonFormatter
-from rdzv_server.protocol import ExitRecord, FailedMsg, JobSpec, LeaveMsg, SucceededMsg
+from rdzv_server.protocol import ExitRecord, FailedMsg, HeartbeatMsg, JobSpec, LeaveMsg, RankTiming, SucceededMsg
 from tests.api.conftest import join_msg
 from tests.api.test_events import open_stream
 
@@ -64,7 +65,10 @@ async def test_a_connection_lost_past_the_grace_is_node_lost_in_the_log_and_the_
     assert logged[0]["reason"] == streamed[0]["data"]["reason"]
 
 
-async def test_every_event_kind_is_the_same_in_the_log_and_the_stream(make_client, connect, caplog):
+async def test_every_event_kind_is_the_same_in_the_log_and_the_stream(make_client, connect, caplog, monkeypatch):
+    from rdzv_server.rounds import progress
+
+    monkeypatch.setattr(progress, "STRAGGLER_CHECK_S", 0.0)
     caplog.set_level(logging.INFO)
     client = await make_client(Settings(disconnect_grace_s=0.2))
     stream = await open_stream(client, "/v1/events")
@@ -96,6 +100,19 @@ async def test_every_event_kind_is_the_same_in_the_log_and_the_stream(make_clien
     await agents[0].expect("joined")
     await agents[0].expect("assigned")
     await agents[0].send(SucceededMsg(round=2))
+    # a lock-step job whose third rank computes 5x longer: straggler_flagged (rounds.slow_ranks)
+    timed = JobSpec(min_nodes=3, max_nodes=3, straggler_window_s=0.001)
+    lock = [await connect(on=client) for _ in range(3)]
+    for agent, node in zip(lock, ("node5", "node6", "node7")):
+        await agent.send(join_msg("ag4", node, spec=timed))
+    for agent in lock:
+        await agent.expect("joined")
+        await agent.expect("assigned")
+    for i in range(4):  # the second check after all three nodes' timings came flags it (any order)
+        for agent, fraction in zip(lock, (0.2, 0.2, 0.95)):
+            timing = RankTiming(local_rank=0, window_s=1.0, steps=10, compute_s=fraction, wait_s=1 - fraction)
+            await agent.send(HeartbeatMsg(step=10 + i, rate=10.0, timings=[timing]))
+        await asyncio.sleep(0.02)  # past the 1 ms window before the next round of checks
     # a silent node of another job: evicted (no heartbeat within its timeout)
     silent = JobSpec(min_nodes=1, max_nodes=1, heartbeat_timeout_s=0.3)
     quiet = await connect(on=client)
@@ -104,6 +121,7 @@ async def test_every_event_kind_is_the_same_in_the_log_and_the_stream(make_clien
         stream,
         lambda g: (
             any(e["event"] == "node_evicted" for e in g)
+            and any(e["event"] == "straggler_flagged" for e in g)
             and any(e["event"] == "job_state" and e["data"].get("state") == "succeeded" for e in g)
         ),
     )

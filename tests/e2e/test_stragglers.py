@@ -103,3 +103,44 @@ def test_policy_warn_flags_the_straggler_and_changes_nothing(cluster: Cluster) -
         assert agent.wait_exit(30) == 1
     view = server.job("warn")
     assert view["round"] == 0 and len(view["history"]) == 1, view
+
+
+@pytest.mark.timeout(120)
+def test_lock_step_the_rank_that_computes_5x_longer_is_flagged_and_only_it(cluster: Cluster) -> None:
+    """3 nodes in lock-step (an all_reduce every step: the same steps/s for
+    all), one rank's compute (``worker.compute()``) 5x longer: its node, and
+    only it, is flagged by its compute (issue 22)."""
+    server = cluster.start_server()
+    agents = {
+        host: cluster.start_agent(
+            server,
+            "lock",
+            "progress_loop.py",
+            "--steps",
+            "100000",
+            "--interval",
+            "0.05",
+            "--compute",
+            nnodes="3:3",
+            flags=("--host-name", host, "--straggler-window-s", "2"),
+            env={"E2E_STEP_INTERVAL": "0.25"} if host == "slow" else None,
+            name=host,
+        )
+        for host in ("f1", "slow", "f2")
+    }
+
+    def flagged(v: dict) -> bool:
+        return any(n["straggler"] for n in v["nodes"])
+
+    view = server.wait_job("lock", flagged, 90, "a node flagged")
+    nodes = {n["host"]: n for n in view["nodes"]}
+    assert [h for h, n in nodes.items() if n["straggler"]] == ["slow"], view
+    slow = nodes["slow"]["slow_rank"]
+    assert slow is not None and slow["rank"] == nodes["slow"]["group_rank"] and slow["ratio"] < 0.75, slow
+    rates = [n["steps_per_s"] for n in nodes.values()]
+    assert max(rates) < 1.5 * min(rates), rates  # lock-step: the step-rate rule could not see it
+    assert "(slow) is a straggler: compute score" in server.text()
+    assert view["round"] == 0 and view["restarts"] == 0, view
+    server.close_job("lock")
+    for agent in agents.values():
+        assert agent.wait_exit(30) == 1

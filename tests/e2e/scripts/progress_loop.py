@@ -13,6 +13,8 @@ does (the tests parse it and SIGSTOP a worker by its pid).
   instead of ``--steps`` (a test that needs a long first round only).
 * ``E2E_STEP_INTERVAL`` in the environment overrides ``--interval`` (one slow
   node: stragglers).
+* ``--compute``: the step's sleep is its compute (``with worker.compute():``),
+  so the ranks report timings (lock-step stragglers, issue 22).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from rdzv_client.worker import finished, progress
+from rdzv_client.worker import compute, finished, progress
 
 
 def main() -> None:
@@ -39,6 +41,7 @@ def main() -> None:
     p.add_argument("--sync-every", type=int, default=1)
     p.add_argument("--later-steps", type=int, default=0)
     p.add_argument("--stay-stopped", action="store_true")
+    p.add_argument("--compute", action="store_true")
     args = p.parse_args()
     interval = float(os.environ.get("E2E_STEP_INTERVAL", args.interval))
 
@@ -58,7 +61,11 @@ def main() -> None:
                 while True:
                     os.kill(os.getpid(), signal.SIGSTOP)
             os.kill(os.getpid(), signal.SIGSTOP)
-        time.sleep(interval)
+        if args.compute:
+            with compute():
+                time.sleep(interval)
+        else:
+            time.sleep(interval)
     finished()  # teardown is not a hang
     print(f"done rank {rank} world {world} restart {restart}", flush=True)
     if not args.sync_every:
