@@ -2,9 +2,10 @@
 
 The store owns every :class:`~rdzv_server.rounds.Job`, feeds events into the
 pure state machine, and carries out the :class:`~rdzv_server.rounds.Effects`
-in this order: write the job to disk (when the round changed), then deliver
-messages to the agents' channels, then log. So nobody ever hears of a round
-that a crash could forget.
+in this order: write the job to disk (when the round changed), then, once the
+write is durable, publish: the events (stream, log lines, metrics), then the
+messages to the agents' channels. So nobody ever hears of a round that a crash
+could forget.
 
 Durability is a backend (:mod:`rdzv_server.storage`): SQLite in the data dir,
 etcd for HA, or memory. A server started again over the same data dir (or a

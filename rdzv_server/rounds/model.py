@@ -208,7 +208,8 @@ class Event:
 
 @dataclass
 class Effects:
-    """What the caller must do after a step, in order: persist, then send, then log.
+    """What the caller must do after a step, in order: persist, then (once the
+    write is durable) publish the events and log lines, then send.
 
     ``events``: what happened (typed, see :class:`Event`); ``logs``: every log
     line in order, an event's line (:meth:`event`) or a note that is no event."""
