@@ -328,7 +328,42 @@ def render_event(ev: dict[str, object]) -> str:
     return "  ".join(head + fields)
 
 
+_ENDED = ("succeeded", "failed", "closed")
+MAX_HELD_PAGES = 100  # ?since answers a finished job's replay may take (each ~4 MiB at most)
+
+
+async def _ended(client: RestClient, job: str) -> str | None:
+    """'JOB has ended (STATE: reason)' when the job's current run is over, else None."""
+    try:
+        view = await client.job(job)
+    except JobNotFoundError:
+        return None
+    if view.state.value not in _ENDED:
+        return None
+    why = f": {printable(view.root_cause, 300)}" if view.root_cause else ""
+    return f"job {job} has ended ({view.state.value}{why})"
+
+
+def _print_event(ev: dict[str, object], as_json: bool) -> None:
+    line = json.dumps(ev, separators=(",", ":")) if as_json else render_event(ev)
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 async def _events_command(client: RestClient, args: argparse.Namespace) -> int:
+    """A job's events as they happen; once its run has ended (at the start, or
+    an end event arrives) say so and exit: nothing more will come until a
+    fresh join starts its next run. ``--since``: the held events first."""
+    if args.job is not None and (ended := await _ended(client, args.job)) is not None:
+        since, pages = args.since, 0
+        while since is not None and pages < MAX_HELD_PAGES:
+            held = await client.held_events(args.job, since)
+            for ev in held.get("events", []):
+                _print_event(ev, args.json)
+            since, pages = (held.get("last_id") if held.get("more") else None), pages + 1
+        hint = "" if args.since is not None else "; --since 0 prints the events the server holds"
+        print(f"rdzv: {ended}: no more events{hint}", file=sys.stderr, flush=True)
+        return 0
     said = False
 
     def retry(why: str) -> None:
@@ -339,9 +374,12 @@ async def _events_command(client: RestClient, args: argparse.Namespace) -> int:
 
     async for ev in client.events(args.job, last_id=args.since, on_retry=retry):
         said = False
-        line = json.dumps(ev, separators=(",", ":")) if args.json else render_event(ev)
-        sys.stdout.write(line + "\n")
-        sys.stdout.flush()
+        _print_event(ev, args.json)
+        # an end event; a replayed end of an earlier run is followed by its next run: ask what is true now
+        ends = args.job is not None and ev.get("type") == "job_state" and ev.get("state") in _ENDED
+        if ends and (ended := await _ended(client, args.job)) is not None:
+            print(f"rdzv: {ended}: no more events", file=sys.stderr, flush=True)
+            return 0
     return 0
 
 

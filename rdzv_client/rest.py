@@ -174,6 +174,14 @@ class RestClient:
             body["job_id"] = job_id
         return HostView.model_validate_json(await self._send_json(f"/v1/hosts/{quote(host, safe='')}/health", body))
 
+    async def held_events(self, job_id: str | None, since: int) -> dict[str, Any]:
+        """One answer of ``GET .../events?since=ID``: the held events after
+        ``since`` (``events``, ``last_id``, ``more``: ask again from
+        ``last_id``; ``gap``: some are no longer held)."""
+        path = f"/v1/jobs/{quote(job_id, safe='')}/events" if job_id else "/v1/events"
+        answer: dict[str, Any] = json.loads(await self._call("GET", f"{path}?since={since}"))
+        return answer
+
     async def events(
         self,
         job_id: str | None = None,

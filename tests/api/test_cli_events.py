@@ -141,3 +141,32 @@ async def test_events_text_escapes_what_came_over_the_network(server) -> None:
         await _stop(proc)
     line = next(ln for ln in out.decode().splitlines() if "host_cordoned" in ln)
     assert "\x1b" not in out.decode() and "reason=disk\\x1b[2J\\nfake line" in line, line
+
+
+async def test_events_on_an_ended_job_says_so_and_exits(server, agents) -> None:
+    """Nothing more comes for a job whose run has ended: ``rdzv events JOB``
+    says so and exits 0 (it waited forever before); with ``--since`` it
+    prints the held events first; a job ending while watched ends it too."""
+    a = await agents(server, "evf", "nodeF", (1, 1))
+    await a.wait_for("assigned")
+    live = await _start("--endpoint", server.endpoint, "events", "evf")
+    try:
+        await asyncio.sleep(0.5)  # its stream open before the end
+        rc, _, err = await rdzv("--endpoint", server.endpoint, "close", "evf")
+        assert rc == 0, err
+        out, err_b = await asyncio.wait_for(live.communicate(), CLI_TIMEOUT_S)
+    finally:
+        if live.returncode is None:
+            await _stop(live)
+    assert live.returncode == 0, err_b.decode()
+    assert "job_state" in out.decode() and "state=closed" in out.decode(), out.decode()
+    assert "rdzv: job evf has ended (closed" in err_b.decode() and "no more events" in err_b.decode(), err_b.decode()
+
+    rc, out_s, err_s = await rdzv("--endpoint", server.endpoint, "events", "evf")
+    assert rc == 0 and out_s == "", (rc, out_s, err_s)
+    assert err_s.count("\n") == 1 and "has ended (closed" in err_s and "--since 0" in err_s, err_s
+    rc, out_s, err_s = await rdzv("--endpoint", server.endpoint, "events", "evf", "--json", "--since", "0")
+    assert rc == 0, err_s
+    types = [json.loads(ln)["type"] for ln in out_s.splitlines() if ln.strip()]
+    assert types[:3] == ["job_state", "node_joined", "round_completed"] and types[-1] == "job_state", types
+    assert "has ended (closed" in err_s and "--since 0" not in err_s, err_s
