@@ -302,7 +302,10 @@ def middleware(auth: Auth, public: Callable[[str], bool]) -> Middleware:
             if auth.throttle.blocked(remote):  # too many wrong ones from here lately: no more guesses for now
                 return auth.too_many(remote)
             auth.guessed(remote, f"{request.method} {printable(request.path, 200)}")
-            why = "missing or wrong bearer token (Authorization: Bearer ...)"
+            if not given:  # the client knows whether it sent one: naming which tells it nothing new
+                why = "no bearer token was sent (Authorization: Bearer ...; RDZV_TOKEN): this server requires one"
+            else:
+                why = "the bearer token sent is not this server's (check RDZV_TOKEN)"
             if channel and cookie and given is None:
                 why = "the agent channel needs the bearer token (the /ui session cookie does not authorize it)"
             elif cookie and given is None:

@@ -226,6 +226,9 @@ async def test_auth_refuses_missing_or_wrong_tokens(make_client, header):
         assert resp.headers["WWW-Authenticate"] == "Bearer"
         body = await resp.json()
         assert body["code"] == "unauthorized" and body["message"]
+        # the message names what is true: nothing sent, or a token that is not this server's
+        sent = header is not None and header.startswith("Bearer ") and len(header) > len("Bearer ")
+        assert ("not this server's" if sent else "no bearer token was sent") in body["message"], (header, body)
     resp = await client.get(
         AGENT_PATH,
         headers={
