@@ -38,7 +38,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from . import logs, rounds
-from .cursors import paged
 from .database import Database, DataDirError  # noqa: F401  (DataDirError: re-exported)
 from .due import Due
 from .events import EventLog
@@ -49,8 +48,6 @@ from .protocol import (
     EvictedError,
     ExitRecord,
     JobFinishedError,
-    JobNotFoundError,
-    JobState,
     JoinMsg,
     RankTiming,
     UnavailableError,
@@ -60,6 +57,7 @@ from .quotas import Room
 from .rounds import Effects, Job
 from .storage import Backend, EtcdBackend, MemoryBackend, SqliteBackend, WriteError
 from .store_hosts import HostsMixin
+from .store_reads import ReadsMixin
 from .store_retention import RetentionMixin
 from .store_settings import DEFAULT_DISCONNECT_GRACE_S as DEFAULT_DISCONNECT_GRACE_S  # re-exported
 from .store_settings import DEFAULT_MAX_WAITING_JOBS as DEFAULT_MAX_WAITING_JOBS  # re-exported
@@ -72,7 +70,6 @@ if TYPE_CHECKING:
 
     from .ha import Replica
     from .metrics import Metrics
-    from .protocol import JobSummary, JobView
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +87,7 @@ class Channel(Protocol):
         """Close the connection so the agent reconnects."""
 
 
-class Store(HostsMixin, RetentionMixin):
+class Store(HostsMixin, RetentionMixin, ReadsMixin):
     """Every job of one server. Methods are called from the event loop only.
     The host records' side (cordon, health, cool-downs) is :class:`~rdzv_server.store_hosts.HostsMixin`,
     removal of finished jobs :class:`~rdzv_server.store_retention.RetentionMixin`."""
@@ -398,18 +395,6 @@ class Store(HostsMixin, RetentionMixin):
             for line in warnings:
                 log.warning("%s", printable(line), extra=logs.extra(line))
 
-    def since_progress(self) -> dict[str, float]:
-        """Per job whose agents report progress: the most seconds any running
-        member's step has not advanced (for /metrics)."""
-        now, out = self.clock(), {}
-        for job_id in list(self.progress_jobs):
-            job = self.jobs.get(job_id)
-            if job is None or job.finished:
-                self.progress_jobs.discard(job_id)
-            else:
-                out[job_id] = rounds.progress_age(job, now)
-        return out
-
     def fail(self, job_id: str, node_id: str, round_no: int, failures: list[ExitRecord], give_up: bool = False) -> None:
         """A failure report; ``give_up``: the node's launcher stops for good (the job fails)."""
         job, now = self._job(job_id), self.clock()
@@ -441,34 +426,10 @@ class Store(HostsMixin, RetentionMixin):
 
     # ------------------------------------------------------------- REST side
 
-    def _job(self, job_id: str) -> Job:
-        job = self.jobs.get(job_id)
-        if job is None:
-            raise JobNotFoundError(f"no job {job_id!r} on this server")
-        return job
-
-    def view(self, job_id: str) -> JobView:
-        return rounds.view(self._job(job_id), self.clock())
-
-    def summaries(
-        self, state: JobState | None = None, limit: int = 100, cursor: str | None = None
-    ) -> tuple[list[JobSummary], str | None]:
-        """One page of job summaries in creation order: (summaries, next_cursor).
-        ``cursor`` is a ``next_cursor`` this server returned (opaque to clients)."""
-        page, more = paged(self._order, cursor, limit, lambda key: self._summary(self.jobs[key[1]], state))
-        return page, more
-
-    @staticmethod
-    def _summary(job: Job, state: JobState | None) -> JobSummary | None:
-        return rounds.summary(job) if state is None or job.state == state else None
-
     def close_job(self, job_id: str) -> Job:
         job, now = self._job(job_id), self.clock()
         self._apply(job, rounds.close(job, now), now)
         return job
-
-    def live_nodes(self) -> int:
-        return sum(len(self.jobs[j].nodes) for j in self.active)
 
     # --------------------------------------------------------------- effects
 
