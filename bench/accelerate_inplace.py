@@ -12,39 +12,14 @@ their pids. The run itself is bench/lightning_inplace.py's, on this example.
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import sys
-import tempfile
-from pathlib import Path
-
 from . import _common as C
-from .lightning_inplace import node_loss
+from .lightning_inplace import run_node_loss
 
 EXAMPLE = C.ROOT / "examples" / "train_accelerate_inplace.py"
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--victim", choices=("other", "rank0"), default="other")
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args(argv)
-    results: list[dict[str, object]] = []
-    with tempfile.TemporaryDirectory(prefix="rdzv-bench-acc-") as tmp:
-        for run in range(args.runs):
-            out = node_loss(Path(tmp) / str(run), args.victim, EXAMPLE)
-            out["load"] = C.loadavg()
-            results.append(out)
-            print(f"[bench] run {run + 1}: {out}", file=sys.stderr, flush=True)
-    vals = [float(o["first_step_world2_s"]) for o in results if "first_step_world2_s" in o]  # type: ignore[arg-type]
-    if vals:
-        kept = all(o.get("kept_pids") for o in results)
-        print(f"node loss ({args.victim}) -> first accelerate step in world 2: median {statistics.median(vals):.3f} s "
-              f"({min(vals):.3f}-{max(vals):.3f}, {len(vals)} runs), survivors kept pids: {kept}")  # fmt: skip
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1))
+    run_node_loss(argv, EXAMPLE, "accelerate", __doc__)
 
 
 if __name__ == "__main__":

@@ -65,26 +65,32 @@ def node_loss(tmp: Path, victim_kind: str, example: Path = EXAMPLE) -> dict[str,
         cl.close()
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run_node_loss(argv: list[str] | None, example: Path, name: str, doc: str | None) -> None:
+    """The command line of a node-loss bench of ``example`` (``name``: what its
+    steps are, in the summary line); the Lightning and accelerate benches."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--victim", choices=("other", "rank0"), default="other")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     results: list[dict[str, object]] = []
-    with tempfile.TemporaryDirectory(prefix="rdzv-bench-lit-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="rdzv-bench-inplace-") as tmp:
         for run in range(args.runs):
-            out = node_loss(Path(tmp) / str(run), args.victim)
+            out = node_loss(Path(tmp) / str(run), args.victim, example)
             out["load"] = C.loadavg()
             results.append(out)
             print(f"[bench] run {run + 1}: {out}", file=sys.stderr, flush=True)
     vals = [float(o["first_step_world2_s"]) for o in results if "first_step_world2_s" in o]  # type: ignore[arg-type]
     if vals:
         kept = all(o.get("kept_pids") for o in results)
-        print(f"node loss ({args.victim}) -> first Lightning step in world 2: median {statistics.median(vals):.3f} s "
+        print(f"node loss ({args.victim}) -> first {name} step in world 2: median {statistics.median(vals):.3f} s "
               f"({min(vals):.3f}-{max(vals):.3f}, {len(vals)} runs), survivors kept pids: {kept}")  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_node_loss(argv, EXAMPLE, "Lightning", __doc__)
 
 
 if __name__ == "__main__":
