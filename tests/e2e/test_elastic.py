@@ -8,6 +8,7 @@ one ``step S rank R world W restart C pid P`` line per step.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -141,7 +142,7 @@ def test_worker_failure_restarts_every_node_once(cluster: Cluster, tmp_path) -> 
 @pytest.mark.timeout(90)
 def test_spent_budget_fails_every_agent_with_the_root_cause(cluster: Cluster) -> None:
     """--max-restarts 1 and a node whose worker always fails: every agent
-    exits 1 and prints the root cause (that node, its rank, exit code 1, the
+    exits 1 and prints the root cause (that node, its rank, how it exited, the
     error file's message), not the peers' cascading connection errors."""
     server = cluster.start_server()
     args = ("loop.py", "--steps", "200", "--interval", "0.1", "--fail-if-env", "E2E_ALWAYS_FAIL")
@@ -155,7 +156,11 @@ def test_spent_budget_fails_every_agent_with_the_root_cause(cluster: Cluster) ->
         line = a.wait_log(r"^\[rdzv-agent\] job budget failed: .*$", timeout=1)[0].group(0)
         assert "restart budget of 1 spent" in line, line
         assert f"node {bad_id}" in line and f"rank {bad_rank} " in line, (bad_id, bad_rank, line)
-        assert "exit code 1" in line and "injected failure on rank" in line, line
+        # exit 1 after the traceback; or SIGABRT when the peer's agent stops its
+        # worker while this one's interpreter tears down (gloo's thread sees the
+        # closed pair and aborts): either way the error file's message is the cause
+        assert re.search(r"failed with (exit code 1|signal SIGABRT): ", line), line
+        assert "injected failure on rank" in line, line
         assert "Connection closed" not in line, line
     view = server.job("budget")
     assert (view["state"], view["restarts"], view["round"]) == ("failed", 1, 1), view
