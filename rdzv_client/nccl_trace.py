@@ -54,6 +54,7 @@ MAX_RANKS = 65536  # ranks per communicator read
 MAX_SAMPLES = 600  # readings a tracker keeps (its window cuts them first)
 MIN_SAMPLES = 5  # readings in the window before anyone is flagged
 LAG_SHARE = 0.3  # behind in at least this share of the readings: flagged
+READINGS_PER_WINDOW = 10  # an agent's RAS readings per straggler window (at most one a second)
 
 # One reading: per communicator id, {its rank: (collectives behind, pid or 0)} for the ranks behind.
 Snapshot = dict[str, dict[int, tuple[int, int]]]
@@ -282,28 +283,36 @@ def ras_port() -> tuple[str, int]:
 
 
 def ras_enabled(env: Mapping[str, str]) -> bool:
-    """NCCL's RAS is on unless ``NCCL_RAS_ENABLE=0``."""
-    return env.get("NCCL_RAS_ENABLE", "1").strip() != "0"
+    """The agent reads RAS unless NCCL's RAS is off (``NCCL_RAS_ENABLE=0``) or
+    the agent is told not to (``RDZV_NCCL_RAS=0``: RAS stays on for ``ncclras``)."""
+    return env.get("NCCL_RAS_ENABLE", "1").strip() != "0" and env.get("RDZV_NCCL_RAS", "1").strip() != "0"
+
+
+def reading_interval(window_s: float) -> float:
+    """Seconds between two of an agent's readings: READINGS_PER_WINDOW per
+    straggler window, at most one a second. Each reading is a RAS collective
+    over the whole job's RAS network, and every agent of the job takes its own."""
+    return max(1.0, window_s / READINGS_PER_WINDOW)
 
 
 class RasWatch:
     """The agent's reader of this host's NCCL RAS while its workers run: a
-    reading every ``interval_s`` on a thread of its own (a reading can take
-    seconds: RAS asks every NCCL process of the job), into a
-    :class:`LagTracker` over ``window_s``. Only where NCCL is in use: nobody
-    answering on the RAS port (no NCCL process on this host: refused at once)
-    or something else answering is asked again after ``PROBE_S``; with
-    ``NCCL_RAS_ENABLE=0`` it never asks. :meth:`tick` returns the agent's own
+    reading every ``interval_s`` (:func:`reading_interval`) on a thread of its
+    own (a reading can take seconds: RAS asks every NCCL process of the job),
+    into a :class:`LagTracker` over ``window_s``. Only where NCCL is in use:
+    nobody answering on the RAS port (no NCCL process on this host: refused at
+    once) or something else answering is asked again after ``PROBE_S``; off
+    (:func:`ras_enabled`) it never asks. :meth:`tick` returns the agent's own
     ranks (by worker pid) newly behind; each is said once until it is no longer
     behind or a new round starts."""
 
     PROBE_S = 30.0  # nobody answered: ask again after this
     TIMEOUT_S = 10.0  # one reading's deadline
 
-    def __init__(self, window_s: float, interval_s: float = 1.0, env: Mapping[str, str] = os.environ) -> None:
+    def __init__(self, window_s: float, interval_s: float | None = None, env: Mapping[str, str] = os.environ) -> None:
         self.enabled = ras_enabled(env)
         self.addr = ras_port()
-        self.interval_s = interval_s
+        self.interval_s = reading_interval(window_s) if interval_s is None else interval_s
         self.tracker = LagTracker(window_s)
         self.readings = 0  # readings taken (successful ones)
         self.error: str | None = None  # why the last reading failed

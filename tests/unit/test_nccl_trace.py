@@ -171,6 +171,9 @@ def test_ras_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("NCCL_RAS_ADDR", "localhost:29000")
     assert nt.ras_port() == ("localhost", 29000)
     assert nt.ras_enabled({}) and not nt.ras_enabled({"NCCL_RAS_ENABLE": "0"})
+    assert not nt.ras_enabled({"RDZV_NCCL_RAS": "0"})
+    # a reading is a RAS collective over the whole job: 10 per window, at most one a second
+    assert nt.RasWatch(window_s=30.0).interval_s == 3.0 and nt.RasWatch(window_s=5.0).interval_s == 1.0
 
 
 def test_cli_compares_dumps(capsys: pytest.CaptureFixture[str]) -> None:
@@ -235,6 +238,7 @@ def test_the_agents_watch_reads_ras_while_workers_run(monkeypatch: pytest.Monkey
     cfg = config_from_args(build_parser().parse_args(["--standalone", "--straggler-window-s", "60", "train.py"]))
     said: list[str] = []
     watch = WorkerWatch(cfg, lambda fmt, *a: said.append(fmt % a))
+    assert watch.ras.interval_s == 6.0  # the 60 s window / 10
     watch.ras.interval_s = 0.0
 
     class Group:  # the running workers, as WorkerWatch.check reads them
