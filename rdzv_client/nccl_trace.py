@@ -111,7 +111,9 @@ def parse_ras_json(text: str) -> Snapshot:
             counts = {
                 _int(r["rank"], "rank"): (dict(r["collective_counts"]), _int(r.get("pid", 0), "pid")) for r in ranks
             }
-        except (KeyError, TypeError, AttributeError) as e:
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            if isinstance(e, TraceError):
+                raise
             raise TraceError(f"NCCL RAS JSON: a communicator without ranks or counts: {e}") from None
         kinds = {k for cc, _ in counts.values() for k in cc}
         behind: dict[int, tuple[int, int]] = {}
@@ -317,7 +319,7 @@ class RasWatch:
         self.readings = 0  # readings taken (successful ones)
         self.error: str | None = None  # why the last reading failed
         self._thread: threading.Thread | None = None
-        self._result: Snapshot | OSError | TraceError | None = None
+        self._result: Snapshot | OSError | ValueError | None = None
         self._next = 0.0
         self._said: set[tuple[str, int]] = set()
 
@@ -328,7 +330,7 @@ class RasWatch:
     def _read(self) -> None:
         try:
             self._result = ras_snapshot(*self.addr, timeout=self.TIMEOUT_S)
-        except (OSError, TraceError) as e:
+        except (OSError, ValueError) as e:  # TraceError is a ValueError
             self._result = e
 
     def tick(self, now: float, pids: Sequence[int]) -> list[tuple[int, Flag]]:

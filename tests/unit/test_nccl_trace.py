@@ -39,9 +39,19 @@ def test_ras_json_compares_every_kind_against_its_most_common_count() -> None:
     assert snap == {"0x5e3f7a0c29d1b846": {6: (2, 51879)}, "0x1b2c3d4e5f607182": {}}
 
 
-@pytest.mark.parametrize("bad", ["", "[]", '{"communicators": 3}', '{"communicators": [{"hash": "x"}]}'])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "[]",
+        '{"communicators": 3}',
+        '{"communicators": [{"hash": "x"}]}',
+        '{"communicators": [{"hash": "x", "ranks": [{"rank": 0, "collective_counts": [1, 2]}]}]}',
+        '{"communicators": [{"hash": "x", "ranks": [{"rank": 0, "collective_counts": {"AllReduce": 1.5}}]}]}',
+    ],
+)
 def test_ras_json_that_is_not_ras_is_a_clear_error(bad: str) -> None:
-    with pytest.raises(nt.TraceError, match="RAS"):
+    with pytest.raises(nt.TraceError, match="RAS|integer"):
         nt.parse_ras_json(bad)
 
 
