@@ -315,7 +315,8 @@ class RasWatch:
         self.enabled = ras_enabled(env)
         self.addr = ras_port()
         self.interval_s = reading_interval(window_s) if interval_s is None else interval_s
-        self.tracker = LagTracker(window_s)
+        # the straggler window, but at least 2 x MIN_SAMPLES readings long (a 4 s window at one a second: 10 s)
+        self.tracker = LagTracker(max(window_s, 2 * MIN_SAMPLES * self.interval_s))
         self.readings = 0  # readings taken (successful ones)
         self.error: str | None = None  # why the last reading failed
         self._thread: threading.Thread | None = None
@@ -342,10 +343,11 @@ class RasWatch:
             if isinstance(res, dict):
                 self.tracker.add(now, res)
                 self.readings += 1
-                self.error, self._next = None, now + self.interval_s
+                self.error = None
             else:
                 self.error, self._next = str(res), now + self.PROBE_S
         if self._thread is None and now >= self._next:
+            self._next = now + self.interval_s  # from the start of a reading: one per interval, however long each takes
             self._thread = threading.Thread(target=self._read, name="rdzv-nccl-ras", daemon=True)
             self._thread.start()
         out: list[tuple[int, Flag]] = []

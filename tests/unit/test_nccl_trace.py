@@ -7,7 +7,6 @@ after enqueuing 5); the RAS replies are written from NCCL's format
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from pathlib import Path
 from typing import ClassVar
@@ -15,6 +14,7 @@ from typing import ClassVar
 import pytest
 
 from rdzv_client import nccl_trace as nt
+from tests.helpers.fake_ras import FakeRas
 
 DATA = Path(__file__).parent / "data" / "nccl_trace"
 
@@ -88,48 +88,6 @@ def test_tracker_decides_nothing_before_min_samples() -> None:
     assert t.flagged() == []
     t.add(4.0, {"c": {1: (9, 0)}})
     assert [f.rank for f in t.flagged()] == [1]
-
-
-class FakeRas:
-    """NCCL's RAS client port as ``src/ras/client_support.cc`` answers it, on loopback."""
-
-    def __init__(self, reply: str, json_ok: bool = True, hello: bytes = b"SERVER PROTOCOL 2\n") -> None:
-        self.reply, self.json_ok, self.hello = reply, json_ok, hello
-        self.seen: list[list[str]] = []
-        self.stop = threading.Event()
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        self.sock.settimeout(0.05)
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            conn.settimeout(10)
-            with conn, conn.makefile("rwb") as f:
-                lines: list[str] = []
-                self.seen.append(lines)
-                while line := f.readline().decode().strip():
-                    lines.append(line)
-                    if line.startswith("CLIENT PROTOCOL"):
-                        f.write(self.hello)
-                    elif line == "SET FORMAT json":
-                        f.write(b"OK\n" if self.json_ok else b"ERROR: unknown command\n")
-                    elif line.endswith("STATUS"):
-                        f.write(self.reply.encode())
-                        break  # NCCL closes the connection after the status
-                    f.flush()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(10)
-        self.sock.close()
 
 
 def test_ras_query_speaks_the_client_protocol_and_reads_json() -> None:
