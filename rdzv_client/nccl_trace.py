@@ -380,8 +380,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         if a.what == "ras":
-            host, port = ras_port()
-            fmt, reply = ras_query(a.host or host, a.port or port, a.timeout, "text" if a.text else "json")
+            host, port = a.host or ras_port()[0], a.port or ras_port()[1]
+            try:
+                fmt, reply = ras_query(host, port, a.timeout, "text" if a.text else "json")
+            except OSError as e:
+                raise OSError(f"NCCL RAS at {host}:{port} (no NCCL process on this host?): {e}") from None
             snap = parse_ras_json(reply) if fmt == "json" else parse_ras_text(reply)
             print(f"NCCL RAS ({fmt}): {len(reply)} bytes")
         else:

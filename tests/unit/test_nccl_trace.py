@@ -231,3 +231,19 @@ def test_the_agents_watch_reads_ras_while_workers_run(monkeypatch: pytest.Monkey
     assert head == "local rank 2 (pid 51879) is behind its NCCL communicator 0x5e3f7a0c29d1b846 in 100%"
     assert tail.endswith(" RAS readings over 60s (by up to 2 collectives): a lock-step straggler")
     assert int(tail.split()[0]) >= nt.MIN_SAMPLES
+
+
+def test_cli_reads_ras_once(capsys: pytest.CaptureFixture[str]) -> None:
+    ras = FakeRas(read("ras_status.txt"))
+    try:
+        assert nt.main(["ras", "--port", str(ras.port), "--text"]) == 0
+    finally:
+        ras.close()
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("NCCL RAS (text): ") and out[1:] == [
+        "5e3f7a0c29d1b846: rank 1 (pid 51201) is 3 collective(s) behind",
+        "5e3f7a0c29d1b846: rank 5 (pid 51878) is 3 collective(s) behind",
+        "5e3f7a0c29d1b846: rank 6 (pid 51879) is 3 collective(s) behind",
+    ]
+    assert nt.main(["ras", "--port", str(ras.port)]) == 1  # closed now
+    assert "NCCL RAS at 127.0.0.1:" in capsys.readouterr().err
