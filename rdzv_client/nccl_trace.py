@@ -19,13 +19,17 @@ timings; on NCCL there are two places that still say who is behind:
   :func:`parse_fr` reads it, :func:`fr_snapshot` compares ranks' dumps. Pickle
   dumps are not read (unpickling runs code); the JSON ones hold the same fields.
 
-One reading is a :data:`Snapshot`: per communicator, the ranks that launched
-fewer collectives than its most common count (RAS's own reference), and by how
-many. In lock-step training a healthy rank launches its next collective with
-its peers, so it is seldom seen behind; a rank whose host-side step is longer
-is behind for that much of each step, and a hung one always. A single reading
-decides nothing: :class:`LagTracker` flags a rank behind in at least
-``share`` of the readings over a window (and ``MIN_SAMPLES`` of them). What
+One reading is a :data:`Snapshot`: per communicator, its ranks and how many
+collectives each launched fewer than the most common count (RAS's own
+reference; 0: not behind). In lock-step training a healthy rank launches its
+next collective with its peers, so it is seldom seen behind (a reading is not
+one instant on every rank: launch jitter shows as 1 behind now and then); a
+rank whose host-side step is longer is behind for that much of each step, and
+a hung one always. A single reading decides nothing: :class:`LagTracker`
+flags a rank behind in at least ``LAG_SHARE`` of the readings over a window
+(and ``MIN_SAMPLES`` of them) AND in ``LAG_RATIO`` times the share of the
+median other rank of its communicator (where every rank jitters, the one at
+the edge of the jitter is no straggler). What
 it cannot see: a rank whose GPU alone is slow while its host keeps launching
 ahead (launch counts are host-side); the timings (:mod:`rdzv_client.steptime`)
 see that one.
@@ -53,10 +57,12 @@ MAX_COMMS = 4096  # communicators read from one reading; the rest are left out
 MAX_RANKS = 65536  # ranks per communicator read
 MAX_SAMPLES = 600  # readings a tracker keeps (its window cuts them first)
 MIN_SAMPLES = 5  # readings in the window before anyone is flagged
-LAG_SHARE = 0.3  # behind in at least this share of the readings: flagged
+LAG_SHARE = 0.3  # behind in at least this share of the readings: flagged ...
+LAG_RATIO = 3.0  # ... and in this many times the share of the median other rank of its communicator
 READINGS_PER_WINDOW = 10  # an agent's RAS readings per straggler window (at most one a second)
 
-# One reading: per communicator id, {its rank: (collectives behind, pid or 0)} for the ranks behind.
+# One reading: per communicator id, {its rank: (collectives behind, 0 if none; pid or 0)}. The text form
+# lists only the ranks whose counts differ: its communicators have only those.
 Snapshot = dict[str, dict[int, tuple[int, int]]]
 
 
@@ -94,9 +100,10 @@ def _int(v: object, what: str) -> int:
 
 
 def parse_ras_json(text: str) -> Snapshot:
-    """NCCL RAS's JSON status: per communicator (``hash``), the ranks whose
-    count of some collective kind is below the most common one, by the largest
-    such gap. Missing ranks (``missing_ranks``) have no counts: not here."""
+    """NCCL RAS's JSON status: per communicator (``hash``), every rank and by
+    how much its count of some collective kind is below the most common one
+    (the largest such gap; 0: none). Missing ranks (``missing_ranks``) have no
+    counts: not here."""
     try:
         doc = json.loads(text)
         comms = doc["communicators"]
@@ -116,12 +123,12 @@ def parse_ras_json(text: str) -> Snapshot:
                 raise
             raise TraceError(f"NCCL RAS JSON: a communicator without ranks or counts: {e}") from None
         kinds = {k for cc, _ in counts.values() for k in cc}
-        behind: dict[int, tuple[int, int]] = {}
+        behind = {r: (0, pid) for r, (_, pid) in counts.items()}
         for kind in kinds:
             own = {r: _int(cc.get(kind, 0), kind) for r, (cc, _) in counts.items()}
             ref = _reference(own.values())
             for r, v in own.items():
-                if v < ref and ref - v > behind.get(r, (0, 0))[0]:
+                if ref - v > behind[r][0]:
                     behind[r] = (ref - v, counts[r][1])
         out[cid] = behind
     return out
@@ -195,19 +202,21 @@ def parse_fr(text: str | bytes) -> dict[str, int]:
 
 def fr_snapshot(dumps: Mapping[int, Mapping[str, int]], pids: Mapping[int, int] | None = None) -> Snapshot:
     """Ranks' :func:`parse_fr` results (``{rank: {pg: seq}}``) compared per
-    process group: a rank behind the most common sequence number, by how much."""
+    process group: by how much each rank is behind the most common sequence number."""
     out: Snapshot = {}
     groups = {pg for d in dumps.values() for pg in d}
     for pg in sorted(groups)[:MAX_COMMS]:
         own = {r: d[pg] for r, d in dumps.items() if pg in d}
         ref = _reference(own.values())
-        out[f"pg {pg}"] = {r: (ref - v, (pids or {}).get(r, 0)) for r, v in own.items() if v < ref}
+        out[f"pg {pg}"] = {r: (max(0, ref - v), (pids or {}).get(r, 0)) for r, v in own.items()}
     return out
 
 
 class LagTracker:
     """Readings over a sliding window; :meth:`flagged` names the ranks behind
-    in at least ``share`` of them. Bounded: MAX_SAMPLES readings."""
+    in at least ``share`` of them and in LAG_RATIO x the share of their
+    communicator's median other rank (ranks seen and never behind: 0).
+    Bounded: MAX_SAMPLES readings."""
 
     def __init__(self, window_s: float, share: float = LAG_SHARE, min_samples: int = MIN_SAMPLES) -> None:
         if window_s <= 0 or not 0 < share <= 1 or min_samples < 1:
@@ -227,15 +236,21 @@ class LagTracker:
         n = len(self._samples)
         if n < self.min_samples:
             return []
-        seen: dict[tuple[str, int], list[int]] = {}  # (comm, rank) -> [readings behind, most behind, pid]
+        seen: dict[str, dict[int, list[int]]] = {}  # comm -> rank -> [readings behind, most behind, pid]
         for _, snap in self._samples:
-            for comm, ranks in snap.items():
-                for rank, (behind, pid) in ranks.items():
-                    s = seen.setdefault((comm, rank), [0, 0, 0])
-                    s[0], s[1], s[2] = s[0] + 1, max(s[1], behind), pid or s[2]
-        return sorted(
-            Flag(comm, rank, s[2], s[0] / n, n, s[1]) for (comm, rank), s in seen.items() if s[0] / n >= self.share
-        )
+            for comm, reading in snap.items():
+                for rank, (behind, pid) in reading.items():
+                    s = seen.setdefault(comm, {}).setdefault(rank, [0, 0, 0])
+                    s[0], s[1], s[2] = s[0] + (behind > 0), max(s[1], behind), pid or s[2]
+        out = []
+        for comm, ranks in seen.items():
+            shares = {rank: s[0] / n for rank, s in ranks.items()}
+            for rank, share in shares.items():
+                others = sorted(v for r, v in shares.items() if r != rank)
+                typical = others[len(others) // 2] if others else 0.0
+                if share >= self.share and share >= LAG_RATIO * typical:
+                    out.append(Flag(comm, rank, ranks[rank][2], share, n, ranks[rank][1]))
+        return sorted(out)
 
 
 def ras_query(
@@ -364,6 +379,7 @@ def describe(snap: Snapshot) -> list[str]:
         f"{comm}: rank {rank} (pid {pid}) is {behind} collective(s) behind"
         for comm, ranks in sorted(snap.items())
         for rank, (behind, pid) in sorted(ranks.items())
+        if behind
     ]
 
 
