@@ -3,7 +3,9 @@
 rdzv against torchrun (torch's c10d rendezvous) on this machine, printed as
 one markdown table; see bench/compare.py for what each row measures and
 bench/server_scale.py and bench/finished_jobs.py for the rdzv-only server
-rows (8, 9), bench/ui_events.py for the event stream and /ui rows (11, 12). The whole benchmark runs
+rows (8, 9), bench/ui_events.py for the event stream and /ui rows (11, 12),
+bench/slow_rank.py for the lock-step straggler row (15: about 25 s per
+factor, 44 s for 5x and 1.5x; --quick 5x only, not in --smoke). The whole benchmark runs
 in a private network namespace with only loopback when it can (root and
 ``unshare -n``): torch's TCPStore listens on every interface.
 """
@@ -18,7 +20,7 @@ import time
 from pathlib import Path
 
 from . import _common as C
-from . import compare, finished_jobs, progress_cost, server_scale, ui_events
+from . import compare, finished_jobs, progress_cost, server_scale, slow_rank, ui_events
 
 
 def server_rows(res: dict) -> list[list[str]]:
@@ -158,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
 
     progress = progress_cost.run(*((20_000, 1) if a.smoke else (200_000, 3) if a.quick else (1_000_000, 5)))
     ui = None if a.no_server_scale else ui_events.run(*((10, 3, 50, 1) if a.smoke else (100, 50, 1000, 5)))
+    slow = None if a.smoke else slow_rank.run([5.0] if a.quick else [5.0, 1.5], log=log)
 
     text = compare.table(rows, results)
     if scale:
@@ -167,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     text += "\n" + "\n".join("| " + " | ".join(r) + " |" for r in progress_cost.rows(progress))
     if ui:
         text += "\n" + "\n".join("| " + " | ".join(r) + " |" for r in ui_events.rows(ui))
+    if slow:
+        text += "\n" + "\n".join("| " + " | ".join(r) + " |" for r in slow_rank.rows(slow))
     print(text)
     notes = compare.info_lines(results)
     print()
@@ -186,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
                     "finished_jobs": finished,
                     "progress_cost": progress,
                     "ui_events": ui,
+                    "slow_rank": slow,
                     "runs": runs,
                     "slow_runs": slow_runs,
                     "load_start": load0,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -139,6 +140,29 @@ def soak(minutes: float, window: float, hogs: int, tmp: Path, log=print) -> dict
         for h in hog_procs:
             h.stop(1.0)
         cl.close()
+
+
+def rows(results: list[dict]) -> list[list[str]]:
+    """Row 15 of ``python -m bench``: one per slow factor (rdzv only: torchrun has no straggler detection)."""
+    return [
+        [
+            f"15. Lock-step straggler: 3 gloo nodes + 1 spare, `--straggler-policy replace --straggler-window-s "
+            f"{r['window_s']:g}`; one rank's compute turns {r['factor']:g}x longer -> flagged / replaced",
+            f"{r['flag_s']:.1f} s ({r['flag_windows']:.2f} windows) / {r['replaced_s']:.1f} s, "
+            f"{r['restarts']} restart(s) charged",
+            "n/a",
+            "no straggler detection",
+        ]
+        for r in results
+    ]
+
+
+def run(factors: list[float], window: float = 5.0, runs: int = 1, log=print) -> list[dict]:
+    tmp = Path(tempfile.mkdtemp(prefix="rdzv-slow-rank-"))
+    try:
+        return [run_one(f, window, tmp, log) for f in factors for _ in range(runs)]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main() -> None:

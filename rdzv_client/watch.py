@@ -18,10 +18,12 @@ from typing import TYPE_CHECKING
 
 # Not rdzv_server.protocol (pydantic) at import: the agent imports this before its first join.
 from rdzv_server.errors import MAX_ERROR_MESSAGE
+from rdzv_server.spec_table import DEFAULT_STRAGGLER_WINDOW_S
 from rdzv_server.wire import printable
 
 from . import channel_grammar as grammar
 from .channel import FileTimerServer, WorkerChannel
+from .nccl_trace import RasWatch
 
 if TYPE_CHECKING:
     from rdzv_server.protocol import Assignment, ExitRecord
@@ -48,6 +50,8 @@ class WorkerWatch:
         self.timer: FileTimerServer | None = None
         self._timer_killed: dict[int, str] = {}  # worker pid -> the expired timer's scope
         self._progress_sent_at = 0.0
+        # NCCL RAS: ranks behind in collective count (issue 22's zero-code fallback), where NCCL is in use
+        self.ras = RasWatch(float(cfg.spec_values.get("straggler_window_s") or DEFAULT_STRAGGLER_WINDOW_S))
 
     async def start(self, worker_pids: Callable[[], list[int]]) -> None:
         self.channel.workers = worker_pids  # datagrams from any other process are ignored
@@ -78,6 +82,7 @@ class WorkerWatch:
         """Workers of round ``round_no`` are about to start."""
         self.channel.new_round(round_no)
         self._progress_sent_at = time.monotonic()
+        self.ras.new_round()
         if self.timer is not None:
             self.timer.clear()
         self._timer_killed.clear()
@@ -97,6 +102,13 @@ class WorkerWatch:
             hung = [lr for lr in self.channel.hung(hang, now) if group is not None and group.running(lr)]
             if hung:
                 return hung
+        if group is not None:
+            for lr, f in self.ras.tick(now, group.pids):
+                self._say(
+                    "local rank %d (pid %d) is behind its NCCL communicator %s in %d%% of %d RAS readings over "
+                    "%gs (by up to %d collectives): a lock-step straggler",
+                    lr, f.pid, f.comm, round(f.share * 100), f.samples, self.ras.tracker.window_s, f.behind,
+                )  # fmt: skip
         if link is not None and now - self._progress_sent_at >= link.heartbeat_s:
             sample = self.channel.sample(now)
             if sample is not None:

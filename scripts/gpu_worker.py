@@ -6,6 +6,10 @@ env        records what the agent gave this worker (ranks, sizes, visible GPUs);
 allreduce  one all_reduce of a 4 MiB tensor on cuda:LOCAL_RANK (nccl) and checks the sum
 train      all_reduce in a loop for S seconds (the node-loss drill); "started" once the
            first one is through, "done" at the end
+lag        the train loop, but the last local rank computes 0.3 s a step (a host-side straggler,
+           lock-stepped by the all_reduce): the agent's NCCL RAS readings should name it;
+           at the end each rank writes its Flight Recorder JSON dump (needs
+           TORCH_FR_BUFFER_SIZE) to DIR/fr-rank<RANK>.json
 inplace    the same loop per round, in place (rdzv-agent --restart-mode in-place): the
            round's group from rdzv_client.inplace.process_group(world, backend=...),
            "first" once the round's first all_reduce is through (with its time and the
@@ -36,7 +40,7 @@ def write(out: Path, name: str, record: dict) -> None:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--mode", choices=["env", "allreduce", "train", "inplace"], required=True)
+    p.add_argument("--mode", choices=["env", "allreduce", "train", "lag", "inplace"], required=True)
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--backend", choices=["nccl", "gloo"], default="nccl")
     args = p.parse_args()
@@ -84,8 +88,11 @@ def main() -> int:
     expected = world * (world + 1) / 2
     started = time.monotonic()
     steps = 0
+    slow = args.mode == "lag" and local_rank == int(env["LOCAL_WORLD_SIZE"]) - 1
     try:
         while True:
+            if slow:
+                time.sleep(0.25)  # with the loop's 0.05: this rank's step computes 0.3 s, its peers' 0.05 s
             t = torch.full((1 << 20,), float(rank + 1), device=device)
             dist.all_reduce(t)
             if args.backend == "nccl":
@@ -95,16 +102,20 @@ def main() -> int:
                 print(f"gpu_worker rank {rank}: all_reduce gave {lo}..{hi}, expected {expected}", file=sys.stderr)
                 return 1
             steps += 1
-            if steps == 1 and args.mode == "train":
+            if steps == 1 and args.mode in ("train", "lag"):
                 write(args.out, tag + "-started.json", record)
             if args.mode == "allreduce" or time.monotonic() - started >= args.seconds:
                 break
             time.sleep(0.05)
         dist.barrier()
+        if args.mode == "lag" and args.backend == "nccl":
+            from torch._C._distributed_c10d import _dump_nccl_trace_json
+
+            (args.out / f"fr-rank{rank}.json").write_bytes(_dump_nccl_trace_json(True, True))
     finally:
         dist.destroy_process_group()
     record.update(steps=steps, sum=expected, seconds=round(time.monotonic() - started, 2))
-    write(args.out, tag + ("-done.json" if args.mode == "train" else ".json"), record)
+    write(args.out, tag + ("-done.json" if args.mode in ("train", "lag") else ".json"), record)
     return 0
 
 
