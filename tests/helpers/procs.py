@@ -1,7 +1,7 @@
 """Processes a test starts and waits on, for every test folder.
 
 * :func:`wait_until`: poll a condition with a deadline (never a bare sleep);
-* :func:`free_port`: a loopback port the kernel just handed out;
+* :func:`free_port`: a free loopback port below the kernel's ephemeral range;
 * :func:`descendants`, :func:`tagged_pids`, :func:`alive`, :func:`kill_pid`,
   :func:`killpg`: the /proc readings and the by-pid kills that teardown uses
   (never a kill by name);
@@ -19,8 +19,10 @@ Stdlib only: the helpers cost nothing to import.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -82,7 +84,47 @@ def wait_until(fn: Callable[[], Any], timeout: float, what: str, interval: float
         time.sleep(interval)
 
 
+# The ports free_port hands out lie below the kernel's ephemeral range
+# (net.ipv4.ip_local_port_range, 32768-60999 by default), which the kernel never
+# gives to a connection's source port or to a bind of port 0: a port a test
+# frees to start a server on it again (kill -9 and restart, an etcd member's
+# restart) stays free for it, where an ephemeral one was taken by some other
+# connection under load (an etcd member died on "address already in use").
+# Each xdist worker walks its own slice from a random start.
+PORT_RANGE = (20000, 32000)
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _port_slice() -> tuple[int, int]:
+    lo, hi = PORT_RANGE[0], min(PORT_RANGE[1], _ephemeral_low())
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    index = int(worker) if worker.isdigit() else 0
+    size = (hi - lo) // max(count, 1)
+    return lo + index * size, lo + (index + 1) * size
+
+
+_port_order = itertools.count(random.randrange(1 << 16))
+
+
 def free_port() -> int:
+    """A loopback port free now, out of the kernel's ephemeral range (above);
+    one the kernel hands out where the host leaves no room below that range."""
+    lo, hi = _port_slice()
+    for _ in range(max(hi - lo, 0)):
+        port = lo + next(_port_order) % (hi - lo)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -59,6 +59,11 @@ def main() -> None:
         f"local {trainer.local_rank} step {trainer.global_step} sum {float(total):g} env {env}\n"
     )
     os.write(1, line.encode())
+    # Lightning leaves the group to the interpreter's exit, where torch 2.13's gloo
+    # may abort ("terminate called without an active exception") when a peer has
+    # already closed its side: seen once under load, a charged restart of a job
+    # whose training had finished. Torch asks scripts to destroy it themselves.
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
