@@ -498,7 +498,7 @@ class Agent(ServerReactions):
             self.cfg, a, failed, host, err_root, self.log_dir, self._say, self.watch.timer_killed
         )
         await self._stop_workers()
-        records = exit_records(a, failed, self.watch)
+        records = exit_records(a, failed, self.watch, self.cfg.restart_mode == "in-place")
         self.phase = Phase.REPORTED
         self.session.report_failed(a.round, records)
         return None

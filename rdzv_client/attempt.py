@@ -15,9 +15,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from string import Template
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Literal, TextIO
 
-from .exits import entrypoint_name, failure_summary
+from .exits import entrypoint_name, failure_summary, report_tail
+from .inplace_store import STORE_PORT_EXIT
 from .workers import ExitInfo, LaunchConfig, WorkerGroup, describe, error_file_path, worker_env
 
 if TYPE_CHECKING:
@@ -165,9 +166,19 @@ def note_failures(
     )
 
 
-def exit_records(a: Assignment, failed: list[ExitInfo], watch: WorkerWatch) -> list[ExitRecord]:
-    """The failed workers of round ``a`` as the exit records of a failure report."""
+def exit_records(a: Assignment, failed: list[ExitInfo], watch: WorkerWatch, in_place: bool) -> list[ExitRecord]:
+    """The failed workers of round ``a`` as the exit records of a failure report.
+    The first failure (the server's rule: earliest, then lowest rank) carries its
+    last stderr lines; an in-place worker that exited STORE_PORT_EXIT has reason
+    "store_port" (its round's store port was taken: the server charges nothing)."""
     from rdzv_server.protocol import ExitRecord
+
+    first = min(failed, key=lambda i: (i.timestamp or float("inf"), i.local_rank)) if failed else None
+
+    def reason(i: ExitInfo) -> Literal["timer", "store_port"] | None:
+        if watch.timer_killed(i.pid):
+            return "timer"
+        return "store_port" if in_place and i.exit_code == STORE_PORT_EXIT else None
 
     return [
         ExitRecord(
@@ -178,7 +189,8 @@ def exit_records(a: Assignment, failed: list[ExitInfo], watch: WorkerWatch) -> l
             signal=i.signal,
             message=watch.exit_message(i),
             timestamp=i.timestamp,
-            reason="timer" if watch.timer_killed(i.pid) else None,
+            reason=reason(i),
+            stderr=report_tail(i.stderr) if i is first else None,
         )
         for i in failed
     ]

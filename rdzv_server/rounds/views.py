@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from ..protocol import (
     TERMINAL_STATES,
+    CulpritView,
+    DepartedView,
     JobState,
     JobSummary,
     JobView,
@@ -157,6 +159,8 @@ def view(job: Job, now: float) -> JobView:
         history_omitted=len(job.history) - len(history),
         run=job.run,
         runs=[RunView.model_validate(vars(r)) for r in job.runs],
+        culprit=CulpritView.model_validate(vars(job.culprit)) if job.culprit is not None else None,
+        departed=[DepartedView.model_validate(vars(d)) for d in job.departed],
     )
 
 
