@@ -152,6 +152,11 @@ class JobSummary(BaseModel):
     max_restarts: int
     created_at: float | None = Field(default=None, description="unix time the job was created")
     run: int = Field(default=1, description="this job id's run (see JobView.runs)")
+    reason: str | None = Field(
+        default=None,
+        description="why it ended (its root cause, else its end reason), or why its latest round opened "
+        "(first 160 bytes)",
+    )
 
 
 MAX_PAGE = 1000

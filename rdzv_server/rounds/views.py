@@ -17,10 +17,12 @@ from ..protocol import (
     SlowRankView,
     WaitingInfo,
 )
+from ..sizes import clip
 from .model import REJOINING, RUNNING, SPARE, WAITING, Job, Node, count, natural_key
 
 MAX_VIEW_NODES = 10_000  # a job view lists at most this many nodes (members first, by rank)
 MAX_VIEW_HISTORY = 100  # and the latest this many rounds
+MAX_SUMMARY_REASON_BYTES = 160  # a summary's reason (a page of 1,000 stays ~200 KiB)
 
 
 def waiting_info(job: Job, now: float, detail: bool = True) -> WaitingInfo | None:
@@ -185,4 +187,12 @@ def summary(job: Job) -> JobSummary:
         max_restarts=job.spec.max_restarts,
         created_at=job.created_at,
         run=job.run,
+        reason=clip(_reason(job), MAX_SUMMARY_REASON_BYTES) or None,
     )
+
+
+def _reason(job: Job) -> str:
+    """A list's one line of why: how it ended, else why its round opened."""
+    if job.finished:
+        return job.root_cause or job.end_reason or ""
+    return job.history[-1].reason if job.history else ""

@@ -109,3 +109,43 @@ async def test_an_in_place_store_port_taken_re_forms_without_a_charge(client, co
         await agent.send(join_msg("why5", node, spec=spec))
     got = await asyncio.gather(*(a.expect("joined") for a in agents))
     assert len(got) == 2
+
+
+async def test_the_job_list_newest_first_pages_and_says_why_each_ended(client, connect):
+    """?order=newest (the /ui's list): newest first, paged with the same cursors; each
+    summary's reason says how it ended, or why its latest round opened."""
+    for i in range(5):
+        agent = await connect()
+        await agent.send(join_msg(f"list{i}", f"n{i}", (1, 1)))
+        await agent.expect("joined")
+        await agent.expect("assigned")
+        if i == 3:
+            await agent.send(FailedMsg(round=0, failures=[boom(0)]))
+    oldest = [j["job_id"] for j in (await get_json(client, "/v1/jobs?limit=1000"))["jobs"]]
+    assert oldest == [f"list{i}" for i in range(5)]
+    seen, cursor = [], ""
+    while True:
+        page = await get_json(client, f"/v1/jobs?order=newest&limit=2&cursor={cursor}")
+        seen += [j["job_id"] for j in page["jobs"]]
+        if not page["next_cursor"]:
+            break
+        cursor = page["next_cursor"]
+    assert seen == oldest[::-1]
+    view = await wait_for_job(client, "list3", lambda v: v["round"] == 1)
+    reasons = {j["job_id"]: j["reason"] for j in (await get_json(client, "/v1/jobs?order=newest"))["jobs"]}
+    assert reasons["list3"].startswith("worker failure: node n3 (n3) rank 0") and len(reasons["list3"]) <= 160
+    assert view["history"][-1]["reason"].startswith(reasons["list3"].removesuffix("...[truncated]"))
+    first = (await get_json(client, "/v1/jobs/list0"))["history"][0]["reason"]
+    assert reasons["list0"] == first and first  # a running job: why its round opened
+    bad = await get_json(client, "/v1/jobs?order=sideways", status=422)
+    assert bad["code"] == "validation_error" and "order" in bad["message"]
+
+
+async def test_the_hosts_page_and_its_script_are_served_like_the_others(client):
+    resp = await client.get("/ui/hosts")
+    assert resp.status == 200 and resp.content_type == "text/html"
+    page = await resp.text()
+    assert "/ui/static/explain.js" in page and 'id="hosts-body"' in page
+    resp = await client.get("/ui/static/explain.js")
+    assert resp.status == 200 and resp.content_type == "text/javascript"
+    assert "innerHTML" not in await resp.text()
