@@ -38,11 +38,29 @@ def run_log_dir(cfg: AgentConfig, agent_dir: Path) -> Path | None:
     if cfg.log_dir is not None:
         cfg.log_dir.mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(prefix=f"{cfg.job_id}_", dir=cfg.log_dir))
-    if any(v for s in (cfg.redirects, cfg.tee) for v in (s.values() if isinstance(s, dict) else [s])):
+    if _streams_to_files(cfg):
         logs = agent_dir / "logs"
         logs.mkdir()
         return logs
     return None
+
+
+def log_dir_line(cfg: AgentConfig, log_dir: Path) -> str:
+    """The agent's line naming its run's log directory (torchrun's words), and,
+    with --log-dir but neither --redirects nor --tee, what does not go there: as
+    torchrun, only the error files (and the directories) are written."""
+    line = f"log directory set to: {log_dir}"
+    if cfg.log_dir is not None and not _streams_to_files(cfg):
+        line += (
+            " (error files only: worker output goes there with --redirects or --tee, as torchrun; "
+            "--tee 3 keeps it and still prints it)"
+        )
+    return line
+
+
+def _streams_to_files(cfg: AgentConfig) -> bool:
+    """Whether --redirects or --tee sends any stream of any local rank to a file."""
+    return any(v for s in (cfg.redirects, cfg.tee) for v in (s.values() if isinstance(s, dict) else [s]))
 
 
 def announce(cfg: AgentConfig, a: Assignment, say: Callable[..., None]) -> None:

@@ -191,8 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--log_dir",
         dest="log_dir",
         default=pet("log_dir"),
-        help="keep worker logs and error files, as torchrun: DIR/JOB_RANDOM/attempt_ROUND/LOCAL_RANK/"
-        "{stdout,stderr}.log,error.json (one run directory per agent)",
+        help="keep worker error files, and the logs --redirects/--tee ask for, as torchrun: DIR/JOB_RANDOM/"
+        "attempt_ROUND/LOCAL_RANK/{error.json,stdout.log,stderr.log} (one run directory per agent)",
     )
     a(
         "--redirects",
