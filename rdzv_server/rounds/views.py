@@ -42,8 +42,8 @@ def waiting_info(job: Job, now: float, detail: bool = True) -> WaitingInfo | Non
         parts.append(f"{spec.min_nodes - joined} more node(s) to reach min {spec.min_nodes}")
     if job.last_call_deadline is not None:
         parts.append(
-            f"last call until {job.last_call_deadline:.3f} ({max(0.0, job.last_call_deadline - now):.1f}s "
-            f"left, or {spec.max_nodes - joined} more to reach max {spec.max_nodes})"
+            f"last call: {max(0.0, job.last_call_deadline - now):.1f}s left (or {spec.max_nodes - joined} more "
+            f"to reach max {spec.max_nodes})"
         )
     return WaitingInfo(
         text="; ".join(parts) or "completing",
