@@ -7,7 +7,7 @@ rdzv_server.rest_models (the REST response models, re-exported here).
 Two channels:
 
 * REST (JSON over HTTP) for people and scripts: ``GET /v1/jobs``
-  (``?state=&limit=&cursor=``, one page at a time), ``GET /v1/jobs/{job_id}``,
+  (``?state=&limit=&cursor=&order=``, one page at a time), ``GET /v1/jobs/{job_id}``,
   ``DELETE /v1/jobs/{job_id}`` (finished jobs only), ``POST /v1/jobs/{job_id}/close``,
   ``GET /v1/hosts`` (paged), ``GET /v1/hosts/{host}``, ``POST /v1/hosts/{host}/cordon``,
   ``.../uncordon``, ``.../health`` (host records: docs/design.md, "Bad hosts"),
