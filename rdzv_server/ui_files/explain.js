@@ -12,6 +12,7 @@ function renderCulprit(v) {
   $("culprit-title").textContent = "node " + c.node_id + " (" + c.host + "), rank " + c.rank +
     " (local rank " + c.local_rank + "), round " + c.round;
   $("culprit-cause").textContent = c.cause;
+  $("culprit-cause").hidden = c.cause === v.root_cause;  // said once: the root cause above is this failure
   $("culprit-stderr").textContent = (c.stderr || []).join("\n");
   $("culprit-stderr").hidden = !(c.stderr && c.stderr.length);
 }
