@@ -83,3 +83,40 @@ def test_a_saved_culprit_is_bounded_again_on_load() -> None:
     back = rounds.from_record(saved)
     assert back.culprit is not None and 0 < len(back.culprit.stderr) <= 20
     assert all("\x07" not in s and json_len(s) <= 240 for s in back.culprit.stderr)
+
+
+def test_a_hostile_failure_loop_with_tails_and_departures_keeps_the_record_under_its_bound() -> None:
+    """design.md "Bounds": with 200 rounds, the culprit and 32 departures (ids and
+    hosts at their longest, reasons and tails of 4-byte characters) a job's
+    record stays under ~110 KiB."""
+    import json
+
+    from rdzv_server.protocol import MAX_ID_LEN, MAX_STDERR_LINE, MAX_STDERR_LINES, JoinMsg
+
+    wide = "\U0001f4a5"
+    sp = spec(min_nodes=1, max_nodes=40, max_restarts=100_000, storm_restarts=0, heartbeat_timeout_s=3600.0)
+    job = rounds.new_job("j", sp, 0.0)
+    tail = [wide * MAX_STDERR_LINE] * MAX_STDERR_LINES
+
+    def join(i: int, now: float) -> None:
+        node = f"{i:03d}" + "n" * (MAX_ID_LEN - 3)
+        host = f"{i:03d}" + "h" * 252
+        msg = JoinMsg(job_id="j", node_id=node, host=host, addr="a", local_world_size=1, master_port=1, spec=sp)
+        rounds.join(job, msg, now)
+
+    join(0, 0.0)
+    rounds.tick(job, 10.0)
+    for i in range(rounds.MAX_HISTORY + 50):
+        first = next(iter(job.nodes))
+        rec = ExitRecord(local_rank=0, rank=0, pid=1, exit_code=1, message=wide * 4000, stderr=tail)
+        rounds.fail(job, first, job.round, [rec], 20.0 + i)
+        join(0, 20.0 + i)
+        rounds.tick(job, 30.0 + i)
+    for i in range(1, 40):
+        join(i, 1000.0)
+    rounds.tick(job, 1100.0)
+    for i, node in enumerate(list(job.nodes)[1:]):
+        rounds.leave(job, node, wide * 300, 1200.0 + i)
+    assert len(job.departed) == MAX_DEPARTED and job.culprit is not None and job.culprit.stderr
+    size = len(json.dumps(rounds.to_record(job), separators=(",", ":")))
+    assert size < 110 * 1024, size
