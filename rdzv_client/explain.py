@@ -27,7 +27,7 @@ def culprit_lines(job: JobView) -> list[str]:
     if c is None:
         return []
     out = [
-        f"failed first: node {printable(c.node_id)} ({printable(c.host)}), rank {c.rank} (local rank "
+        f"last failure: node {printable(c.node_id)} ({printable(c.host)}), rank {c.rank} (local rank "
         f"{c.local_rank}), round {c.round}: {printable(c.cause)}"
     ]
     if c.stderr:

@@ -21,7 +21,7 @@ function renderCulprit(v) {
 function markCulprit(v, row, n) {
   if (v.culprit && v.culprit.node_id === n.node_id) {
     row.classList.add("culprit");
-    row.title = "failed first in round " + v.culprit.round + ": " + v.culprit.cause;
+    row.title = "last failure, round " + v.culprit.round + ": " + v.culprit.cause;
   }
 }
 

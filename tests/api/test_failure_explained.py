@@ -44,7 +44,7 @@ async def test_the_failing_ranks_last_stderr_lines_show_in_the_view_the_status_a
     assert (c["node_id"], c["host"], c["rank"], c["local_rank"], c["round"]) == ("node2", "node2", 1, 0, 0)
     assert "loss is nan" in c["cause"] and c["stderr"] == failed["exit"]["stderr"]
     text = render_job(JobView.model_validate(view))
-    assert "failed first: node node2 (node2), rank 1 (local rank 0), round 0" in text
+    assert "last failure: node node2 (node2), rank 1 (local rank 0), round 0" in text
     assert "  | \\x1b[31mValueError: loss is nan\\x1b[0m" in text and "\x1b" not in text
 
 
