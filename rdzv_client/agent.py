@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, TextIO
 # that need them import them then (a dictionary look-up by that time).
 from rdzv_server.wire import DEFAULT_MAX_RESTARTS, heartbeat_every, printable
 
+from . import attempt
 from .attempt import announce, cannot_start, exit_records, note_failures, run_log_dir, worker_envs, worker_group
 from .client import AgentLink
 from .config import (  # noqa: F401 - build_parser, config_from_args, UsageError: the agent's public names
@@ -218,7 +219,7 @@ class Agent(ServerReactions):
                 " (torchrun: 0)" if self.cfg.max_restarts == DEFAULT_MAX_RESTARTS else "",
             )
             if self.log_dir is not None:
-                self._say("log directory set to: %s", self.log_dir)  # torchrun's words
+                self._say("%s", attempt.log_dir_line(self.cfg, self.log_dir))  # torchrun's words, and what goes there
             if self.cfg.restart_mode == "in-place":
                 self._say("%s", in_place_env_note(os.environ))
             if not await self._join_when_healthy(rejoining=False):
@@ -498,7 +499,7 @@ class Agent(ServerReactions):
             self.cfg, a, failed, host, err_root, self.log_dir, self._say, self.watch.timer_killed
         )
         await self._stop_workers()
-        records = exit_records(a, failed, self.watch)
+        records = exit_records(a, failed, self.watch, self.cfg.restart_mode == "in-place")
         self.phase = Phase.REPORTED
         self.session.report_failed(a.round, records)
         return None

@@ -15,9 +15,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from string import Template
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Literal, TextIO
 
-from .exits import entrypoint_name, failure_summary
+from .exits import entrypoint_name, failure_summary, report_tail
+from .inplace_store import STORE_PORT_EXIT
 from .workers import ExitInfo, LaunchConfig, WorkerGroup, describe, error_file_path, worker_env
 
 if TYPE_CHECKING:
@@ -37,11 +38,29 @@ def run_log_dir(cfg: AgentConfig, agent_dir: Path) -> Path | None:
     if cfg.log_dir is not None:
         cfg.log_dir.mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(prefix=f"{cfg.job_id}_", dir=cfg.log_dir))
-    if any(v for s in (cfg.redirects, cfg.tee) for v in (s.values() if isinstance(s, dict) else [s])):
+    if _streams_to_files(cfg):
         logs = agent_dir / "logs"
         logs.mkdir()
         return logs
     return None
+
+
+def log_dir_line(cfg: AgentConfig, log_dir: Path) -> str:
+    """The agent's line naming its run's log directory (torchrun's words), and,
+    with --log-dir but neither --redirects nor --tee, what does not go there: as
+    torchrun, only the error files (and the directories) are written."""
+    line = f"log directory set to: {log_dir}"
+    if cfg.log_dir is not None and not _streams_to_files(cfg):
+        line += (
+            " (error files only: worker output goes there with --redirects or --tee, as torchrun; "
+            "--tee 3 keeps it and still prints it)"
+        )
+    return line
+
+
+def _streams_to_files(cfg: AgentConfig) -> bool:
+    """Whether --redirects or --tee sends any stream of any local rank to a file."""
+    return any(v for s in (cfg.redirects, cfg.tee) for v in (s.values() if isinstance(s, dict) else [s]))
 
 
 def announce(cfg: AgentConfig, a: Assignment, say: Callable[..., None]) -> None:
@@ -165,9 +184,19 @@ def note_failures(
     )
 
 
-def exit_records(a: Assignment, failed: list[ExitInfo], watch: WorkerWatch) -> list[ExitRecord]:
-    """The failed workers of round ``a`` as the exit records of a failure report."""
+def exit_records(a: Assignment, failed: list[ExitInfo], watch: WorkerWatch, in_place: bool) -> list[ExitRecord]:
+    """The failed workers of round ``a`` as the exit records of a failure report.
+    The first failure (the server's rule: earliest, then lowest rank) carries its
+    last stderr lines; an in-place worker that exited STORE_PORT_EXIT has reason
+    "store_port" (its round's store port was taken: the server charges nothing)."""
     from rdzv_server.protocol import ExitRecord
+
+    first = min(failed, key=lambda i: (i.timestamp or float("inf"), i.local_rank)) if failed else None
+
+    def reason(i: ExitInfo) -> Literal["timer", "store_port"] | None:
+        if watch.timer_killed(i.pid):
+            return "timer"
+        return "store_port" if in_place and i.exit_code == STORE_PORT_EXIT else None
 
     return [
         ExitRecord(
@@ -178,7 +207,8 @@ def exit_records(a: Assignment, failed: list[ExitInfo], watch: WorkerWatch) -> l
             signal=i.signal,
             message=watch.exit_message(i),
             timestamp=i.timestamp,
-            reason="timer" if watch.timer_killed(i.pid) else None,
+            reason=reason(i),
+            stderr=report_tail(i.stderr) if i is first else None,
         )
         for i in failed
     ]

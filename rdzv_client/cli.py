@@ -46,6 +46,7 @@ from rdzv_server.protocol import (
     printable,
 )
 
+from . import explain
 from .rest import RestClient
 
 
@@ -101,6 +102,7 @@ def render_job(job: JobView) -> str:
         out.append(f"waiting for: {printable(job.waiting_for.text)}")
     if job.root_cause:
         out.append(f"root cause: {printable(job.root_cause)}")
+    out += explain.culprit_lines(job)
     out.append("")
     rows = [
         [
@@ -125,6 +127,7 @@ def render_job(job: JobView) -> str:
             out.append(f"spare {printable(n.node_id)} waits: {printable(n.host_blocked)}")
     if job.nodes_omitted:
         out.append(f"(+{job.nodes_omitted} more nodes not listed)")
+    out += explain.departed_lines(job)
     out.append("")
     hist = [
         [

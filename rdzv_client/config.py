@@ -23,7 +23,7 @@ from rdzv_server import __version__, logs
 from rdzv_server.spec_table import FIELDS
 from rdzv_server.wire import HOST_PATTERN, is_valid_id, job_secret_problem
 
-from . import secret_source
+from . import help_groups, secret_source
 from .endpoints import parse_endpoints
 from .launch import Std, parse_std
 from .service import DEFAULT_SERVER_TIMEOUT_S as DEFAULT_SERVER_TIMEOUT_S  # re-exported: the agent's name
@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--run-id",
         dest="job_id",
         default=pet("rdzv_id") or os.environ.get("SLURM_JOB_ID"),
-        help="job id; under SLURM defaults to $SLURM_JOB_ID",
+        help="job id (default: $SLURM_JOB_ID under SLURM)",
     )
     a("--nnodes", default=pet("nnodes", "1"), help="N or MIN:MAX nodes")
     a(
@@ -184,15 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--new-run",
         dest="new_run",
         action="store_true",
-        help="start the next run of an ended job id (default off Kubernetes)",
+        help="start the next run of an ended job id (default: off Kubernetes; see --no-new-run)",
     )
     a(
         "--log-dir",
         "--log_dir",
         dest="log_dir",
         default=pet("log_dir"),
-        help="keep worker logs and error files, as torchrun: DIR/JOB_RANDOM/attempt_ROUND/LOCAL_RANK/"
-        "{stdout,stderr}.log,error.json (one run directory per agent)",
+        help="keep worker error files, and the logs --redirects/--tee ask for, as torchrun: DIR/JOB_RANDOM/"
+        "attempt_ROUND/LOCAL_RANK/{error.json,stdout.log,stderr.log} (one run directory per agent)",
     )
     a(
         "--redirects",
@@ -244,22 +244,22 @@ def build_parser() -> argparse.ArgumentParser:
         dest="stop_timeout",
         type=float,
         default=pet("shutdown_timeout", os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_STOP_TIMEOUT_S)),
-        help="seconds workers get between SIGTERM and SIGKILL (torchrun: --shutdown-timeout, default 30; "
-        f"default {DEFAULT_STOP_TIMEOUT_S:g}, or $TORCH_ELASTIC_SHUTDOWN_TIMEOUT)",
+        help="seconds workers get between SIGTERM and SIGKILL, as torchrun's --shutdown-timeout (30 there) "
+        f"(default: {DEFAULT_STOP_TIMEOUT_S:g}, or $TORCH_ELASTIC_SHUTDOWN_TIMEOUT)",
     )
     a(
         "--server-timeout",
         type=float,
         default=os.environ.get("RDZV_SERVER_TIMEOUT", DEFAULT_SERVER_TIMEOUT_S),
         help="give up (stop workers, exit 3) when the server has been unreachable this many seconds "
-        f"($RDZV_SERVER_TIMEOUT, default {DEFAULT_SERVER_TIMEOUT_S:g})",
+        f"(default: {DEFAULT_SERVER_TIMEOUT_S:g}, or $RDZV_SERVER_TIMEOUT)",
     )
     a(
         "--host-name",
         dest="host_name",
         default=os.environ.get("RDZV_HOST_NAME") or None,
-        help="the name the server keeps this host's record under (failures, cool-downs, cordons); "
-        "default: $RDZV_HOST_NAME or the host name",
+        help="the name the server keeps this host's record under: failures, cool-downs, cordons "
+        "(default: $RDZV_HOST_NAME or the host name)",
     )
     a(
         "--health-check",
@@ -320,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_torchrun_flags(p)
     a("script", help="training script (or module with -m, or executable with --no-python)")
     a("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    help_groups.arrange(p)  # essentials first, then one group per concern
     return p
 
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 from rdzv_server.errors import MAX_ERROR_MESSAGE
+from rdzv_server.wire import MAX_STDERR_LINES
 
 MAX_MESSAGE_CHARS = MAX_ERROR_MESSAGE  # an exit record's message: the wire's limit
 _STDERR_TAIL_LINES = 20
@@ -36,6 +38,8 @@ class ExitInfo:
     source: str = ""
     # the worker's TORCHELASTIC_ERROR_FILE (a worker kept in place has its first round's), or ""
     error_file: str = ""
+    # its last stderr lines as they came (a failed worker's; the report's ExitRecord.stderr, bounded there)
+    stderr: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -70,6 +74,20 @@ def describe(info: ExitInfo, rank: int | None = None, timer: bool = False) -> st
     # an error file starts with "Type: text"; a stderr message with its error line
     why = lines[0].strip() if lines else ""
     return f"{who} {how}" + (f": {why}" if why else "")
+
+
+_CSI_RE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours and cursor moves: escaped they read as noise
+
+
+def report_tail(lines: tuple[str, ...] | list[str]) -> list[str] | None:
+    """A failed worker's last stderr lines as its failure report carries them
+    (``ExitRecord.stderr``): colours dropped, control characters escaped, the last
+    that fit the wire's bounds (rdzv_server.sizes.tail_lines: the server's rule
+    too); None without any."""
+    from rdzv_server.sizes import tail_lines
+
+    kept = tail_lines([_CSI_RE.sub("", ln) for ln in lines[-MAX_STDERR_LINES:]])
+    return kept or None
 
 
 def _trim_message(head: str, tail_lines: list[str], limit: int = MAX_MESSAGE_CHARS) -> str:

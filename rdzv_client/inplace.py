@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from . import worker
-from .inplace_store import StorePortTaken, port_taken
+from .inplace_store import STORE_PORT_EXIT, StorePortTaken, port_taken
 from .inplace_wait import wait, wait_all  # sliced, timed waits (inplace.wait is public)
 from .worker import MembershipChanged, World
 
@@ -60,7 +60,7 @@ def _exit_at_once(kind: type[BaseException], value: BaseException, tb: Any) -> N
     _previous_hook(kind, value, tb)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1)
+    os._exit(STORE_PORT_EXIT if isinstance(value, StorePortTaken) else 1)  # the port: charged to no one
 
 
 _previous_hook = sys.excepthook

@@ -6,12 +6,18 @@ later, once the round formed: another process may take it meanwhile (seen once
 in 9 runs on a busy machine, issue 25). Retrying that bind until the group's
 timeout (60 s) only stalled the round; :func:`port_taken` tells it apart from
 the failures worth retrying, and :class:`StorePortTaken` fails the worker at
-once with a line that says what happened (the failure is reported as any, the
-next round's join picks a fresh port)."""
+once with a line that says what happened. Uncaught, it ends the worker with
+:data:`STORE_PORT_EXIT` (rdzv_client.inplace's excepthook); its agent reports
+that as reason ``store_port`` and the server re-forms without charging a
+restart (not the training's fault); the next round's join picks a fresh port."""
 
 from __future__ import annotations
 
 import errno
+
+# The exit code of an in-place worker whose round store port was taken (distinct from
+# rdzv_client.launch.WORKER_EXIT_RESTART, 75): its agent reports it uncharged.
+STORE_PORT_EXIT = 76
 
 
 class StorePortTaken(RuntimeError):

@@ -295,6 +295,7 @@ class WorkerGroup:
             timestamp,
             source,
             w.env.get("TORCHELASTIC_ERROR_FILE", ""),
+            tuple(self._stderr_lines(w)) if returncode != 0 else (),
         )
         log.debug("%s", describe(info))
         return info
@@ -305,15 +306,21 @@ class WorkerGroup:
             message = read_error_file(error_file)
             if message:
                 return message, "error_file"
-        lines = [ln for ln in w.stderr_tail if ln.strip()]
-        if not lines and w.stderr_file is not None:
-            lines = _file_tail_lines(w.stderr_file)
+        lines = self._stderr_lines(w)
         # the error first: the server's root cause and every summary read the first line
         head = root_cause_line(lines)
         if lines and lines[-1].strip() == head:
             lines = lines[:-1]  # said once, first
         message = _trim_message(head, lines)
         return message, ("stderr" if message else "")
+
+    @staticmethod
+    def _stderr_lines(w: _Worker) -> list[str]:
+        """Its last non-blank stderr lines: the copy's tail, else its log file's."""
+        lines = [ln for ln in w.stderr_tail if ln.strip()]
+        if not lines and w.stderr_file is not None:
+            lines = _file_tail_lines(w.stderr_file)
+        return lines
 
     def running(self, local_rank: int) -> bool:
         """Whether that worker was started and has not exited yet."""

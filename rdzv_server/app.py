@@ -247,6 +247,13 @@ def openapi_document() -> dict[str, Any]:
             "description": "the next_cursor of the previous page, unchanged",
             "schema": {"type": "string", "maxLength": MAX_CURSOR_LEN},
         },
+        {
+            "name": "order",
+            "in": "query",
+            "required": False,
+            "description": "by creation time: oldest first, or newest first",
+            "schema": {"type": "string", "enum": ["oldest", "newest"], "default": "oldest"},
+        },
     ]
     host_param = {
         "name": "host",
@@ -445,6 +452,7 @@ def create_app(settings: Settings | None = None) -> web.Application:
     app.router.add_get("/ui", ui.page)
     app.router.add_get("/ui/", ui.page)
     app.router.add_get("/ui/jobs/{job_id}", ui.page)
+    app.router.add_get("/ui/hosts", ui.page)
     app.router.add_get("/ui/static/{name}", ui.static)
     app.router.add_post("/ui/login", ui.login)
     app.router.add_post("/ui/logout", ui.logout)

@@ -20,13 +20,26 @@ _T = TypeVar("_T")
 
 
 def paged(
-    order: list[tuple[float, str]], cursor: str | None, limit: int, pick: Callable[[tuple[float, str]], _T | None]
+    order: list[tuple[float, str]],
+    cursor: str | None,
+    limit: int,
+    pick: Callable[[tuple[float, str]], _T | None],
+    newest: bool = False,
 ) -> tuple[list[_T], str | None]:
     """One page of what ``pick`` gives for the keys of ``order`` (sorted
     (created_at, id) keys) after ``cursor``, skipping None: (items,
-    next_cursor), ``next_cursor`` None on the last page."""
-    i = bisect.bisect_right(order, decode_cursor(cursor)) if cursor is not None else 0
+    next_cursor), ``next_cursor`` None on the last page. ``newest``: from the
+    newest key down (?order=newest; a cursor is a key either way)."""
     out: list[_T] = []
+    if newest:
+        j = (bisect.bisect_left(order, decode_cursor(cursor)) if cursor is not None else len(order)) - 1
+        while j >= 0 and len(out) < limit:
+            item = pick(order[j])
+            if item is not None:
+                out.append(item)
+            j -= 1
+        return out, (encode_cursor(order[j + 1]) if j >= 0 and len(out) == limit else None)
+    i = bisect.bisect_right(order, decode_cursor(cursor)) if cursor is not None else 0
     while i < len(order) and len(out) < limit:
         item = pick(order[i])
         if item is not None:

@@ -86,7 +86,10 @@ def _page_params(request: web.Request) -> tuple[JobState | None, int, str | None
 
 async def list_jobs(request: web.Request) -> web.Response:
     state, limit, cursor = _page_params(request)
-    jobs, next_cursor = request.app[STORE].summaries(state, limit, cursor)
+    order = request.rel_url.query.get("order", "oldest")
+    if order not in ("oldest", "newest"):
+        raise RequestError(f"order {order[:64]!r} is not oldest or newest", ErrorCode.VALIDATION_ERROR)
+    jobs, next_cursor = request.app[STORE].summaries(state, limit, cursor, newest=order == "newest")
     return _json(JobList(jobs=jobs, next_cursor=next_cursor))
 
 

@@ -83,13 +83,13 @@ class HostRecord:
     def blocked(self, now: float) -> str | None:
         """Why a join from this host waits (None: it may join)."""
         if self.cordon_active(now):
-            until = f" until {self.cordon_until:.0f} (unix time)" if self.cordon_until is not None else ""
+            # a span, not a time: the reader's clock and zone are not the server's (issue 25: raw unix times)
+            until = f" for {span_text(self.cordon_until - now)} more" if self.cordon_until is not None else ""
             return f"host {self.host} is cordoned{until}: {self.cordon_reason or 'no reason given'}"
         if self.cooling(now):
             assert self.cooled_until is not None
             return (
-                f"host {self.host} is cooled down for {self.cooled_until - now:.0f}s more "
-                f"(until {self.cooled_until:.0f}): {self.cooled_reason}"
+                f"host {self.host} is cooled down for {span_text(self.cooled_until - now)} more: {self.cooled_reason}"
             )
         return None
 
@@ -219,3 +219,15 @@ class Hosts:
                 if t is not None and (best is None or t < best):
                     best = t
         return best
+
+
+def span_text(seconds: float) -> str:
+    """Seconds for people: 42s, 7m 5s, 2h 0m, 3d 4h."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60}s"
+    if s < 86400:
+        return f"{s // 3600}h {s % 3600 // 60}m"
+    return f"{s // 86400}d {s % 86400 // 3600}h"

@@ -7,7 +7,7 @@ rdzv_server.rest_models (the REST response models, re-exported here).
 Two channels:
 
 * REST (JSON over HTTP) for people and scripts: ``GET /v1/jobs``
-  (``?state=&limit=&cursor=``, one page at a time), ``GET /v1/jobs/{job_id}``,
+  (``?state=&limit=&cursor=&order=``, one page at a time), ``GET /v1/jobs/{job_id}``,
   ``DELETE /v1/jobs/{job_id}`` (finished jobs only), ``POST /v1/jobs/{job_id}/close``,
   ``GET /v1/hosts`` (paged), ``GET /v1/hosts/{host}``, ``POST /v1/hosts/{host}/cordon``,
   ``.../uncordon``, ``.../health`` (host records: docs/design.md, "Bad hosts"),
@@ -69,7 +69,9 @@ from .rest_models import (  # noqa: F401  (re-exported: the wire contract is one
     MAX_PAGE,
     TERMINAL_STATES,
     CloseResult,
+    CulpritView,
     DeleteResult,
+    DepartedView,
     Health,
     HostFailureView,
     HostList,
@@ -108,6 +110,8 @@ from .wire import (  # noqa: F401  (re-exported: the wire contract is one import
     MAX_NPROC,
     MAX_RESTARTS,
     MAX_SECRET_LEN,
+    MAX_STDERR_LINE,
+    MAX_STDERR_LINES,
     MAX_TIMEOUT_S,
     MAX_TIMING_WINDOW_S,
     MAX_TIMINGS,
@@ -216,9 +220,12 @@ class ExitRecord(_Strict):
     # why the agent ended it, when it did: "hang" (no progress() for the job's
     # hang timeout), "timer" (a torch elastic FileTimer expired); None: it ended by itself;
     # "collective": in-place mode, the worker lives, parked after a collective failed
-    # (an echo: it only loses a member whose connection dropped, see rounds.fail)
-    reason: Literal["hang", "timer", "collective"] | None = None
+    # (an echo: it only loses a member whose connection dropped, see rounds.fail);
+    # "store_port": in-place rank 0 found the round's store port taken (not charged, see rounds.fail)
+    reason: Literal["hang", "timer", "collective", "store_port"] | None = None
     last_step: int | None = Field(default=None, ge=0, le=2**53)  # its last progress() step, if any
+    # its last stderr lines, the first failure's only (left out of the frame when None)
+    stderr: list[Annotated[str, Field(max_length=MAX_STDERR_LINE)]] | None = Field(None, max_length=MAX_STDERR_LINES)
 
     def describe(self) -> str:
         who = f"rank {self.rank} (local rank {self.local_rank}, pid {self.pid})"
@@ -342,6 +349,9 @@ class FailedMsg(_Strict):
         data: dict[str, object] = handler(self)
         if not data.get("give_up"):
             data.pop("give_up", None)
+        for record in data.get("failures", ()):  # type: ignore[attr-defined]
+            if record.get("stderr") is None:
+                record.pop("stderr", None)  # the frame it always was
         return data
 
 
@@ -518,6 +528,8 @@ class JobView(BaseModel):
     runs: list[RunView] = Field(
         default_factory=list, description="the previous runs of this job id, oldest first (the latest 20)"
     )
+    culprit: CulpritView | None = Field(default=None, description="this run's latest failure and its stderr tail")
+    departed: list[DepartedView] = Field(default_factory=list, description="nodes that left, oldest first")
 
 
 MAX_HOST_REASON = 300

@@ -101,6 +101,31 @@ class RoundView(BaseModel):
     nodes: int | None
 
 
+class CulpritView(BaseModel):
+    """The job's latest failure that the training caused (not an echo of a lost peer)."""
+
+    node_id: str
+    host: str
+    round: int = Field(description="the round it failed in")
+    rank: int
+    local_rank: int
+    cause: str = Field(description="the failure in one line")
+    stderr: list[str] = Field(
+        description="that rank's last stderr lines as its agent sent them, oldest first (control characters "
+        "escaped; at most 20 lines, 4 KiB)"
+    )
+
+
+class DepartedView(BaseModel):
+    """A node that left the job (the latest 32)."""
+
+    node_id: str
+    host: str
+    round: int = Field(description="the job's round when it left")
+    left_at: float = Field(description="unix time it left")
+    reason: str = Field(description="why: connection lost, left (its reason), no heartbeat, succeeded ...")
+
+
 class RunView(BaseModel):
     """A finished run of a job id (the job view lists its previous runs)."""
 
@@ -127,6 +152,11 @@ class JobSummary(BaseModel):
     max_restarts: int
     created_at: float | None = Field(default=None, description="unix time the job was created")
     run: int = Field(default=1, description="this job id's run (see JobView.runs)")
+    reason: str | None = Field(
+        default=None,
+        description="why it ended (its root cause, else its end reason), or why its latest round opened "
+        "(first 160 bytes)",
+    )
 
 
 MAX_PAGE = 1000

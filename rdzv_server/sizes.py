@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 
+from .wire import MAX_STDERR_LINE, MAX_STDERR_LINES, printable
+
 TRUNCATED = "...[truncated]"  # the marker a clipped text ends with
 
 # What a job keeps of the reasons that carry client text (failure messages, leave reasons):
@@ -21,6 +23,7 @@ MAX_REASON_BYTES = 1024  # a round's reason, the job's root cause and end reason
 MAX_CAUSE_BYTES = 768  # a failure's description within a reason (the rest: what it cost, e.g. "restart 3/5")
 MAX_OLD_REASON_BYTES = 96  # a round's reason once it is older than the newest RECENT_REASONS rounds
 RECENT_REASONS = 20  # the newest rounds, whose reasons are kept at MAX_REASON_BYTES
+MAX_TAIL_BYTES = 4096  # the failing rank's last stderr lines a job keeps (rounds/culprit.py), as JSON
 
 
 def json_len(text: str) -> int:
@@ -46,3 +49,20 @@ def clip(text: str, max_bytes: int) -> str:
         else:
             hi = mid - 1
     return head[:lo] + TRUNCATED
+
+
+def tail_lines(lines: list[str] | None, max_bytes: int = MAX_TAIL_BYTES) -> list[str]:
+    """The last of ``lines`` that fit in ``max_bytes`` (as JSON strings), each
+    one made printable and clipped to MAX_STDERR_LINE characters. Work is bounded
+    by MAX_STDERR_LINES lines, whatever the input."""
+    kept: list[str] = []
+    size = 0
+    for line in reversed((lines or [])[-MAX_STDERR_LINES:]):
+        text = clip(printable(line[: MAX_STDERR_LINE * 2]), MAX_STDERR_LINE)
+        cost = json_len(text) + 3  # its quotes and a comma
+        if size + cost > max_bytes:
+            break
+        kept.append(text)
+        size += cost
+    kept.reverse()
+    return kept

@@ -41,11 +41,12 @@ class ReadsMixin:
         return rounds.view(self._job(job_id), self.clock())
 
     def summaries(
-        self, state: JobState | None = None, limit: int = 100, cursor: str | None = None
+        self, state: JobState | None = None, limit: int = 100, cursor: str | None = None, newest: bool = False
     ) -> tuple[list[JobSummary], str | None]:
-        """One page of job summaries in creation order: (summaries, next_cursor).
-        ``cursor`` is a ``next_cursor`` this server returned (opaque to clients)."""
-        page, more = paged(self._order, cursor, limit, lambda key: self._summary(self.jobs[key[1]], state))
+        """One page of job summaries in creation order (``newest``: newest first):
+        (summaries, next_cursor). ``cursor`` is a ``next_cursor`` this server
+        returned (opaque to clients)."""
+        page, more = paged(self._order, cursor, limit, lambda key: self._summary(self.jobs[key[1]], state), newest)
         return page, more
 
     @staticmethod

@@ -27,7 +27,7 @@ from .keys import AUTH
 from .protocol import ErrorCode, RequestError, UnauthorizedError
 
 MAX_LOGIN_BODY = 4096
-_FILES = {"app.js": "text/javascript", "style.css": "text/css"}
+_FILES = {"app.js": "text/javascript", "explain.js": "text/javascript", "style.css": "text/css"}
 _CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
     "base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
@@ -42,7 +42,9 @@ _HEADERS = {
 
 def public(path: str) -> bool:
     """Paths served without a token: the page's own files and its login."""
-    return path in ("/", "/ui", "/ui/", "/ui/login", "/ui/logout") or path.startswith(("/ui/static/", "/ui/jobs/"))
+    return path in ("/", "/ui", "/ui/", "/ui/hosts", "/ui/login", "/ui/logout") or path.startswith(
+        ("/ui/static/", "/ui/jobs/")
+    )
 
 
 def _file(name: str) -> bytes:

@@ -57,6 +57,11 @@ MAX_FAILURES_PER_REPORT = MAX_NPROC
 # below MAX_BODY_BYTES); a window, and the compute and wait in it, of at most MAX_TIMING_WINDOW_S.
 MAX_TIMINGS = 256
 MAX_TIMING_WINDOW_S = MAX_TIMEOUT_S
+# A failure report's stderr tail (ExitRecord.stderr: the failing rank's last lines, issue 25):
+# at most MAX_STDERR_LINES lines of MAX_STDERR_LINE characters each (control characters escaped);
+# what a job keeps of it: rdzv_server.sizes.MAX_TAIL_BYTES.
+MAX_STDERR_LINES = 20
+MAX_STDERR_LINE = 240
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*$"
 _ID_RE = re.compile(ID_PATTERN)

@@ -15,11 +15,12 @@ from typing import Any
 
 from ..logs import Line, event_line
 from ..protocol import ExitRecord, printable
-from ..sizes import TRUNCATED, clip
+from ..sizes import TRUNCATED, clip, tail_lines
 from .model import Effects, Event, Job, Node, RoundRecord, SlowRank
 
 MAX_FAILURES = 8  # exit records a node_failed event carries (a node may report one per local rank)
 MAX_FAILURE_TEXT = 1024  # bytes (as JSON) of a text field of one exit record in an event
+MAX_EVENT_TAIL_BYTES = 2048  # bytes (as JSON) of the first failure's stderr lines in a node_failed event
 
 
 def note(job: Job, text: str, node: str | None = None, **fields: Any) -> Line:
@@ -180,7 +181,9 @@ def failure_fields(failures: list[ExitRecord]) -> dict[str, Any]:
         return out
 
     def record(r: ExitRecord) -> dict[str, Any]:
-        return {k: (text(v) if isinstance(v, str) else v) for k, v in r.model_dump(mode="json").items()}
+        return {
+            k: (text(v) if isinstance(v, str) else v) for k, v in r.model_dump(mode="json", exclude={"stderr"}).items()
+        }
 
     fields: dict[str, Any] = {
         "cause": text(first.describe()),
@@ -188,6 +191,8 @@ def failure_fields(failures: list[ExitRecord]) -> dict[str, Any]:
         "failures": [record(r) for r in failures[:MAX_FAILURES]],
         "failures_omitted": max(0, len(failures) - MAX_FAILURES),
     }
+    if first.stderr:  # the failing rank's last lines, in its record only (the event stays within its cap)
+        fields["exit"]["stderr"] = tail_lines(first.stderr, MAX_EVENT_TAIL_BYTES)
     if clipped:
         fields["truncated"] = True
     return fields

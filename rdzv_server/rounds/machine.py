@@ -45,7 +45,8 @@ from ..protocol import (
     printable,
 )
 from ..sizes import MAX_CAUSE_BYTES, MAX_REASON_BYTES, clip
-from . import events
+from . import departed, events
+from .culprit import culprit
 from .forming import _check_complete, _complete
 from .model import (
     REJOINING,
@@ -175,8 +176,14 @@ def fail(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], now:
         # Nothing happened: no node_failed event.
         return Effects()
     fx.event(events.node_failed(job, node, failures, cause))
-    fx.host_failures.append((node.host, f"worker failure: {first.describe()}"))
-    if job.restarts >= job.spec.max_restarts:
+    job.culprit = culprit(job.round, node.node_id, node.host, first, cause)
+    # In-place mode's rank 0 found the round's store port (its agent's pick at join) taken by
+    # another process: neither the training's fault nor the host's. A new round (fresh ports),
+    # not charged; a storm of them still ends the job.
+    port_taken = all(r.reason == "store_port" for r in failures)
+    if not port_taken:
+        fx.host_failures.append((node.host, f"worker failure: {first.describe()}"))
+    if job.restarts >= job.spec.max_restarts and not port_taken:
         job.root_cause = cause
         return fx.merge(
             _end(job, JobState.FAILED, f"restart budget of {job.spec.max_restarts} spent; last failure: {cause}", now)
@@ -191,6 +198,8 @@ def fail(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], now:
                 stop="no_progress",
             )
         )
+    if port_taken:
+        return fx.merge(_open_round(job, f"store port taken, not charged: {cause}", now))
     job.restarts += 1
     opened = _open_round(job, f"worker failure: {cause} (restart {job.restarts}/{job.spec.max_restarts})", now)
     fx.event(events.restart_charged(job))  # (the round it opened, that round's reason)
@@ -235,6 +244,7 @@ def give_up(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], n
     fx.event(events.node_failed(job, node, failures, cause))
     if root == cause:
         fx.host_failures.append((node.host, f"worker failure: {first.describe()}"))
+        job.culprit = culprit(round_no, node.node_id, node.host, first, cause)
     job.root_cause = root
     why = clip(
         printable(
@@ -416,6 +426,7 @@ def _lose(job: Job, node_id: str, why: str, now: float, *, evict: bool, lost: bo
     else the server gave up on a silent node (node_evicted)."""
     node = job.nodes[node_id]
     move(job, node, None)
+    departed.note(job.departed, node_id, node.host, job.round, why, now)
     fx = Effects()
     if evict:
         fx.evicted.append(node_id)
@@ -454,6 +465,7 @@ def _open_round(job: Job, reason: str, now: float) -> Effects:
             fx.send(node.node_id, restart)
         elif node.state == SUCCEEDED:
             move(job, node, None)  # it exited; it will not come back
+            departed.note(job.departed, node.node_id, node.host, job.round - 1, "succeeded", now)
         elif node.state == SPARE and blocked(job, node, now) is None:
             node.note = None
             move(job, node, WAITING)

@@ -16,6 +16,8 @@ from typing import Any, Protocol
 
 from ..logs import Line
 from ..protocol import TERMINAL_STATES, JobSpec, JobState, ServerMessage
+from .culprit import Culprit
+from .departed import Departure
 
 
 class NodeState(str, Enum):
@@ -174,6 +176,8 @@ class Job:
     run: int = 1
     runs: list[RunRecord] = field(default_factory=list)
     run_started_at: float | None = None  # None: created_at (run 1)
+    culprit: Culprit | None = None  # the latest failure the training caused, its stderr tail (culprit.py)
+    departed: list[Departure] = field(default_factory=list)  # nodes that left, the latest (departed.py)
     gate: HostGate | None = field(default=None, repr=False, compare=False)  # set by the store; not saved
 
     @property

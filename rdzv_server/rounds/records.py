@@ -10,6 +10,7 @@ from typing import Any
 from ..protocol import JobSpec, JobState
 from ..sizes import MAX_OLD_REASON_BYTES, RECENT_REASONS, clip
 from ..spec_table import spec_from_record, spec_record
+from . import culprit, departed
 from .model import Job, Node, NodeState, RoundRecord, RunRecord
 
 # Progress that agents send with heartbeats is not saved: the next heartbeat
@@ -28,7 +29,9 @@ _NOT_SAVED_NODE = frozenset(
         "slow_rank",
     }
 )
-_NOT_SAVED_JOB = frozenset({"spec", "nodes", "history", "state", "counts", "stragglers_at", "gate"})
+_NOT_SAVED_JOB = frozenset(
+    {"spec", "nodes", "history", "state", "counts", "stragglers_at", "gate", "culprit", "departed"}
+)
 
 
 # Job counters of restart storms (Job) at their defaults: left out of the record, so a
@@ -71,6 +74,10 @@ def to_record(job: Job) -> dict[str, Any]:
     d["state"] = job.state.value
     d["nodes"] = [_node_record(n) for n in job.nodes.values()]
     d["history"] = [vars(r).copy() for r in job.history]
+    if job.culprit is not None:  # left out without one: the record older code wrote
+        d["culprit"] = culprit.to_record(job.culprit)
+    if job.departed:  # likewise
+        d["departed"] = departed.to_records(job.departed)
     return d
 
 
@@ -91,6 +98,8 @@ def from_record(d: dict[str, Any]) -> Job:
     d["runs"] = [RunRecord(**r) for r in d.pop("runs", [])]
     state = JobState(d.pop("state"))
     d.pop("counts", None)
+    d["culprit"] = culprit.from_record(d.pop("culprit", None))
+    d["departed"] = departed.from_records(d.pop("departed", []))
     job = Job(spec=spec, nodes=nodes, history=history, state=state, **d)
     for node in nodes.values():
         node_state = _known(node.state)

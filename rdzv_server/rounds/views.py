@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from ..protocol import (
     TERMINAL_STATES,
+    CulpritView,
+    DepartedView,
     JobState,
     JobSummary,
     JobView,
@@ -15,10 +17,12 @@ from ..protocol import (
     SlowRankView,
     WaitingInfo,
 )
+from ..sizes import clip
 from .model import REJOINING, RUNNING, SPARE, WAITING, Job, Node, count, natural_key
 
 MAX_VIEW_NODES = 10_000  # a job view lists at most this many nodes (members first, by rank)
 MAX_VIEW_HISTORY = 100  # and the latest this many rounds
+MAX_SUMMARY_REASON_BYTES = 160  # a summary's reason (a page of 1,000 stays ~200 KiB)
 
 
 def waiting_info(job: Job, now: float, detail: bool = True) -> WaitingInfo | None:
@@ -38,8 +42,8 @@ def waiting_info(job: Job, now: float, detail: bool = True) -> WaitingInfo | Non
         parts.append(f"{spec.min_nodes - joined} more node(s) to reach min {spec.min_nodes}")
     if job.last_call_deadline is not None:
         parts.append(
-            f"last call until {job.last_call_deadline:.3f} ({max(0.0, job.last_call_deadline - now):.1f}s "
-            f"left, or {spec.max_nodes - joined} more to reach max {spec.max_nodes})"
+            f"last call: {max(0.0, job.last_call_deadline - now):.1f}s left (or {spec.max_nodes - joined} more "
+            f"to reach max {spec.max_nodes})"
         )
     return WaitingInfo(
         text="; ".join(parts) or "completing",
@@ -157,6 +161,8 @@ def view(job: Job, now: float) -> JobView:
         history_omitted=len(job.history) - len(history),
         run=job.run,
         runs=[RunView.model_validate(vars(r)) for r in job.runs],
+        culprit=CulpritView.model_validate(vars(job.culprit)) if job.culprit is not None else None,
+        departed=[DepartedView.model_validate(vars(d)) for d in job.departed],
     )
 
 
@@ -181,4 +187,12 @@ def summary(job: Job) -> JobSummary:
         max_restarts=job.spec.max_restarts,
         created_at=job.created_at,
         run=job.run,
+        reason=clip(_reason(job), MAX_SUMMARY_REASON_BYTES) or None,
     )
+
+
+def _reason(job: Job) -> str:
+    """A list's one line of why: how it ended, else why its round opened."""
+    if job.finished:
+        return job.root_cause or job.end_reason or ""
+    return job.history[-1].reason if job.history else ""

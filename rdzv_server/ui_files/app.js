@@ -95,7 +95,7 @@ function listen(url, onEvent) {
 
 function showLogin() {
   if (source) { source.close(); source = null; }
-  for (const id of ["jobs", "job"]) $(id).hidden = true;
+  for (const id of ["jobs", "job", "hosts"]) $(id).hidden = true;
   $("login").hidden = false;
   $("token").focus();
 }
@@ -132,7 +132,7 @@ function ready() {
 
 async function renderJobs() {
   const state = $("state-filter").value;
-  const q = "/v1/jobs?limit=1000" + (state ? "&state=" + encodeURIComponent(state) : "");
+  const q = "/v1/jobs?order=newest&limit=1000" + (state ? "&state=" + encodeURIComponent(state) : "");
   const list = await api(q);
   const now = Date.now() / 1000;
   const frag = document.createDocumentFragment();
@@ -149,6 +149,7 @@ async function renderJobs() {
     tr.appendChild(el("td", "num", j.world_size));
     tr.appendChild(el("td", "num", j.restarts + "/" + j.max_restarts));
     tr.appendChild(el("td", "num", j.created_at ? fmtSecs(Math.max(0, now - j.created_at)) : ""));
+    tr.appendChild(el("td", "reason", j.reason || "")).title = j.reason || "";
     frag.appendChild(tr);
   }
   $("jobs-body").replaceChildren(frag);
@@ -159,7 +160,7 @@ async function renderJobs() {
 
 // ------------------------------------------------------------------ one job
 
-function nodeRow(n) {
+function nodeRow(n, v) {
   const row = el("div", "row");
   row.setAttribute("role", "row");
   row.dataset.node = n.node_id;
@@ -178,6 +179,7 @@ function nodeRow(n) {
   cell("num", (n.last_seen_s < 60 ? n.last_seen_s.toFixed(1) + " s" : fmtSecs(n.last_seen_s)) + " ago");
   cell("num", n.step === null || n.step === undefined ? "" : n.step);
   cell("num", n.steps_per_s === null || n.steps_per_s === undefined ? "" : n.steps_per_s.toFixed(2));
+  markCulprit(v, row, n);
   return row;
 }
 
@@ -284,10 +286,12 @@ async function renderJob(jobId) {
   $("root-cause-text").textContent = v.root_cause || "";
   renderForming(v);
   const frag = document.createDocumentFragment();
-  for (const n of v.nodes) frag.appendChild(nodeRow(n));
-  for (const n of v.spares) frag.appendChild(nodeRow(n));
+  for (const n of v.nodes) frag.appendChild(nodeRow(n, v));
+  for (const n of v.spares) frag.appendChild(nodeRow(n, v));
   $("nodes-body").replaceChildren(frag);
   $("nodes-count").textContent = (v.nodes.length + v.spares.length) + (v.nodes_omitted ? " (+" + v.nodes_omitted + " not shown)" : "");
+  renderCulprit(v);
+  renderDeparted(v);
   renderHistory(v);
   renderRuns(v);
   $("job").hidden = false;
@@ -319,7 +323,12 @@ function route() {
 async function start() {
   const jobId = route();
   try {
-    if (jobId === null) {
+    if (location.pathname === "/ui/hosts") {
+      $("crumb").textContent = "hosts";
+      render = renderHosts;
+      await renderHosts();
+      listen("/v1/events", null);
+    } else if (jobId === null) {
       $("crumb").textContent = "jobs";
       render = renderJobs;
       await renderJobs();

@@ -80,7 +80,7 @@ def test_cordon_and_drain_from_the_cli_mid_run(cluster: Cluster) -> None:
     view = server.wait_job("drain", lambda v: v["round"] >= 1 and v["state"] == "running", 30, "round 1 running")
     assert sorted(members(view)) == ["n1", "n3"] and view["restarts"] == 0, view
     assert "drain" in view["history"][-1]["reason"] and "bad DIMM" in view["history"][-1]["reason"]
-    agents["n2"].wait_log(r"waiting as a spare: host n2 is cordoned until .*bad DIMM", timeout=30)
+    agents["n2"].wait_log(r"waiting as a spare: host n2 is cordoned for \dh \d+m more: .*bad DIMM", timeout=30)
     agents["n2"].wait_log(r"round 1: drain: .*; stopping workers and rejoining", timeout=1)
     status = cli(server, "status", "drain")
     assert status.returncode == 0 and "waits: host n2 is cordoned" in status.stdout, status.stdout

@@ -85,6 +85,27 @@ def test_a_job_forms_restarts_and_fails_live_on_its_page(cluster: Cluster, page,
     expect(page.locator("#root-cause-text")).to_contain_text("loss is nan <b>(ui test)</b>")  # text, not markup
     expect(page.locator("#root-cause-text b")).to_have_count(0)
     expect(page.locator("#close-btn")).to_be_disabled()
+    # a failed job in one place (issue 25): the culprit and its last stderr lines, as text;
+    # its row marked; the node that was lost still listed, with when and why
+    culprit = server.job("live")["culprit"]
+    expect(page.locator("#culprit")).to_be_visible()
+    expect(page.locator("#culprit-title")).to_contain_text(f"node {culprit['node_id']} ({culprit['host']}), rank ")
+    expect(page.locator("#culprit-stderr")).to_contain_text("ValueError: loss is nan <b>(ui test)</b>")
+    expect(page.locator("#culprit-stderr b")).to_have_count(0)
+    marked = page.locator("#nodes-body .row.culprit")
+    expect(marked).to_have_count(1)
+    expect(marked).to_have_attribute("data-node", culprit["node_id"])
+    lost = page.locator("#departed li")
+    expect(lost).to_have_count(1)
+    expect(lost).to_contain_text("node-c")
+    expect(lost).to_contain_text("connection lost")
+    expect(lost).to_contain_text("in round 0")
+
+    # the hosts page: the culprit's host counts the failure
+    page.goto(f"{server.url}/ui/hosts")
+    host_row = page.locator(f"#hosts-body tr[data-host='{culprit['host']}']")
+    expect(host_row).to_contain_text("worker failure", timeout=DEADLINE_MS)
+    expect(host_row.locator("td").nth(3)).to_have_text("1")
 
     # the job list shows it, filtered by state
     page.goto(f"{server.url}/")
@@ -92,6 +113,7 @@ def test_a_job_forms_restarts_and_fails_live_on_its_page(cluster: Cluster, page,
     row = page.locator("#jobs-body tr[data-job=live]")
     expect(row).to_contain_text("failed")
     expect(row.locator("td").nth(4)).to_have_text("2:3")
+    expect(row.locator("td.reason")).to_contain_text("exit code 3")  # the reason column: why it ended
     page.select_option("#state-filter", "running")
     expect(page.locator("#jobs-body tr")).to_have_count(0)
     page.select_option("#state-filter", "failed")

@@ -51,6 +51,22 @@ def test_rank_0_fails_at_once_when_its_store_port_is_taken() -> None:
     assert "is taken by another process" in res.stdout and "127.0.0.1:" in res.stdout, res.stdout
 
 
+UNCAUGHT = TAKEN.split("try:")[0] + "inplace.process_group(w, timeout_s=20.0)\n"
+
+
+@pytest.mark.timeout(60)
+def test_uncaught_it_ends_the_worker_with_the_exit_code_its_agent_reports_uncharged() -> None:
+    """Uncaught (as in a training script), the worker exits STORE_PORT_EXIT, not 1:
+    its agent reports reason "store_port" and the server charges no restart."""
+    from rdzv_client.inplace_store import STORE_PORT_EXIT
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RDZV_", "TORCHELASTIC_"))}
+    env.update(PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, "-c", UNCAUGHT], capture_output=True, text=True, env=env, timeout=50)
+    assert res.returncode == STORE_PORT_EXIT, (res.returncode, res.stderr[-2000:])
+    assert "StorePortTaken" in res.stderr and "is taken by another process" in res.stderr
+
+
 def test_port_taken_tells_a_bind_in_use_from_the_failures_worth_retrying() -> None:
     assert port_taken(OSError(errno.EADDRINUSE, "Address already in use"))
     assert port_taken(

@@ -130,7 +130,7 @@ def test_reaching_min_starts_last_call_which_completes_on_tick():
     rounds.join(job, join_msg("a"), 0.0)
     rounds.join(job, join_msg("b"), 1.0)
     assert job.last_call_deadline == 2.0
-    assert "last call until 2.000" in rounds.waiting_info(job, 1.0).text
+    assert "last call: 1.0s left" in rounds.waiting_info(job, 1.0).text
     rounds.join(job, join_msg("c"), 1.5)
     assert job.last_call_deadline == 2.0  # a later join does not extend it
     fx = rounds.tick(job, 1.999)
