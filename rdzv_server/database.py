@@ -213,7 +213,8 @@ class Database:
 
     def save(self, job: Job, now: float) -> None:
         """Write what changed since the job was last written, in one transaction."""
-        plan = joblog.plan(self.written.get(job.job_id), joblog.snapshot(job, now))
+        prev = self.written.get(job.job_id)
+        plan = joblog.plan(prev, joblog.snapshot(job, now, prev.snap if prev is not None else None))
         self.conn.execute("BEGIN")
         try:
             self.conn.executemany(

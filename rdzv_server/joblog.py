@@ -42,18 +42,26 @@ write of that job writes a base.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import rounds
-from .rounds import Job
+from .rounds import Job, Node
+from .rounds.records import _NOT_SAVED_NODE, _node_record  # a node's record, as the whole record has it
 
 LAYOUT = 2  # the pointer's "layout": a record of the older layout has no such key
 CHUNK_CHARS = 200_000  # characters of a blob: base64 in etcd's JSON gateway, ~4 per request under 1.5 MiB
 MAX_CHAIN = 1000  # deltas after a base at most (a load reads them all)
 _VOLATILE = ("last_seen", "connected", "lost_deadline", "dropped", "graced")  # restored on load (rounds.restored)
 _RUNNING, _REJOINING = rounds.RUNNING.value, rounds.REJOINING.value
+# what a node's row is made of: a row is taken again only when one of these (or its place) changed
+_ROW_FIELDS = tuple(f for f in Node.__dataclass_fields__ if f not in _NOT_SAVED_NODE and f not in _VOLATILE)
+_made_of = operator.attrgetter(*_ROW_FIELDS)
+_Implied = tuple[str | None, int | None, int]
+_OUTSIDE: _Implied = (None, None, 0)  # named in neither order nor prev_order
 
 
 def _dumps(value: Any) -> str:
@@ -68,6 +76,8 @@ class Snapshot:
     head: dict[str, Any]
     nodes: dict[str, str]
     at: float
+    # per node, what its row was made of (snapshot's memo: a row is serialised once per change of it)
+    made_of: dict[str, tuple[Any, ...]] = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass
@@ -109,10 +119,10 @@ class Plan:
 # ------------------------------------------------------------ normalising
 
 
-def _implied(head: dict[str, Any], sizes: dict[str, int]) -> dict[str, tuple[str | None, int | None, int]]:
+def _implied(head: dict[str, Any], sizes: dict[str, int]) -> dict[str, _Implied]:
     """Per node id named in ``order`` / ``prev_order``: the (state, group rank,
     rank offset) its place implies (``sizes``: each node's local world size)."""
-    out: dict[str, tuple[str | None, int | None, int]] = {}
+    out: dict[str, _Implied] = {}
     for node_id in head.get("prev_order", ()):
         out[node_id] = (_REJOINING, None, 0)
     offset = 0
@@ -122,24 +132,39 @@ def _implied(head: dict[str, Any], sizes: dict[str, int]) -> dict[str, tuple[str
     return out
 
 
-def snapshot(job: Job, at: float) -> Snapshot:
-    """The job as storage keeps it (O(nodes) in time, as :func:`rounds.to_record`)."""
-    head = rounds.to_record(job)
-    records = head.pop("nodes")
-    implied = _implied(head, {r["node_id"]: r["local_world_size"] for r in records})
-    nodes = {}
-    for r in records:
-        for name in _VOLATILE:
-            r.pop(name, None)
-        state, rank, offset = implied.get(r["node_id"], (None, None, 0))
-        if r["state"] == state:
-            del r["state"]
-        if r["group_rank"] == rank:
-            del r["group_rank"]
-        if r["rank_offset"] == offset:
-            del r["rank_offset"]
-        nodes[r["node_id"]] = _dumps(r)
-    return Snapshot(head, nodes, at)
+def _row(node: Node, implied: _Implied) -> str:
+    r = _node_record(node)
+    for name in _VOLATILE:
+        r.pop(name, None)
+    state, rank, offset = implied
+    if r["state"] == state:
+        del r["state"]
+    if r["group_rank"] == rank:
+        del r["group_rank"]
+    if r["rank_offset"] == offset:
+        del r["rank_offset"]
+    return _dumps(r)
+
+
+def snapshot(job: Job, at: float, memo: Snapshot | None = None) -> Snapshot:
+    """The job as storage keeps it. O(nodes), but a node's row is serialised
+    again only when what it is made of changed since ``memo`` (an earlier
+    snapshot of the job, if any)."""
+    head = rounds.to_record(dataclasses.replace(job, nodes={}))  # (the head alone: nodes are rows)
+    del head["nodes"]
+    for k, v in head.items():  # (to_record hands out the job's own lists: order, prev_order)
+        if isinstance(v, list):
+            head[k] = list(v)
+    implied = _implied(head, {node_id: n.local_world_size for node_id, n in job.nodes.items()})
+    old_rows, old_made = (memo.nodes, memo.made_of) if memo is not None else ({}, {})
+    rows: dict[str, str] = {}
+    made_of: dict[str, tuple[Any, ...]] = {}
+    for node_id, node in job.nodes.items():
+        place = implied.get(node_id, _OUTSIDE)
+        made = (place, _made_of(node))
+        rows[node_id] = old_rows[node_id] if old_made.get(node_id) == made else _row(node, place)
+        made_of[node_id] = made
+    return Snapshot(head, rows, at, made_of)
 
 
 def to_job(snap: Snapshot) -> Job:
@@ -147,7 +172,7 @@ def to_job(snap: Snapshot) -> Job:
     rows = [json.loads(text) for text in snap.nodes.values()]
     implied = _implied(snap.head, {r["node_id"]: r["local_world_size"] for r in rows})
     for r in rows:
-        state, rank, offset = implied.get(r["node_id"], (None, None, 0))
+        state, rank, offset = implied.get(r["node_id"], _OUTSIDE)
         r.setdefault("state", state)
         r.setdefault("group_rank", rank)
         r.setdefault("rank_offset", offset)

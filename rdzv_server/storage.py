@@ -191,6 +191,7 @@ class EtcdBackend:
         self.failed = failed
         self.committed: dict[str, joblog.Written] = {}  # each job as etcd last acknowledged it
         self._read: dict[str, joblog.Written] = {}  # what the last load read, until loaded()
+        self._taken: dict[str, joblog.Snapshot] = {}  # each job's newest snapshot (queued): rows to reuse
         self.written_rows = self.written_chars = 0  # node rows and characters written, for benches
 
     async def load(self) -> tuple[dict[str, Job], list[HostRecord]]:
@@ -205,11 +206,14 @@ class EtcdBackend:
         self._read = {}
 
     def write_job(self, job: Job, now: float) -> None:
-        self.outbox.write(job.job_id, joblog.snapshot(job, now))  # (the newest queued is written: a delta from
-        # what etcd holds then)
+        written = self.committed.get(job.job_id)
+        memo = self._taken.get(job.job_id) or (written.snap if written is not None else None)
+        snap = self._taken[job.job_id] = joblog.snapshot(job, now, memo)
+        self.outbox.write(job.job_id, snap)  # (the newest queued is written: a delta from what etcd holds then)
 
     def remove_jobs(self, job_ids: list[str]) -> None:
         for job_id in job_ids:  # each queued behind its job's writes
+            self._taken.pop(job_id, None)
             self.outbox.write(job_id, None)
 
     def write_hosts(self, records: list[HostRecord], removed: list[str]) -> None:
@@ -236,7 +240,7 @@ class EtcdBackend:
 
     def drop_all(self) -> None:
         self.outbox.drop_all()
-        self.committed = {}
+        self.committed, self._taken = {}, {}
 
     def close(self) -> None:
         pass

@@ -141,6 +141,8 @@ def test_the_chain_is_compacted_into_a_base_and_old_blobs_go(tmp_path: Path) -> 
     db.close()
     db = Database(tmp_path)
     assert kept(db.load()["j"]) == kept(job)
+    db.delete(["j"])  # the pointer and every blob
+    assert db.conn.execute("SELECT count(*) FROM job_data").fetchone()[0] == 0 and db.last("j") is None
     db.close()
 
 
@@ -283,6 +285,14 @@ async def test_an_etcd_record_of_the_older_layout_loads_and_is_replaced() -> Non
 # ----------------------------------------- every record the machine makes
 
 
+def test_what_a_row_is_made_of_is_immutable() -> None:
+    """A row is reused while what it is made of compares equal: those fields must
+    hold values that cannot change in place (a list or dict there would be missed)."""
+    node = rounds.Node("n", "h", "a", 1, 2, None, 0.0, state=rounds.RUNNING, note="x", replaced="y")
+    for name in joblog._ROW_FIELDS:
+        assert isinstance(getattr(node, name), (str, int, float, type(None))), name
+
+
 class LoggedRounds(RoundsMachine):
     """The round machine's random sequences (test_rounds_property), each state
     written through the chain: what storage holds after each write is the job,
@@ -295,7 +305,8 @@ class LoggedRounds(RoundsMachine):
     def storage_holds_the_job(self) -> None:
         if self.written is None:
             self.blobs = {}
-        snap = joblog.snapshot(self.job, self.now)
+        snap = joblog.snapshot(self.job, self.now, self.written.snap if self.written is not None else None)
+        assert snap == joblog.snapshot(self.job, self.now)  # rows reused from the last are the rows made anew
         plan = joblog.plan(self.written, snap)
         self.blobs.update({(g, c): t for g, c, t in plan.blobs})
         if plan.drop_below is not None:
