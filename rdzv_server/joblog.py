@@ -58,8 +58,13 @@ MAX_CHAIN = 1000  # deltas after a base at most (a load reads them all)
 _VOLATILE = ("last_seen", "connected", "lost_deadline", "dropped", "graced")  # restored on load (rounds.restored)
 _RUNNING, _REJOINING = rounds.RUNNING.value, rounds.REJOINING.value
 # what a node's row is made of: a row is taken again only when one of these (or its place) changed
-_ROW_FIELDS = tuple(f for f in Node.__dataclass_fields__ if f not in _NOT_SAVED_NODE and f not in _VOLATILE)
+_PLACED = ("state", "group_rank", "rank_offset")  # left out of a row when its place implies them
+_ROW_FIELDS = tuple(
+    f for f in Node.__dataclass_fields__ if f not in _NOT_SAVED_NODE and f not in _VOLATILE and f not in _PLACED
+)
 _made_of = operator.attrgetter(*_ROW_FIELDS)
+_placed = operator.attrgetter(*_PLACED)
+_AS_PLACED = object()  # in what a row is made of: the field is what its place implies
 _Implied = tuple[str | None, int | None, int]
 _OUTSIDE: _Implied = (None, None, 0)  # named in neither order nor prev_order
 
@@ -161,7 +166,13 @@ def snapshot(job: Job, at: float, memo: Snapshot | None = None) -> Snapshot:
     made_of: dict[str, tuple[Any, ...]] = {}
     for node_id, node in job.nodes.items():
         place = implied.get(node_id, _OUTSIDE)
-        made = (place, _made_of(node))
+        state, rank, offset = _placed(node)
+        made = (
+            _made_of(node),
+            _AS_PLACED if state == place[0] else state,
+            _AS_PLACED if rank == place[1] else rank,
+            _AS_PLACED if offset == place[2] else offset,
+        )
         rows[node_id] = old_rows[node_id] if old_made.get(node_id) == made else _row(node, place)
         made_of[node_id] = made
     return Snapshot(head, rows, at, made_of)
@@ -187,16 +198,33 @@ def _key(item: Any) -> str:
     return item if isinstance(item, str) else _dumps(item)
 
 
+def _keys(items: list[Any]) -> list[Any]:
+    """Items as comparable keys (node ids are their own: no call per id)."""
+    return items if set(map(type, items)) <= {str} else [_key(x) for x in items]
+
+
+def _run(keys: list[Any], p: int, new_keys: list[Any], i: int) -> int:
+    """How many items from ``new_keys[i]`` on equal those from ``keys[p]`` on (>= 1:
+    the first do); compared a slice at a time, then one by one where they part."""
+    n, step = 1, 256
+    while True:
+        m = min(step, len(new_keys) - i - n, len(keys) - p - n)
+        if m > 0 and keys[p + n : p + n + m] == new_keys[i + n : i + n + m]:
+            n += m
+            continue
+        while i + n < len(new_keys) and p + n < len(keys) and keys[p + n] == new_keys[i + n]:
+            n += 1
+        return n
+
+
 def _list_ops(new: list[Any], old: dict[str, list[Any]]) -> list[Any]:
     """``new`` as runs of the old head's lists and new items (see the module docstring)."""
     sources = []
     for name, items in old.items():
-        keys = [_key(x) for x in items]
-        first: dict[str, int] = {}
-        for i, k in enumerate(keys):
-            first.setdefault(k, i)
+        keys = _keys(items)
+        first = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1), strict=True))  # each key's first position
         sources.append((name, keys, first))
-    new_keys = [_key(x) for x in new]
+    new_keys = _keys(new)
     ops: list[Any] = []
     fresh: list[Any] = []
     i = 0
@@ -206,9 +234,7 @@ def _list_ops(new: list[Any], old: dict[str, list[Any]]) -> list[Any]:
             p = first.get(new_keys[i])
             if p is None:
                 continue
-            n = 1
-            while i + n < len(new) and p + n < len(keys) and keys[p + n] == new_keys[i + n]:
-                n += 1
+            n = _run(keys, p, new_keys, i)
             if best is None or n > best[2]:
                 best = (name, p, n)
         if best is None or best[2] < 2:

@@ -289,7 +289,7 @@ def test_what_a_row_is_made_of_is_immutable() -> None:
     """A row is reused while what it is made of compares equal: those fields must
     hold values that cannot change in place (a list or dict there would be missed)."""
     node = rounds.Node("n", "h", "a", 1, 2, None, 0.0, state=rounds.RUNNING, note="x", replaced="y")
-    for name in joblog._ROW_FIELDS:
+    for name in joblog._ROW_FIELDS + joblog._PLACED:
         assert isinstance(getattr(node, name), (str, int, float, type(None))), name
 
 
@@ -318,6 +318,6 @@ class LoggedRounds(RoundsMachine):
 
 
 LoggedRounds.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None, phases=PHASES, report_multiple_bugs=False
+    max_examples=30, stateful_step_count=40, deadline=None, phases=PHASES, report_multiple_bugs=False
 )
 TestLoggedRounds = pytest.mark.timeout(300)(LoggedRounds.TestCase)
