@@ -270,10 +270,9 @@ def _delta(old: Snapshot, new: Snapshot) -> tuple[str, int] | None:
     rows = [(i, t) for i, t in new.nodes.items() if old.nodes.get(i) != t]
     removed = [i for i in old.nodes if i not in new.nodes]
     added = [i for i, _ in rows if i not in old.nodes]
-    if added:  # applied: the old order less the removed, then the added; must be the new order
-        kept = [i for i in old.nodes if i in new.nodes]
-        if kept + added != list(new.nodes):
-            return None
+    kept = [i for i in old.nodes if i in new.nodes] if removed else list(old.nodes)
+    if kept + added != list(new.nodes):  # applied: the old order less the removed, then the added
+        return None
     n = ",".join([_dumps(i) + ":" + t for i, t in rows] + [_dumps(i) + ":null" for i in removed])
     text = f'{{"at":{_dumps(new.at)},"h":{_dumps(changed)},"x":{_dumps(gone)},"n":{{{n}}}}}'
     return text, len(rows) + len(removed)

@@ -321,3 +321,19 @@ LoggedRounds.TestCase.settings = settings(
     max_examples=30, stateful_step_count=40, deadline=None, phases=PHASES, report_multiple_bugs=False
 )
 TestLoggedRounds = pytest.mark.timeout(300)(LoggedRounds.TestCase)
+
+
+def test_a_node_gone_and_back_between_two_writes_keeps_its_new_place() -> None:
+    """A node lost and joined again between two writes is last in the job's
+    nodes; a delta would leave it where it was, so a base is written."""
+    spec = JobSpec(min_nodes=3, max_nodes=3)
+    job = rounds.new_job("j", spec, 0.0)
+    for nid in ("a", "b", "c"):
+        rounds.join(job, join(nid, spec), 1.0, "s")
+    first = joblog.plan(None, joblog.snapshot(job, 1.0))
+    node = job.nodes.pop("a")  # (as the machine's move to None does), then back
+    job.nodes["a"] = node
+    again = joblog.plan(first.written, joblog.snapshot(job, 2.0))
+    assert again.drop_below is not None  # a base
+    got = joblog.to_job(joblog.assemble(again.pointer, {(g, c): t for g, c, t in again.blobs}).snap)
+    assert list(got.nodes) == ["b", "c", "a"]
