@@ -125,11 +125,15 @@ async def failure_loop(url: str, job: str, seconds: float, max_failures: int, wa
 
 
 def _record_size(server: C.BenchServer, job: str) -> int | None:
-    """Bytes of the job's row in the server's SQLite database (read-only)."""
+    """Bytes the job takes in the server's SQLite database (read-only): its row and its blobs."""
     try:
         db = sqlite3.connect(f"file:{server.data / 'rdzv.db'}?mode=ro", uri=True, timeout=5)
         try:
-            row = db.execute("SELECT length(CAST(record AS BLOB)) FROM jobs WHERE job_id = ?", (job,)).fetchone()
+            row = db.execute(
+                "SELECT length(CAST(record AS BLOB)) + (SELECT coalesce(sum(length(CAST(data AS BLOB))), 0)"
+                " FROM job_data WHERE job_id = ?) FROM jobs WHERE job_id = ?",
+                (job, job),
+            ).fetchone()
         finally:
             db.close()
     except sqlite3.Error:

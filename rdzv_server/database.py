@@ -1,5 +1,8 @@
-"""The store's database: one SQLite file in the data dir, one JSON row per job,
-and the checks that make a data dir usable (writable, locked, not corrupt).
+"""The store's database: one SQLite file in the data dir, a job as a pointer row
+and the blobs it names (:mod:`rdzv_server.joblog`: a base and deltas, so that a
+round change writes what changed), and the checks that make a data dir usable
+(writable, locked, not corrupt). A job row of the older layout (its whole
+record) loads as it always did.
 
 Synchronous on purpose: writes are small and rare (once per round change), and
 must finish before anyone is told (see :mod:`rdzv_server.store`)."""
@@ -13,7 +16,7 @@ import os
 import sqlite3
 from pathlib import Path
 
-from . import rounds
+from . import joblog, rounds
 from .hosts import HostRecord
 from .protocol import RdzvError
 from .rounds import Job
@@ -90,8 +93,9 @@ def _lock_data_dir(data_dir: Path) -> int:
 
 
 class Database:
-    """One table, one JSON row per job. Synchronous: writes are small and rare
-    (once per round change), and must finish before anyone is told.
+    """A pointer row per job and the blobs it names (``job_data``), one
+    transaction per write. Synchronous: writes are small and rare (once per
+    round change), and must finish before anyone is told.
 
     The data dir is locked for the database's life (``rdzv.lock``), and the
     database file is created 0600 (SQLite gives its -wal and -shm the same mode)."""
@@ -123,6 +127,10 @@ class Database:
                 " (job_id TEXT PRIMARY KEY, record TEXT NOT NULL, updated_at REAL NOT NULL)"
             )
             conn.execute(
+                "CREATE TABLE IF NOT EXISTS job_data (job_id TEXT NOT NULL, gen INTEGER NOT NULL,"
+                " chunk INTEGER NOT NULL, data TEXT NOT NULL, PRIMARY KEY (job_id, gen, chunk))"
+            )
+            conn.execute(
                 "CREATE TABLE IF NOT EXISTS hosts "
                 "(host TEXT PRIMARY KEY, record TEXT NOT NULL, updated_at REAL NOT NULL)"
             )
@@ -149,6 +157,8 @@ class Database:
                 )
             ) from e
         self.conn: sqlite3.Connection = conn
+        self.written: dict[str, joblog.Written] = {}  # each job as the database holds it (filled by load)
+        self.written_rows = self.written_chars = 0  # node rows and characters written, for benches
 
     def _private_file(self) -> None:
         """Create the database file 0600 (SQLite would use 0644 under the usual
@@ -172,35 +182,72 @@ class Database:
             self.lock_fd = None
 
     def load(self) -> dict[str, Job]:
+        """Every job (raises DataDirError on one that cannot be read)."""
         jobs = {}
         try:
-            rows = self.conn.execute("SELECT job_id, record FROM jobs").fetchall()
+            rows = self.conn.execute("SELECT job_id, record, updated_at FROM jobs").fetchall()
+            data: dict[str, dict[tuple[int, int], str]] = {}
+            for job_id, gen, chunk, text in self.conn.execute("SELECT job_id, gen, chunk, data FROM job_data"):
+                data.setdefault(job_id, {})[(gen, chunk)] = text
         except sqlite3.DatabaseError as e:
             raise DataDirError(f"cannot read database {self.path}: {e}") from e
-        for job_id, record in rows:
+        for job_id, record, updated_at in rows:
             try:
-                jobs[job_id] = rounds.from_record(json.loads(record))
+                d = json.loads(record)
+                if joblog.is_pointer(d):
+                    written = joblog.assemble(d, data.get(job_id, {}))
+                    job = joblog.to_job(written.snap)
+                else:  # the older layout: the whole record; the next write makes a base
+                    job = rounds.from_record(d)
+                    written = joblog.Written(joblog.snapshot(job, float(updated_at)))
             except Exception as e:  # any shape error means the file is not ours or damaged
                 raise DataDirError(f"database {self.path}: job {job_id!r} cannot be loaded ({e!r})") from e
+            jobs[job_id] = job
+            self.written[job_id] = written
         return jobs
 
+    def last(self, job_id: str) -> Job | None:
+        """The job as last written (None: never, or removed)."""
+        written = self.written.get(job_id)
+        return None if written is None else joblog.to_job(written.snap)
+
     def save(self, job: Job, now: float) -> None:
-        record = json.dumps(rounds.to_record(job), separators=(",", ":"))
-        self.conn.execute(
-            "INSERT INTO jobs (job_id, record, updated_at) VALUES (?, ?, ?) "
-            "ON CONFLICT(job_id) DO UPDATE SET record=excluded.record, updated_at=excluded.updated_at",
-            (job.job_id, record, now),
-        )
+        """Write what changed since the job was last written, in one transaction."""
+        prev = self.written.get(job.job_id)
+        plan = joblog.plan(prev, joblog.snapshot(job, now, prev.snap if prev is not None else None))
+        self.conn.execute("BEGIN")
+        try:
+            self.conn.executemany(
+                "INSERT OR REPLACE INTO job_data (job_id, gen, chunk, data) VALUES (?, ?, ?, ?)",
+                [(job.job_id, gen, chunk, text) for gen, chunk, text in plan.blobs],
+            )
+            self.conn.execute(
+                "INSERT INTO jobs (job_id, record, updated_at) VALUES (?, ?, ?) "
+                "ON CONFLICT(job_id) DO UPDATE SET record=excluded.record, updated_at=excluded.updated_at",
+                (job.job_id, json.dumps(plan.pointer, separators=(",", ":")), now),
+            )
+            if plan.drop_below is not None:
+                self.conn.execute("DELETE FROM job_data WHERE job_id=? AND gen<?", (job.job_id, plan.drop_below))
+            self.conn.execute("COMMIT")
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self.written[job.job_id] = plan.written
+        self.written_rows += plan.nodes
+        self.written_chars += plan.chars
 
     def delete(self, job_ids: list[str]) -> None:
         """Remove jobs' rows, all in one transaction (one sync to disk)."""
         self.conn.execute("BEGIN")
         try:
             self.conn.executemany("DELETE FROM jobs WHERE job_id=?", [(j,) for j in job_ids])
+            self.conn.executemany("DELETE FROM job_data WHERE job_id=?", [(j,) for j in job_ids])
             self.conn.execute("COMMIT")
         except BaseException:
             self.conn.execute("ROLLBACK")
             raise
+        for job_id in job_ids:
+            self.written.pop(job_id, None)
 
     def load_hosts(self) -> list[HostRecord]:
         try:

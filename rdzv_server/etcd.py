@@ -35,6 +35,8 @@ DEFAULT_TIMEOUT_S = 2.0
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024  # a page of ranges is far below this; a hostile endpoint is cut off
 RANGE_PAGE = 200  # keys per range request (a job's record can be large: pages stay small)
 MAX_TXN_OPS = 100  # etcd's default --max-txn-ops is 128
+MAX_TXN_BYTES = 700_000  # keys and values of a transaction, about: under etcd's --max-request-bytes (1.5 MiB by
+# default), and its JSON (base64) under the 1 MiB of a body aiohttp sends without a warning
 
 
 class EtcdError(Exception):
@@ -91,8 +93,12 @@ def put(key: bytes, value: bytes, lease: int = 0) -> dict[str, Any]:
     return {"request_put": op}
 
 
-def delete(key: bytes) -> dict[str, Any]:
-    return {"request_delete_range": {"key": b64(key)}}
+def delete(key: bytes, range_end: bytes | None = None) -> dict[str, Any]:
+    """A transaction operation: delete ``key``, or every key in [key, range_end)."""
+    op = {"key": b64(key)}
+    if range_end is not None:
+        op["range_end"] = b64(range_end)
+    return {"request_delete_range": op}
 
 
 def get(key: bytes) -> dict[str, Any]:
@@ -102,6 +108,23 @@ def get(key: bytes) -> dict[str, Any]:
 def created_at(key: bytes, revision: int) -> dict[str, Any]:
     """A compare: ``key`` exists and was created at ``revision`` (0: it does not exist)."""
     return {"key": b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": str(revision)}
+
+
+def batches(ops: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """``ops`` in order, cut into transactions of at most MAX_TXN_OPS operations
+    and about MAX_TXN_BYTES of keys and values (an op larger than that goes
+    alone); at least one (maybe empty) transaction."""
+    out: list[list[dict[str, Any]]] = [[]]
+    size = 0
+    for op in ops:
+        body = next(iter(op.values()))
+        n = len(body.get("key", "")) + len(body.get("value", ""))  # base64: 4/3 of the bytes etcd counts
+        if out[-1] and (len(out[-1]) >= MAX_TXN_OPS or size + n > MAX_TXN_BYTES * 4 // 3):
+            out.append([])
+            size = 0
+        out[-1].append(op)
+        size += n
+    return out
 
 
 @dataclass

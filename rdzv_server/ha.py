@@ -39,8 +39,10 @@ running workers are not restarted). Heartbeats never touch etcd; only round
 changes, job creation and host records do (see :mod:`rdzv_server.outbox`).
 
 Keys under the prefix (``/rdzv/`` by default): ``leader`` (JSON: url, id),
-``jobs/<job id>`` and ``hosts/<host>`` (JSON: ``by`` the replica id, ``term``,
-and the record as SQLite keeps it).
+``jobs/<job id>`` and ``jobdata/<job id>/...`` (a job's pointer and the blobs
+it names, :mod:`rdzv_server.etcd_jobs`: a write's pointer commits last, so a
+new leader never loads half a round) and ``hosts/<host>`` (the ``record`` as
+SQLite keeps it); every value is JSON with ``by`` the replica id and ``term``.
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from . import etcd, rounds
+from . import etcd, etcd_jobs, joblog
 from .errors import NotLeaderError
+from .etcd_jobs import StateError
 from .hosts import HostRecord
 from .rounds import Job
 from .tasks import cancel_and_wait
@@ -93,10 +96,6 @@ class HASettings:
     def replica(self) -> Replica:
         client = etcd.EtcdClient(self.endpoints, ssl_ctx=self.ssl_ctx, user=self.user, password=self.password)
         return Replica(client, self.advertise_url, self.prefix, self.lease_ttl_s)
-
-
-class StateError(Exception):
-    """The state in etcd cannot be loaded (a record that is not rdzv's)."""
 
 
 def _margin(ttl: float) -> float:
@@ -405,20 +404,14 @@ class Replica:
 
     # ----------------------------------------------------- the state
 
-    def _wrap(self, record_json: str) -> bytes:
+    def _wrap(self, record_json: str, field: str = "record") -> bytes:
         head = json.dumps({"by": self.id, "term": self.term}, separators=(",", ":"))
-        return (head[:-1] + ',"record":' + record_json + "}").encode()
+        return (head[:-1] + f',"{field}":' + record_json + "}").encode()
 
-    async def load(self) -> tuple[dict[str, Job], list[HostRecord]]:
-        """Every job and host record under the prefix (raises StateError on a foreign record)."""
-        jobs: dict[str, Job] = {}
-        kvs, _ = await self.client.range_prefix(self.prefix + b"jobs/")
-        for kv in kvs:
-            name = kv.key[len(self.prefix) + 5 :].decode("utf-8", "replace")
-            try:
-                jobs[name] = rounds.from_record(json.loads(kv.value)["record"])
-            except Exception as e:
-                raise StateError(f"etcd key {printable(kv.key.decode('utf-8', 'replace'))}: not a job ({e!r})") from e
+    async def load(self) -> tuple[dict[str, tuple[Job, joblog.Written]], list[HostRecord]]:
+        """Every job (and what etcd holds of it) and host record under the prefix
+        (raises StateError on a foreign record)."""
+        jobs = await etcd_jobs.load(self.client, self.prefix)
         hosts: list[HostRecord] = []
         kvs, _ = await self.client.range_prefix(self.prefix + b"hosts/")
         for kv in kvs:
@@ -429,16 +422,15 @@ class Replica:
         return jobs, hosts
 
     async def write(self, ops: list[dict[str, Any]]) -> None:
-        """Apply ``ops`` (etcd.put/delete) in one transaction, only while this
-        replica leads in its term. Raises NotLeaderError (and stops serving)
+        """Apply ``ops`` (etcd.put/delete) in order, only while this replica
+        leads in its term: in one transaction, or in several (each fenced) when
+        they are over etcd.MAX_TXN_OPS or etcd.MAX_TXN_BYTES. Raises NotLeaderError (and stops serving)
         when it does not; etcd.EtcdError when etcd cannot be reached."""
-        for i in range(0, max(len(ops), 1), etcd.MAX_TXN_OPS):
+        for batch in etcd.batches(ops):
             if not self.serving:
                 raise self.refusal()
             term = self.term
-            r = await self.client.txn(
-                [etcd.created_at(self.leader_key, term)], ops[i : i + etcd.MAX_TXN_OPS], [etcd.get(self.leader_key)]
-            )
+            r = await self.client.txn([etcd.created_at(self.leader_key, term)], batch, [etcd.get(self.leader_key)])
             if not r.succeeded:
                 if self.term == term:
                     self._depose("a write found the leader key changed (another replica leads)")
@@ -449,10 +441,9 @@ class Replica:
             if not self.serving:  # applied, but too late to announce: the next leader loads it
                 raise self.refusal()
 
-    def job_put(self, job_id: str, record_json: str | None) -> dict[str, Any]:
-        """The operation that writes a job's record (JSON text), or deletes it (None)."""
-        key = self.prefix + b"jobs/" + job_id.encode()
-        return etcd.delete(key) if record_json is None else etcd.put(key, self._wrap(record_json))
+    def job_ops(self, job_id: str, plan: joblog.Plan | None) -> list[dict[str, Any]]:
+        """The operations of a job's write (``plan``), or its removal (None), in this term."""
+        return etcd_jobs.ops(self.prefix, job_id, plan, self._wrap)
 
     def host_ops(self, records: list[HostRecord], removed: list[str]) -> list[dict[str, Any]]:
         ops = [etcd.delete(self.prefix + b"hosts/" + h.encode()) for h in removed]

@@ -18,6 +18,8 @@ or later:
   outlives the process, so every write is "durable" at once and never fails.
 
 The three answer the same calls; the store has no branch on which it has.
+SQLite and etcd keep a job the same way (:mod:`rdzv_server.joblog`): a base
+and deltas, so that a write costs what changed since the last one.
 Loading is each medium's own, when it may happen: SQLite when the server
 opens its data dir (:meth:`Store.open`, before serving), etcd when a replica
 is elected (:meth:`EtcdBackend.load`, awaited); the store serves what they
@@ -32,7 +34,7 @@ import sqlite3
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from . import etcd, rounds
+from . import joblog, rounds
 from .protocol import ErrorCode, NotLeaderError, UnavailableError, printable
 
 if TYPE_CHECKING:
@@ -44,7 +46,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("rdzv_server.store")  # the store's log: its lines read as before the seam
 
 HOSTS_KEY = "\0hosts"  # the key of host records (flushed, outbox queues); never a job id
-BIG_RECORD = 1_000_000  # bytes of a job's record past which a refused etcd write names its size
 
 
 class WriteError(Exception):
@@ -167,11 +168,7 @@ class SqliteBackend(_AtOnce):
             )
 
     def last(self, job_id: str) -> Job | None:
-        try:
-            row = self.db.conn.execute("SELECT record FROM jobs WHERE job_id=?", (job_id,)).fetchone()
-        except sqlite3.Error:
-            return None
-        return decode(row[0] if row else None)
+        return self.db.last(job_id)
 
     def close(self) -> None:
         self.db.close()
@@ -192,21 +189,31 @@ class EtcdBackend:
         self.replica = replica
         self.outbox = Outbox(self._write, self._failed)
         self.failed = failed
-        self.committed: dict[str, str] = {}  # each job's record as etcd last acknowledged it
+        self.committed: dict[str, joblog.Written] = {}  # each job as etcd last acknowledged it
+        self._read: dict[str, joblog.Written] = {}  # what the last load read, until loaded()
+        self._taken: dict[str, joblog.Snapshot] = {}  # each job's newest snapshot (queued): rows to reuse
+        self.written_rows = self.written_chars = 0  # node rows and characters written, for benches
 
     async def load(self) -> tuple[dict[str, Job], list[HostRecord]]:
         """Every job and host record in etcd (raises ha.StateError on a foreign record)."""
-        return await self.replica.load()
+        found, hosts = await self.replica.load()
+        self._read = {j: written for j, (_, written) in found.items()}
+        return {j: job for j, (job, _) in found.items()}, hosts
 
     def loaded(self, jobs: dict[str, Job]) -> None:
         """The store serves ``jobs`` as loaded: they are what etcd last acknowledged."""
-        self.committed = {j: record_text(job) for j, job in jobs.items()}
+        self.committed = {j: self._read[j] for j in jobs}
+        self._read = {}
 
     def write_job(self, job: Job, now: float) -> None:
-        self.outbox.write(job.job_id, record_text(job))
+        written = self.committed.get(job.job_id)
+        memo = self._taken.get(job.job_id) or (written.snap if written is not None else None)
+        snap = self._taken[job.job_id] = joblog.snapshot(job, now, memo)
+        self.outbox.write(job.job_id, snap)  # (the newest queued is written: a delta from what etcd holds then)
 
     def remove_jobs(self, job_ids: list[str]) -> None:
         for job_id in job_ids:  # each queued behind its job's writes
+            self._taken.pop(job_id, None)
             self.outbox.write(job_id, None)
 
     def write_hosts(self, records: list[HostRecord], removed: list[str]) -> None:
@@ -216,7 +223,8 @@ class EtcdBackend:
         self.outbox.publish(key, fn)
 
     def last(self, job_id: str) -> Job | None:
-        return decode(self.committed.get(job_id))
+        written = self.committed.get(job_id)
+        return None if written is None else joblog.to_job(written.snap)
 
     async def flushed(self, key: str) -> None:
         try:
@@ -232,7 +240,7 @@ class EtcdBackend:
 
     def drop_all(self) -> None:
         self.outbox.drop_all()
-        self.committed = {}
+        self.committed, self._taken = {}, {}
 
     def close(self) -> None:
         pass
@@ -241,20 +249,16 @@ class EtcdBackend:
         if key == HOSTS_KEY:
             await self.replica.write(payload)  # type: ignore[arg-type]  # host ops
             return
-        text = payload if isinstance(payload, str) else None
-        try:
-            await self.replica.write([self.replica.job_put(key, text)])
-        except etcd.EtcdError as e:
-            if text is not None and len(text) > BIG_RECORD:  # say why a big job cannot re-form
-                raise etcd.EtcdError(
-                    f"{e}; the job's record is {len(text)} bytes: etcd refuses requests over its "
-                    "--max-request-bytes (1.5 MiB by default, about 3,500 nodes); raise it on etcd"
-                ) from e
-            raise
-        if text is None:
+        if payload is None:
+            await self.replica.write(self.replica.job_ops(key, None))
             self.committed.pop(key, None)
-        else:
-            self.committed[key] = text
+            return
+        assert isinstance(payload, joblog.Snapshot)
+        plan = joblog.plan(self.committed.get(key), payload)
+        await self.replica.write(self.replica.job_ops(key, plan))
+        self.committed[key] = plan.written
+        self.written_rows += plan.nodes
+        self.written_chars += plan.chars
 
     def _failed(self, key: str, err: BaseException) -> None:
         if key != HOSTS_KEY:

@@ -459,7 +459,7 @@ def _open_round(job: Job, reason: str, now: float) -> Effects:
     add_round(job, rec, MAX_HISTORY)
     restart = RestartMsg(round=job.round, reason=reason)  # one message for all members
     for node in list(job.nodes.values()):
-        node.group_rank = None
+        node.group_rank, node.rank_offset = None, 0  # ranks are the next round's to give
         if node.state == RUNNING:
             move(job, node, REJOINING)
             fx.send(node.node_id, restart)

@@ -77,6 +77,22 @@ def record(etcd: EtcdCluster, key: str) -> dict[str, Any] | None:
     return None if raw is None else json.loads(raw)
 
 
+def job_record(etcd: EtcdCluster, prefix: str, job_id: str) -> dict[str, Any] | None:
+    """A job as etcd holds it (its pointer and the blobs that names), as its record."""
+    from rdzv_server import joblog, rounds
+
+    value = record(etcd, prefix + "jobs/" + job_id)
+    if value is None:
+        return None
+    data = prefix + "jobdata/" + job_id + "/"
+    answer = etcd.call("/v3/kv/range", {"key": b64(data), "range_end": b64(data[:-1] + "0")})
+    blobs = {
+        joblog.parse_blob_name(unb64(kv["key"]).decode()[len(data) :]): json.loads(unb64(kv["value"]))["data"]
+        for kv in answer.get("kvs") or []
+    }
+    return rounds.to_record(joblog.to_job(joblog.assemble(value["pointer"], blobs).snap))
+
+
 def refused(
     s: Server, method: str, path: str, body: Any = None, timeout: float = 5.0
 ) -> tuple[int, dict[str, Any], dict[str, str]]:
@@ -306,10 +322,10 @@ async def test_what_a_leader_answered_survives_its_kill(ha: HAServers, agents: A
     host_record = record(ha.etcd, ha.prefix + "hosts/bad-host")
     assert host_record is not None and host_record["record"]["cordoned"] is True, host_record
     closed = post(a, "/v1/jobs/done/close")
-    saved = record(ha.etcd, ha.prefix + "jobs/done")  # read right after the answer
-    assert saved is not None and saved["record"]["state"] == "closed", (closed, saved)
-    kept = record(ha.etcd, ha.prefix + "jobs/kept")
-    assert kept is not None and kept["record"]["state"] == "running", kept
+    saved = job_record(ha.etcd, ha.prefix, "done")  # read right after the answer
+    assert saved is not None and saved["state"] == "closed", (closed, saved)
+    kept = job_record(ha.etcd, ha.prefix, "kept")
+    assert kept is not None and kept["state"] == "running", kept
 
     ha.kill9(a)
     b = ha.leader(timeout=10 * TTL)
@@ -499,14 +515,14 @@ async def test_a_write_in_a_lost_term_is_refused_by_etcd(etcd_cluster: EtcdClust
         while not r.serving:
             assert time.monotonic() < deadline, "the replica never led"
             await asyncio.sleep(0.05)
-        await r.write([r.job_put("before", '{"n":1}')])  # in its term: written
+        await r.write([etcd_client.put(f"{prefix}jobs/before".encode(), b'{"n":1}')])  # in its term: written
         assert record(etcd_cluster, prefix + "jobs/before") is not None
         # another leadership, behind its back: the key deleted and created again
         etcd_cluster.call("/v3/kv/deleterange", {"key": b64(prefix + "leader")})
         etcd_cluster.put(prefix + "leader", json.dumps({"url": "http://127.0.0.1:2", "id": "other"}))
         assert r.serving  # its lease lives: only etcd can tell
         with pytest.raises(NotLeaderError) as e:
-            await r.write([r.job_put("after", '{"n":2}')])
+            await r.write([etcd_client.put(f"{prefix}jobs/after".encode(), b'{"n":2}')])
         assert e.value.leader == "http://127.0.0.1:2"
         assert etcd_cluster.get(prefix + "jobs/after") is None
         assert not r.serving and r.role == "follower" and deposed, (r.role, deposed)

@@ -208,32 +208,3 @@ async def test_a_host_write_etcd_refused_changes_nothing(leader: TestClient, etc
     r = await leader.post("/v1/hosts/h1/cordon", json={"reason": "maintenance"})  # the retry
     assert r.status == 200, await r.text()
     assert etcd_cluster.get(PREFIX + "hosts/h1") is not None
-
-
-async def test_a_job_record_etcd_refuses_as_too_large_is_named_with_its_size(
-    leader: TestClient, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """etcd refuses a request over its --max-request-bytes (a job of ~3,500 nodes
-    at the default): the log says how big the record is and what to raise.
-    (The size limit is stood in for: BIG_RECORD lowered, etcd's refusal injected.)"""
-    from rdzv_server import storage as store_mod
-
-    monkeypatch.setattr(store_mod, "BIG_RECORD", 100)
-    replica = leader.app[STORE].replica
-    real = replica.write
-
-    async def write(ops: list[dict[str, Any]]) -> None:
-        if any(etcd.unb64(op.get("request_put", {}).get("key")).startswith(b"/review/jobs/") for op in ops):
-            raise etcd.EtcdError("etcd: etcdserver: request is too large")
-        await real(ops)
-
-    replica.write = write
-    agent = Agent(await leader.ws_connect(AGENT_PATH))
-    await agent.send(join_msg("big", "n1", (1, 1)))
-    deadline = time.monotonic() + T
-    while "the job's record is" not in caplog.text:
-        assert time.monotonic() < deadline, caplog.text[-2000:]
-        await asyncio.sleep(0.05)
-    assert "request is too large" in caplog.text and "--max-request-bytes" in caplog.text
-    assert (await leader.get("/v1/jobs/big")).status == 404  # never created: nothing held it
-    await agent.close()

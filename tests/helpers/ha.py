@@ -266,7 +266,7 @@ def elected_lease(replica: Proc) -> int | None:
 
 
 def fencing_violations(events: list[Event], prefix: str) -> list[str]:
-    """Every job/host write under ``prefix`` whose ``(by, term)`` is not the
+    """Every job/host write (a job's pointer and blobs too) under ``prefix`` whose ``(by, term)`` is not the
     leadership live at its revision: the leader key must exist then, have
     been created at revision ``term`` (and not deleted since), and name
     ``by`` as its replica id. Also a write without by/term, and a leader key
@@ -289,7 +289,7 @@ def fencing_violations(events: list[Event], prefix: str) -> list[str]:
                 problems.append(f"rev {e.revision}: leader key value {e.value[:200]!r} is not {{url, id}}")
                 live = None
             continue
-        if not e.key.startswith((prefix + "jobs/", prefix + "hosts/")):
+        if not e.key.startswith((prefix + "jobs/", prefix + "jobdata/", prefix + "hosts/")):
             continue
         if e.value is None:
             # a delete carries no by/term; it must still happen inside a leadership
