@@ -5,7 +5,7 @@ with the bearer token as deploy/prometheus/prometheus.example.yaml does.
 
 ``promtool`` (Debian's ``prometheus`` package) checks the rules, runs their
 unit tests (tests/deploy/data/rdzv-alerts.test.yaml) and checks the example
-configuration; like shellcheck in test_deploy_files.py, those tests are
+configuration; like shellcheck in test_deploy_slurm.py, those tests are
 skipped with a line saying how to get it when it is not installed.
 """
 
