@@ -40,6 +40,9 @@ KEEPALIVE_IDLE_S = 1
 # last_ack_sent, last_data_recv, last_ack_recv, pmtu, rcv_ssthresh, rtt (us), ...
 _TCP_INFO = struct.Struct("8B16I")
 _LAST_ACK_RECV, _RTT = 12, 15
+# the kernel keeps that time in jiffies (1-10 ms): an acknowledgement that came
+# microseconds after a probe can read as a little older than the probe
+CLOCK_SLACK_S = 0.02
 
 
 def keep_alive(sock: socket.socket | None) -> bool:
@@ -87,7 +90,8 @@ def rtt_s(sock: socket.socket | None) -> float | None:
 
 
 def acked_within(sock: socket.socket | None, seconds: float) -> bool | None:
-    """Did the peer's kernel acknowledge anything in the last ``seconds``?
-    None: the kernel does not say (so nobody may be judged on it)."""
+    """Did the peer's kernel acknowledge anything in the last ``seconds``
+    (give or take the kernel clock's ``CLOCK_SLACK_S``)? None: the kernel does
+    not say (so nobody may be judged on it)."""
     age = ack_age_s(sock)
-    return None if age is None else age <= seconds
+    return None if age is None else age <= seconds + CLOCK_SLACK_S

@@ -9,7 +9,7 @@ assertions: the numbers are bench/host_death.py's).
 * one node alone (no peer can suspect it): the server's own socket to its
   agent fails at the TCP level (keep-alive + TCP_USER_TIMEOUT,
   rdzv_server.liveness), a lost connection;
-* three nodes: the cut node's peers stop hearing its agent's probe answers
+* three nodes, in process and in in-place mode: the cut node's peers stop hearing its agent's probe answers
   (rdzv_client.peer_probe), suspect it, and the server's probe of its
   connection goes unacknowledged: evicted, "suspected by N peer(s)".
 """
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.test_inplace import EXAMPLE, IN_PLACE, check_training, last_step, pids, rank0, wait_steps
 from tests.helpers.cluster import FaultCluster, Ticks
 from tests.helpers.netlab import NetLab
 from tests.helpers.procs import free_port, wait_until
@@ -32,10 +33,10 @@ HB_TIMEOUT = 30.0
 BEFORE_HB = 20.0
 
 
-def _start(netlab: NetLab, fcluster: FaultCluster, tmp_path: Path, job: str, nnodes: str):
-    port = free_port()
-    server = fcluster.start_server_at(
-        port,
+def _server(netlab: NetLab, fcluster: FaultCluster, tmp_path: Path):
+    # --insecure: no token, on an address that exists only in the test's private namespaces
+    return fcluster.start_server_at(
+        free_port(),
         tmp_path / "data",
         "--insecure",
         host=netlab.hub_addr,
@@ -43,6 +44,10 @@ def _start(netlab: NetLab, fcluster: FaultCluster, tmp_path: Path, job: str, nno
         netns=netlab.hub,
         request_via=netlab.in_hub,
     )
+
+
+def _start(netlab: NetLab, fcluster: FaultCluster, tmp_path: Path, job: str, nnodes: str):
+    server = _server(netlab, fcluster, tmp_path)
     stop = tmp_path / "stop"
     agents = [
         fcluster.start_ranks_agent(
@@ -76,3 +81,84 @@ def test_a_lone_nodes_vanished_host_is_a_lost_connection_before_the_heartbeat_ti
     assert time.monotonic() - cut_at < HB_TIMEOUT
     reason = view["history"][1]["reason"]
     assert node_id in reason and "connection lost" in reason, view["history"]
+
+
+@pytest.mark.timeout(120)
+def test_a_pulled_cable_is_suspected_by_the_peers_and_confirmed_by_the_servers_probe(
+    netlab: NetLab, fcluster: FaultCluster, tmp_path: Path
+) -> None:
+    """Rank 0's node (it hosts the workers' store too) loses its cable; the
+    survivors re-form without it long before the heartbeat timeout, and the
+    reason is the peers' suspicion confirmed by the server's probe."""
+    server, agents, stop = _start(netlab, fcluster, tmp_path, "cut", f"2:{netlab.n}")
+    wait_until(
+        lambda: all(any(t.round == 0 and t.world == 3 and t.step >= 3 for t in Ticks.of(a)) for a in agents),
+        60,
+        "3 nodes training in round 0",
+    )
+    view = server.job("cut")
+    rank0 = next(n for n in view["nodes"] if n["group_rank"] == 0)
+    victim_i = next(i for i in range(netlab.n) if netlab.node_addr(i) == rank0["addr"])
+    survivors = [a for i, a in enumerate(agents) if i != victim_i]
+
+    netlab.cut(victim_i)
+    cut_at = time.monotonic()
+    view = server.wait_job(
+        "cut", lambda v: v["round"] >= 1 and v["state"] == "running", BEFORE_HB, "the survivors re-formed"
+    )
+    took = time.monotonic() - cut_at
+    assert took < HB_TIMEOUT
+    reason = view["history"][1]["reason"]
+    print(f"host death: re-formed within {took:.2f}s of the cut (REST polling included): {reason}")
+    assert rank0["node_id"] in reason and "suspected by" in reason and "no answer to probe" in reason, view["history"]
+    assert (view["round"], view["world_size"], view["restarts"]) == (1, 2, 0), view
+    wait_until(
+        lambda: all(any(t.round == 1 and t.world == 2 and t.step >= 3 for t in Ticks.of(a)) for a in survivors),
+        40,
+        "the survivors training in round 1",
+    )
+    stop.touch()
+    for a in survivors:
+        assert a.wait_exit(40) == 0, a.text()[-3000:]
+
+
+@pytest.mark.timeout(150)
+def test_in_place_survivors_of_a_pulled_cable_leave_their_collective_and_train_on(
+    netlab: NetLab, fcluster: FaultCluster, tmp_path: Path
+) -> None:
+    """--restart-mode in-place: rank 0's cable is pulled while every worker
+    waits in gloo's all_reduce on it (no error ever comes: its packets
+    vanish). The restart the eviction pushes ends the survivors' pending
+    collectives (item 4): the same worker processes step in world 2, before
+    the heartbeat timeout and before --in-place-timeout would restart them."""
+    server = _server(netlab, fcluster, tmp_path)
+    agents = []
+    for i in range(netlab.n):
+        flags = (*IN_PLACE, "--local-addr", netlab.node_addr(i), "--heartbeat-timeout", f"{HB_TIMEOUT:g}")
+        argv = [
+            *fcluster.agent_argv(server.endpoint, "ipcut", f"2:{netlab.n}", 1, flags),
+            str(EXAMPLE),
+            "--steps",
+            "100000",
+            "--step-sleep",
+            "0.05",
+        ]
+        agents.append(
+            fcluster.start(f"n{i}", ["ip", "netns", "exec", netlab.node_ns(i), *argv], {"GLOO_SOCKET_IFNAME": "rzeth"})
+        )
+    wait_steps(agents, 0, 3, 5, timeout=90)
+    dead = rank0(agents)
+    survivors = [a for a in agents if a is not dead]
+    before = {a.name: pids(a, 0) for a in survivors}
+    netlab.cut(agents.index(dead))
+    cut_at = time.monotonic()
+    reached = max(last_step(a, 0) for a in survivors)
+    wait_steps(survivors, 1, 2, reached + 3, timeout=BEFORE_HB)
+    took = time.monotonic() - cut_at
+    assert took < HB_TIMEOUT
+    print(f"in-place host death: survivors stepping in world 2 within {took:.2f}s of the cut")
+    for a in survivors:
+        assert pids(a, 1) == before[a.name], f"{a.name}'s worker was restarted: {before[a.name]} -> {pids(a, 1)}"
+    view = server.job("ipcut")
+    assert "suspected by" in view["history"][1]["reason"] and view["restarts"] == 0, view["history"]
+    check_training(survivors, 1, 2)
