@@ -65,6 +65,7 @@ class PeerProbe:
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._stop = threading.Event()
         self._answers = (0, 0.0)  # answers sent in the current second, and since when
+        self._last = time.monotonic()  # when the probes were last sent
         self._thread = threading.Thread(target=self._run, name="rdzv-peer-probe", daemon=True)
         self._thread.start()
 
@@ -108,12 +109,18 @@ class PeerProbe:
     def _probe(self, now: float) -> None:
         with self._lock:
             round_no, peers = self._round, list(self._peers.values())
+        # this process did not run for a while (SIGSTOP, swapping): its peers' answers could not
+        # be heard meanwhile, so they get a fresh grace instead of a suspicion
+        stalled = now - self._last > SUSPECT_AFTER_S / 2
+        self._last = now
         silent = []
         for peer in peers:
             try:
                 self.sock.sendto(ASK + os.urandom(8), peer.where)
             except OSError:  # our own link is down, or the route is gone: not the peer's fault
                 pass
+            if stalled and peer.heard is not None:
+                peer.heard = now
             if peer.heard is not None and now - peer.heard >= SUSPECT_AFTER_S and now - peer.reported >= REPORT_EVERY_S:
                 peer.reported = now
                 silent.append(peer.node_id)

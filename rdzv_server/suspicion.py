@@ -83,7 +83,7 @@ class Suspicion:
             _note("job %s: node %s answered the probe; suspicion cleared", job_id, suspect)
             return
         job = self.store.jobs.get(job_id)
-        if job is None:
+        if job is None or not self.store.serving:  # an HA replica that stopped leading meanwhile
             return
         t = self.store.clock()
         fx = confirmed(job, suspect, round_no, len(probe.reporters), waited, t)

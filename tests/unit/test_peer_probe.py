@@ -90,3 +90,29 @@ def test_it_answers_probes_and_ignores_the_rest() -> None:
     finally:
         a.close()
         s.close()
+
+
+def test_after_its_own_stall_it_gives_its_peers_a_fresh_grace_instead_of_suspecting_them() -> None:
+    """A SIGSTOPped (or starved) agent heard nobody meanwhile: that is no news of its peers."""
+    reports = Reports()
+    a = PeerProbe("127.0.0.1", reports)
+    a.close()  # its thread stopped: the probe rounds are driven by hand below (sends fail, quietly)
+    a.watch(1, [("b", "127.0.0.1", 9)])
+    (peer,) = a._peers.values()
+    t = time.monotonic()
+    a._last, peer.heard = t, t
+
+    def rounds_until(end: float, start: float) -> None:
+        now = start
+        while now <= end:
+            a._probe(now)
+            now += peer_probe.PROBE_EVERY_S
+
+    rounds_until(t + 0.2, t + 0.1)
+    assert reports.got == []
+    a._probe(t + 5.0)  # the first round after a 5 s stall
+    assert reports.got == []
+    rounds_until(t + 5.0 + peer_probe.SUSPECT_AFTER_S - 0.05, t + 5.1)
+    assert reports.got == []  # still within the fresh grace
+    rounds_until(t + 5.0 + peer_probe.SUSPECT_AFTER_S + 0.15, t + 5.0 + peer_probe.SUSPECT_AFTER_S)
+    assert reports.got == [(1, ["b"])]  # silent past it: now a suspicion
