@@ -76,7 +76,7 @@ class Suspicion:
         waited = now - sent
         # an acknowledgement (or any segment) from its host since the probe went out
         acked = acked_within(sock, waited)
-        probe = self.table.close(job_id, suspect, answered=acked is not False, now=now)
+        probe = self.table.close(job_id, suspect, answered=acked is not False, now=now, round_no=round_no)
         if probe is None:
             return
         if acked is not False:  # answered; or the kernel cannot say: nobody is judged on it

@@ -144,10 +144,14 @@ class Suspicions:
         self.probes[key] = Probe(round=round_no, started=now, reporters={reporter})
         return True
 
-    def close(self, job_id: str, suspect: str, answered: bool, now: float) -> Probe | None:
-        """The probe ended: answered (the suspect is left alone for
-        CLEARED_FOR_S) or not; returns it (None: not open)."""
-        probe = self.probes.pop((job_id, suspect), None)
-        if probe is not None and answered:
+    def close(self, job_id: str, suspect: str, answered: bool, now: float, round_no: int | None = None) -> Probe | None:
+        """The probe (of ``round_no``, if given) ended: answered (the suspect is
+        left alone for CLEARED_FOR_S) or not; returns it (None: not open, or
+        a later round's probe replaced it: that one ends on its own timer)."""
+        probe = self.probes.get((job_id, suspect))
+        if probe is None or (round_no is not None and probe.round != round_no):
+            return None
+        del self.probes[(job_id, suspect)]
+        if answered:
             self.cleared[(job_id, suspect)] = now + CLEARED_FOR_S
         return probe

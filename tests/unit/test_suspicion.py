@@ -122,6 +122,9 @@ def test_one_probe_per_suspect_and_a_cleared_one_is_left_alone() -> None:
     assert t.close("j", "n1", answered=False, now=3.0) is not None
     assert t.close("j", "n1", answered=False, now=3.0) is None
     assert t.open("j", "n1", "n0", 0, 3.0)  # not answered: not held off
+    assert t.open("j", "n1", "n0", 1, 3.1)  # a later round's suspicion replaces it
+    assert t.close("j", "n1", answered=False, now=3.3, round_no=0) is None  # round 0's timer: not its probe
+    assert t.close("j", "n1", answered=False, now=3.4, round_no=1) is not None
 
 
 def test_the_tables_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
