@@ -62,7 +62,9 @@ def test_a_lone_nodes_vanished_host_is_a_lost_connection_before_the_heartbeat_ti
     netlab.cut(0)
     cut_at = time.monotonic()
     view = server.wait_job("lone", lambda v: v["round"] >= 1, BEFORE_HB, "the node lost before the heartbeat timeout")
-    assert time.monotonic() - cut_at < HB_TIMEOUT
+    took = time.monotonic() - cut_at
+    assert took < HB_TIMEOUT
+    print(f"lone host death: the node lost within {took:.2f}s of the cut (REST polling included)")
     reason = view["history"][1]["reason"]
     assert node_id in reason and "connection lost" in reason, view["history"]
 
