@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, TextIO
 # that need them import them then (a dictionary look-up by that time).
 from rdzv_server.wire import DEFAULT_MAX_RESTARTS, heartbeat_every, printable
 
-from . import attempt
+from . import attempt, peer_probe
 from .attempt import announce, cannot_start, exit_records, note_failures, run_log_dir, worker_envs, worker_group
 from .client import AgentLink
 from .config import (  # noqa: F401 - build_parser, config_from_args, UsageError: the agent's public names
@@ -91,6 +91,7 @@ class Agent(ServerReactions):
         )
         self.phase = Phase.JOINING
         self._link: AgentLink | None = None  # set once run() connects
+        self.peers: peer_probe.PeerProbe | None = None  # probes of its peers, suspicions to the server (issue 23)
         self.group: WorkerGroup | None = None
         self._stopping: set[WorkerGroup] = set()  # groups being stopped: a second Ctrl-C kills them
         self.signals: asyncio.Queue[int] = asyncio.Queue()
@@ -205,6 +206,7 @@ class Agent(ServerReactions):
                 self.cfg.endpoint, self.cfg.token, heartbeat_s=heartbeat_every(self.session.spec["heartbeat_timeout_s"])
             )
             self.session.link = self._link
+            self.peers = peer_probe.attach(self.session, self._link)
             await self._link.start()
             await self.watch.start(self._worker_pids)
             self._say(
@@ -230,6 +232,8 @@ class Agent(ServerReactions):
                 await self.group.stop(self.cfg.stop_timeout_s)
             if self._link is not None:
                 await self._link.close()
+            if self.peers is not None:
+                self.peers.close()
             self.watch.close()
             if server is not None:
                 await server[0].cleanup()

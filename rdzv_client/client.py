@@ -31,6 +31,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any
 
 from rdzv_server.errors import LEADER_HEADER, error_from_body
+from rdzv_server.liveness import TCP_USER_TIMEOUT_S
 from rdzv_server.tasks import cancel_and_wait
 from rdzv_server.wire import AGENT_PATH, HEARTBEAT_FRAME, printable
 
@@ -50,15 +51,9 @@ CONNECT_TIMEOUT_S = 5.0
 # running meanwhile. Long, so that a busy server is not mistaken for a dead
 # one: a partition heals through the next heartbeat anyway.
 WS_PING_S = 15.0
-# ... but a server whose *host* died or was cut off (an HA leader's machine)
-# acknowledges nothing: the agent's next heartbeat stays unacknowledged, and
-# after this long the kernel fails the connection (TCP_USER_TIMEOUT). Noticed
-# within a heartbeat interval plus this, well inside the new leader's grace (a
-# full heartbeat timeout, 6 s by default, from its election); the ping alone
-# took 22 s, and the new leader had declared every node lost by then. A frozen
-# process on a live host still gets its data acknowledged by its kernel: that
-# one is left to the ping.
-TCP_USER_TIMEOUT_S = 4.0
+# ... but a server whose *host* died or was cut off acknowledges nothing: the
+# kernel fails the connection after TCP_USER_TIMEOUT_S (rdzv_server.liveness,
+# the one value both ends use).
 # A connection that lasted this long was healthy: the next reconnect starts the
 # backoff over. One the server closes sooner (it refused us) keeps backing off.
 STABLE_S = 2.0

@@ -194,6 +194,7 @@ class NodeSession:
         self._secret: tuple[str, str] | None = None  # (node id, the node secret the server issued it)
         self.run: int | None = None  # the job's run the first ``joined`` named: on every later join
         self.assignment: Assignment | None = None  # the round this node runs (or ran and reported)
+        self.probe_port: int | None = None  # where its agent answers peers' probes (rdzv_client.peer_probe)
         self._link: AgentLink | None = None
 
     @property
@@ -258,6 +259,7 @@ class NodeSession:
             job_secret=self.job_secret,
             run=self.run,
             new_run=self.new_run,
+            probe_port=self.probe_port,
         )
 
     def join(self) -> None:

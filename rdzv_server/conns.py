@@ -50,6 +50,7 @@ from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
+from .liveness import keep_alive
 from .protocol import MAX_BODY_BYTES, ErrorBody, ErrorCode, printable
 
 log = logging.getLogger("rdzv_server")
@@ -179,6 +180,7 @@ class Protocol(RequestHandler):
         if address is not None:
             self.address = address
             self.by_address[address] = held + 1
+        keep_alive(transport.get_extra_info("socket"))  # a vanished agent host fails the connection
         super().connection_made(transport)
 
     def connection_lost(self, exc: BaseException | None) -> None:

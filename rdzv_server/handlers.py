@@ -46,6 +46,7 @@ from .protocol import (
     RdzvError,
     RequestError,
     SucceededMsg,
+    SuspectMsg,
     is_valid_id,
     printable,
 )
@@ -459,6 +460,8 @@ def _dispatch(
         store.leave(*bound, msg.reason, chan)
         store.reply(bound[0], chan, AckMsg(of="leave"))
         return None
+    elif isinstance(msg, SuspectMsg):  # a reason to probe the suspects, never more (rdzv_server.suspicion)
+        store.suspicion.report(*bound, msg.round, msg.nodes)
     return bound
 
 

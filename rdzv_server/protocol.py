@@ -282,6 +282,9 @@ class JoinMsg(_Strict):
     # False: this agent only joins the job's current run; a finished job refuses it
     # (job_finished) instead of starting its next run (rdzv-agent --no-new-run)
     new_run: bool = True
+    # the UDP port at ``addr`` where this node's agent answers its peers' probes
+    # (rdzv_client.peer_probe); None: it does not (its peers never suspect it)
+    probe_port: Port | None = None
 
 
 TimingSeconds = Annotated[float, Field(ge=0, le=MAX_TIMING_WINDOW_S, allow_inf_nan=False)]
@@ -365,7 +368,24 @@ class LeaveMsg(_Strict):
     reason: str = Field(default="left", max_length=256)
 
 
-AgentMessage = Annotated[JoinMsg | HeartbeatMsg | FailedMsg | SucceededMsg | LeaveMsg, Field(discriminator="op")]
+MAX_SUSPECTS = 8  # peers one suspect message may name (a node watches MAX_WATCH)
+MAX_WATCH = 2  # peers each member's agent probes: the next ones in group-rank order
+
+
+class SuspectMsg(_Strict):
+    """This node's agent stopped hearing the named peers of ``round`` (they
+    answered its probes, then fell silent: rdzv_client.peer_probe). Only a
+    cause for the server to probe them itself (rdzv_server.suspicion): a
+    report never evicts anyone on its own, and is rate-limited per node."""
+
+    op: Literal["suspect"] = "suspect"
+    round: RoundNo
+    nodes: list[Id] = Field(min_length=1, max_length=MAX_SUSPECTS)
+
+
+AgentMessage = Annotated[
+    JoinMsg | HeartbeatMsg | FailedMsg | SucceededMsg | LeaveMsg | SuspectMsg, Field(discriminator="op")
+]
 AGENT_MESSAGE = TypeAdapter(AgentMessage)
 
 
@@ -407,6 +427,14 @@ class StatusMsg(_Strict):
     waiting_for: WaitingInfo
 
 
+class WatchPeer(_Strict):
+    """A peer whose agent this node's agent probes (UDP at ``addr:port``)."""
+
+    node_id: Id
+    addr: Host
+    port: Port
+
+
 class Assignment(_Strict):
     """Everything a node needs to start its workers for one round.
 
@@ -424,6 +452,9 @@ class Assignment(_Strict):
     master_port: Port
     max_restarts: int = Field(ge=0, le=MAX_RESTARTS)
     restarts: int = Field(ge=0, le=MAX_RESTARTS + 1)
+    # the peers this node's agent probes (rdzv_client.peer_probe): the next MAX_WATCH
+    # members in group-rank order that answer probes
+    watch: list[WatchPeer] = Field(default_factory=list, max_length=MAX_WATCH)
 
     @model_validator(mode="after")
     def _consistent(self) -> Assignment:

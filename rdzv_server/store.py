@@ -63,6 +63,7 @@ from .store_settings import DEFAULT_DISCONNECT_GRACE_S as DEFAULT_DISCONNECT_GRA
 from .store_settings import DEFAULT_MAX_WAITING_JOBS as DEFAULT_MAX_WAITING_JOBS  # re-exported
 from .store_settings import FAILOVER_GRACE_S
 from .store_settings import StoreSettings as StoreSettings  # re-exported
+from .suspicion import Suspicion
 from .tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -120,6 +121,7 @@ class Store(HostsMixin, RetentionMixin, ReadsMixin):
         self.hosts = Hosts(settings.host_rules)  # host records across jobs (rdzv_server.hosts)
         self._unblock_at: float | None = None  # when the next host block ends (hosts.next_unblock)
         self.replica: Replica | None = None  # HA (--etcd, rdzv_server.ha): this replica's leadership
+        self.suspicion = Suspicion(self)  # peers' suspicions and the probes they cause (issue 23)
 
     @property
     def durable(self) -> bool:

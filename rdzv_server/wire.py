@@ -137,6 +137,7 @@ def join_fields(
     job_secret: str | None = None,
     run: int | None = None,
     new_run: bool = True,
+    probe_port: int | None = None,
 ) -> dict[str, Any]:
     """A join as the plain JSON object ``JoinMsg`` serializes to (field for
     field, in its order). The values are the agent's own, checked where they
@@ -156,6 +157,7 @@ def join_fields(
         "job_secret": job_secret,
         "run": run,
         "new_run": new_run,
+        "probe_port": probe_port,
     }
 
 

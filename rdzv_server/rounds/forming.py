@@ -7,6 +7,7 @@ from __future__ import annotations
 from ..protocol import AssignedMsg, Assignment, JobState, SpareMsg
 from . import events
 from .model import REJOINING, RUNNING, SPARE, WAITING, Effects, Job, Node, blocked, count, move, natural_key
+from .suspicion import watch_list
 
 
 def _check_complete(job: Job, now: float) -> Effects:
@@ -118,4 +119,5 @@ def _assignment(job: Job, node: Node) -> Assignment:
         master_port=job.master_port,
         max_restarts=job.spec.max_restarts,
         restarts=job.restarts,
+        watch=watch_list(job, node),
     )

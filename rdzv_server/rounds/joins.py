@@ -236,6 +236,7 @@ def _new_node(job: Job, msg: JoinMsg, now: float, node_secret: str | None) -> No
         local_world_size=msg.local_world_size,
         master_port=msg.master_port,
         requested_rank=msg.requested_rank,
+        probe_port=msg.probe_port,
         last_seen=now,
         joined_at=now,
         secret_hash=node_secret_hash(node_secret) if node_secret is not None else None,
@@ -249,7 +250,7 @@ def _rejoin(node: Node, msg: JoinMsg, now: float) -> None:
     it may come back with a new address, port or size."""
     node.host, node.addr = msg.host, msg.addr
     node.local_world_size, node.master_port = msg.local_world_size, msg.master_port
-    node.requested_rank = msg.requested_rank
+    node.requested_rank, node.probe_port = msg.requested_rank, msg.probe_port
     _heard(node, now)
 
 

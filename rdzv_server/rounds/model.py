@@ -78,6 +78,7 @@ class Node:
     slow_since: float | None = None  # since when its rate is below the straggler fraction of the median
     straggler: bool = False  # slow for the straggler window (see progress.check_stragglers)
     note: str | None = None  # why it waits as a spare (its host is cordoned or cooled down)
+    probe_port: int | None = None  # where its agent answers peers' probes (rdzv_client.peer_probe)
     # straggler_policy "replace": why this straggler was replaced; its next join makes it
     # a spare, told this (see progress.check_stragglers); None: not replaced
     replaced: str | None = None

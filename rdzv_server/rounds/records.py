@@ -27,6 +27,7 @@ _NOT_SAVED_NODE = frozenset(
         "timings_at",
         "rank_slow_since",
         "slow_rank",
+        "probe_port",  # the node's next join (a resume too) brings it back
     }
 )
 _NOT_SAVED_JOB = frozenset(

@@ -8,7 +8,9 @@ scripts/ranks.py over gloo on those links (GLOO_SOCKET_IFNAME=rzeth).
 
 Cutting a node is ``ip link set <its hub-side veth> down``: its packets
 vanish (no RST, no ICMP), as with a pulled cable or a frozen switch port, so
-the server only learns of it by the heartbeat timeout (3 s here).
+the server learns of it from the node's peers (their probes of its agent go
+unanswered, and so does the server's own probe: issue 23), or at the latest by
+the heartbeat timeout (3 s here).
 """
 
 from __future__ import annotations
@@ -98,9 +100,11 @@ def test_cut_off_node_is_fenced_and_comes_back_as_a_new_node(
         "part", lambda v: v["round"] >= 1 and v["state"] == "running", HB_TIMEOUT + 20, "the survivors re-formed"
     )
     opened = view["history"][1]
-    assert rank0["node_id"] in opened["reason"] and "no heartbeat" in opened["reason"], view["history"]
-    # the last heartbeat got through up to one interval (timeout/3) before the cut
-    assert HB_TIMEOUT * 2 / 3 - 0.3 <= opened["started_at"] - cut_at <= HB_TIMEOUT + 3, opened["started_at"] - cut_at
+    # its peers stop hearing its agent, and the server's probe of its connection goes
+    # unanswered (issue 23); the heartbeat timeout is the fallback
+    assert rank0["node_id"] in opened["reason"], view["history"]
+    assert "suspected by" in opened["reason"] or "no heartbeat" in opened["reason"], view["history"]
+    assert opened["started_at"] - cut_at <= HB_TIMEOUT + 3, opened["started_at"] - cut_at
     assert (view["round"], view["world_size"], view["restarts"]) == (1, 2, 0), view
     assert rank0["node_id"] not in {n["node_id"] for n in view["nodes"]}
     assert view["master_addr"] != rank0["addr"], "the master stayed on the cut-off node"
@@ -165,9 +169,12 @@ def test_a_server_whose_host_vanished_is_noticed_at_the_next_heartbeat(
     ping alone (WS_PING_S + half of it) took over 22 s. Plugged back, the agent
     resumes; the workers never stopped."""
     port = free_port()
+    # the server keeps the node (no loss in the test's window): this is about the agent's side.
+    # Its own socket to the agent fails at the TCP level too (issue 23), so the dropped
+    # connection gets the longest grace to come back
     server = fcluster.start_server_at(
-        port, tmp_path / "data", "--insecure", host=netlab.hub_addr, name="server", netns=netlab.hub,
-        request_via=netlab.in_hub,
+        port, tmp_path / "data", "--insecure", "--disconnect-grace", "60", host=netlab.hub_addr, name="server",
+        netns=netlab.hub, request_via=netlab.in_hub,
     )  # fmt: skip
     stop = tmp_path / "stop"
     agent = fcluster.start_ranks_agent(

@@ -1,0 +1,120 @@
+"""Suspicion from the peers over the real app (issue 23): an agent's ``suspect``
+report makes the server probe the suspect over its own connection (a
+WebSocket ping, seen here by the suspect's socket), and only the suspect's
+kernel's silence evicts it. On loopback a kernel always acknowledges, so the
+eviction path replaces that one verdict (rdzv_server.suspicion.acked_within);
+the real silence of a pulled cable is tests/faults/test_host_death.py's."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp import WSMsgType
+
+from rdzv_server import suspicion
+from rdzv_server.keys import STORE
+from rdzv_server.protocol import AGENT_PATH, MAX_SUSPECTS, SuspectMsg
+from rdzv_server.rounds.suspicion import PROBE_MIN_S
+
+from .conftest import TIMEOUT, Agent, join_msg
+
+PORTS = {"a": 40001, "b": 40002, "c": 40003}
+
+
+async def _form(client, connect, job: str = "s"):
+    """Three nodes that answer probes; b's connection shows pings (no autoping)."""
+    agents = {}
+    for node_id in PORTS:
+        if node_id == "b":
+            agents[node_id] = Agent(await client.ws_connect(AGENT_PATH, autoping=False))
+        else:
+            agents[node_id] = await connect()
+        await agents[node_id].send(join_msg(job, node_id, (3, 3), probe_port=PORTS[node_id]))
+    assigned = {}
+    for node_id, agent in agents.items():
+        await agent.expect("joined")
+        assigned[node_id] = (await agent.expect("assigned")).assignment
+    return agents, assigned
+
+
+async def _pings(agent: Agent, wait: float) -> int:
+    """Pings the (non-autoping) connection got within ``wait`` seconds; answers them."""
+    n = 0
+    loop = asyncio.get_running_loop()
+    end = loop.time() + wait
+    while (left := end - loop.time()) > 0:
+        try:
+            frame = await asyncio.wait_for(agent.ws.receive(), left)
+        except asyncio.TimeoutError:
+            break
+        if frame.type == WSMsgType.PING:
+            n += 1
+            await agent.ws.pong(frame.data)
+        else:
+            assert frame.type == WSMsgType.TEXT and '"status"' in frame.data, frame
+    return n
+
+
+async def test_each_member_watches_the_next_two_with_their_probe_ports(client, connect) -> None:
+    _, assigned = await _form(client, connect)
+    order = sorted(assigned, key=lambda n: assigned[n].group_rank)
+    for a in assigned.values():
+        r = a.group_rank
+        want = [order[(r + 1) % 3], order[(r + 2) % 3]]
+        assert [p.node_id for p in a.watch] == want
+        assert [p.port for p in a.watch] == [PORTS[n] for n in want]
+
+
+async def test_a_suspect_whose_host_answers_the_probe_is_kept(client, connect) -> None:
+    agents, _ = await _form(client, connect)
+    await agents["a"].send(SuspectMsg(round=0, nodes=["b"]))
+    await agents["c"].send(SuspectMsg(round=0, nodes=["b"]))
+    # one probe for both reports; the suspect's kernel acknowledges it: nothing changes
+    assert await _pings(agents["b"], PROBE_MIN_S + 1.0) == 1
+    view = await (await client.get("/v1/jobs/s")).json()
+    assert (view["round"], view["restarts"], len(view["nodes"])) == (0, 0, 3), view["history"]
+    # answered: left alone for a while, whoever reports it again
+    for _ in range(3):
+        await agents["a"].send(SuspectMsg(round=0, nodes=["b"]))
+    assert await _pings(agents["b"], 0.5) == 0
+    store = client.app[STORE]
+    assert not store.suspicion.table.probes and ("s", "b") in store.suspicion.table.cleared
+
+
+async def test_a_suspect_whose_host_does_not_answer_is_evicted_at_once(
+    client, connect, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(suspicion, "acked_within", lambda sock, seconds: False)  # a pulled cable's verdict
+    agents, _ = await _form(client, connect)
+    await agents["a"].send(SuspectMsg(round=0, nodes=["b"]))
+    restart = await agents["a"].expect("restart", TIMEOUT + PROBE_MIN_S)
+    assert "node b" in restart.reason and "suspected by 1 peer(s), no answer to probe in" in restart.reason
+    assert (await agents["c"].expect("restart")).round == 1
+    view = await (await client.get("/v1/jobs/s")).json()
+    assert "b" not in {n["node_id"] for n in view["nodes"]} and view["restarts"] == 0
+    host = await (await client.get("/v1/hosts/b")).json()
+    assert any("suspected by" in str(f) for f in host["failures"]), (
+        host
+    )  # counted against the host, as a heartbeat eviction is
+
+
+async def test_reports_that_cannot_count_change_nothing(client, connect) -> None:
+    agents, _ = await _form(client, connect)
+    await agents["a"].send(SuspectMsg(round=0, nodes=["a"]))  # itself: no race explains it
+    err = await agents["a"].expect("error")
+    assert "cannot suspect itself" in err.message
+    await agents["a"].send(SuspectMsg(round=7, nodes=["b"]))  # a round that is not running
+    await agents["a"].send(SuspectMsg(round=0, nodes=["nobody"]))  # not a member
+    too_many = {"op": "suspect", "round": 0, "nodes": [f"n{i}" for i in range(MAX_SUSPECTS + 1)]}
+    await agents["a"].send(too_many)
+    assert (await agents["a"].expect("error")).code.value == "validation_error"
+    assert await _pings(agents["b"], PROBE_MIN_S + 0.5) == 0
+    view = await (await client.get("/v1/jobs/s")).json()
+    assert (view["round"], len(view["nodes"])) == (0, 3)
+
+
+async def test_a_node_that_has_not_joined_cannot_report(client, connect) -> None:
+    stranger = await connect()
+    await stranger.send(SuspectMsg(round=0, nodes=["b"]))
+    assert (await stranger.expect("error")).code.value == "not_joined"

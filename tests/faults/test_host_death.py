@@ -1,0 +1,111 @@
+"""A node's host vanishes (its cable pulled: no FIN, no RST, no ICMP) and the
+server learns it long before the heartbeat timeout (issue 23).
+
+The heartbeat timeout here is 30 s: a re-formation whose reason is not "no
+heartbeat", and that happened before the timeout could have fired, was caused
+by what these tests are about (the deadlines below are generous, not timed
+assertions: the numbers are bench/host_death.py's).
+
+* one node alone (no peer can suspect it): the server's own socket to its
+  agent fails at the TCP level (keep-alive + TCP_USER_TIMEOUT,
+  rdzv_server.liveness), a lost connection;
+* three nodes (in-place mode here; process mode: tests/faults/test_partition.py,
+  whose heartbeat timeout is short): the cut node's peers stop hearing its agent's probe answers
+  (rdzv_client.peer_probe), suspect it, and the server's probe of its
+  connection goes unacknowledged: evicted, "suspected by N peer(s)".
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_inplace import EXAMPLE, IN_PLACE, check_training, last_step, pids, rank0, wait_steps
+from tests.helpers.cluster import FaultCluster
+from tests.helpers.netlab import NetLab
+from tests.helpers.procs import free_port
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+HB_TIMEOUT = 30.0
+# well under the heartbeat timeout: only the new detection can re-form this soon
+BEFORE_HB = 20.0
+
+
+def _server(netlab: NetLab, fcluster: FaultCluster, tmp_path: Path):
+    # --insecure: no token, on an address that exists only in the test's private namespaces
+    return fcluster.start_server_at(
+        free_port(),
+        tmp_path / "data",
+        "--insecure",
+        host=netlab.hub_addr,
+        name="server",
+        netns=netlab.hub,
+        request_via=netlab.in_hub,
+    )
+
+
+@pytest.mark.parametrize("netlab", [1], indirect=True)
+@pytest.mark.timeout(90)
+def test_a_lone_nodes_vanished_host_is_a_lost_connection_before_the_heartbeat_timeout(
+    netlab: NetLab, fcluster: FaultCluster, tmp_path: Path
+) -> None:
+    """No peer can suspect a lone node (and its worker needs no torch here)."""
+    server = _server(netlab, fcluster, tmp_path)
+    flags = ("--local-addr", netlab.node_addr(0), "--heartbeat-timeout", f"{HB_TIMEOUT:g}", "--no-python")
+    argv = [*fcluster.agent_argv(server.endpoint, "lone", "1", 1, flags), "sleep", "600"]
+    fcluster.start("n0", ["ip", "netns", "exec", netlab.node_ns(0), *argv])
+    view = server.wait_job("lone", lambda v: v["state"] == "running" and v["nodes"], 60, "the node running")
+    node_id = view["nodes"][0]["node_id"]
+    netlab.cut(0)
+    cut_at = time.monotonic()
+    view = server.wait_job("lone", lambda v: v["round"] >= 1, BEFORE_HB, "the node lost before the heartbeat timeout")
+    took = time.monotonic() - cut_at
+    assert took < HB_TIMEOUT
+    print(f"lone host death: the node lost within {took:.2f}s of the cut (REST polling included)")
+    reason = view["history"][1]["reason"]
+    assert node_id in reason and "connection lost" in reason, view["history"]
+
+
+@pytest.mark.timeout(150)
+def test_in_place_survivors_of_a_pulled_cable_leave_their_collective_and_train_on(
+    netlab: NetLab, fcluster: FaultCluster, tmp_path: Path
+) -> None:
+    """--restart-mode in-place: rank 0's cable is pulled while every worker
+    waits in gloo's all_reduce on it (no error ever comes: its packets
+    vanish). The restart the eviction pushes ends the survivors' pending
+    collectives (item 4): the same worker processes step in world 2, before
+    the heartbeat timeout and before --in-place-timeout would restart them."""
+    server = _server(netlab, fcluster, tmp_path)
+    agents = []
+    for i in range(netlab.n):
+        flags = (*IN_PLACE, "--local-addr", netlab.node_addr(i), "--heartbeat-timeout", f"{HB_TIMEOUT:g}")
+        argv = [
+            *fcluster.agent_argv(server.endpoint, "ipcut", f"2:{netlab.n}", 1, flags),
+            str(EXAMPLE),
+            "--steps",
+            "100000",
+            "--step-sleep",
+            "0.05",
+        ]
+        agents.append(
+            fcluster.start(f"n{i}", ["ip", "netns", "exec", netlab.node_ns(i), *argv], {"GLOO_SOCKET_IFNAME": "rzeth"})
+        )
+    wait_steps(agents, 0, 3, 5, timeout=90)
+    dead = rank0(agents)
+    survivors = [a for a in agents if a is not dead]
+    before = {a.name: pids(a, 0) for a in survivors}
+    netlab.cut(agents.index(dead))
+    cut_at = time.monotonic()
+    reached = max(last_step(a, 0) for a in survivors)
+    wait_steps(survivors, 1, 2, reached + 3, timeout=BEFORE_HB)
+    took = time.monotonic() - cut_at
+    assert took < HB_TIMEOUT
+    print(f"in-place host death: survivors stepping in world 2 within {took:.2f}s of the cut")
+    for a in survivors:
+        assert pids(a, 1) == before[a.name], f"{a.name}'s worker was restarted: {before[a.name]} -> {pids(a, 1)}"
+    view = server.job("ipcut")
+    assert "suspected by" in view["history"][1]["reason"] and view["restarts"] == 0, view["history"]
+    check_training(survivors, 1, 2)
