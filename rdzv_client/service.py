@@ -150,8 +150,9 @@ def refusal(msg: Any, serving: bool) -> str | None:
 
 
 def outage_word(last_error: str | None) -> str:
-    """How the agent names what it waits for: a server it cannot reach, or one
+    """How the agent names what it waits for: a server it cannot reach (no
+    connection, or one the network lost: a reset, no route, no pong), or one
     that does not serve this node (closes, is silent, refuses, evicts)."""
-    if last_error is None or last_error.startswith(("cannot reach", "handshake refused")):
+    if last_error is None or last_error.startswith(("cannot reach", "handshake refused", "connection lost")):
         return "unreachable"
     return "not serving this node"

@@ -63,6 +63,8 @@ def test_outage_word() -> None:
     assert outage_word(None) == "unreachable"
     assert outage_word("cannot reach http://x: refused") == "unreachable"
     assert outage_word("handshake refused: 503") == "unreachable"
+    # the network lost the connection (a pulled cable: no route; a reset): not a refusal
+    assert outage_word("connection lost: [Errno 113] No route to host") == "unreachable"
     assert outage_word("join refused: unavailable: full") == "not serving this node"
     assert outage_word("connection closed by the server (x)") == "not serving this node"
 
