@@ -14,7 +14,9 @@ from typing import TypeVar
 from aiohttp import WSCloseCode, WSMsgType, web
 from pydantic import BaseModel, ValidationError
 
+from . import rounds
 from .conns import LogLimiter
+from .cursors import node_page
 from .keys import AUDIT, GUESSES, HEALTH_REPORTS, IDLE_TIMEOUT, JOIN_DEADLINE, METRICS, OPENAPI, STORE
 from .logs import Line
 from .metrics import CONTENT_TYPE_LATEST
@@ -91,7 +93,9 @@ async def list_jobs(request: web.Request) -> web.Response:
 
 
 async def get_job(request: web.Request) -> web.Response:
-    return _json(request.app[STORE].view(_job_id(request)))
+    job_id = _job_id(request)
+    limit, offset = node_page(request.rel_url.query, rounds.MAX_VIEW_NODES)
+    return _json(request.app[STORE].view(job_id, limit, offset))
 
 
 async def close_job(request: web.Request) -> web.Response:
@@ -213,6 +217,7 @@ async def metrics(request: web.Request) -> web.Response:
     if store.replica is not None:
         request.app[METRICS].set_leader(store.serving)
     request.app[METRICS].set_progress(store.since_progress())
+    request.app[METRICS].set_storage_requests(store.backend.requests)
     request.app[METRICS].refresh(store.jobs.values(), store.hosts, store.clock())
     body = await request.app[METRICS].render_off_loop()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -72,6 +72,12 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
         )
         self.agent_messages = Counter("rdzv_agent_messages", "Agent channel messages received", ["op"], registry=r)
+        self.storage_requests = Counter(
+            "rdzv_storage_write_requests",
+            "Write requests sent to durable storage (SQLite or etcd transactions)",
+            registry=r,
+        )
+        self._storage_seen = 0
         self.ha_leader: Gauge | None = None  # only on an HA replica (--etcd): see set_leader
         self.since_progress = Gauge(
             "rdzv_job_since_progress_seconds",
@@ -224,6 +230,11 @@ class Metrics:
                 "rdzv_ha_leader", "1 while this HA replica leads and serves, 0 while it follows", registry=self.registry
             )
         self.ha_leader.set(1 if serving else 0)
+
+    def set_storage_requests(self, total: int) -> None:
+        """The backend's running count of write requests (it restarts with a new backend)."""
+        self.storage_requests.inc(max(0, total - self._storage_seen))
+        self._storage_seen = total
 
     def set_progress(self, since: dict[str, float]) -> None:
         for job_id, seconds in since.items():

@@ -77,6 +77,10 @@ class Backend(Protocol):
     def where(self) -> str:
         """Where writes go, for log lines."""
 
+    @property
+    def requests(self) -> int:
+        """Write requests sent to the medium so far (SQLite or etcd transactions; /metrics)."""
+
     def write_job(self, job: Job, now: float) -> None:
         """Write the job's record. Raises WriteError when that fails at once."""
 
@@ -120,6 +124,7 @@ class MemoryBackend(_AtOnce):
 
     durable = False
     where = "memory"
+    requests = 0
 
     def write_job(self, job: Job, now: float) -> None:
         pass
@@ -145,20 +150,24 @@ class SqliteBackend(_AtOnce):
     def __init__(self, db: Database) -> None:
         self.db = db
         self.where = str(db.path)
+        self.requests = 0
 
     def write_job(self, job: Job, now: float) -> None:
+        self.requests += 1
         try:
             self.db.save(job, now)
         except sqlite3.Error as e:
             raise WriteError(str(e)) from e
 
     def remove_jobs(self, job_ids: list[str]) -> None:
+        self.requests += 1
         try:
             self.db.delete(job_ids)
         except sqlite3.Error as e:
             raise WriteError(str(e)) from e
 
     def write_hosts(self, records: list[HostRecord], removed: list[str]) -> None:
+        self.requests += 1
         try:
             self.db.save_hosts(records, removed)
         except sqlite3.Error as e:  # in effect in memory; the next write of the host saves it
@@ -193,6 +202,10 @@ class EtcdBackend:
         self.outbox = Outbox(self._write, self._failed)
         self.failed = failed
         self.committed: dict[str, str] = {}  # each job's record as etcd last acknowledged it
+
+    @property
+    def requests(self) -> int:
+        return self.replica.requests
 
     async def load(self) -> tuple[dict[str, Job], list[HostRecord]]:
         """Every job and host record in etcd (raises ha.StateError on a foreign record)."""

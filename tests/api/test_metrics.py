@@ -172,3 +172,23 @@ async def test_event_streams_stay_out_of_the_request_latency(make_client) -> Non
     counts = {lab["route"]: v for lab, v in series(text)["rdzv_request_seconds_count"]}
     assert counts.get("/v1/events") == 1, counts  # the ?since= answer only
     assert "/v1/jobs/{job_id}/events" not in counts, counts
+
+
+async def test_write_requests_to_storage_are_counted(make_client, connect, tmp_path) -> None:
+    """rdzv_storage_write_requests_total (bench/big_job.py reads it per round change):
+    a job formed with SQLite writes its record; a memory-only server writes nothing."""
+    durable = await make_client(Settings(data_dir=tmp_path))
+    assert value(await _metrics(durable), "rdzv_storage_write_requests_total") == 0
+    agent = await connect(on=durable)
+    await agent.send(join_msg("w", "n0", (1, 1)))
+    await agent.expect("joined")
+    await agent.expect("assigned")
+    written = value(await _metrics(durable), "rdzv_storage_write_requests_total")
+    assert written >= 1  # created and formed (one step, one write)
+    assert value(await _metrics(durable), "rdzv_storage_write_requests_total") == written  # a scrape writes nothing
+    memory = await make_client()
+    other = await connect(on=memory)
+    await other.send(join_msg("w", "n0", (1, 1)))
+    await other.expect("joined")
+    await other.expect("assigned")
+    assert value(await _metrics(memory), "rdzv_storage_write_requests_total") == 0
