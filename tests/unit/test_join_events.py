@@ -1,0 +1,48 @@
+"""A big formation is not a flood of events (issue 24, item 4): node_joined for
+the first MAX_JOIN_EVENTS nodes waiting in a forming round, then the round's
+one round_completed counts the new members (new_nodes). A small job keeps one
+node_joined per node."""
+
+from __future__ import annotations
+
+from rdzv_server import rounds
+from rdzv_server.rounds.events import MAX_JOIN_EVENTS
+from tests.unit.test_rounds import join_msg, spec
+
+
+def _kinds(n: int) -> tuple[list[rounds.Event], rounds.Job]:
+    sp = spec(min_nodes=n, max_nodes=n)
+    job = rounds.new_job("j", sp, 0.0)
+    evs: list[rounds.Event] = []
+    for i in range(n):
+        evs += rounds.join(job, join_msg(f"n{i}", sp=sp), 1.0).events
+    assert job.state.value == "running"
+    return evs, job
+
+
+def test_a_big_formation_has_a_bounded_number_of_join_events_and_one_count():
+    n = MAX_JOIN_EVENTS + 40
+    evs, job = _kinds(n)
+    joined = [e for e in evs if e.kind == "node_joined"]
+    assert [e.node for e in joined] == [f"n{i}" for i in range(MAX_JOIN_EVENTS)]  # one each before
+    (done,) = [e for e in evs if e.kind == "round_completed"]
+    assert done.fields["nodes"] == n and done.fields["new_nodes"] == n
+
+
+def test_a_small_formation_keeps_one_join_event_per_node():
+    evs, _ = _kinds(5)
+    assert [e.node for e in evs if e.kind == "node_joined"] == [f"n{i}" for i in range(5)]
+    (done,) = [e for e in evs if e.kind == "round_completed"]
+    assert done.fields["new_nodes"] == 5
+
+
+def test_a_re_formed_round_counts_only_its_new_members():
+    evs, job = _kinds(4)
+    rounds.leave(job, "n3", "bye", 2.0)  # round 1 opens for the other three
+    sp = job.spec
+    got: list[rounds.Event] = []
+    for i in range(3):
+        got += rounds.join(job, join_msg(f"n{i}", sp=sp), 2.0).events
+    got += rounds.join(job, join_msg("n9", sp=sp), 2.0).events
+    (done,) = [e for e in got if e.kind == "round_completed"]
+    assert done.fields["new_nodes"] == 1 and [e.node for e in got if e.kind == "node_joined"] == ["n9"]
