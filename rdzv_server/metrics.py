@@ -126,11 +126,13 @@ class Metrics:
         )
         # per job: what its gauges show now ((state, nodes per node state, nodes, round))
         self._shown: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        self._dirty: set[str] = set()  # jobs whose gauges changed since the last scrape
         self._rendering: asyncio.Future[bytes] | None = None
 
     def observe(self, job: Job, fx: Effects) -> None:
         """A step's effects: its events (rounds, restarts, formation times), nodes
-        whose connection the server dropped, and the job's gauges."""
+        whose connection the server dropped, and the job's gauges (a finished job's
+        at once, a live job's at the next scrape)."""
         j = job.job_id
         for ev in fx.events:
             if ev.kind == "round_opened":
@@ -148,12 +150,15 @@ class Metrics:
             if job.finished:
                 return  # (a finished job's series are final)
             del self._finished[j]  # the job id started its next run: its series move again
+        if not job.finished:  # its gauges are set at the next scrape (refresh), not per join:
+            self._dirty.add(j)  # a 16,384-node formation is 16,384 effects
+            return
+        self._dirty.discard(j)
         self._set_job(job)
-        if job.finished:
-            self._finished[j] = None
-            while len(self._finished) > self.max_finished_jobs:
-                old, _ = self._finished.popitem(last=False)
-                self._remove(old)
+        self._finished[j] = None
+        while len(self._finished) > self.max_finished_jobs:
+            old, _ = self._finished.popitem(last=False)
+            self._remove(old)
 
     def _set_job(self, job: Job) -> None:
         """The job's gauges, where they changed since they were last set (a
@@ -189,12 +194,13 @@ class Metrics:
             counts[job.state.value] += 1
             if job.finished:
                 continue
-            if job.job_id not in self._shown:
+            if job.job_id not in self._shown or job.job_id in self._dirty:
                 self._set_job(job)
             if job.forming:
                 rec = job.history[-1] if job.history else None
                 waited = now - rec.started_at if rec is not None else 0.0
                 self.waiting.labels(job.job_id).set(round(max(0.0, waited), 3))
+        self._dirty.clear()
         for state, n in counts.items():
             self.jobs.labels(state).set(n)
         records = list(hosts.records.values())
@@ -215,6 +221,7 @@ class Metrics:
 
     def _remove(self, job_id: str) -> None:
         self._shown.pop(job_id, None)
+        self._dirty.discard(job_id)
         for metric in self.per_job:
             self._remove_series(metric, job_id)
         for job_state in _JOB_STATES:

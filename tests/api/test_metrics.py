@@ -192,3 +192,18 @@ async def test_write_requests_to_storage_are_counted(make_client, connect, tmp_p
     await other.expect("joined")
     await other.expect("assigned")
     assert value(await _metrics(memory), "rdzv_storage_write_requests_total") == 0
+
+
+def test_a_live_jobs_gauges_are_set_at_the_scrape_not_per_effect() -> None:
+    """Issue 24: every join of a 16,384-node formation is an effect; the job's gauges
+    (nodes by state, live nodes, round) are set once per scrape (refresh), not per effect."""
+    from rdzv_server.hosts import Hosts
+    from rdzv_server.rounds import Effects
+    from tests.unit.test_rounds import spec
+
+    m = Metrics()
+    job = new_job("big", spec(min_nodes=3, max_nodes=3), 0.0)
+    m.observe(job, Effects())
+    assert series(m.render().decode()).get("rdzv_live_nodes", []) == []  # set at every effect before
+    m.refresh([job], Hosts(), 1.0)
+    assert value(m.render().decode(), "rdzv_live_nodes", job_id="big") == 0
