@@ -94,6 +94,15 @@ def io_written(pid: int) -> int:
     return 0
 
 
+class BigServer(Server):
+    def written(self, io_written) -> tuple[int, int]:
+        """Bytes this process wrote to disk, and its log's size (the log is in the first)."""
+        return io_written(self.pid), self.log.stat().st_size
+
+    def stop(self, grace: float = 5) -> None:
+        self.proc.stop(grace)
+
+
 class Storage:
     """What the server wrote to storage between two readings."""
 
@@ -103,7 +112,7 @@ class Storage:
 
     def _read(self) -> tuple[float, int, int]:
         reqs = self.server.metrics().get("rdzv_storage_write_requests_total", 0.0)
-        return reqs, io_written(self.server.pid), self.server.log.stat().st_size
+        return reqs, *self.server.written(io_written)
 
     def delta(self) -> dict:
         time.sleep(0.3)  # the page cache: write_bytes counts pages as they are dirtied, fsync'd at commit
@@ -125,7 +134,10 @@ def _profiled(tmp: Path, profile: str) -> str:
     return str(wrapper)
 
 
-def run(n: int, n_clients: int = 2, live_s: float = 10.0, log=print, profile: str | None = None) -> dict:
+def run(
+    n: int, n_clients: int = 2, live_s: float = 10.0, log=print, profile: str | None = None, etcd: int | None = None
+) -> dict:
+    """One job of ``n`` nodes; ``etcd``: on that many ``--etcd`` replicas (bench/big_job_etcd.py), else SQLite."""
     C.raise_nofile()
     tmp = Path(tempfile.mkdtemp(prefix="rdzv-bench-big-"))
     job = f"big{n}-{os.getpid()}"
@@ -133,7 +145,13 @@ def run(n: int, n_clients: int = 2, live_s: float = 10.0, log=print, profile: st
     out: dict = {"nodes": n, "clients": n_clients, "load_before": C.loadavg()}
     # every node connects before any joins: a long join deadline keeps the first ones open meanwhile
     python = _profiled(tmp, profile) if profile else sys.executable
-    server = Server(tmp, python=python, extra=["--join-deadline", "600"])
+    if etcd:
+        from .big_job_etcd import EtcdServer
+
+        server: BigServer | EtcdServer = EtcdServer(tmp, etcd)
+    else:
+        server = BigServer(tmp, python=python, extra=["--join-deadline", "600"])
+    out["storage"] = f"etcd, {etcd} replica(s)" if etcd else "SQLite"
     clients = None
     try:
         clients = BigClients(n_clients, server.url + "/v1/agent")
@@ -195,7 +213,7 @@ def run(n: int, n_clients: int = 2, live_s: float = 10.0, log=print, profile: st
     finally:
         if clients is not None:
             clients.stop()
-        server.proc.stop(60 if profile else 5)  # a profiled server writes its stats as it exits
+        server.stop(60 if profile else 5)  # a profiled server writes its stats as it exits
         if os.environ.get("BENCH_KEEP_TMP"):
             log(f"[big_job] kept {tmp}")
         else:
@@ -237,7 +255,7 @@ def table(results: list[dict]) -> str:
                 f"(clients {r['hb_client_cpu'] * 100:.0f}%, load {r['hb_load']})",
             ],
         ]
-    return C.md_table(["big job (SQLite)", "result"], rows)
+    return C.md_table([f"big job ({results[0]['storage']})", "result"], rows)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -247,6 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--live-s", type=float, default=10.0, help="seconds of heartbeats measured")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--profile", default=None, help="run the server under cProfile; its stats go to this file")
+    p.add_argument("--etcd", action="store_true", help="on rdzv-server --etcd replicas and a 3-member etcd")
+    p.add_argument("--replicas", type=int, default=3, help="with --etcd: how many replicas")
     a = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the server and clients are stopped on the way out
     ns = [int(x) for x in a.nodes.split(",") if x.strip()]
@@ -255,7 +275,9 @@ def main(argv: list[str] | None = None) -> None:
     log = lambda s: print(s, file=sys.stderr)  # noqa: E731
     if a.profile and len(ns) > 1:
         p.error("--profile: one N at a time")
-    results = [run(n, a.clients, a.live_s, log, a.profile) for n in ns]
+    if a.etcd and a.profile:
+        p.error("--profile: SQLite only")
+    results = [run(n, a.clients, a.live_s, log, a.profile, a.replicas if a.etcd else None) for n in ns]
     print(table(results))
     print(f"\nload average before/after: {results[0]['load_before']} / {results[-1]['load_after']}")
     if a.out:

@@ -1,7 +1,7 @@
 """bench/big_job.py must not rot: one tiny job (8 nodes) through formation,
 heartbeats, a node loss and a scale-up. No timing assertions: only that every
 step completed, the job ends at round 2 with all 8 nodes again, and storage
-writes were counted for each round change."""
+writes were counted for each round change. On SQLite and on etcd (3 replicas)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 
-def test_big_job_bench_smoke(tmp_path):
+@pytest.mark.parametrize("medium", [[], ["--etcd"]], ids=["sqlite", "etcd"])
+def test_big_job_bench_smoke(tmp_path, medium):
     out = tmp_path / "big.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.big_job", "--nodes", "8", "--live-s", "1", "--out", str(out)],
+        [sys.executable, "-m", "bench.big_job", "--nodes", "8", "--live-s", "1", "--out", str(out), *medium],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -35,3 +36,5 @@ def test_big_job_bench_smoke(tmp_path):
     assert (r["final_round"], r["final_world"]) == (2, 8), r
     assert r["node_loss_storage"]["requests"] >= 1 and r["scale_up_storage"]["requests"] >= 1, r
     assert r["server_rss_mb"] > 0 and r["hb_server_cpu"] >= 0, r
+    assert r["storage"] == ("etcd, 3 replica(s)" if medium else "SQLite")
+    assert r["node_loss_storage"]["bytes"] > 0, r  # what the server (SQLite) or the etcd members wrote
