@@ -80,6 +80,10 @@ class BigClients(Clients):
             raise RuntimeError("a client process died")
         return json.loads(line)
 
+    def cpu(self) -> int:
+        """The client processes' CPU time, in clock ticks."""
+        return sum(C.cpu_ticks(p.pid) or 0 for p in self.procs)
+
     def wait(self, round_no: int) -> dict:
         ans = self.same({"cmd": "wait", "round": round_no, "timeout": TIMEOUT_S})
         lasts = [a["last"] for a in ans if a["last"] is not None]
@@ -162,12 +166,13 @@ def run(
         )
         out["connect_s"] = time.time() - t0
         # formation
-        cpu = C.cpu_ticks(server.pid)
+        cpu, ccpu = C.cpu_ticks(server.pid), clients.cpu()
         sent = [s for a in clients.same({"cmd": "join", "nodes": None}) for s in a["sent"]]
         got = clients.wait(0)
         out["formation_s"] = got["last"] - min(sent) if got["last"] and not got["behind"] else None
         out["formation_behind"] = got["behind"]
         out["formation_cpu_s"] = (C.cpu_ticks(server.pid) - cpu) / C.CLK_TCK
+        out["formation_client_cpu_s"] = (clients.cpu() - ccpu) / C.CLK_TCK
         log(f"[big_job] N={n}: formation {out['formation_s']} s (load {C.loadavg()})")
         # heartbeats, steady state
         time.sleep(3.0)
@@ -188,22 +193,24 @@ def run(
         storage = Storage(server)
         victim = n - 1
         out["dropped_before_loss"] = sum(a["dropped"] for a in clients.same({"cmd": "stats"}))
-        cpu = C.cpu_ticks(server.pid)
+        cpu, ccpu = C.cpu_ticks(server.pid), clients.cpu()
         t_drop = clients.one(victim % n_clients, {"cmd": "drop", "node": f"n{victim}"})["t"]
         got = clients.wait(1)
         out["node_loss_s"] = got["last"] - t_drop if got["last"] and not got["behind"] else None
         out["node_loss_behind"] = got["behind"]
         out["node_loss_cpu_s"] = (C.cpu_ticks(server.pid) - cpu) / C.CLK_TCK
+        out["node_loss_client_cpu_s"] = (clients.cpu() - ccpu) / C.CLK_TCK
         out["node_loss_storage"] = storage.delta()
         log(f"[big_job] N={n}: node loss {out['node_loss_s']} s, storage {out['node_loss_storage']}")
         # scale-up: one new node
         clients.one(0, {"cmd": "connect", "job": job, "spec": spec, "nodes": [[f"n{n}", n]]})
-        cpu = C.cpu_ticks(server.pid)
+        cpu, ccpu = C.cpu_ticks(server.pid), clients.cpu()
         t_join = clients.one(0, {"cmd": "join", "nodes": [f"n{n}"]})["sent"][0]
         got = clients.wait(2)
         out["scale_up_s"] = got["last"] - t_join if got["last"] and not got["behind"] else None
         out["scale_up_behind"] = got["behind"]
         out["scale_up_cpu_s"] = (C.cpu_ticks(server.pid) - cpu) / C.CLK_TCK
+        out["scale_up_client_cpu_s"] = (clients.cpu() - ccpu) / C.CLK_TCK
         out["scale_up_storage"] = storage.delta()
         log(f"[big_job] N={n}: scale-up {out['scale_up_s']} s, storage {out['scale_up_storage']}")
         view = server.job(job) or {}
@@ -227,8 +234,10 @@ def _s(v: float | None) -> str:
 
 
 def _cpu(r: dict, phase: str) -> str:
-    """A phase's time, and the server's CPU time meanwhile (what a loaded machine does not inflate)."""
-    return _s(r[f"{phase}_s"]) + f" (server CPU {r[f'{phase}_cpu_s']:.2f} s)"
+    """A phase's time, and the server's and clients' CPU time meanwhile (less inflated by a loaded machine)."""
+    return (
+        _s(r[f"{phase}_s"]) + f" (CPU: server {r[f'{phase}_cpu_s']:.2f} s, clients {r[f'{phase}_client_cpu_s']:.2f} s)"
+    )
 
 
 def _st(d: dict) -> str:
