@@ -125,7 +125,7 @@ def _log_time(text: str, needle: str, after: float = 0.0) -> float | None:
 class Replica:
     """One ``rdzv-server --etcd`` process, its log in json lines."""
 
-    def __init__(self, i: int, tmp: Path, etcd_urls: list[str], prefix: str):
+    def __init__(self, i: int, tmp: Path, etcd_urls: list[str], prefix: str, extra: tuple[str, ...] = ()):
         self.port = C.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [
@@ -136,6 +136,7 @@ class Replica:
             "--log-format", "json",
             "--max-connections-per-address", "0",  # the simulated nodes share 127.0.0.1
             "--max-waiting-jobs-per-address", "0",
+            *extra,
         ]  # fmt: skip
         self.proc = C.Proc(f"replica{i}", argv, tmp / f"replica{i}.log", cwd=C.ROOT)
 
@@ -167,12 +168,12 @@ class Replica:
 class Replicas:
     """``n`` replicas against one etcd, under their own prefix."""
 
-    def __init__(self, n: int, tmp: Path, etcd_urls: list[str], prefix: str):
+    def __init__(self, n: int, tmp: Path, etcd_urls: list[str], prefix: str, extra: tuple[str, ...] = ()):
         self.prefix = prefix
         self.all: list[Replica] = []
         try:
             for i in range(n):
-                self.all.append(Replica(i, tmp, etcd_urls, prefix))
+                self.all.append(Replica(i, tmp, etcd_urls, prefix, extra))
             for r in self.all:
                 if not C.wait_until(lambda r=r: r.health() or r.proc.poll() is not None, 30):
                     raise RuntimeError(f"replica did not start:\n{r.proc.text()[-2000:]}")

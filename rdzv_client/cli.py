@@ -90,10 +90,15 @@ def render_jobs(jobs: JobList) -> str:
     )
 
 
+STATUS_NODES = 1000  # nodes `rdzv status JOB` lists (a big job's: the first, by rank; all are counted)
+
+
 def render_job(job: JobView) -> str:
+    spares = job.node_counts.get("spare", 0) if job.node_counts else len(job.spares)
+    nodes = sum(job.node_counts.values()) - spares if job.node_counts else len(job.nodes)
     out = [
         f"job {printable(job.job_id)}: {job.state.value}, round {job.round}, world size {job.world_size}, "
-        f"nodes {len(job.nodes)} (min {job.min_nodes}, max {job.max_nodes}), spares {len(job.spares)}, "
+        f"nodes {nodes} (min {job.min_nodes}, max {job.max_nodes}), spares {spares}, "
         f"restarts {restarts_text(job.restarts, job.max_restarts)}",
     ]
     if job.master_addr:
@@ -126,7 +131,8 @@ def render_job(job: JobView) -> str:
         if n.host_blocked:
             out.append(f"spare {printable(n.node_id)} waits: {printable(n.host_blocked)}")
     if job.nodes_omitted:
-        out.append(f"(+{job.nodes_omitted} more nodes not listed)")
+        counts = ", ".join(f"{n} {state}" for state, n in sorted(job.node_counts.items()))
+        out.append(f"(+{job.nodes_omitted} more nodes not listed; all of them: {counts or '-'})")
     out += explain.departed_lines(job)
     out.append("")
     hist = [
@@ -302,7 +308,7 @@ async def _status_text(
     client: RestClient, job: str | None, as_json: bool, state: str | None = None, compact: bool = False
 ) -> str:
     if job:
-        view = await client.job(job)
+        view = await client.job(job, None if as_json else STATUS_NODES)
         return _json(view, compact) if as_json else render_job(view)
     jobs = await client.all_jobs(state)
     return _json(jobs, compact) if as_json else render_jobs(jobs)

@@ -113,10 +113,12 @@ class RestClient:
         pages = await _walk(lambda cursor: self.jobs(state, page, cursor), max_pages)
         return JobList(jobs=[j for p in pages for j in p.jobs], next_cursor=pages[-1].next_cursor)
 
-    async def job(self, job_id: str) -> JobView:
+    async def job(self, job_id: str, limit: int | None = None) -> JobView:
+        """The job's view; ``limit``: list at most this many of its nodes (all are counted)."""
         from rdzv_server.protocol import JobView
 
-        return JobView.model_validate_json(await self._call("GET", f"/v1/jobs/{quote(job_id, safe='')}"))
+        query = f"?limit={limit}" if limit is not None else ""
+        return JobView.model_validate_json(await self._call("GET", f"/v1/jobs/{quote(job_id, safe='')}{query}"))
 
     async def close_job(self, job_id: str) -> CloseResult:
         from rdzv_server.protocol import CloseResult

@@ -14,7 +14,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from pydantic.json_schema import models_json_schema
 
-from . import __version__, auth, handlers, sse, ui
+from . import __version__, auth, handlers, rounds, sse, ui
 from .audit import Audit
 from .auth import Auth
 from .auth import error as _error
@@ -262,6 +262,19 @@ def openapi_document() -> dict[str, Any]:
         "schema": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": HOST_PATTERN},
     }
     host_page = [page_params[1], page_params[2]]
+    view_page = [
+        {
+            **page_params[1],
+            "description": "nodes per page",
+            "schema": {
+                "type": "integer",
+                "minimum": 1,
+                "maximum": rounds.MAX_VIEW_NODES,
+                "default": rounds.MAX_VIEW_NODES,
+            },
+        },
+        page_params[2],
+    ]
 
     def body(name: str) -> dict[str, Any]:
         return {"required": True, "content": {"application/json": {"schema": ref(name)}}}
@@ -291,7 +304,9 @@ def openapi_document() -> dict[str, Any]:
                 "get": {
                     "operationId": "getJob",
                     "security": secured,
-                    "parameters": [job_param],
+                    "parameters": [job_param, *view_page],
+                    "description": "The job; its nodes a page at a time (members by rank, then the others, spares "
+                    "last), all of them counted by state in node_counts.",
                     "responses": {"200": resp("JobView"), **job_errors},
                 },
                 "delete": {

@@ -132,6 +132,17 @@ def per_address_limit(requested: int | None, max_connections: int) -> int:
     return max(1, min(requested, max_connections // 2))
 
 
+class OpenCount:
+    """Connections a site holds open, counted as they open and close: aiohttp's
+    ``Server.connections`` builds a list of every one on each read (O(open)
+    per new connection, quadratic over a join storm)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
 class Protocol(RequestHandler):
     """aiohttp's per-connection HTTP protocol: refuses a connection over the
     limits, and answers what its parser refuses in the server's own terms."""
@@ -143,10 +154,12 @@ class Protocol(RequestHandler):
         max_connections: int,
         per_address: int,
         by_address: dict[str, int],
+        open_count: OpenCount,
         **kwargs: Any,
     ) -> None:
         super().__init__(manager, **kwargs)
         self.max_connections, self.per_address, self.by_address = max_connections, per_address, by_address
+        self.open_count = open_count
         self.refused = False
         self.server = manager
         self.address: str | None = None
@@ -154,7 +167,7 @@ class Protocol(RequestHandler):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # Checked here, not in the protocol factory: asyncio accepts a burst of
         # sockets (calling the factory for each) before any connection_made runs.
-        open_ = len(self.server.connections)
+        open_ = self.open_count.n
         peer = transport.get_extra_info("peername")
         address = str(peer[0]) if isinstance(peer, tuple) and peer else None
         held = self.by_address.get(address, 0) if address is not None else 0
@@ -181,11 +194,13 @@ class Protocol(RequestHandler):
             self.address = address
             self.by_address[address] = held + 1
         keep_alive(transport.get_extra_info("socket"))  # a vanished agent host fails the connection
+        self.open_count.n += 1
         super().connection_made(transport)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self.refused:
             return
+        self.open_count.n -= 1
         if self.address is not None:
             left = self.by_address.get(self.address, 1) - 1
             if left > 0:
@@ -239,6 +254,7 @@ class Listener(web.BaseSite):
             "max_connections": max_connections,
             "per_address": per_address_limit(per_address, max_connections),
             "by_address": {},  # open connections per client address, shared by this site's connections
+            "open_count": OpenCount(),  # and in all
         }
 
     @property

@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 import bisect
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from .protocol import ErrorCode, RequestError, is_valid_host, is_valid_id
@@ -94,3 +94,37 @@ def decode_host_cursor(cursor: str) -> str:
             "cursor is not one this server gave out: pass next_cursor back unchanged", ErrorCode.VALIDATION_ERROR
         ) from None
     return host
+
+
+def encode_offset(offset: int) -> str:
+    """A cursor into a job view's node listing (GET /v1/jobs/{id}?cursor=)."""
+    return base64.urlsafe_b64encode(f"n{offset}".encode()).decode().rstrip("=")
+
+
+def decode_offset(cursor: str) -> int:
+    try:
+        if len(cursor) > MAX_CURSOR_LEN:
+            raise ValueError("too long")
+        text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        if not (text[:1] == "n" and text[1:].isascii() and text[1:].isdigit() and len(text) <= 12):
+            raise ValueError("not a node cursor")
+        return int(text[1:])
+    except (ValueError, TypeError, UnicodeDecodeError):
+        raise RequestError(
+            "cursor is not one this server gave out: pass next_cursor back unchanged", ErrorCode.VALIDATION_ERROR
+        ) from None
+
+
+def node_page(query: Mapping[str, str], most: int) -> tuple[int, int]:
+    """``?limit=&cursor=`` of a job view: (nodes to list, 1..``most``; offset), or a
+    validation error (changes nothing)."""
+    limit = most
+    if "limit" in query:
+        text = query["limit"]
+        if not (text.isascii() and text.isdigit() and len(text) <= 6 and 1 <= int(text) <= most):
+            raise RequestError(
+                f"limit {text[:64]!r} is not a whole number from 1 to {most}", ErrorCode.VALIDATION_ERROR
+            )
+        limit = int(text)
+    cursor = query.get("cursor") or None
+    return limit, decode_offset(cursor) if cursor is not None else 0

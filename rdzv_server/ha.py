@@ -122,6 +122,7 @@ class Replica:
         self.prefix = prefix.encode()
         self.leader_key = self.prefix + b"leader"
         self.lease_ttl_s = lease_ttl_s
+        self.requests = 0  # write transactions sent to etcd (rdzv_storage_write_requests_total)
         self.id = replica_id or f"{socket.gethostname()[:64]}-{os.getpid()}-{secrets.token_hex(3)}"
         self.role = "follower"
         self.term = 0  # the leader key's create revision while we lead
@@ -430,6 +431,7 @@ class Replica:
             if not self.serving:
                 raise self.refusal()
             term = self.term
+            self.requests += 1
             r = await self.client.txn([etcd.created_at(self.leader_key, term)], batch, [etcd.get(self.leader_key)])
             if not r.succeeded:
                 if self.term == term:

@@ -14,7 +14,9 @@ from typing import TypeVar
 from aiohttp import WSCloseCode, WSMsgType, web
 from pydantic import BaseModel, ValidationError
 
+from . import rounds
 from .conns import LogLimiter
+from .cursors import node_page
 from .keys import AUDIT, GUESSES, HEALTH_REPORTS, IDLE_TIMEOUT, JOIN_DEADLINE, METRICS, OPENAPI, STORE
 from .logs import Line
 from .metrics import CONTENT_TYPE_LATEST
@@ -51,6 +53,7 @@ from .protocol import (
     printable,
 )
 from .quotas import FRAME_BURST, FRAME_RATE, TokenBucket
+from .silence import Silence
 from .storage import HOSTS_KEY
 from .store import Store
 
@@ -95,7 +98,9 @@ async def list_jobs(request: web.Request) -> web.Response:
 
 
 async def get_job(request: web.Request) -> web.Response:
-    return _json(request.app[STORE].view(_job_id(request)))
+    job_id = _job_id(request)
+    limit, offset = node_page(request.rel_url.query, rounds.MAX_VIEW_NODES)
+    return _json(request.app[STORE].view(job_id, limit, offset))
 
 
 async def close_job(request: web.Request) -> web.Response:
@@ -217,6 +222,7 @@ async def metrics(request: web.Request) -> web.Response:
     if store.replica is not None:
         request.app[METRICS].set_leader(store.serving)
     request.app[METRICS].set_progress(store.since_progress())
+    request.app[METRICS].set_storage_requests(store.backend.requests)
     request.app[METRICS].refresh(store.jobs.values(), store.hosts, store.clock())
     body = await request.app[METRICS].render_off_loop()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -352,29 +358,16 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
     await ws.prepare(request)
     chan = WsChannel(ws, request.transport, printable(request.remote, limit=64))
     bound: tuple[str, str] | None = None
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + join_deadline
+    # the join deadline (fixed), then the idle timeout (from the last frame): one timer per
+    # connection, not one per frame (rdzv_server.silence); the job's heartbeat timeout is the
+    # client's to set (up to days): the idle timeout is not
+    silence = Silence(join_deadline)
     frames = TokenBucket(FRAME_BURST, FRAME_RATE)
     try:
         while True:
-            if bound is None:
-                try:
-                    frame = await ws.receive(timeout=max(deadline - loop.time(), 0.001))
-                except asyncio.TimeoutError:
-                    # a close frame that says why, not an error message: an agent
-                    # just reconnects, as after any closed connection
-                    chan.close_code = WSCloseCode.POLICY_VIOLATION
-                    chan.close_reason = f"no join within {join_deadline:g}s"
-                    _close_log("closing agent connection from %s: no join within %gs", chan.peer, join_deadline)
-                    break
-            else:
-                try:  # the job's heartbeat timeout is the client's to set (up to days): this one is not
-                    frame = await ws.receive(timeout=idle_s)
-                except asyncio.TimeoutError:
-                    chan.close_code = WSCloseCode.POLICY_VIOLATION
-                    chan.close_reason = f"nothing received for {idle_s:g}s"
-                    _close_log("closing agent connection from %s: nothing received for %gs", chan.peer, idle_s)
-                    break
+            frame = await ws.receive()
+            if bound is not None:
+                silence.heard()
             if frame.type in _DONE_TYPES:
                 break
             if not frames.take():  # far more frames than any agent sends: each one costs the loop
@@ -424,9 +417,22 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
                     break
                 continue
             if bound is not None and now_bound is None:  # it left: join again in time, or go
-                deadline = loop.time() + join_deadline
+                silence.restart(join_deadline)
+            elif bound is None and now_bound is not None:  # joined: the idle timeout from now on
+                silence.restart(idle_s)
             bound = now_bound
+    except asyncio.CancelledError:
+        if not silence.caught():
+            raise
+        # a close frame that says why, not an error message: an agent just reconnects,
+        # as after any closed connection
+        chan.close_code = WSCloseCode.POLICY_VIOLATION
+        chan.close_reason = (
+            f"no join within {join_deadline:g}s" if bound is None else f"nothing received for {idle_s:g}s"
+        )
+        _close_log("closing agent connection from %s: %s", chan.peer, chan.close_reason)
     finally:
+        silence.stop()
         if bound is not None:
             store.disconnected(*bound, chan)
         chan.drop()

@@ -72,6 +72,12 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
         )
         self.agent_messages = Counter("rdzv_agent_messages", "Agent channel messages received", ["op"], registry=r)
+        self.storage_requests = Counter(
+            "rdzv_storage_write_requests",
+            "Write requests sent to durable storage (SQLite or etcd transactions)",
+            registry=r,
+        )
+        self._storage_seen = 0
         self.ha_leader: Gauge | None = None  # only on an HA replica (--etcd): see set_leader
         self.since_progress = Gauge(
             "rdzv_job_since_progress_seconds",
@@ -120,11 +126,13 @@ class Metrics:
         )
         # per job: what its gauges show now ((state, nodes per node state, nodes, round))
         self._shown: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        self._dirty: set[str] = set()  # jobs whose gauges changed since the last scrape
         self._rendering: asyncio.Future[bytes] | None = None
 
     def observe(self, job: Job, fx: Effects) -> None:
         """A step's effects: its events (rounds, restarts, formation times), nodes
-        whose connection the server dropped, and the job's gauges."""
+        whose connection the server dropped, and the job's gauges (a finished job's
+        at once, a live job's at the next scrape)."""
         j = job.job_id
         for ev in fx.events:
             if ev.kind == "round_opened":
@@ -142,12 +150,15 @@ class Metrics:
             if job.finished:
                 return  # (a finished job's series are final)
             del self._finished[j]  # the job id started its next run: its series move again
+        if not job.finished:  # its gauges are set at the next scrape (refresh), not per join:
+            self._dirty.add(j)  # a 16,384-node formation is 16,384 effects
+            return
+        self._dirty.discard(j)
         self._set_job(job)
-        if job.finished:
-            self._finished[j] = None
-            while len(self._finished) > self.max_finished_jobs:
-                old, _ = self._finished.popitem(last=False)
-                self._remove(old)
+        self._finished[j] = None
+        while len(self._finished) > self.max_finished_jobs:
+            old, _ = self._finished.popitem(last=False)
+            self._remove(old)
 
     def _set_job(self, job: Job) -> None:
         """The job's gauges, where they changed since they were last set (a
@@ -183,12 +194,13 @@ class Metrics:
             counts[job.state.value] += 1
             if job.finished:
                 continue
-            if job.job_id not in self._shown:
+            if job.job_id not in self._shown or job.job_id in self._dirty:
                 self._set_job(job)
             if job.forming:
                 rec = job.history[-1] if job.history else None
                 waited = now - rec.started_at if rec is not None else 0.0
                 self.waiting.labels(job.job_id).set(round(max(0.0, waited), 3))
+        self._dirty.clear()
         for state, n in counts.items():
             self.jobs.labels(state).set(n)
         records = list(hosts.records.values())
@@ -209,6 +221,7 @@ class Metrics:
 
     def _remove(self, job_id: str) -> None:
         self._shown.pop(job_id, None)
+        self._dirty.discard(job_id)
         for metric in self.per_job:
             self._remove_series(metric, job_id)
         for job_state in _JOB_STATES:
@@ -224,6 +237,11 @@ class Metrics:
                 "rdzv_ha_leader", "1 while this HA replica leads and serves, 0 while it follows", registry=self.registry
             )
         self.ha_leader.set(1 if serving else 0)
+
+    def set_storage_requests(self, total: int) -> None:
+        """The backend's running count of write requests (it restarts with a new backend)."""
+        self.storage_requests.inc(max(0, total - self._storage_seen))
+        self._storage_seen = total
 
     def set_progress(self, since: dict[str, float]) -> None:
         for job_id, seconds in since.items():

@@ -554,6 +554,8 @@ class JobView(BaseModel):
     root_cause: str | None
     history: list[RoundView]
     nodes_omitted: int = Field(default=0, description="nodes and spares not listed (a view lists at most 10,000)")
+    node_counts: dict[str, int] = Field(default_factory=dict, description="all the job's nodes by state, listed or not")
+    next_cursor: str | None = Field(default=None, description="more nodes follow: pass it as ?cursor= for them")
     history_omitted: int = Field(default=0, description="older rounds not listed (a view lists the latest 100)")
     run: int = Field(default=1, description="this job id's run: a finished job id starts run N+1 on a fresh join")
     runs: list[RunView] = Field(

@@ -78,6 +78,10 @@ class Backend(Protocol):
     def where(self) -> str:
         """Where writes go, for log lines."""
 
+    @property
+    def requests(self) -> int:
+        """Write requests sent to the medium so far (SQLite or etcd transactions; /metrics)."""
+
     def write_job(self, job: Job, now: float) -> None:
         """Write the job's record. Raises WriteError when that fails at once."""
 
@@ -121,6 +125,7 @@ class MemoryBackend(_AtOnce):
 
     durable = False
     where = "memory"
+    requests = 0
 
     def write_job(self, job: Job, now: float) -> None:
         pass
@@ -146,20 +151,24 @@ class SqliteBackend(_AtOnce):
     def __init__(self, db: Database) -> None:
         self.db = db
         self.where = str(db.path)
+        self.requests = 0
 
     def write_job(self, job: Job, now: float) -> None:
+        self.requests += 1
         try:
             self.db.save(job, now)
         except sqlite3.Error as e:
             raise WriteError(str(e)) from e
 
     def remove_jobs(self, job_ids: list[str]) -> None:
+        self.requests += 1
         try:
             self.db.delete(job_ids)
         except sqlite3.Error as e:
             raise WriteError(str(e)) from e
 
     def write_hosts(self, records: list[HostRecord], removed: list[str]) -> None:
+        self.requests += 1
         try:
             self.db.save_hosts(records, removed)
         except sqlite3.Error as e:  # in effect in memory; the next write of the host saves it
@@ -193,6 +202,10 @@ class EtcdBackend:
         self._read: dict[str, joblog.Written] = {}  # what the last load read, until loaded()
         self._taken: dict[str, joblog.Snapshot] = {}  # each job's newest snapshot (queued): rows to reuse
         self.written_rows = self.written_chars = 0  # node rows and characters written, for benches
+
+    @property
+    def requests(self) -> int:
+        return self.replica.requests
 
     async def load(self) -> tuple[dict[str, Job], list[HostRecord]]:
         """Every job and host record in etcd (raises ha.StateError on a foreign record)."""

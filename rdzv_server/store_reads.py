@@ -37,8 +37,8 @@ class ReadsMixin:
             raise JobNotFoundError(f"no job {job_id!r} on this server")
         return job
 
-    def view(self, job_id: str) -> JobView:
-        return rounds.view(self._job(job_id), self.clock())
+    def view(self, job_id: str, limit: int = rounds.MAX_VIEW_NODES, offset: int = 0) -> JobView:
+        return rounds.view(self._job(job_id), self.clock(), limit, offset)
 
     def summaries(
         self, state: JobState | None = None, limit: int = 100, cursor: str | None = None, newest: bool = False

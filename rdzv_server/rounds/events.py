@@ -21,6 +21,9 @@ from .model import Effects, Event, Job, Node, RoundRecord, SlowRank
 MAX_FAILURES = 8  # exit records a node_failed event carries (a node may report one per local rank)
 MAX_FAILURE_TEXT = 1024  # bytes (as JSON) of a text field of one exit record in an event
 MAX_EVENT_TAIL_BYTES = 2048  # bytes (as JSON) of the first failure's stderr lines in a node_failed event
+# node_joined events of one forming round: the first this many nodes waiting; a 16,384-node
+# formation is not 16,384 events (the ring holds 10,000): round_completed counts them (new_nodes)
+MAX_JOIN_EVENTS = 64
 
 
 def note(job: Job, text: str, node: str | None = None, **fields: Any) -> Line:
@@ -121,7 +124,10 @@ def round_opened(job: Job, rec: RoundRecord, waiting_for: list[str]) -> Event:
 
 
 def round_completed(job: Job, rec: RoundRecord, members: list[Node], spares: int) -> Event:
+    """``new_nodes``: members that were not in the previous round (joins beyond
+    MAX_JOIN_EVENTS of a forming round have no node_joined event of their own)."""
     assert rec.completed_at is not None
+    before = set(job.prev_order)
     shown = ", ".join(f"{n.node_id}={n.group_rank}" for n in members[:16])
     more = f" (+{len(members) - 16} more)" if len(members) > 16 else ""
     text = (
@@ -137,6 +143,7 @@ def round_completed(job: Job, rec: RoundRecord, members: list[Node], spares: int
         formation_s=round(rec.completed_at - rec.started_at, 6),
         world_size=rec.world_size,
         nodes=rec.nodes,
+        new_nodes=sum(1 for n in members if n.node_id not in before),
     )
 
 

@@ -273,7 +273,9 @@ def _enter(job: Job, node: Node, now: float, issued: str | None, new: bool) -> E
     if job.forming:
         move(job, node, WAITING)
         job.status_dirty = True
-        if new:  # as it joined: waiting (a round its join completes is the next event)
+        # as it joined: waiting (a round its join completes is the next event); beyond the first
+        # MAX_JOIN_EVENTS of a forming round, counted in its round_completed (new_nodes) instead
+        if new and count(job, WAITING) <= events.MAX_JOIN_EVENTS:
             fx.event(
                 events.node_joined(
                     job, node, f"job {job.job_id} round {job.round}: node {node.node_id} ({node.host}) joined"

@@ -75,6 +75,9 @@ _DONE_STATE: dict[JobState, Literal["succeeded", "failed", "closed"]] = {
 }
 
 STATUS_PUSH_INTERVAL_S = 1.0
+# status messages a forming round sends per second, at most: a big round pushes less often
+# (16,384 waiting nodes: every 16 s), or its status alone would be N messages a second
+MAX_STATUS_RATE = 1000.0
 MAX_HISTORY = 200  # round records a job keeps (its first two and the newest; see _open_round)
 MAX_RUNS = 20  # summaries of a job id's previous runs kept (older ones are dropped)
 
@@ -378,13 +381,13 @@ def tick(job: Job, now: float) -> Effects:
             fx.merge(_open_round(job, f"scale-up: {len(newcomers)} new node(s) {', '.join(newcomers[:8])}", now))
     if job.forming and job.status_dirty and now >= job.next_status_at:
         job.status_dirty = False
-        job.next_status_at = now + STATUS_PUSH_INTERVAL_S
         info = waiting_info(job, now)
         assert info is not None  # job.forming
         status = StatusMsg(round=job.round, waiting_for=info)  # one message for all
-        for node in job.nodes.values():
-            if node.state in (WAITING, SPARE) and node.connected:
-                fx.send(node.node_id, status)
+        told = [n.node_id for n in job.nodes.values() if n.state in (WAITING, SPARE) and n.connected]
+        for node_id in told:
+            fx.send(node_id, status)
+        job.next_status_at = now + max(STATUS_PUSH_INTERVAL_S, len(told) / MAX_STATUS_RATE)
     return fx
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from ..cursors import encode_offset
 from ..protocol import (
     TERMINAL_STATES,
     CulpritView,
@@ -119,18 +120,23 @@ def _timings(node: Node, now: float) -> list[RankTimingView] | None:
     ]
 
 
-def view(job: Job, now: float) -> JobView:
-    """The job for REST, bounded: at most MAX_VIEW_NODES nodes (members in rank
-    order first, spares last) and the latest MAX_VIEW_HISTORY rounds; the
-    ``*_omitted`` fields count what was left out."""
+def view(job: Job, now: float, limit: int = MAX_VIEW_NODES, offset: int = 0) -> JobView:
+    """The job for REST, bounded: a page of at most ``limit`` (<= MAX_VIEW_NODES)
+    nodes from ``offset`` of the listing (members in rank order first, then the
+    others, spares last), with every node counted by state (``node_counts``), and
+    the latest MAX_VIEW_HISTORY rounds; the ``*_omitted`` fields count what was
+    left out, ``next_cursor`` is set when more nodes follow."""
     members = [job.nodes[n] for n in job.order if n in job.nodes]
     in_order = set(job.order)
     others = sorted((n for n in job.nodes.values() if n.node_id not in in_order and n.state != SPARE), key=natural_key)
     spares = sorted((n for n in job.nodes.values() if n.state == SPARE), key=natural_key)
-    listed = (members + others)[:MAX_VIEW_NODES]
-    spares_listed = spares[: max(0, MAX_VIEW_NODES - len(listed))]
-    nodes_omitted = len(members) + len(others) + len(spares) - len(listed) - len(spares_listed)
+    listing = members + others + spares
+    page = listing[offset : offset + min(limit, MAX_VIEW_NODES)]
+    listed = [n for n in page if n.state != SPARE]
+    spares_listed = [n for n in page if n.state == SPARE]
+    nodes_omitted = len(listing) - len(page)
     history = job.history[-MAX_VIEW_HISTORY:]
+    counts = {state.value: n for state, n in job.counts.items() if n}
     return JobView(
         job_id=job.job_id,
         state=job.state,
@@ -158,6 +164,8 @@ def view(job: Job, now: float) -> JobView:
             for r in history
         ],
         nodes_omitted=nodes_omitted,
+        node_counts=counts,
+        next_cursor=encode_offset(offset + len(page)) if offset + len(page) < len(listing) else None,
         history_omitted=len(job.history) - len(history),
         run=job.run,
         runs=[RunView.model_validate(vars(r)) for r in job.runs],

@@ -7,6 +7,7 @@ const EVENT_TYPES = ["round_opened", "round_completed", "node_joined", "node_los
 const MIN_REFRESH_MS = 200;   // at most this often a view is refetched on events
 const POLL_MS = 5000;         // and this often anyway (last seen, ages)
 const MAX_EVENTS_SHOWN = 100;
+const UI_NODES = 500; // nodes a job page lists (a 16,384-node job: the first 500 by rank; node_counts counts all)
 
 const $ = (id) => document.getElementById(id);
 
@@ -265,7 +266,7 @@ function addEvent(ev) {
 async function renderJob(jobId) {
   let v;
   try {
-    v = await api("/v1/jobs/" + encodeURIComponent(jobId));
+    v = await api("/v1/jobs/" + encodeURIComponent(jobId) + "?limit=" + UI_NODES);  // a big job: a page, all counted
   } catch (e) {
     if (e instanceof AuthNeeded) throw e;
     $("job-title").textContent = jobId;
@@ -289,7 +290,8 @@ async function renderJob(jobId) {
   for (const n of v.nodes) frag.appendChild(nodeRow(n, v));
   for (const n of v.spares) frag.appendChild(nodeRow(n, v));
   $("nodes-body").replaceChildren(frag);
-  $("nodes-count").textContent = (v.nodes.length + v.spares.length) + (v.nodes_omitted ? " (+" + v.nodes_omitted + " not shown)" : "");
+  const counts = Object.entries(v.node_counts || {}).map(([k, n]) => n + " " + k).join(", ");
+  $("nodes-count").textContent = (v.nodes.length + v.spares.length) + (v.nodes_omitted ? " (+" + v.nodes_omitted + " not shown; " + counts + ")" : "");
   renderCulprit(v);
   renderDeparted(v);
   renderHistory(v);

@@ -170,7 +170,8 @@ def test_openapi_is_a_valid_3_1_document_with_the_enforced_patterns():
     assert doc["openapi"] == "3.1.0"
     validate(doc)
     job = doc["paths"]["/v1/jobs/{job_id}"]
-    (param,) = job["get"]["parameters"]
+    param, limit, _cursor = job["get"]["parameters"]  # the job id; the page of its nodes
+    assert limit["schema"]["maximum"] == 10_000
     assert param["schema"] == {"type": "string", "minLength": 1, "maxLength": 128, "pattern": ID_PATTERN}
     assert {"get", "delete"} <= job.keys() and "409" in job["delete"]["responses"]
     params = {p["name"]: p for p in doc["paths"]["/v1/jobs"]["get"]["parameters"]}

@@ -172,3 +172,38 @@ async def test_event_streams_stay_out_of_the_request_latency(make_client) -> Non
     counts = {lab["route"]: v for lab, v in series(text)["rdzv_request_seconds_count"]}
     assert counts.get("/v1/events") == 1, counts  # the ?since= answer only
     assert "/v1/jobs/{job_id}/events" not in counts, counts
+
+
+async def test_write_requests_to_storage_are_counted(make_client, connect, tmp_path) -> None:
+    """rdzv_storage_write_requests_total (bench/big_job.py reads it per round change):
+    a job formed with SQLite writes its record; a memory-only server writes nothing."""
+    durable = await make_client(Settings(data_dir=tmp_path))
+    assert value(await _metrics(durable), "rdzv_storage_write_requests_total") == 0
+    agent = await connect(on=durable)
+    await agent.send(join_msg("w", "n0", (1, 1)))
+    await agent.expect("joined")
+    await agent.expect("assigned")
+    written = value(await _metrics(durable), "rdzv_storage_write_requests_total")
+    assert written >= 1  # created and formed (one step, one write)
+    assert value(await _metrics(durable), "rdzv_storage_write_requests_total") == written  # a scrape writes nothing
+    memory = await make_client()
+    other = await connect(on=memory)
+    await other.send(join_msg("w", "n0", (1, 1)))
+    await other.expect("joined")
+    await other.expect("assigned")
+    assert value(await _metrics(memory), "rdzv_storage_write_requests_total") == 0
+
+
+def test_a_live_jobs_gauges_are_set_at_the_scrape_not_per_effect() -> None:
+    """Issue 24: every join of a 16,384-node formation is an effect; the job's gauges
+    (nodes by state, live nodes, round) are set once per scrape (refresh), not per effect."""
+    from rdzv_server.hosts import Hosts
+    from rdzv_server.rounds import Effects
+    from tests.unit.test_rounds import spec
+
+    m = Metrics()
+    job = new_job("big", spec(min_nodes=3, max_nodes=3), 0.0)
+    m.observe(job, Effects())
+    assert series(m.render().decode()).get("rdzv_live_nodes", []) == []  # set at every effect before
+    m.refresh([job], Hosts(), 1.0)
+    assert value(m.render().decode(), "rdzv_live_nodes", job_id="big") == 0

@@ -331,3 +331,15 @@ def test_an_events_line_names_the_run_only_after_the_first() -> None:
     ev = {"id": 1, "time": 1.0, "type": "job_state", "job": "j", "run": 1, "round": 0, "node": None, "state": "waiting"}
     assert "run=" not in render_event(ev) and "state=waiting" in render_event(ev)
     assert "run=2" in render_event({**ev, "run": 2})
+
+
+def test_render_job_of_a_big_job_counts_every_node_and_lists_a_page() -> None:
+    """`rdzv status JOB` of a 16,384-node job asks for a page of nodes (issue 24): the
+    header counts them all (node_counts), the footer says how many more and in which states."""
+    job = _job(
+        nodes=[_node("node1-100-aaaaaa", 0), _node("node10-7-bbbbbb", 1, host="node10", addr="10.0.0.10")],
+        spares=[],
+    ).model_copy(update={"node_counts": {"running": 16380, "spare": 4}, "nodes_omitted": 16382})
+    text = cli.render_job(job)
+    assert ", nodes 16380 (min 2, max 4), spares 4, " in text.splitlines()[0]
+    assert "(+16382 more nodes not listed; all of them: 16380 running, 4 spare)" in text.splitlines()

@@ -1,0 +1,297 @@
+"""One big job: N simulated nodes of ONE job against a real rdzv-server.
+
+    python -m bench.big_job --nodes 4096 [--clients 2] [--live-s 10] [--out results.json]
+
+The server is ``python -m rdzv_server`` with its state in SQLite (as
+deployed). The nodes are bench/bigagents.py clients in ``--clients``
+separate processes; the job is ``N-1:N`` (``last_call_s`` 1 s,
+``scale_up_window_s`` 0.1 s, ``heartbeat_timeout_s`` 30 s: heartbeats every
+2 s as by default, but no false evictions on a loaded machine), so that it re-forms without the lost node and
+a node added later is a scale-up. Measured, in order, on one job:
+
+formation
+    every node connected first (not timed); then every node sends its join:
+    first join sent -> every node holds its round-0 assignment;
+heartbeats
+    every node heartbeating (``heartbeat_s`` from the server, 2 s by default)
+    and pinging (5 s, as the agent's link) for ``--live-s`` seconds: the server
+    process's CPU (utime+stime, /proc) and RSS;
+node loss
+    one node's connection cut (TCP abort, no close frame) -> every survivor
+    holds its round-1 assignment. Includes the server's disconnect grace
+    (``--disconnect-grace``, 0.5 s by default), after which a node whose
+    connection stays lost is out;
+scale-up
+    one new node joins -> all N hold their round-2 assignment (includes the
+    0.1 s scale-up window);
+storage per round change
+    over the node loss and the scale-up: write requests the server sent
+    (``rdzv_storage_write_requests_total``) and bytes the server process
+    wrote to disk (/proc/PID/io ``write_bytes``: the WAL's pages and fsyncs,
+    less what its log file grew).
+
+The clients share the cores with the server (a real node has its own
+machine): their CPU is reported, and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import _common as C
+from .server_scale import Server
+from .simagents import Clients
+
+TIMEOUT_S = 120.0  # any one step: formation, a re-formation
+# Nodes still heartbeat every 2 s (as with the default 6 s); the longer timeout keeps a server
+# that reads late on a loaded shared machine from evicting nodes that did send.
+SPEC = {"heartbeat_timeout_s": 30.0}
+
+
+class BigClients(Clients):
+    """bench/bigagents.py processes, driven like bench/simagents.py's."""
+
+    def __init__(self, n: int, url: str) -> None:
+        argv = [sys.executable, "-m", "bench.bigagents", url]
+        self.procs = [
+            subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=C.ROOT, start_new_session=True
+            )
+            for _ in range(n)
+        ]
+        for p in self.procs:
+            assert json.loads(p.stdout.readline()).get("ready")
+
+    def one(self, i: int, cmd: dict) -> dict:
+        p = self.procs[i]
+        p.stdin.write(json.dumps(cmd) + "\n")
+        p.stdin.flush()
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError("a client process died")
+        return json.loads(line)
+
+    def cpu(self) -> int:
+        """The client processes' CPU time, in clock ticks."""
+        return sum(C.cpu_ticks(p.pid) or 0 for p in self.procs)
+
+    def wait(self, round_no: int) -> dict:
+        ans = self.same({"cmd": "wait", "round": round_no, "timeout": TIMEOUT_S})
+        lasts = [a["last"] for a in ans if a["last"] is not None]
+        return {"last": max(lasts) if lasts else None, "behind": sum(a["behind"] for a in ans)}
+
+
+def io_written(pid: int) -> int:
+    with open(f"/proc/{pid}/io") as f:
+        for line in f:
+            if line.startswith("write_bytes:"):
+                return int(line.split()[1])
+    return 0
+
+
+class BigServer(Server):
+    def written(self, io_written) -> tuple[int, int]:
+        """Bytes this process wrote to disk, and its log's size (the log is in the first)."""
+        return io_written(self.pid), self.log.stat().st_size
+
+    def stop(self, grace: float = 5) -> None:
+        self.proc.stop(grace)
+
+
+class Storage:
+    """What the server wrote to storage between two readings."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.mark = self._read()
+
+    def _read(self) -> tuple[float, int, int]:
+        reqs = self.server.metrics().get("rdzv_storage_write_requests_total", 0.0)
+        return reqs, *self.server.written(io_written)
+
+    def delta(self) -> dict:
+        time.sleep(0.3)  # the page cache: write_bytes counts pages as they are dirtied, fsync'd at commit
+        now = self._read()
+        out = {
+            "requests": int(now[0] - self.mark[0]),
+            "bytes": max(0, (now[1] - self.mark[1]) - (now[2] - self.mark[2])),
+            "log_bytes": now[2] - self.mark[2],
+        }
+        self.mark = self._read()
+        return out
+
+
+def _profiled(tmp: Path, profile: str) -> str:
+    """A "python" that runs the server under cProfile (its stats written to ``profile`` at exit)."""
+    wrapper = tmp / "python-profiled"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} -m cProfile -o {Path(profile).resolve()} "$@"\n')
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+def run(
+    n: int, n_clients: int = 2, live_s: float = 10.0, log=print, profile: str | None = None, etcd: int | None = None
+) -> dict:
+    """One job of ``n`` nodes; ``etcd``: on that many ``--etcd`` replicas (bench/big_job_etcd.py), else SQLite."""
+    C.raise_nofile()
+    tmp = Path(tempfile.mkdtemp(prefix="rdzv-bench-big-"))
+    job = f"big{n}-{os.getpid()}"
+    spec = {"min_nodes": n - 1, "max_nodes": n, "last_call_s": 1.0, "scale_up_window_s": 0.1, **SPEC}
+    out: dict = {"nodes": n, "clients": n_clients, "load_before": C.loadavg()}
+    # every node connects before any joins: a long join deadline keeps the first ones open meanwhile
+    python = _profiled(tmp, profile) if profile else sys.executable
+    if etcd:
+        from .big_job_etcd import EtcdServer
+
+        server: BigServer | EtcdServer = EtcdServer(tmp, etcd)
+    else:
+        server = BigServer(tmp, python=python, extra=["--join-deadline", "600"])
+    out["storage"] = f"etcd, {etcd} replica(s)" if etcd else "SQLite"
+    clients = None
+    try:
+        clients = BigClients(n_clients, server.url + "/v1/agent")
+        ids = [[f"n{i}", i] for i in range(n)]
+        t0 = time.time()
+        clients.all(
+            [{"cmd": "connect", "job": job, "spec": spec, "nodes": ids[i::n_clients]} for i in range(n_clients)]
+        )
+        out["connect_s"] = time.time() - t0
+        # formation
+        cpu, ccpu = C.cpu_ticks(server.pid), clients.cpu()
+        sent = [s for a in clients.same({"cmd": "join", "nodes": None}) for s in a["sent"]]
+        got = clients.wait(0)
+        out["formation_s"] = got["last"] - min(sent) if got["last"] and not got["behind"] else None
+        out["formation_behind"] = got["behind"]
+        out["formation_cpu_s"] = (C.cpu_ticks(server.pid) - cpu) / C.CLK_TCK
+        out["formation_client_cpu_s"] = (clients.cpu() - ccpu) / C.CLK_TCK
+        log(f"[big_job] N={n}: formation {out['formation_s']} s (load {C.loadavg()})")
+        # heartbeats, steady state
+        time.sleep(3.0)
+        c0 = [s["cpu_ticks"] for s in clients.same({"cmd": "stats"})]
+        t_start, s0 = time.time(), C.cpu_ticks(server.pid)
+        time.sleep(live_s)
+        s1, wall = C.cpu_ticks(server.pid), time.time() - t_start
+        c1 = [s["cpu_ticks"] for s in clients.same({"cmd": "stats"})]
+        out["hb_server_cpu"] = (s1 - s0) / C.CLK_TCK / wall
+        out["hb_client_cpu"] = sum(b - a for a, b in zip(c0, c1, strict=True)) / C.CLK_TCK / wall
+        out["server_rss_mb"] = C.status_kb(server.pid, "VmRSS") / 1024
+        out["hb_load"] = C.loadavg()
+        log(
+            f"[big_job] N={n}: heartbeats {out['hb_server_cpu'] * 100:.1f}% of a core, "
+            f"RSS {out['server_rss_mb']:.0f} MB"
+        )
+        # node loss: the last node (rank 0 stays: its master address does not move)
+        storage = Storage(server)
+        victim = n - 1
+        out["dropped_before_loss"] = sum(a["dropped"] for a in clients.same({"cmd": "stats"}))
+        cpu, ccpu = C.cpu_ticks(server.pid), clients.cpu()
+        t_drop = clients.one(victim % n_clients, {"cmd": "drop", "node": f"n{victim}"})["t"]
+        got = clients.wait(1)
+        out["node_loss_s"] = got["last"] - t_drop if got["last"] and not got["behind"] else None
+        out["node_loss_behind"] = got["behind"]
+        out["node_loss_cpu_s"] = (C.cpu_ticks(server.pid) - cpu) / C.CLK_TCK
+        out["node_loss_client_cpu_s"] = (clients.cpu() - ccpu) / C.CLK_TCK
+        out["node_loss_storage"] = storage.delta()
+        log(f"[big_job] N={n}: node loss {out['node_loss_s']} s, storage {out['node_loss_storage']}")
+        # scale-up: one new node
+        clients.one(0, {"cmd": "connect", "job": job, "spec": spec, "nodes": [[f"n{n}", n]]})
+        cpu, ccpu = C.cpu_ticks(server.pid), clients.cpu()
+        t_join = clients.one(0, {"cmd": "join", "nodes": [f"n{n}"]})["sent"][0]
+        got = clients.wait(2)
+        out["scale_up_s"] = got["last"] - t_join if got["last"] and not got["behind"] else None
+        out["scale_up_behind"] = got["behind"]
+        out["scale_up_cpu_s"] = (C.cpu_ticks(server.pid) - cpu) / C.CLK_TCK
+        out["scale_up_client_cpu_s"] = (clients.cpu() - ccpu) / C.CLK_TCK
+        out["scale_up_storage"] = storage.delta()
+        log(f"[big_job] N={n}: scale-up {out['scale_up_s']} s, storage {out['scale_up_storage']}")
+        view = server.job(job) or {}
+        out["final_round"], out["final_world"] = view.get("round"), view.get("world_size")
+        out["stalls"] = server.stalls()
+        server.close_job(job)
+    finally:
+        if clients is not None:
+            clients.stop()
+        server.stop(60 if profile else 5)  # a profiled server writes its stats as it exits
+        if os.environ.get("BENCH_KEEP_TMP"):
+            log(f"[big_job] kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    out["load_after"] = C.loadavg()
+    return out
+
+
+def _s(v: float | None) -> str:
+    return "did not complete" if v is None else f"{v:.2f} s"
+
+
+def _cpu(r: dict, phase: str) -> str:
+    """A phase's time, and the server's and clients' CPU time meanwhile (less inflated by a loaded machine)."""
+    return (
+        _s(r[f"{phase}_s"]) + f" (CPU: server {r[f'{phase}_cpu_s']:.2f} s, clients {r[f'{phase}_client_cpu_s']:.2f} s)"
+    )
+
+
+def _st(d: dict) -> str:
+    return f"{d['requests']} requests, {d['bytes'] / 1024:.0f} KiB (log {d['log_bytes'] / 1024:.0f} KiB)"
+
+
+def table(results: list[dict]) -> str:
+    rows = []
+    for r in results:
+        n = r["nodes"]
+        rows += [
+            [
+                f"N={n} formation: first join -> all assigned",
+                _cpu(r, "formation")
+                + (f" ({r['dropped_before_loss']} connections lost)" if r["dropped_before_loss"] else ""),
+            ],
+            [f"N={n} node loss: connection cut -> all survivors reassigned (incl. 0.5 s grace)", _cpu(r, "node_loss")],
+            [f"N={n} scale-up: one node joins -> all N reassigned (incl. 0.1 s window)", _cpu(r, "scale_up")],
+            [f"N={n} storage written, node-loss round change", _st(r["node_loss_storage"])],
+            [f"N={n} storage written, scale-up round change", _st(r["scale_up_storage"])],
+            [
+                f"N={n} all heartbeating (2 s) and pinging (5 s)",
+                f"server CPU {r['hb_server_cpu'] * 100:.1f}% of a core, RSS {r['server_rss_mb']:.0f} MB "
+                f"(clients {r['hb_client_cpu'] * 100:.0f}%, load {r['hb_load']})",
+            ],
+        ]
+    return C.md_table([f"big job ({results[0]['storage']})", "result"], rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.big_job", description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", default="4096", help="comma-separated N (one job each, a fresh server each)")
+    p.add_argument("--clients", type=int, default=2, help="client processes")
+    p.add_argument("--live-s", type=float, default=10.0, help="seconds of heartbeats measured")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--profile", default=None, help="run the server under cProfile; its stats go to this file")
+    p.add_argument("--etcd", action="store_true", help="on rdzv-server --etcd replicas and a 3-member etcd")
+    p.add_argument("--replicas", type=int, default=3, help="with --etcd: how many replicas")
+    a = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the server and clients are stopped on the way out
+    ns = [int(x) for x in a.nodes.split(",") if x.strip()]
+    if any(n < 2 for n in ns):
+        p.error("--nodes: each N must be at least 2")
+    log = lambda s: print(s, file=sys.stderr)  # noqa: E731
+    if a.profile and len(ns) > 1:
+        p.error("--profile: one N at a time")
+    if a.etcd and a.profile:
+        p.error("--profile: SQLite only")
+    results = [run(n, a.clients, a.live_s, log, a.profile, a.replicas if a.etcd else None) for n in ns]
+    print(table(results))
+    print(f"\nload average before/after: {results[0]['load_before']} / {results[-1]['load_after']}")
+    if a.out:
+        Path(a.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""Simulated nodes of ONE big job, for bench/big_job.py: like bench/simagents.py
+(WebSocket clients on ``/v1/agent``, in client processes driven over pipes),
+but each node also follows its job through round changes as the agent does:
+on ``restart`` it joins again at once (its node secret, no workers to stop),
+and every ``assigned`` is recorded with its round and time.
+
+Commands (JSON lines on stdin, one answer line each on stdout):
+
+``{"cmd": "connect", "nodes": [[node_id, index], ...], "job": J, "spec": {...}}``
+    open the connections (256 at a time), send nothing yet;
+``{"cmd": "join", "nodes": [node_id, ...] | null}``
+    those nodes (null: every one not yet joined) send their join; answers at once
+    with the send times;
+``{"cmd": "wait", "round": R, "timeout": S}``
+    until every node still connected holds an assignment of round R or later
+    (or S seconds): the time the last one got it, and how many did not;
+``{"cmd": "drop", "node": node_id}``
+    cut that node's connection (TCP abort, no close frame): a lost node;
+``{"cmd": "stats"}``, ``{"cmd": "close"}``, ``{"cmd": "exit"}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+
+from . import _common as C
+
+WS_PING_S = 5.0  # as the real agent's link
+
+
+class Node:
+    __slots__ = ("node_id", "join", "ws", "secret", "hb_s", "hb", "reader", "round", "t_round", "dropped", "joined")
+
+    def __init__(self, node_id: str, join: dict) -> None:
+        self.node_id = node_id
+        self.join = join
+        self.ws = None
+        self.secret: str | None = None
+        self.hb_s: float | None = None
+        self.hb: asyncio.Task | None = None
+        self.reader: asyncio.Task | None = None
+        self.round = -1  # the round of the last assignment it holds
+        self.t_round = 0.0  # when it got that assignment
+        self.dropped = False
+        self.joined = False
+
+
+def join_fields(job: str, node_id: str, index: int, spec: dict) -> dict:
+    return {
+        "op": "join",
+        "job_id": job,
+        "node_id": node_id,
+        "host": f"sim{index}",
+        "addr": "127.0.0.1",
+        "local_world_size": 1,
+        "master_port": 20000 + index % 40000,
+        "spec": spec,
+    }
+
+
+class BigClient:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.nodes: dict[str, Node] = {}
+        self.session = None
+
+    async def _send_join(self, node: Node) -> None:
+        fields = dict(node.join)
+        if node.secret is not None:
+            fields["node_secret"] = node.secret
+        await node.ws.send_str(json.dumps(fields))
+
+    async def _read(self, node: Node) -> None:
+        import aiohttp
+
+        try:
+            async for frame in node.ws:
+                if frame.type != aiohttp.WSMsgType.TEXT:
+                    continue
+                data = frame.data
+                if '"op":"assigned"' in data:
+                    node.round, node.t_round = json.loads(data)["assignment"]["round"], time.time()
+                elif '"op":"restart"' in data:
+                    try:
+                        await self._send_join(node)
+                    except (ConnectionError, RuntimeError, OSError):
+                        break  # an agent with no workers to stop joins again at once
+                elif '"op":"joined"' in data:
+                    msg = json.loads(data)
+                    node.secret = msg.get("node_secret") or node.secret
+                    if node.hb is None:
+                        node.hb_s = msg["heartbeat_s"]
+                        node.hb = asyncio.ensure_future(self._heartbeat(node))
+        except Exception:
+            pass
+        node.dropped = True
+
+    async def _heartbeat(self, node: Node) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        next_hb, next_ping = now + random.uniform(0, node.hb_s), now + random.uniform(0, WS_PING_S)
+        try:
+            while not node.ws.closed:
+                await asyncio.sleep(max(0.0, min(next_hb, next_ping) - loop.time()))
+                now = loop.time()
+                if now >= next_hb:
+                    await node.ws.send_str('{"op":"hb"}')
+                    next_hb += node.hb_s
+                if now >= next_ping:
+                    await node.ws.ping()
+                    next_ping += WS_PING_S
+        except Exception:
+            pass
+
+    async def connect(self, job: str, spec: dict, specs: list[list]) -> dict:
+        sem = asyncio.Semaphore(256)
+
+        async def one(node_id: str, index: int) -> None:
+            node = Node(node_id, join_fields(job, node_id, index, spec))
+            async with sem:
+                for attempt in range(30):
+                    try:
+                        node.ws = await self.session.ws_connect(self.url, autoping=True)
+                        break
+                    except Exception:
+                        if attempt == 29:
+                            raise
+                        await asyncio.sleep(min(1.0, 0.05 * 2**attempt))
+            node.reader = asyncio.ensure_future(self._read(node))
+            self.nodes[node_id] = node
+
+        await asyncio.gather(*(one(nid, idx) for nid, idx in specs))
+        return {"connected": len(specs)}
+
+    async def join(self, which: list[str] | None) -> dict:
+        todo = [self.nodes[n] for n in which] if which is not None else [n for n in self.nodes.values()]
+        todo = [n for n in todo if not n.joined]
+        sent, failed = [], 0
+        for node in todo:
+            node.joined = True
+            sent.append(time.time())
+            try:
+                await self._send_join(node)
+            except (ConnectionError, RuntimeError, OSError):
+                failed += 1  # its connection closed: it counts as behind in wait
+        return {"sent": sent, "failed": failed}
+
+    async def wait(self, round_no: int, timeout: float) -> dict:
+        # polled, not woken per assignment: a wake-up per node that looks at every node is O(N^2)
+        deadline = time.monotonic() + timeout
+        while True:
+            live = [n for n in self.nodes.values() if n.joined and not n.dropped]
+            behind = sum(1 for n in live if n.round < round_no)
+            if not behind or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        done = [n.t_round for n in live if n.round >= round_no]
+        return {"last": max(done) if done else None, "first": min(done) if done else None, "behind": behind}
+
+    def drop(self, node_id: str) -> dict:
+        """Cut ``node_id``'s connection, or, when that one is down already, the last live node's here."""
+        live = [n for n in self.nodes.values() if not n.dropped and n.ws is not None and n.ws._conn is not None]
+        node = self.nodes[node_id] if self.nodes[node_id] in live else live[-1]
+        node.dropped = True
+        t = time.time()
+        node.ws._conn.transport.abort()  # no close frame: the server sees the connection lost
+        if node.hb is not None:
+            node.hb.cancel()
+        return {"t": t, "node": node.node_id}
+
+    def stats(self) -> dict:
+        return {
+            "nodes": len(self.nodes),
+            "dropped": sum(n.dropped for n in self.nodes.values()),
+            "cpu_ticks": C.cpu_ticks(os.getpid()),
+        }
+
+    async def close(self) -> dict:
+        nodes, self.nodes = list(self.nodes.values()), {}
+        for n in nodes:
+            if n.hb is not None:
+                n.hb.cancel()
+        await asyncio.gather(*(n.ws.close() for n in nodes if n.ws is not None), return_exceptions=True)
+        for n in nodes:
+            if n.reader is not None:
+                n.reader.cancel()
+        return {"closed": len(nodes)}
+
+    async def serve(self) -> None:
+        import aiohttp
+
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=None, connect=30),
+        )
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=2**26)
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        print(json.dumps({"ready": True}), flush=True)
+        try:
+            while line := await reader.readline():
+                cmd = json.loads(line)
+                op = cmd["cmd"]
+                if op == "connect":
+                    out = await self.connect(cmd["job"], cmd["spec"], cmd["nodes"])
+                elif op == "join":
+                    out = await self.join(cmd.get("nodes"))
+                elif op == "wait":
+                    out = await self.wait(int(cmd["round"]), float(cmd["timeout"]))
+                elif op == "drop":
+                    out = self.drop(cmd["node"])
+                elif op == "stats":
+                    out = self.stats()
+                elif op == "close":
+                    out = await self.close()
+                elif op == "exit":
+                    break
+                else:
+                    out = {"error": f"unknown {op}"}
+                print(json.dumps(out), flush=True)
+        finally:
+            await self.close()
+            await self.session.close()
+
+
+def main() -> None:
+    C.raise_nofile()
+    asyncio.run(BigClient(sys.argv[1]).serve())
+
+
+if __name__ == "__main__":
+    main()
