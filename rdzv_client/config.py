@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rdzv_server import __version__, logs
+from rdzv_server.help_format import HelpFormatter as _HelpFormatter
 from rdzv_server.spec_table import FIELDS
 from rdzv_server.wire import HOST_PATTERN, is_valid_id, job_secret_problem
 
@@ -94,15 +95,6 @@ class AgentConfig:
         from rdzv_server.protocol import JobSpec
 
         return JobSpec(**self.spec_values)
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Show a default only where there is one and the help does not say it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default in (None, False, "") or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from rdzv_server import help_format
+
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("essentials", ("endpoint", "job_id", "nnodes", "nproc_per_node", "standalone")),
     (
@@ -32,15 +34,4 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
 def arrange(p: argparse.ArgumentParser) -> None:
     """Move config's flags from argparse's one "options" group into GROUPS,
     listed in that order right after it (-h and --version stay there)."""
-    general = p._optionals
-    made = []
-    for title, dests in GROUPS:
-        group = p.add_argument_group(title)
-        for dest in dests:
-            for action in [a for a in general._group_actions if a.dest == dest]:
-                general._group_actions.remove(action)
-                group._group_actions.append(action)
-        made.append(group)
-    rest = [g for g in p._action_groups if g not in made]
-    at = rest.index(general) + 1
-    p._action_groups[:] = rest[:at] + made + rest[at:]
+    help_format.arrange(p, GROUPS)

@@ -1,5 +1,6 @@
 """What the torchrun plugin reads from torchrun: the server and the job id
-from its rendezvous parameters (:func:`server_and_job`), the number of local
+from its rendezvous parameters (:func:`server_and_job`), the node range
+(:func:`node_range`), the number of local
 workers from torch's WorkerSpec (:func:`spec_nproc`) or its command line
 (:func:`torchrun_nproc`), and its failures (ChildFailedError) as the exit
 records of a give-up (:func:`exit_records`)."""
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from rdzv_server.protocol import MAX_ERROR_MESSAGE, MAX_FAILURES_PER_REPORT, ExitRecord, is_valid_id, printable
 
+from .config import UsageError, parse_nnodes
 from .exits import read_error_file
 
 if TYPE_CHECKING:
@@ -54,6 +56,22 @@ def server_and_job(params: RendezvousParameters) -> tuple[str, str]:
     if not is_valid_id(job_id):
         raise ValueError(f"rdzv: job id {printable(job_id)!r}: use 1-128 characters of letters, digits and ._:@+-")
     return endpoint, job_id
+
+
+def node_range(params: RendezvousParameters) -> tuple[int, int]:
+    """(min_nodes, max_nodes): torchrun's --nnodes, or ``--rdzv-conf
+    nnodes=MIN:MAX`` over it (rdzv-agent's --nnodes syntax). accelerate's
+    --num_machines is one number, which torchrun takes as MIN = MAX: the
+    survivors of a node loss would wait for the lost node to come back;
+    ``--rdzv_conf nnodes=2:3`` lets them go on at 2. (torch refuses a
+    ``min_nodes`` key: it is a parameter of its own.) ValueError: a bad range."""
+    text = params.get("nnodes")
+    if text is None:
+        return params.min_nodes, params.max_nodes
+    try:
+        return parse_nnodes(str(text))
+    except UsageError as e:
+        raise ValueError(f"rdzv: --rdzv-conf {e}".replace("--nnodes ", "nnodes=", 1)) from None
 
 
 def spec_nproc(handler: RendezvousHandler) -> int | None:

@@ -6,8 +6,9 @@ torchrun finds this through the ``torchrun.handlers`` entry point; torch is not
 patched. So does ``accelerate launch --rdzv_backend rdzv``, which runs torchrun
 in its own process: ``--rdzv_conf job_id=NAME`` names the job there (accelerate
 has no --rdzv_id), ``--rdzv_conf server=HOST:PORT`` names the server when it is
-not at --main_process_ip:--main_process_port (or under --same_network), and the
-number of local workers comes from torch's WorkerSpec, not the command line.
+not at --main_process_ip:--main_process_port (or under --same_network),
+``--rdzv_conf nnodes=MIN:MAX`` makes its one-number --num_machines a range, and
+the number of local workers comes from torch's WorkerSpec, not the command line.
 ``--rdzv-endpoint=h1:29400,h2:29400`` names the replicas of an HA server
 (torchrun passes it through as is; ``--rdzv-conf server=`` cannot, torchrun
 splits it at commas): the link follows the leader among them.
@@ -109,7 +110,7 @@ from .service import DEFAULT_SERVER_TIMEOUT_S, RETRY_LATER_CODES, never_reached_
 from .session import Heard, Meaning, NodeSession, OutageWatch, classify, new_run_default, route_addr
 from .spec_flags import conf_spec
 from .torch_echo import hook_agent
-from .torch_params import exit_records, server_and_job, spec_nproc, torchrun_nproc
+from .torch_params import exit_records, node_range, server_and_job, spec_nproc, torchrun_nproc
 
 _T = TypeVar("_T")
 
@@ -157,9 +158,8 @@ class RdzvRendezvousHandler(RendezvousHandler):
         self._waiting_text = ""  # what the forming round waits for, as the server last said
         # the spec's --rdzv-conf keys (the table's), at the plugin's defaults where the table gives one
         # (torchrun keeps its own restart budget: the server's is unlimited and restart storms are off)
-        self.spec = JobSpec(
-            min_nodes=params.min_nodes, max_nodes=params.max_nodes, **conf_spec(params.get, plugin=True)
-        )
+        min_nodes, max_nodes = node_range(params)  # --nnodes, or --rdzv-conf nnodes= (accelerate)
+        self.spec = JobSpec(min_nodes=min_nodes, max_nodes=max_nodes, **conf_spec(params.get, plugin=True))
         self.join_timeout_s = self.spec.join_timeout_s
         self.nproc = torchrun_nproc()  # until next_rendezvous finds torch's WorkerSpec (spec_nproc)
         self._nproc_known = False

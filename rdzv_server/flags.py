@@ -10,7 +10,7 @@ import os
 import ssl
 from pathlib import Path
 
-from . import __version__, logs
+from . import __version__, help_format, logs
 from .app import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_JOIN_DEADLINE_S, MIN_IDLE_TIMEOUT_S, Settings
 from .auth import is_loopback, token_problem
 from .conns import (
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rdzv-server",
         description="Rendezvous server for elastic PyTorch training (see rdzv-agent).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=help_format.HelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"rdzv-server {__version__}")
     p.add_argument(
@@ -116,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--data-dir",
         default=None,
-        help=f"where job state is kept (SQLite); default {default_data_dir()} "
-        "($XDG_STATE_HOME/rdzv); 'none' keeps state in memory only",
+        help="where job state is kept (SQLite); 'none' keeps state in memory only "
+        f"(default: $XDG_STATE_HOME/rdzv, here {default_data_dir()})",
     )
     p.add_argument(
         "--token",
@@ -220,7 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
         "silence, failed health checks) within --host-failure-window is cooled down: its joins "
         "wait as spares, told why (0: never)",
     )
-    p.add_argument("--host-failure-window", type=parse_duration, default="10m", metavar="DURATION")
+    p.add_argument(
+        "--host-failure-window",
+        type=parse_duration,
+        default="10m",
+        metavar="DURATION",
+        help="how far back a host's failures count towards --host-failures",
+    )
     p.add_argument(
         "--host-cooldown",
         type=parse_duration,
@@ -228,7 +234,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DURATION",
         help="the first cool-down; each next one of the same host doubles, up to --host-cooldown-max",
     )
-    p.add_argument("--host-cooldown-max", type=parse_duration, default="30m", metavar="DURATION")
+    p.add_argument(
+        "--host-cooldown-max",
+        type=parse_duration,
+        default="30m",
+        metavar="DURATION",
+        help="the longest cool-down (the doubling stops there)",
+    )
     ha = p.add_argument_group(
         "high availability (etcd v3)",
         "several rdzv-server replicas against one etcd cluster; one leads, the others answer not_leader "
@@ -268,7 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ha.add_argument("--etcd-password-file", default=None, metavar="FILE", help="a file holding the etcd password")
     p.add_argument(
-        "--log-level", default=os.environ.get("RDZV_LOG_LEVEL", "INFO"), choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+        "--log-level",
+        default=os.environ.get("RDZV_LOG_LEVEL", "INFO"),
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="the least severe lines logged (default: $RDZV_LOG_LEVEL or INFO)",
     )
     p.add_argument(
         "--log-format",
@@ -277,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="text: for people; json: one object per line (time, level, job, round, node, event, message) "
         "for log pipelines (default: $RDZV_LOG_FORMAT or text)",
     )
+    help_format.arrange(p, help_format.GROUPS)  # essentials first, then one group per concern
     return p
 
 

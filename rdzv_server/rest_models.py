@@ -59,6 +59,11 @@ class NodeView(BaseModel):
     group_rank: int | None
     requested_rank: int | None = Field(default=None, description="the --node-rank it asked for, if any")
     local_world_size: int
+    rank_offset: int | None = Field(
+        default=None,
+        description="the global rank of its local rank 0 in the running round (its workers are ranks "
+        "rank_offset .. rank_offset + local_world_size - 1); null while it does not run",
+    )
     last_seen_s: float = Field(description="seconds since the server last heard from this node")
     step: int | None = Field(
         default=None,

@@ -27,7 +27,12 @@ from .keys import AUTH
 from .protocol import ErrorCode, RequestError, UnauthorizedError
 
 MAX_LOGIN_BODY = 4096
-_FILES = {"app.js": "text/javascript", "explain.js": "text/javascript", "style.css": "text/css"}
+_FILES = {
+    "app.js": "text/javascript",
+    "explain.js": "text/javascript",
+    "workers.js": "text/javascript",
+    "style.css": "text/css",
+}
 _CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
     "base-uri 'none'; form-action 'self'; frame-ancestors 'none'"

@@ -71,6 +71,7 @@ def _node_view(node: Node, now: float, job_state: JobState | None = None) -> Nod
         group_rank=node.group_rank,
         requested_rank=node.requested_rank,
         local_world_size=node.local_world_size,
+        rank_offset=node.rank_offset if node.state == RUNNING else None,
         last_seen_s=round(max(0.0, now - node.last_seen), 3),
         step=node.step,
         steps_per_s=node.step_rate,

@@ -287,7 +287,11 @@ async function renderJob(jobId) {
   $("root-cause-text").textContent = v.root_cause || "";
   renderForming(v);
   const frag = document.createDocumentFragment();
-  for (const n of v.nodes) frag.appendChild(nodeRow(n, v));
+  for (const n of v.nodes) {
+    frag.appendChild(nodeRow(n, v));
+    const workers = workersRow(v, n);  // its workers' ranks (workers.js)
+    if (workers) frag.appendChild(workers);
+  }
   for (const n of v.spares) frag.appendChild(nodeRow(n, v));
   $("nodes-body").replaceChildren(frag);
   const counts = Object.entries(v.node_counts || {}).map(([k, n]) => n + " " + k).join(", ");

@@ -146,6 +146,7 @@ async def test_the_hosts_page_and_its_script_are_served_like_the_others(client):
     assert resp.status == 200 and resp.content_type == "text/html"
     page = await resp.text()
     assert "/ui/static/explain.js" in page and 'id="hosts-body"' in page
-    resp = await client.get("/ui/static/explain.js")
-    assert resp.status == 200 and resp.content_type == "text/javascript"
-    assert "innerHTML" not in await resp.text()
+    for name in ("explain.js", "workers.js"):
+        resp = await client.get(f"/ui/static/{name}")
+        assert resp.status == 200 and resp.content_type == "text/javascript"
+        assert "innerHTML" not in await resp.text()

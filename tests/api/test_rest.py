@@ -84,6 +84,8 @@ async def test_two_agents_form_a_round_and_rest_shows_it(client, connect):
     ]
     for node in view["nodes"]:
         assert node.keys() >= NODE_FIELDS and node["host"] == node["node_id"] and node["last_seen_s"] >= 0
+    # each node's workers' global ranks (the /ui's per-worker detail), as its assignment says
+    assert [n["rank_offset"] for n in view["nodes"]] == [a1.rank_offset, a2.rank_offset]
     assert len(view["history"]) == 1 and view["history"][0].keys() >= ROUND_FIELDS
     assert view["history"][0]["round"] == 0 and view["history"][0]["world_size"] == 8
 

@@ -68,6 +68,13 @@ def test_a_job_forms_restarts_and_fails_live_on_its_page(cluster: Cluster, page,
     expect(page.locator("#nodes-body .row").first.locator(":scope > span").nth(8)).to_have_text(
         re.compile(r"\d+\.\d\d"), timeout=DEADLINE_MS
     )
+    # each running node's workers under its row (issue 25): local rank -> global rank, as the server says
+    nodes = server.job("live")["nodes"]
+    assert sorted(n["rank_offset"] for n in nodes) == [0, 1, 2], nodes
+    for n in nodes:
+        workers = page.locator(f"#nodes-body .workers[data-node='{n['node_id']}'] .worker")
+        expect(workers).to_have_count(1)
+        expect(workers.first).to_have_text(f"local 0 · rank {n['rank_offset']}")
 
     cluster.kill_node(third)  # lost: a new round (not charged), re-formed by the other two
     expect(page.locator("#history li")).to_have_count(2, timeout=DEADLINE_MS)
@@ -95,6 +102,11 @@ def test_a_job_forms_restarts_and_fails_live_on_its_page(cluster: Cluster, page,
     marked = page.locator("#nodes-body .row.culprit")
     expect(marked).to_have_count(1)
     expect(marked).to_have_attribute("data-node", culprit["node_id"])
+    failed = page.locator(f"#nodes-body .workers[data-node='{culprit['node_id']}'] .worker.culprit")
+    expect(failed).to_have_count(1)  # the rank that failed, among its node's workers; its cause as text
+    expect(failed).to_have_attribute("data-rank", str(culprit["rank"]))
+    expect(failed).to_contain_text(f"local {culprit['local_rank']} · rank {culprit['rank']} · failed in round 1")
+    expect(failed.locator("b")).to_have_count(0)
     lost = page.locator("#departed li")
     expect(lost).to_have_count(1)
     expect(lost).to_contain_text("node-c")

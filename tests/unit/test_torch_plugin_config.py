@@ -55,6 +55,21 @@ def test_conf_server_overrides_the_endpoint() -> None:
     assert handler(endpoint="127.0.0.1:29500", server="127.0.0.1:29400").endpoint == "127.0.0.1:29400"
 
 
+def test_conf_nnodes_overrides_torchruns_node_range() -> None:
+    """accelerate's --num_machines 3 is torchrun's --nnodes 3 (MIN = MAX):
+    ``--rdzv_conf nnodes=2:3`` lets the survivors of a node loss go on at 2."""
+    h = handler(nnodes="2:3")
+    assert (h.spec.min_nodes, h.spec.max_nodes) == (2, 3)
+    assert (handler().spec.min_nodes, handler().spec.max_nodes) == (1, 2)  # torchrun's own --nnodes
+    assert (handler(nnodes="4").spec.min_nodes, handler(nnodes="4").spec.max_nodes) == (4, 4)
+
+
+@pytest.mark.parametrize("text", ["x", "3:2", "0", "2:"])
+def test_a_bad_conf_nnodes_is_refused(text: str) -> None:
+    with pytest.raises(ValueError, match=r"--rdzv-conf nnodes=.*MIN"):
+        handler(nnodes=text)
+
+
 def test_conf_server_is_checked() -> None:
     with pytest.raises(ValueError, match="has no host"):
         handler(server=":29400")
