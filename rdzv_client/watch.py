@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 # Not rdzv_server.protocol (pydantic) at import: the agent imports this before its first join.
 from rdzv_server.errors import MAX_ERROR_MESSAGE
 from rdzv_server.spec_table import DEFAULT_STRAGGLER_WINDOW_S
-from rdzv_server.wire import printable
+from rdzv_server.wire import MAX_TIMING_WINDOW_S, MAX_TIMINGS, printable
 
 from . import channel_grammar as grammar
 from .channel import FileTimerServer, WorkerChannel
@@ -119,9 +119,9 @@ class WorkerWatch:
                 from rdzv_server.protocol import HeartbeatMsg, RankLag, RankTiming
 
                 lag = [
-                    RankLag(local_rank=lr, share=f.share, readings=f.samples, behind=f.behind,
-                            window_s=self.ras.tracker.window_s)
-                    for lr, f in lagging
+                    RankLag(local_rank=lr, share=f.share, readings=f.samples, behind=min(f.behind, 2**53),
+                            window_s=min(self.ras.tracker.window_s, MAX_TIMING_WINDOW_S))
+                    for lr, f in lagging[:MAX_TIMINGS]  # the wire's bound: the first local ranks
                 ]  # fmt: skip
                 if sample is None:
                     msg = HeartbeatMsg(nccl_lag=lag)
