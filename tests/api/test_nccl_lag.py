@@ -12,9 +12,9 @@ import json
 import logging
 
 from rdzv_client.cli import render_job
-from rdzv_server.protocol import HeartbeatMsg, JobView, RankLag
+from rdzv_server.protocol import HeartbeatMsg, JobSpec, JobView, RankLag
 
-from .conftest import form
+from .conftest import form, join_msg
 from .test_events import open_stream
 
 DEADLINE = 10.0
@@ -102,3 +102,38 @@ async def test_bogus_nccl_lag_reports_are_refused_and_change_nothing(client, con
     flags = [e for e in await stream.until("straggler_flagged", DEADLINE) if e["event"] == "straggler_flagged"]
     stream.close()
     assert [e["data"]["lag_share"] for e in flags] == [0.5]
+
+
+async def test_replace_a_waiting_spare_takes_the_lagging_node_s_place_no_restart_charged(
+    client, connect, monkeypatch
+) -> None:
+    from rdzv_server.rounds import progress
+
+    monkeypatch.setattr(progress, "STRAGGLER_CHECK_S", 0.0)
+    spec = JobSpec(min_nodes=2, max_nodes=2, straggler_policy="replace")
+    agents = [await connect() for _ in range(2)]
+    for agent, node_id in zip(agents, ("n0", "n1")):
+        await agent.send(join_msg("nr", node_id, (2, 2), nproc=2, spec=spec))
+    for agent in agents:
+        await agent.expect("joined")
+        await agent.expect("assigned")
+    spare = await connect()
+    await spare.send(join_msg("nr", "n2", (2, 2), nproc=2, spec=spec))
+    await spare.expect("joined")
+    await spare.expect("spare")
+    await agents[1].send(HeartbeatMsg(nccl_lag=[LAG]))
+    for agent in agents:
+        restart = await agent.expect("restart")
+        assert restart.round == 1 and "straggler: node(s) n1 (n1) replaced by a spare" in restart.reason
+    await agents[1].send(join_msg("nr", "n1", (2, 2), nproc=2, spec=spec))
+    await agents[1].expect("joined")
+    told = await agents[1].expect("spare")
+    assert told.reason is not None and "behind its NCCL communicator in 80% of 10 RAS readings" in told.reason
+    await agents[0].send(join_msg("nr", "n0", (2, 2), nproc=2, spec=spec))
+    await agents[0].expect("joined")
+    assert (await agents[0].expect("assigned")).assignment.round == 1
+    assert (await spare.expect("assigned")).assignment.round == 1
+    view = await (await client.get("/v1/jobs/nr")).json()
+    assert view["round"] == 1 and view["restarts"] == 0 and view["state"] == "running"
+    assert sorted(n["node_id"] for n in view["nodes"]) == ["n0", "n2"]
+    assert [n["node_id"] for n in view["spares"]] == ["n1"] and not view["spares"][0]["straggler"]
