@@ -8,8 +8,10 @@ running members by the job's ``straggler_fraction`` and ``straggler_window_s``
 "replace", opens a round in which a waiting spare takes a straggler's place.
 A job whose running members report at least ``slow_ranks.MIN_RANKS`` ranks'
 timings is lock-stepped: there :mod:`.slow_ranks` decides by the ranks'
-compute instead (every rank has the same step rate). A flag, by either rule,
-counts as a failure of the node's host (rdzv_server.hosts: cool-downs).
+compute instead (every rank has the same step rate). A rank its agent sees
+behind in NCCL RAS flags its node as well, either way (:mod:`.nccl_lag`). A
+flag, by any rule, counts as a failure of the node's host
+(rdzv_server.hosts: cool-downs).
 """
 
 from __future__ import annotations
