@@ -292,15 +292,20 @@ def _json(model: BaseModel, compact: bool) -> str:
 
 
 def _progress_cell(n: NodeView) -> str:
-    """step N, steps/s, seconds since the step advanced; "-" when its workers do not call progress()."""
-    if n.step is None:
-        return "-"
+    """step N, steps/s, seconds since the step advanced ("-" when its workers do not call progress()),
+    and its straggler flag."""
+    mark = " STRAGGLER" + (" (no spare to replace it)" if n.straggler_note else "") if n.straggler else ""
+    if n.straggler and n.slow_rank is not None:  # flagged by a rank's compute, or NCCL RAS (lock-step)
+        s = n.slow_rank
+        rank = s.rank if s.rank is not None else "-"
+        if s.rule == "nccl_lag":
+            mark += f" rank {rank}: behind in NCCL RAS {s.lag_share or 0:.0%} of {s.readings} readings"
+        else:
+            mark += f" rank {rank}: compute score {s.ratio or 0:.2f} for {s.window_s:.0f}s"
+    if n.step is None:  # (NCCL RAS flags ranks that call nothing)
+        return mark.strip() or "-"
     rate = f" {n.steps_per_s:g}/s" if n.steps_per_s is not None else ""
     since = f" {n.since_progress_s:.0f}s ago" if n.since_progress_s is not None else ""
-    mark = " STRAGGLER" + (" (no spare to replace it)" if n.straggler_note else "") if n.straggler else ""
-    if n.straggler and n.slow_rank is not None:  # flagged by a rank's compute (lock-step)
-        s = n.slow_rank
-        mark += f" rank {s.rank if s.rank is not None else '-'}: compute score {s.ratio:.2f} for {s.window_s:.0f}s"
     return f"step {n.step}{rate}{since}{mark}"
 
 

@@ -338,10 +338,14 @@ class RasWatch:
         self._result: Snapshot | OSError | ValueError | None = None
         self._next = 0.0
         self._said: set[tuple[str, int]] = set()
+        # (local rank, its worst flag) of this agent's workers flagged at the last tick, in local-rank
+        # order: what the agent tells the server (HeartbeatMsg.nccl_lag)
+        self.lagging: list[tuple[int, Flag]] = []
 
     def new_round(self) -> None:
         self.tracker.clear()
         self._said.clear()
+        self.lagging = []
 
     def _read(self) -> None:
         try:
@@ -367,10 +371,15 @@ class RasWatch:
             self._thread.start()
         out: list[tuple[int, Flag]] = []
         flagged = {(f.comm, f.rank): f for f in self.tracker.flagged() if f.pid and f.pid in pids}
+        worst: dict[int, Flag] = {}
         for key, f in sorted(flagged.items()):
+            lr = list(pids).index(f.pid)
             if key not in self._said:
-                out.append((list(pids).index(f.pid), f))
+                out.append((lr, f))
+            if lr not in worst or (f.share, f.behind) > (worst[lr].share, worst[lr].behind):
+                worst[lr] = f
         self._said = set(flagged)
+        self.lagging = sorted(worst.items())
         return out
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 # Not rdzv_server.protocol (pydantic) at import: the agent imports this before its first join.
 from rdzv_server.errors import MAX_ERROR_MESSAGE
 from rdzv_server.spec_table import DEFAULT_STRAGGLER_WINDOW_S
-from rdzv_server.wire import printable
+from rdzv_server.wire import MAX_TIMING_WINDOW_S, MAX_TIMINGS, printable
 
 from . import channel_grammar as grammar
 from .channel import FileTimerServer, WorkerChannel
@@ -50,6 +50,7 @@ class WorkerWatch:
         self.timer: FileTimerServer | None = None
         self._timer_killed: dict[int, str] = {}  # worker pid -> the expired timer's scope
         self._progress_sent_at = 0.0
+        self._lag_sent = False  # the last heartbeat sent named ranks behind in NCCL RAS
         # NCCL RAS: ranks behind in collective count (issue 22's zero-code fallback), where NCCL is in use
         self.ras = RasWatch(float(cfg.spec_values.get("straggler_window_s") or DEFAULT_STRAGGLER_WINDOW_S))
 
@@ -111,12 +112,22 @@ class WorkerWatch:
                 )  # fmt: skip
         if link is not None and now - self._progress_sent_at >= link.heartbeat_s:
             sample = self.channel.sample(now)
-            if sample is not None:
-                self._progress_sent_at = now
-                from rdzv_server.protocol import HeartbeatMsg, RankTiming
+            # ranks NCCL RAS sees behind go with every heartbeat while they lag, [] once when none does
+            lagging, said = self.ras.lagging if group is not None else [], self._lag_sent
+            if sample is not None or lagging or said:
+                self._progress_sent_at, self._lag_sent = now, bool(lagging)
+                from rdzv_server.protocol import HeartbeatMsg, RankLag, RankTiming
 
-                timings = [RankTiming.model_validate(t) for t in self.channel.timings()]
-                msg = HeartbeatMsg(step=sample[0], rate=sample[1], timings=timings or None)
+                lag = [
+                    RankLag(local_rank=lr, share=f.share, readings=f.samples, behind=min(f.behind, 2**53),
+                            window_s=min(self.ras.tracker.window_s, MAX_TIMING_WINDOW_S))
+                    for lr, f in lagging[:MAX_TIMINGS]  # the wire's bound: the first local ranks
+                ]  # fmt: skip
+                if sample is None:
+                    msg = HeartbeatMsg(nccl_lag=lag)
+                else:
+                    timings = [RankTiming.model_validate(t) for t in self.channel.timings()]
+                    msg = HeartbeatMsg(step=sample[0], rate=sample[1], timings=timings or None, nccl_lag=lag or None)
                 link.send_nowait(msg.model_dump_json())
         return []
 

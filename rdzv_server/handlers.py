@@ -455,7 +455,8 @@ def _dispatch(
     if bound is None:
         raise NotJoinedError(f"send a join before {msg.op!r}")
     if isinstance(msg, HeartbeatMsg):
-        store.heartbeat(*bound, msg.step, msg.rate, tuple(msg.timings) if msg.timings else None)
+        lag = tuple(msg.nccl_lag) if msg.nccl_lag is not None else None  # (): none lags any more
+        store.heartbeat(*bound, msg.step, msg.rate, tuple(msg.timings) if msg.timings else None, lag)
     elif isinstance(msg, FailedMsg):
         store.fail(*bound, msg.round, msg.failures, give_up=msg.give_up)
         store.reply(bound[0], chan, AckMsg(of="failed"))  # after what the report caused is persisted

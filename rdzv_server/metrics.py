@@ -58,7 +58,7 @@ class Metrics:
         self.restarts = Counter("rdzv_restarts", "Restarts counted against the budget", ["job_id"], registry=r)
         self.stragglers = Counter(
             "rdzv_stragglers_flagged",
-            "Ranks flagged as stragglers by their compute (lock-step; the straggler_flagged event)",
+            "Ranks flagged as stragglers by their compute or NCCL RAS (lock-step; the straggler_flagged event)",
             ["job_id"],
             registry=r,
         )

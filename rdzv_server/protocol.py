@@ -304,6 +304,17 @@ class RankTiming(_Strict):
     wait_s: TimingSeconds
 
 
+class RankLag(_Strict):
+    """A local rank NCCL RAS sees behind its communicator in collective count
+    (``rdzv_client.nccl_trace``): behind in ``share`` of ``readings`` over ``window_s``, by up to ``behind``."""
+
+    local_rank: int = Field(ge=0, lt=MAX_NPROC)
+    share: float = Field(gt=0, le=1, allow_inf_nan=False)
+    readings: int = Field(ge=1, le=2**31)
+    behind: int = Field(ge=1, le=2**53)
+    window_s: float = Field(gt=0, le=MAX_TIMING_WINDOW_S, allow_inf_nan=False)
+
+
 class HeartbeatMsg(_Strict):
     """``{"op":"hb"}`` (HEARTBEAT_FRAME, matched without parsing), or, at most
     once per heartbeat interval from an agent whose workers call
@@ -317,6 +328,8 @@ class HeartbeatMsg(_Strict):
     step: int | None = Field(default=None, ge=0, le=2**53)
     rate: float | None = Field(default=None, ge=0, le=1e9, allow_inf_nan=False)
     timings: list[RankTiming] | None = Field(default=None, min_length=1, max_length=MAX_TIMINGS)
+    # the local ranks NCCL RAS sees behind, now (in local-rank order; []: none any more; rounds.nccl_lag)
+    nccl_lag: list[RankLag] | None = Field(default=None, max_length=MAX_TIMINGS)
 
     @model_validator(mode="after")
     def _one_per_rank(self) -> HeartbeatMsg:
@@ -326,6 +339,8 @@ class HeartbeatMsg(_Strict):
             ranks = [t.local_rank for t in self.timings]
             if any(a >= b for a, b in pairwise(ranks)):
                 raise ValueError("timings: one per local rank, in increasing local_rank order")
+        if self.nccl_lag and any(a.local_rank >= b.local_rank for a, b in pairwise(self.nccl_lag)):
+            raise ValueError("nccl_lag: one per local rank, in increasing local_rank order")
         return self
 
     @model_serializer(mode="wrap")

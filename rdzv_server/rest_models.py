@@ -38,15 +38,34 @@ class RankTimingView(BaseModel):
     age_s: float = Field(description="seconds since the heartbeat that brought it")
 
 
+# What flagged a rank (SlowRankView.rule): its compute (rounds.slow_ranks), or NCCL RAS seeing it
+# behind its communicator in collective count (its agent's readings, rounds.nccl_lag)
+StragglerRule = Literal["compute", "nccl_lag"]
+
+
 class SlowRankView(BaseModel):
-    """The rank that made its node a straggler by its compute (lock-step training)."""
+    """The rank that made its node a straggler in lock-step training: by its
+    compute (rule ``compute``), or NCCL RAS saw it behind (rule ``nccl_lag``)."""
 
     rank: int | None = Field(description="its global rank (null: the node is not running)")
     local_rank: int
-    ratio: float = Field(description="its score: the job's median compute fraction / its own")
-    compute_fraction: float = Field(description="the share of its last timing window it computed")
-    median_fraction: float = Field(description="the job's median of that share over its timed ranks")
-    window_s: float = Field(description="seconds its score has stayed below the job's straggler score")
+    rule: StragglerRule = Field(default="compute", description="what flagged it: compute, or nccl_lag")
+    ratio: float | None = Field(
+        description="its score: the job's median compute fraction / its own (null: rule nccl_lag)"
+    )
+    compute_fraction: float | None = Field(description="the share of its last timing window it computed")
+    median_fraction: float | None = Field(description="the job's median of that share over its timed ranks")
+    window_s: float = Field(
+        description="seconds its score has stayed below the job's straggler score (nccl_lag: since the start "
+        "of the RAS readings that flagged it)"
+    )
+    lag_share: float | None = Field(
+        default=None, description="nccl_lag: the share of its agent's RAS readings it was behind in"
+    )
+    readings: int | None = Field(default=None, description="nccl_lag: how many RAS readings that share is of")
+    collectives_behind: int | None = Field(
+        default=None, description="nccl_lag: the most collectives it was behind in one reading"
+    )
 
 
 class NodeView(BaseModel):

@@ -49,6 +49,7 @@ from .protocol import (
     ExitRecord,
     JobFinishedError,
     JoinMsg,
+    RankLag,
     RankTiming,
     UnavailableError,
     printable,
@@ -379,11 +380,12 @@ class Store(HostsMixin, RetentionMixin, ReadsMixin):
         step: int | None = None,
         rate: float | None = None,
         timings: tuple[RankTiming, ...] | None = None,
+        nccl_lag: tuple[RankLag, ...] | None = None,
     ) -> None:
         job = self.jobs.get(job_id)
         if job is not None:
             now = self.clock()
-            fx = rounds.heartbeat(job, node_id, now, step, rate, timings)
+            fx = rounds.heartbeat(job, node_id, now, step, rate, timings, nccl_lag)
             if step is not None:
                 self.progress_jobs.add(job_id)
             # stragglers flagged (or no longer, or kept): notes, as warnings; the round a

@@ -152,6 +152,8 @@ def straggler_flagged(job: Job, node: Node, slow: SlowRank, now: float) -> Event
     (rounds.slow_ranks): the rank, its host, the ratio and the window measured."""
     rank = node.rank_offset + slow.local_rank
     spec = job.spec
+    if slow.rule == "nccl_lag":
+        return _nccl_lag(job, node, slow, rank, now)
     text = (
         f"job {job.job_id} round {job.round}: rank {rank} (local rank {slow.local_rank}) of node {node.node_id} "
         f"({node.host}) is a straggler: compute score {slow.ratio:.2f} (job median compute fraction "
@@ -166,9 +168,36 @@ def straggler_flagged(job: Job, node: Node, slow: SlowRank, now: float) -> Event
         host=node.host,
         rank=rank,
         local_rank=slow.local_rank,
+        rule=slow.rule,
         ratio=round(slow.ratio, 4),
         compute_fraction=round(slow.fraction, 4),
         median_fraction=round(slow.median, 4),
+        window_s=round(now - slow.since, 3),
+        policy=spec.straggler_policy,
+    )
+
+
+def _nccl_lag(job: Job, node: Node, slow: SlowRank, rank: int, now: float) -> Event:
+    """straggler_flagged by NCCL RAS (rounds.nccl_lag): the share of the agent's readings, their window."""
+    spec = job.spec
+    text = (
+        f"job {job.job_id} round {job.round}: rank {rank} (local rank {slow.local_rank}) of node {node.node_id} "
+        f"({node.host}) is a straggler: NCCL RAS saw it behind its communicator in {slow.ratio:.0%} of "
+        f"{slow.readings} readings over {now - slow.since:.0f}s (by up to {slow.behind} collectives) "
+        f"(straggler policy {spec.straggler_policy})"
+    )
+    return _event(
+        job,
+        "straggler_flagged",
+        text,
+        node.node_id,
+        host=node.host,
+        rank=rank,
+        local_rank=slow.local_rank,
+        rule=slow.rule,
+        lag_share=round(slow.ratio, 4),
+        readings=slow.readings,
+        collectives_behind=slow.behind,
         window_s=round(now - slow.since, 3),
         policy=spec.straggler_policy,
     )

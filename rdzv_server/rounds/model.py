@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from ..logs import Line
 from ..protocol import TERMINAL_STATES, JobSpec, JobState, ServerMessage
+from ..rest_models import StragglerRule
 from .culprit import Culprit
 from .departed import Departure
 
@@ -91,19 +92,29 @@ class Node:
     # the job's straggler_score; and what flagged the node (None: not flagged by its compute)
     rank_slow_since: dict[int, float] = field(default_factory=dict)
     slow_rank: SlowRank | None = None
+    # its agent's last word on which local ranks NCCL RAS sees behind (protocol.RankLag) and when
+    # (rounds.nccl_lag); memory only
+    nccl_lag: tuple[Any, ...] | None = None
+    nccl_lag_at: float | None = None
 
 
 @dataclass(frozen=True)
 class SlowRank:
-    """A rank flagged by its compute (rounds.slow_ranks): its local rank, its
-    compute fraction and the job's median, their ratio (median / own), and
-    since when it stayed below the job's straggler_score."""
+    """A rank flagged by its compute (rule "compute", rounds.slow_ranks): its
+    local rank, its compute fraction and the job's median, their ratio (median
+    / own), and since when it stayed below the job's straggler_score. Or by
+    NCCL RAS (rule "nccl_lag", rounds.nccl_lag): ``fraction`` and ``ratio`` are
+    the share of its agent's readings it was behind in (``readings`` of them,
+    by up to ``behind`` collectives), ``median`` 0, ``since`` the readings' window's start."""
 
     local_rank: int
     fraction: float
     median: float
     ratio: float
     since: float
+    rule: StragglerRule = "compute"
+    behind: int = 0
+    readings: int = 0
 
 
 class HostGate(Protocol):

@@ -27,6 +27,8 @@ _NOT_SAVED_NODE = frozenset(
         "timings_at",
         "rank_slow_since",
         "slow_rank",
+        "nccl_lag",
+        "nccl_lag_at",
         "probe_port",  # the node's next join (a resume too) brings it back
     }
 )

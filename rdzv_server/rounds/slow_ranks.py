@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from . import nccl_lag
 from .events import note, straggler_flagged
 from .model import Effects, Job, Node, SlowRank
 
@@ -97,7 +98,7 @@ def check(job: Job, ranks: list[tuple[Node, int, float]], members: list[Node], n
                 fx.event(ev)
                 fx.host_failures.append((n.host, f"straggler: {ev.text}"))
             n.slow_rank, n.straggler = flagged, True
-        elif n.straggler and not keep:  # (flagged by its compute, or earlier by its step rate)
+        elif n.straggler and not keep and not nccl_lag.owns(n):  # (by its compute, or earlier its step rate)
             n.slow_rank, n.straggler, n.straggler_note, n.slow_since = None, False, None, None
             text = (
                 f"job {job.job_id}: node {n.node_id} ({n.host}) is no longer a straggler: no rank of it "
@@ -111,6 +112,8 @@ def why(job: Job, n: Node) -> str:
     """Why ``n`` was replaced, in words (straggler_policy replace)."""
     s = n.slow_rank
     assert s is not None
+    if s.rule == "nccl_lag":
+        return nccl_lag.why(job, n)
     return (
         f"rank {n.rank_offset + s.local_rank} computes {s.fraction:.3f} of its time, the job's median "
         f"{s.median:.3f} (score {s.ratio:.2f} below {job.spec.straggler_score:g}) for {job.spec.straggler_window_s:g}s"

@@ -92,13 +92,28 @@ def _slow_rank(node: Node, now: float) -> SlowRankView | None:
     s = node.slow_rank
     if s is None or not node.straggler:
         return None
+    rank = node.rank_offset + s.local_rank if node.state == RUNNING else None
+    window = round(max(0.0, now - s.since), 3)
+    if s.rule == "nccl_lag":
+        return SlowRankView(
+            rank=rank,
+            local_rank=s.local_rank,
+            rule=s.rule,
+            ratio=None,
+            compute_fraction=None,
+            median_fraction=None,
+            window_s=window,
+            lag_share=round(s.ratio, 4),
+            readings=s.readings,
+            collectives_behind=s.behind,
+        )
     return SlowRankView(
-        rank=node.rank_offset + s.local_rank if node.state == RUNNING else None,
+        rank=rank,
         local_rank=s.local_rank,
         ratio=round(s.ratio, 4),
         compute_fraction=round(s.fraction, 4),
         median_fraction=round(s.median, 4),
-        window_s=round(max(0.0, now - s.since), 3),
+        window_s=window,
     )
 
 

@@ -6,6 +6,7 @@ after enqueuing 5); the RAS replies are written from NCCL's format
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from pathlib import Path
@@ -238,6 +239,25 @@ def test_the_agents_watch_reads_ras_while_workers_run(monkeypatch: pytest.Monkey
             now += 0.5
             time.sleep(0.01)
         watch.check(Group(), None, now)  # type: ignore[arg-type]
+
+        class Link:  # the server link, as WorkerWatch.check uses it
+            heartbeat_s = 0.0
+            sent: ClassVar[list[dict]] = []
+
+            def send_nowait(self, text: str) -> None:
+                self.sent.append(json.loads(text))
+
+        # the heartbeat names the lagging rank to the server (no progress datagrams: that alone)
+        watch.check(Group(), Link(), now + 0.5)  # type: ignore[arg-type]
+        [hb] = Link.sent
+        assert hb["op"] == "hb" and "step" not in hb, hb
+        [lag] = hb["nccl_lag"]
+        assert lag["local_rank"] == 2 and lag["share"] == 1.0 and lag["behind"] == 2 and lag["window_s"] == 60.0
+        assert lag["readings"] >= nt.MIN_SAMPLES
+        watch.ras.new_round()  # none lags now: said once ([]), then nothing
+        for t in (1.0, 2.0):
+            watch.check(None, Link(), now + t)  # type: ignore[arg-type]
+        assert Link.sent[1:] == [{"op": "hb", "nccl_lag": []}], Link.sent
     finally:
         ras.close()
         watch.close()
