@@ -342,7 +342,7 @@ class FirstContact:
         if self.ws:
             from aiohttp import web
 
-            from rdzv_server.protocol import AGENT_PATH
+            from rdzv_common.protocol import AGENT_PATH
 
             app = web.Application()
             app.router.add_get(AGENT_PATH, self._on_ws)
@@ -427,7 +427,7 @@ def row_join_sent(cl: Cluster, bound: float, floor_reps: int = 3) -> Outcome:
                 floor_reps=floor_reps,
                 python_floor_s=_floor_s("pass", floor_reps),
                 aiohttp_import_s=_floor_s("import aiohttp", floor_reps),
-                protocol_import_s=_floor_s("import rdzv_server.protocol", floor_reps),
+                protocol_import_s=_floor_s("import rdzv_common.protocol", floor_reps),
             )
         return Outcome(listener.at - agent.launched_at, info=info)
     finally:
@@ -766,7 +766,7 @@ def info_lines(results: dict) -> list[str]:
             "per run's median): nothing "
             f"{C.median([f['python_floor_s'] for f in floors]) * 1000:.0f} ms, `import aiohttp` "
             f"{C.median([f['aiohttp_import_s'] for f in floors]) * 1000:.0f} ms, `import "
-            f"rdzv_server.protocol` (pydantic and the wire models) "
+            f"rdzv_common.protocol` (pydantic and the wire models) "
             f"{C.median([f['protocol_import_s'] for f in floors]) * 1000:.0f} ms: the agent needs neither "
             "before its join frame (its WebSocket client is rdzv_client/wsclient.py; pydantic "
             "comes right after the join)"

@@ -53,7 +53,7 @@ async def _make_jobs(url: str, n: int, concurrency: int, tag: str, waiting: bool
     only node joined and left); returns counts and timing."""
     import aiohttp
 
-    from rdzv_server.protocol import JobSpec, JoinMsg, SucceededMsg
+    from rdzv_common.protocol import JobSpec, JoinMsg, SucceededMsg
 
     spec = JobSpec(min_nodes=2, max_nodes=2) if waiting else JobSpec(min_nodes=1, max_nodes=1)
     done_text = SucceededMsg(round=0).model_dump_json()

@@ -5,7 +5,7 @@
 Each probe starts its own ``rdzv-server`` on 127.0.0.1 (``bench/_common.py``'s
 BenchServer, a data dir in a temporary directory, extra flags where the probe
 needs them), attacks it as a script would (aiohttp or raw sockets speaking the
-wire protocol: rdzv_server/wire.py, rdzv_server/protocol.py), measures, and
+wire protocol: rdzv_common/wire.py, rdzv_common/protocol.py), measures, and
 stops it by pid. Every attack is bounded in count and in time and stops by
 itself; an attack the server refuses is a result ("refused: <code>"), never a
 crash of the bench. While an attack runs, a separate process polls
@@ -211,8 +211,8 @@ def join_text(
     run: int | None = None,
     **spec: Any,
 ) -> str:
-    """A join frame as an agent sends it (rdzv_server.wire, no pydantic)."""
-    from rdzv_server.wire import check_spec, join_fields
+    """A join frame as an agent sends it (rdzv_common.wire, no pydantic)."""
+    from rdzv_common.wire import check_spec, join_fields
 
     fields = join_fields(
         job_id=job,

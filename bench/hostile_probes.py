@@ -37,7 +37,7 @@ EMOJI = "\U0001f600"  # 4 bytes of UTF-8, 12 once JSON-escaped (\ud83d\ude00)
 def _failed_frame(round_no: int, records: int = 8) -> str:
     """A ``failed`` report as big as a frame allows: ``records`` exit records
     (what an event keeps) whose messages are 4-byte characters."""
-    from rdzv_server.wire import MAX_BODY_BYTES, MAX_ERROR_MESSAGE
+    from rdzv_common.wire import MAX_BODY_BYTES, MAX_ERROR_MESSAGE
 
     def frame(n: int) -> str:
         recs = [
@@ -61,7 +61,7 @@ async def failure_loop(url: str, job: str, seconds: float, max_failures: int, wa
     WINDOW reports ahead of the server's ``restart`` frames, as a script that
     knows round r+1 follows r): until ``seconds``, ``max_failures``, a refusal,
     or the server's RSS passes RSS_CAP_MB."""
-    from rdzv_server.wire import MAX_RESTARTS
+    from rdzv_common.wire import MAX_RESTARTS
 
     spec = {"max_restarts": MAX_RESTARTS, "storm_restarts": 0}
     out: dict[str, Any] = {"failures": 0, "refused": None, "capped": False}
@@ -294,7 +294,7 @@ async def probe_waiting(ctx: Ctx) -> Result:
 
 
 async def probe_heartbeats(ctx: Ctx) -> Result:
-    from rdzv_server.wire import HEARTBEAT_FRAME
+    from rdzv_common.wire import HEARTBEAT_FRAME
 
     server = ctx.server("srv")
     sent, why = 0, None

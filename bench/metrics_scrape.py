@@ -15,10 +15,10 @@ import statistics
 import time
 from pathlib import Path
 
+from rdzv_common.protocol import JobSpec, JoinMsg
 from rdzv_server import rounds
 from rdzv_server.hosts import Hosts
 from rdzv_server.metrics import Metrics
-from rdzv_server.protocol import JobSpec, JoinMsg
 
 
 def _jobs(n: int, nodes: int, metrics: Metrics) -> list[rounds.Job]:

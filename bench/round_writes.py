@@ -36,9 +36,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rdzv_common.protocol import SERVER_MESSAGE, JobSpec, JoinMsg
 from rdzv_server import etcd
 from rdzv_server.ha import Replica
-from rdzv_server.protocol import SERVER_MESSAGE, JobSpec, JoinMsg
 from rdzv_server.storage import EtcdBackend
 from rdzv_server.store import Store, StoreSettings
 

@@ -39,7 +39,7 @@ refusal's ``X-Rdzv-Leader`` hint within the list, and when its connection
 drops it reconnects and resumes its round (a join with ``resume_round`` and
 the node secret its ``joined`` gave it), as the agent does.
 
-Stdlib and aiohttp only, plus rdzv_server.protocol to build the join.
+Stdlib and aiohttp only, plus rdzv_common.protocol to build the join.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class Node:
 
 
 def _join_text(job_id: str, node_id: str, index: int, nnodes: int) -> str:
-    from rdzv_server.protocol import JobSpec, JoinMsg
+    from rdzv_common.protocol import JobSpec, JoinMsg
 
     msg = JoinMsg(
         job_id=job_id,
@@ -218,8 +218,8 @@ class ClientProc:
 
         from rdzv_client.client import STABLE_S
         from rdzv_client.endpoints import Endpoints, backoff_delays, election_wait
-        from rdzv_server.errors import LEADER_HEADER
-        from rdzv_server.wire import AGENT_PATH
+        from rdzv_common.errors import LEADER_HEADER
+        from rdzv_common.wire import AGENT_PATH
 
         tries = Endpoints(self.url).tries()
         delays = backoff_delays()

@@ -30,10 +30,10 @@ import sys
 import time
 from typing import TYPE_CHECKING, TextIO
 
-# Not rdzv_server.protocol (pydantic) here: the agent sends its first join
+# Not rdzv_common.protocol (pydantic) here: the agent sends its first join
 # without it; the link imports the models right after, and the branches below
 # that need them import them then (a dictionary look-up by that time).
-from rdzv_server.wire import DEFAULT_MAX_RESTARTS, heartbeat_every, printable
+from rdzv_common.wire import DEFAULT_MAX_RESTARTS, heartbeat_every, printable
 
 from . import attempt, peer_probe
 from .attempt import announce, cannot_start, exit_records, note_failures, run_log_dir, worker_envs, worker_group
@@ -67,7 +67,7 @@ from .watch import WorkerWatch
 from .workers import ExitInfo, WorkerGroup
 
 if TYPE_CHECKING:
-    from rdzv_server.protocol import Assignment
+    from rdzv_common.protocol import Assignment
 
 log = logging.getLogger("rdzv_agent")
 

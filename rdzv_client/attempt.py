@@ -22,7 +22,7 @@ from .inplace_store import STORE_PORT_EXIT
 from .workers import ExitInfo, LaunchConfig, WorkerGroup, describe, error_file_path, worker_env
 
 if TYPE_CHECKING:
-    from rdzv_server.protocol import Assignment, ExitRecord
+    from rdzv_common.protocol import Assignment, ExitRecord
 
     from .config import AgentConfig
     from .watch import WorkerWatch
@@ -140,7 +140,7 @@ def worker_group(
 
 def cannot_start(cfg: AgentConfig, a: Assignment, e: OSError) -> ExitRecord:
     """The failure to report when the workers of round ``a`` cannot be started."""
-    from rdzv_server.protocol import ExitRecord
+    from rdzv_common.protocol import ExitRecord
 
     return ExitRecord(
         local_rank=0,
@@ -189,7 +189,7 @@ def exit_records(a: Assignment, failed: list[ExitInfo], watch: WorkerWatch, in_p
     The first failure (the server's rule: earliest, then lowest rank) carries its
     last stderr lines; an in-place worker that exited STORE_PORT_EXIT has reason
     "store_port" (its round's store port was taken: the server charges nothing)."""
-    from rdzv_server.protocol import ExitRecord
+    from rdzv_common.protocol import ExitRecord
 
     first = min(failed, key=lambda i: (i.timestamp or float("inf"), i.local_rank)) if failed else None
 

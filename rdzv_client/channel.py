@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rdzv_server.wire import MAX_TIMING_WINDOW_S, MAX_TIMINGS, printable
+from rdzv_common.wire import MAX_TIMING_WINDOW_S, MAX_TIMINGS, printable
 
 from . import channel_grammar as grammar
 from . import peercred

@@ -32,8 +32,8 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ValidationError
 
-from rdzv_server import __version__
-from rdzv_server.protocol import (
+from rdzv_common import __version__
+from rdzv_common.protocol import (
     HostList,
     HostView,
     JobList,
@@ -65,7 +65,7 @@ def _when(ts: float | None) -> str:
 def restarts_text(restarts: int, max_restarts: int) -> str:
     """Restarts spent of the budget; the table's largest budget (the torchrun
     plugin's default: torchrun keeps its own) is no limit, said so."""
-    from rdzv_server.spec_table import MAX_RESTARTS
+    from rdzv_common.spec_table import MAX_RESTARTS
 
     return f"{restarts}/" + ("unlimited" if max_restarts >= MAX_RESTARTS else str(max_restarts))
 
@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _duration(text: str) -> float:
-    from rdzv_server.flags import parse_duration
+    from rdzv_common.durations import parse_duration
 
     return parse_duration(text)
 
@@ -258,7 +258,7 @@ def render_host(h: HostView) -> str:
 
 
 async def _hosts_command(client: RestClient, args: argparse.Namespace) -> int:
-    from rdzv_server.protocol import is_valid_host
+    from rdzv_common.protocol import is_valid_host
 
     host = getattr(args, "host", None)
     if host is not None and not is_valid_host(host):

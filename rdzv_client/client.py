@@ -30,10 +30,10 @@ import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any
 
-from rdzv_server.errors import LEADER_HEADER, error_from_body
-from rdzv_server.liveness import TCP_USER_TIMEOUT_S
-from rdzv_server.tasks import cancel_and_wait
-from rdzv_server.wire import AGENT_PATH, HEARTBEAT_FRAME, printable
+from rdzv_common.errors import LEADER_HEADER, error_from_body
+from rdzv_common.liveness import TCP_USER_TIMEOUT_S
+from rdzv_common.tasks import cancel_and_wait
+from rdzv_common.wire import AGENT_PATH, HEARTBEAT_FRAME, printable
 
 from . import wsclient
 from .endpoints import Endpoints, backoff_delays, election_wait, parse_endpoint
@@ -52,7 +52,7 @@ CONNECT_TIMEOUT_S = 5.0
 # one: a partition heals through the next heartbeat anyway.
 WS_PING_S = 15.0
 # ... but a server whose *host* died or was cut off acknowledges nothing: the
-# kernel fails the connection after TCP_USER_TIMEOUT_S (rdzv_server.liveness,
+# kernel fails the connection after TCP_USER_TIMEOUT_S (rdzv_common.liveness,
 # the one value both ends use).
 # A connection that lasted this long was healthy: the next reconnect starts the
 # backoff over. One the server closes sooner (it refused us) keeps backing off.
@@ -85,7 +85,7 @@ class AgentLink:
 
     ``intent`` is what the server must know after every (re)connect: the join
     for the forming round, or a join with ``resume_round`` while workers run,
-    as its plain JSON object (:func:`rdzv_server.wire.join_fields`). Server
+    as its plain JSON object (:func:`rdzv_common.wire.join_fields`). Server
     messages arrive on :meth:`recv` in order, as protocol models.
     ``endpoint`` may be a list; ``url`` is the endpoint in use (or being
     tried), ``down_for()`` how long no endpoint of the list was reachable.
@@ -285,7 +285,7 @@ class AgentLink:
                 # the join is on the wire: now the models that check what the server says
                 from pydantic import ValidationError
 
-                from rdzv_server.protocol import SERVER_MESSAGE, ErrorMsg, EvictedMsg, JoinedMsg
+                from rdzv_common.protocol import SERVER_MESSAGE, ErrorMsg, EvictedMsg, JoinedMsg
 
                 async for data in ws:
                     try:

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rdzv_server import __version__, logs
-from rdzv_server.help_format import HelpFormatter as _HelpFormatter
-from rdzv_server.spec_table import FIELDS
-from rdzv_server.wire import HOST_PATTERN, is_valid_id, job_secret_problem
+from rdzv_common import __version__, logs
+from rdzv_common.help_format import HelpFormatter as _HelpFormatter
+from rdzv_common.spec_table import FIELDS
+from rdzv_common.wire import HOST_PATTERN, is_valid_id, job_secret_problem
 
 from . import help_groups, secret_source
 from .endpoints import parse_endpoints
@@ -34,7 +34,7 @@ from .spec_flags import add_spec_flags, conf_spec, spec_from_args
 from .torchrun_flags import SPEC_CONF_KEYS, add_torchrun_flags, pet, pet_flag, torchrun_notes
 
 if TYPE_CHECKING:
-    from rdzv_server.protocol import JobSpec
+    from rdzv_common.protocol import JobSpec
 
 DEFAULT_STOP_TIMEOUT_S = 10.0
 # torchrun's --signals-to-handle default; the agent always handles SIGINT, SIGTERM and SIGHUP
@@ -56,7 +56,7 @@ class AgentConfig:
     nproc: int
     cmd: list[str]
     # the job spec, checked once (spec_flags.spec_from_args): the plain JSON object of a join, every field of
-    # the table (rdzv_server.spec_table); read as attributes too: cfg.min_nodes, cfg.hang_timeout_s, ...
+    # the table (rdzv_common.spec_table); read as attributes too: cfg.min_nodes, cfg.hang_timeout_s, ...
     spec_values: dict[str, Any]
     node_rank: int | None = None
     local_addr: str | None = None
@@ -92,7 +92,7 @@ class AgentConfig:
         return dict(self.spec_values)
 
     def spec(self) -> JobSpec:
-        from rdzv_server.protocol import JobSpec
+        from rdzv_common.protocol import JobSpec
 
         return JobSpec(**self.spec_values)
 

@@ -17,7 +17,7 @@ import random
 import socket
 from collections.abc import Iterator
 
-from rdzv_server.wire import printable
+from rdzv_common.wire import printable
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from rdzv_server.errors import MAX_ERROR_MESSAGE
-from rdzv_server.wire import MAX_STDERR_LINES
+from rdzv_common.errors import MAX_ERROR_MESSAGE
+from rdzv_common.wire import MAX_STDERR_LINES
 
 MAX_MESSAGE_CHARS = MAX_ERROR_MESSAGE  # an exit record's message: the wire's limit
 _STDERR_TAIL_LINES = 20
@@ -82,9 +82,9 @@ _CSI_RE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours and cursor moves: esc
 def report_tail(lines: tuple[str, ...] | list[str]) -> list[str] | None:
     """A failed worker's last stderr lines as its failure report carries them
     (``ExitRecord.stderr``): colours dropped, control characters escaped, the last
-    that fit the wire's bounds (rdzv_server.sizes.tail_lines: the server's rule
+    that fit the wire's bounds (rdzv_common.sizes.tail_lines: the server's rule
     too); None without any."""
-    from rdzv_server.sizes import tail_lines
+    from rdzv_common.sizes import tail_lines
 
     kept = tail_lines([_CSI_RE.sub("", ln) for ln in lines[-MAX_STDERR_LINES:]])
     return kept or None

@@ -9,10 +9,10 @@ from __future__ import annotations
 import datetime as dt
 from typing import TYPE_CHECKING
 
-from rdzv_server.protocol import printable
+from rdzv_common.protocol import printable
 
 if TYPE_CHECKING:
-    from rdzv_server.protocol import JobView
+    from rdzv_common.protocol import JobView
 
 
 def clock(ts: float) -> str:

@@ -91,7 +91,7 @@ async def wait_healthy(
     (True) or ``interrupted()`` (a signal came: False). Each failure is said,
     handed to ``on_failure`` (the agent leaves the job), sent to the server's
     record of this host, and the check runs again with backoff."""
-    from rdzv_server.wire import printable  # not at import: this module is stdlib only
+    from rdzv_common.wire import printable  # not at import: this module is stdlib only
 
     delay = HEALTH_BACKOFF_S
     while cfg.health_check:
@@ -116,7 +116,7 @@ async def wait_healthy(
 
 async def report_health(cfg: AgentConfig, line: str) -> None:
     """The failed check's last line into the server's host record (best effort)."""
-    from rdzv_server.protocol import RdzvError, printable
+    from rdzv_common.protocol import RdzvError, printable
 
     from .rest import RestClient
     from .session import host_label

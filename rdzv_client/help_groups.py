@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from rdzv_server import help_format
+from rdzv_common import help_format
 
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("essentials", ("endpoint", "job_id", "nnodes", "nproc_per_node", "standalone")),

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rdzv_server.protocol import Assignment
+    from rdzv_common.protocol import Assignment
 
 # ------------------------------------------------------------------ std flags
 

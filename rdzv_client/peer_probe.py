@@ -161,7 +161,7 @@ def attach(session: Any, link: Any) -> PeerProbe | None:
     be bound at the node's address (its peers then never suspect it)."""
     import asyncio
 
-    from rdzv_server.protocol import AssignedMsg, SuspectMsg
+    from rdzv_common.protocol import AssignedMsg, SuspectMsg
 
     loop = asyncio.get_running_loop()
 

@@ -13,15 +13,15 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-from rdzv_server.errors import ErrorCode, RdzvError
-from rdzv_server.wire import printable
+from rdzv_common.errors import ErrorCode, RdzvError
+from rdzv_common.wire import printable
 
 from .quiet import Quiet
 from .session import Heard, Meaning, classify
 from .status import first_line
 
 if TYPE_CHECKING:
-    from rdzv_server.protocol import Assignment, ServerMessage, WaitingInfo
+    from rdzv_common.protocol import Assignment, ServerMessage, WaitingInfo
 
     from .client import AgentLink
     from .config import AgentConfig
@@ -96,7 +96,7 @@ class ServerReactions:
         async def _stop_workers(self, timeout: float | None = None, sig: int = signal.SIGTERM) -> None: ...
 
     async def _on_message(self, msg: ServerMessage | RdzvError) -> int | None:
-        from rdzv_server.protocol import AckMsg, AssignedMsg, DoneMsg, JoinedMsg, RestartMsg, SpareMsg, StatusMsg
+        from rdzv_common.protocol import AckMsg, AssignedMsg, DoneMsg, JoinedMsg, RestartMsg, SpareMsg, StatusMsg
 
         heard = classify(msg)
         if heard.meaning is Meaning.NEW_NODE:

@@ -24,7 +24,7 @@ from .launch import WORKER_EXIT_RESTART
 from .workers import worker_env
 
 if TYPE_CHECKING:
-    from rdzv_server.protocol import Assignment, ExitRecord
+    from rdzv_common.protocol import Assignment, ExitRecord
 
     from .config import AgentConfig
     from .watch import WorkerWatch
@@ -152,7 +152,7 @@ class InPlace:
             return None  # the round changed meanwhile: the server knew
         if round_no != a.round or self._broken_reported == (a.round, echo):
             return None
-        from rdzv_server.protocol import ExitRecord
+        from rdzv_common.protocol import ExitRecord
 
         self._broken_reported = (a.round, echo)
         if echo:

@@ -12,13 +12,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
-from rdzv_server.errors import LEADER_HEADER, NotLeaderError, RdzvError, UnavailableError, error_from_body
-from rdzv_server.wire import printable
+from rdzv_common.errors import LEADER_HEADER, NotLeaderError, RdzvError, UnavailableError, error_from_body
+from rdzv_common.wire import printable
 
 from .endpoints import BACKOFF_MAX_S, Endpoints, backoff_delays
 
 if TYPE_CHECKING:
-    from rdzv_server.protocol import CloseResult, DeleteResult, JobList, JobView
+    from rdzv_common.protocol import CloseResult, DeleteResult, JobList, JobView
 
 # An event stream that sent nothing (not even its keep-alive comment, every 15 s) this long is dead: reconnect.
 STREAM_READ_TIMEOUT_S = 45.0
@@ -102,31 +102,31 @@ class RestClient:
         """One page of jobs (the server's default page size unless ``limit``)."""
         params = {k: v for k, v in (("state", state), ("limit", limit), ("cursor", cursor)) if v is not None}
         query = "?" + urlencode(params) if params else ""
-        from rdzv_server.protocol import JobList
+        from rdzv_common.protocol import JobList
 
         return JobList.model_validate_json(await self._call("GET", "/v1/jobs" + query))
 
     async def all_jobs(self, state: str | None = None, page: int = 1000, max_pages: int = 10_000) -> JobList:
         """Every job, ``page`` at a time; ``max_pages`` bounds the walk."""
-        from rdzv_server.protocol import JobList
+        from rdzv_common.protocol import JobList
 
         pages = await _walk(lambda cursor: self.jobs(state, page, cursor), max_pages)
         return JobList(jobs=[j for p in pages for j in p.jobs], next_cursor=pages[-1].next_cursor)
 
     async def job(self, job_id: str, limit: int | None = None) -> JobView:
         """The job's view; ``limit``: list at most this many of its nodes (all are counted)."""
-        from rdzv_server.protocol import JobView
+        from rdzv_common.protocol import JobView
 
         query = f"?limit={limit}" if limit is not None else ""
         return JobView.model_validate_json(await self._call("GET", f"/v1/jobs/{quote(job_id, safe='')}{query}"))
 
     async def close_job(self, job_id: str) -> CloseResult:
-        from rdzv_server.protocol import CloseResult
+        from rdzv_common.protocol import CloseResult
 
         return CloseResult.model_validate_json(await self._call("POST", f"/v1/jobs/{quote(job_id, safe='')}/close"))
 
     async def delete_job(self, job_id: str) -> DeleteResult:
-        from rdzv_server.protocol import DeleteResult
+        from rdzv_common.protocol import DeleteResult
 
         return DeleteResult.model_validate_json(await self._call("DELETE", f"/v1/jobs/{quote(job_id, safe='')}"))
 
@@ -137,25 +137,25 @@ class RestClient:
 
     async def hosts(self, limit: int | None = None, cursor: str | None = None) -> Any:
         """One page of host records (HostList)."""
-        from rdzv_server.protocol import HostList
+        from rdzv_common.protocol import HostList
 
         params = {k: v for k, v in (("limit", limit), ("cursor", cursor)) if v is not None}
         query = "?" + urlencode(params) if params else ""
         return HostList.model_validate_json(await self._call("GET", "/v1/hosts" + query))
 
     async def all_hosts(self, page: int = 1000, max_pages: int = 100) -> Any:
-        from rdzv_server.protocol import HostList
+        from rdzv_common.protocol import HostList
 
         pages = await _walk(lambda cursor: self.hosts(page, cursor), max_pages)
         return HostList(hosts=[h for p in pages for h in p.hosts], next_cursor=pages[-1].next_cursor)
 
     async def host(self, host: str) -> Any:
-        from rdzv_server.protocol import HostView
+        from rdzv_common.protocol import HostView
 
         return HostView.model_validate_json(await self._call("GET", f"/v1/hosts/{quote(host, safe='')}"))
 
     async def cordon(self, host: str, reason: str, ttl_s: float | None = None, drain: bool = False) -> Any:
-        from rdzv_server.protocol import HostView
+        from rdzv_common.protocol import HostView
 
         body: dict[str, Any] = {"reason": reason, "drain": drain}
         if ttl_s is not None:
@@ -163,13 +163,13 @@ class RestClient:
         return HostView.model_validate_json(await self._send_json(f"/v1/hosts/{quote(host, safe='')}/cordon", body))
 
     async def uncordon(self, host: str) -> Any:
-        from rdzv_server.protocol import HostView
+        from rdzv_common.protocol import HostView
 
         return HostView.model_validate_json(await self._send_json(f"/v1/hosts/{quote(host, safe='')}/uncordon", None))
 
     async def report_health(self, host: str, reason: str, job_id: str | None = None) -> Any:
         """A failed health check on ``host`` (``reason``: its last line), for the host record."""
-        from rdzv_server.protocol import HostView
+        from rdzv_common.protocol import HostView
 
         body: dict[str, Any] = {"reason": reason}
         if job_id is not None:

@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rdzv_server.errors import ErrorCode
-from rdzv_server.wire import printable
+from rdzv_common.errors import ErrorCode
+from rdzv_common.wire import printable
 
 from .session import Meaning, classify
 

@@ -42,11 +42,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rdzv_server.errors import ErrorCode, RdzvError
-from rdzv_server.wire import join_fields, printable
+from rdzv_common.errors import ErrorCode, RdzvError
+from rdzv_common.wire import join_fields, printable
 
 if TYPE_CHECKING:
-    from rdzv_server.protocol import Assignment, ExitRecord, JobSpec
+    from rdzv_common.protocol import Assignment, ExitRecord, JobSpec
 
     from .client import AgentLink
 
@@ -89,7 +89,7 @@ class Heard:
 def classify(msg: Any) -> Heard:
     """What ``msg`` (a protocol model from the link, or its RdzvError) means:
     the one place that says which codes make a new node."""
-    from rdzv_server.protocol import ErrorMsg, EvictedMsg
+    from rdzv_common.protocol import ErrorMsg, EvictedMsg
 
     if isinstance(msg, EvictedMsg):
         return Heard(Meaning.NEW_NODE, msg, None, msg.reason)
@@ -218,7 +218,7 @@ class NodeSession:
         """A server message, as the link received it (before the agent or the
         plugin sees it): a ``joined`` names the run and issues this node's secret,
         and the intent the link re-sends after a reconnect carries them from now on."""
-        from rdzv_server.protocol import JoinedMsg
+        from rdzv_common.protocol import JoinedMsg
 
         if not isinstance(msg, JoinedMsg):
             return
@@ -290,18 +290,18 @@ class NodeSession:
     def report_failed(self, round_no: int, failures: list[ExitRecord], give_up: bool = False) -> None:
         """``give_up``: this node's launcher stops for good after the failure
         (torchrun's own budget is spent): the server fails the job for every node."""
-        from rdzv_server.protocol import FailedMsg
+        from rdzv_common.protocol import FailedMsg
 
         self.link.report(FailedMsg(round=round_no, failures=failures, give_up=give_up))
 
     def report_succeeded(self, round_no: int) -> None:
-        from rdzv_server.protocol import SucceededMsg
+        from rdzv_common.protocol import SucceededMsg
 
         self.link.report(SucceededMsg(round=round_no))
 
     def leave(self, reason: str) -> None:
         """Leave the job for good: no join after a reconnect."""
-        from rdzv_server.protocol import LeaveMsg
+        from rdzv_common.protocol import LeaveMsg
 
         self.link.set_intent(None, send=False)
         self.link.report(LeaveMsg(reason=reason))

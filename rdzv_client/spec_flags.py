@@ -1,5 +1,5 @@
 """The job spec's side of the command line, from the one table
-(:data:`rdzv_server.spec_table.SPEC_FIELDS`): rdzv-agent's flags for the spec's
+(:data:`rdzv_common.spec_table.SPEC_FIELDS`): rdzv-agent's flags for the spec's
 fields, the ``--rdzv-conf`` keys that set them (rdzv-agent's and the torchrun
 plugin's), and the checked spec built from them, once.
 
@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from rdzv_server.spec_table import SAME, SPEC_FIELDS, SpecField, check_spec
+from rdzv_common.spec_table import SAME, SPEC_FIELDS, SpecField, check_spec
 
 from .torchrun_flags import pet
 

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import TextIO, cast
 
-from rdzv_server import logs
+from rdzv_common import logs
 
 
 class StatusLine:

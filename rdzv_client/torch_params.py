@@ -14,7 +14,7 @@ import time
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from rdzv_server.protocol import MAX_ERROR_MESSAGE, MAX_FAILURES_PER_REPORT, ExitRecord, is_valid_id, printable
+from rdzv_common.protocol import MAX_ERROR_MESSAGE, MAX_FAILURES_PER_REPORT, ExitRecord, is_valid_id, printable
 
 from .config import UsageError, parse_nnodes
 from .exits import read_error_file
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
-    from rdzv_server.protocol import Assignment
+    from rdzv_common.protocol import Assignment
 
 log = logging.getLogger("rdzv_client.torch_plugin")  # the plugin's lines, under its name
 

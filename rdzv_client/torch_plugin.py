@@ -81,7 +81,7 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
-from rdzv_server.protocol import (
+from rdzv_common.protocol import (
     AckMsg,
     AssignedMsg,
     Assignment,
@@ -99,7 +99,7 @@ from rdzv_server.protocol import (
     job_secret_problem,
     printable,
 )
-from rdzv_server.tasks import cancel_and_wait
+from rdzv_common.tasks import cancel_and_wait
 
 from . import secret_source
 from .client import AgentLink

@@ -9,7 +9,7 @@ import argparse
 import os
 from typing import TypeVar, overload
 
-from rdzv_server.spec_table import SPEC_FIELDS
+from rdzv_common.spec_table import SPEC_FIELDS
 
 # --rdzv-conf keys rdzv-agent reads: the spec's that the table marks (torchrun's own), and its own;
 # every other key is named in a note

@@ -16,17 +16,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-# Not rdzv_server.protocol (pydantic) at import: the agent imports this before its first join.
-from rdzv_server.errors import MAX_ERROR_MESSAGE
-from rdzv_server.spec_table import DEFAULT_STRAGGLER_WINDOW_S
-from rdzv_server.wire import MAX_TIMING_WINDOW_S, MAX_TIMINGS, printable
+# Not rdzv_common.protocol (pydantic) at import: the agent imports this before its first join.
+from rdzv_common.errors import MAX_ERROR_MESSAGE
+from rdzv_common.spec_table import DEFAULT_STRAGGLER_WINDOW_S
+from rdzv_common.wire import MAX_TIMING_WINDOW_S, MAX_TIMINGS, printable
 
 from . import channel_grammar as grammar
 from .channel import FileTimerServer, WorkerChannel
 from .nccl_trace import RasWatch
 
 if TYPE_CHECKING:
-    from rdzv_server.protocol import Assignment, ExitRecord
+    from rdzv_common.protocol import Assignment, ExitRecord
 
     from .client import AgentLink
     from .config import AgentConfig
@@ -116,7 +116,7 @@ class WorkerWatch:
             lagging, said = self.ras.lagging if group is not None else [], self._lag_sent
             if sample is not None or lagging or said:
                 self._progress_sent_at, self._lag_sent = now, bool(lagging)
-                from rdzv_server.protocol import HeartbeatMsg, RankLag, RankTiming
+                from rdzv_common.protocol import HeartbeatMsg, RankLag, RankTiming
 
                 lag = [
                     RankLag(local_rank=lr, share=f.share, readings=f.samples, behind=min(f.behind, 2**53),
@@ -134,7 +134,7 @@ class WorkerWatch:
     async def dump_hung(self, a: Assignment, group: WorkerGroup, hung: list[int], now: float) -> list[ExitRecord]:
         """Say which workers hung and dump every local worker's stack into the
         log; the ``hang`` records to report once the workers are stopped."""
-        from rdzv_server.protocol import ExitRecord  # loaded once the join is out
+        from rdzv_common.protocol import ExitRecord  # loaded once the join is out
 
         cfg = self.cfg
         records: list[ExitRecord] = []

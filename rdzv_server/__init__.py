@@ -1,3 +1,2 @@
-"""rdzv's rendezvous server; ``__version__`` is the one version of rdzv (pyproject reads it)."""
-
-__version__ = "0.1.0"
+"""rdzv's rendezvous server. What it shares with the client (the wire contract, errors, log lines,
+the version) lives in :mod:`rdzv_common`."""

@@ -13,7 +13,8 @@ from typing import TextIO, cast
 
 from aiohttp import web
 
-from . import logs
+from rdzv_common import logs
+
 from .app import Settings, create_app
 from .auth import is_loopback
 from .conns import (

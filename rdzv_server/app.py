@@ -14,7 +14,34 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from pydantic.json_schema import models_json_schema
 
-from . import __version__, auth, handlers, rounds, sse, ui
+from rdzv_common import __version__
+from rdzv_common.protocol import (
+    AGENT_PATH,
+    DEFAULT_PAGE,
+    HOST_PATTERN,
+    ID_PATTERN,
+    LEADER_HEADER,
+    MAX_BODY_BYTES,
+    MAX_ID_LEN,
+    MAX_PAGE,
+    CloseResult,
+    CordonRequest,
+    DeleteResult,
+    ErrorBody,
+    ErrorCode,
+    Health,
+    HealthReport,
+    HostList,
+    HostView,
+    JobList,
+    JobState,
+    JobView,
+    RdzvError,
+    printable,
+)
+from rdzv_common.tasks import cancel_and_wait
+
+from . import auth, handlers, rounds, sse, ui
 from .audit import Audit
 from .auth import Auth
 from .auth import error as _error
@@ -47,30 +74,6 @@ from .keys import (
     STORE,
 )
 from .metrics import Metrics
-from .protocol import (
-    AGENT_PATH,
-    DEFAULT_PAGE,
-    HOST_PATTERN,
-    ID_PATTERN,
-    LEADER_HEADER,
-    MAX_BODY_BYTES,
-    MAX_ID_LEN,
-    MAX_PAGE,
-    CloseResult,
-    CordonRequest,
-    DeleteResult,
-    ErrorBody,
-    ErrorCode,
-    Health,
-    HealthReport,
-    HostList,
-    HostView,
-    JobList,
-    JobState,
-    JobView,
-    RdzvError,
-    printable,
-)
 from .quotas import (
     DEFAULT_WAITING_JOBS_PER_ADDRESS,
     HEALTH_REPORT_BURST,
@@ -85,7 +88,6 @@ from .store_settings import (
     DEFAULT_RETAIN_FINISHED_S,
     StoreSettings,
 )
-from .tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +289,7 @@ def openapi_document() -> dict[str, Any]:
             "title": "rdzv",
             "version": __version__,
             "description": "Rendezvous server for elastic PyTorch training. Agents use the "
-            f"WebSocket at {AGENT_PATH}; see rdzv_server/protocol.py.",
+            f"WebSocket at {AGENT_PATH}; see rdzv_common/protocol.py.",
         },
         "components": {"schemas": schemas, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "paths": {

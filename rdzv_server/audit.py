@@ -14,8 +14,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from .logs import extra
-from .protocol import printable
+from rdzv_common.logs import extra
+from rdzv_common.protocol import printable
 
 PER_WINDOW = 10
 WINDOW_S = 10.0
@@ -56,7 +56,7 @@ class Audit:
 
     def event(self, kind: str, text: str) -> None:
         """Log ``text`` (escaped, one line) unless ``kind`` used up its window.
-        A :class:`~rdzv_server.logs.Line` keeps its fields in the json format."""
+        A :class:`~rdzv_common.logs.Line` keeps its fields in the json format."""
         now = self.clock()
         w = self._kinds.get(kind)
         if w is not None and now - w.start >= self.window_s:

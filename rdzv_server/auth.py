@@ -46,8 +46,9 @@ from enum import Enum
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from rdzv_common.protocol import AGENT_PATH, MAX_ERROR_MESSAGE, ErrorBody, ErrorCode, printable
+
 from .audit import Audit
-from .protocol import AGENT_PATH, MAX_ERROR_MESSAGE, ErrorBody, ErrorCode, printable
 from .throttle import AuthThrottle
 
 MIN_TOKEN_LEN = 16  # characters, for --token and --operator-token (the server refuses to start otherwise)

@@ -50,8 +50,8 @@ from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from .liveness import keep_alive
-from .protocol import MAX_BODY_BYTES, ErrorBody, ErrorCode, printable
+from rdzv_common.liveness import keep_alive
+from rdzv_common.protocol import MAX_BODY_BYTES, ErrorBody, ErrorCode, printable
 
 log = logging.getLogger("rdzv_server")
 

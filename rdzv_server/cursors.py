@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
-from .protocol import ErrorCode, RequestError, is_valid_host, is_valid_id
+from rdzv_common.protocol import ErrorCode, RequestError, is_valid_host, is_valid_id
 
 MAX_CURSOR_LEN = 512
 

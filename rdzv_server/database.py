@@ -16,9 +16,10 @@ import os
 import sqlite3
 from pathlib import Path
 
+from rdzv_common.protocol import RdzvError
+
 from . import joblog, rounds
 from .hosts import HostRecord
-from .protocol import RdzvError
 from .rounds import Job
 
 

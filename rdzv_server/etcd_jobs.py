@@ -18,9 +18,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from rdzv_common.wire import printable
+
 from . import etcd, joblog, rounds
 from .rounds import Job
-from .wire import printable
 
 
 class StateError(Exception):

@@ -38,10 +38,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rdzv_common.sizes import clip
+from rdzv_common.wire import printable
+
 from .conns import LogLimiter
 from .rounds.events import MAX_FAILURES, failure_fields  # noqa: F401  (re-exported)
-from .sizes import clip
-from .wire import printable
 
 log = logging.getLogger("rdzv_server.events")
 

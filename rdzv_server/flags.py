@@ -10,7 +10,9 @@ import os
 import ssl
 from pathlib import Path
 
-from . import __version__, help_format, logs
+from rdzv_common import __version__, help_format, logs
+from rdzv_common.durations import parse_duration
+
 from .app import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_JOIN_DEADLINE_S, MIN_IDLE_TIMEOUT_S, Settings
 from .auth import is_loopback, token_problem
 from .conns import (
@@ -30,7 +32,6 @@ def default_data_dir() -> Path:
     return Path(base) / "rdzv"
 
 
-_UNITS_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
 _UNITS_B = {
     "": 1,
     "b": 1,
@@ -44,19 +45,6 @@ _UNITS_B = {
     "mib": 1024**2,
     "gib": 1024**3,
 }
-
-
-def parse_duration(text: str) -> float:
-    """``90``, ``90s``, ``30m``, ``12h``, ``7d``, ``2w`` -> seconds (> 0, at most 10 years)."""
-    t = text.strip().lower()
-    unit = t[-1:] if t[-1:] in _UNITS_S else ""
-    try:
-        value = float(t[: len(t) - len(unit)]) * _UNITS_S.get(unit, 1.0)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (e.g. 90s, 30m, 12h, 7d)") from None
-    if not 0 < value <= 10 * 365 * 86400:
-        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 and at most 10 years")
-    return value
 
 
 def parse_size(text: str) -> int:

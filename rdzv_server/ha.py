@@ -61,13 +61,14 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from rdzv_common.errors import NotLeaderError
+from rdzv_common.tasks import cancel_and_wait
+from rdzv_common.wire import printable
+
 from . import etcd, etcd_jobs, joblog
-from .errors import NotLeaderError
 from .etcd_jobs import StateError
 from .hosts import HostRecord
 from .rounds import Job
-from .tasks import cancel_and_wait
-from .wire import printable
 
 log = logging.getLogger(__name__)
 

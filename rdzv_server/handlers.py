@@ -14,13 +14,8 @@ from typing import TypeVar
 from aiohttp import WSCloseCode, WSMsgType, web
 from pydantic import BaseModel, ValidationError
 
-from . import rounds
-from .conns import LogLimiter
-from .cursors import node_page
-from .keys import AUDIT, GUESSES, HEALTH_REPORTS, IDLE_TIMEOUT, JOIN_DEADLINE, METRICS, OPENAPI, STORE
-from .logs import Line
-from .metrics import CONTENT_TYPE_LATEST
-from .protocol import (
+from rdzv_common.logs import Line
+from rdzv_common.protocol import (
     AGENT_MESSAGE,
     DEFAULT_PAGE,
     HEARTBEAT_FRAME,
@@ -52,6 +47,12 @@ from .protocol import (
     is_valid_id,
     printable,
 )
+
+from . import rounds
+from .conns import LogLimiter
+from .cursors import node_page
+from .keys import AUDIT, GUESSES, HEALTH_REPORTS, IDLE_TIMEOUT, JOIN_DEADLINE, METRICS, OPENAPI, STORE
+from .metrics import CONTENT_TYPE_LATEST
 from .quotas import FRAME_BURST, FRAME_RATE, TokenBucket
 from .silence import Silence
 from .storage import HOSTS_KEY

@@ -27,9 +27,10 @@ from prometheus_client import (
     generate_latest,
 )
 
-from . import __version__
+from rdzv_common import __version__
+from rdzv_common.protocol import JobState
+
 from .hosts import Hosts
-from .protocol import JobState
 from .rounds import Effects, Job, NodeState
 
 # no <name>_created series next to every counter and histogram: twice the series for a

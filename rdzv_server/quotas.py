@@ -27,10 +27,11 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from rdzv_common.protocol import ErrorCode, ErrorMsg, UnavailableError, printable
+
 from . import rounds
 from .conns import LogLimiter
 from .database import free_bytes
-from .protocol import ErrorCode, ErrorMsg, UnavailableError, printable
 
 if TYPE_CHECKING:
     from .store import Channel, Store

@@ -21,10 +21,11 @@ import logging
 
 from aiohttp import web
 
+from rdzv_common.protocol import ErrorCode, RequestError, UnavailableError, is_valid_id
+from rdzv_common.wire import printable
+
 from .events import EventLog, Subscriber
 from .keys import EVENTS, EVENTS_KEEPALIVE
-from .protocol import ErrorCode, RequestError, UnavailableError, is_valid_id
-from .wire import printable
 
 log = logging.getLogger(__name__)
 

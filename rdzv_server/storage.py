@@ -34,8 +34,9 @@ import sqlite3
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+from rdzv_common.protocol import ErrorCode, NotLeaderError, UnavailableError, printable
+
 from . import joblog, rounds
-from .protocol import ErrorCode, NotLeaderError, UnavailableError, printable
 
 if TYPE_CHECKING:
     from .database import Database

@@ -37,12 +37,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from . import logs, rounds
-from .database import Database, DataDirError  # noqa: F401  (DataDirError: re-exported)
-from .due import Due
-from .events import EventLog
-from .hosts import HostRecord, Hosts
-from .protocol import (
+from rdzv_common import logs
+from rdzv_common.protocol import (
     ErrorCode,
     ErrorMsg,
     EvictedError,
@@ -54,6 +50,13 @@ from .protocol import (
     UnavailableError,
     printable,
 )
+from rdzv_common.tasks import cancel_and_wait
+
+from . import rounds
+from .database import Database, DataDirError  # noqa: F401  (DataDirError: re-exported)
+from .due import Due
+from .events import EventLog
+from .hosts import HostRecord, Hosts
 from .quotas import Room
 from .rounds import Effects, Job
 from .storage import Backend, EtcdBackend, MemoryBackend, SqliteBackend, WriteError
@@ -65,7 +68,6 @@ from .store_settings import DEFAULT_MAX_WAITING_JOBS as DEFAULT_MAX_WAITING_JOBS
 from .store_settings import FAILOVER_GRACE_S
 from .store_settings import StoreSettings as StoreSettings  # re-exported
 from .suspicion import Suspicion
-from .tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from pydantic import BaseModel

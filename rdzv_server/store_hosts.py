@@ -12,10 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import rounds
-from .cursors import decode_host_cursor, encode_host_cursor
-from .hosts import HostRecord, Hosts
-from .protocol import (
+from rdzv_common.protocol import (
     ErrorCode,
     HostFailureView,
     HostView,
@@ -24,6 +21,10 @@ from .protocol import (
     is_valid_host,
     printable,
 )
+
+from . import rounds
+from .cursors import decode_host_cursor, encode_host_cursor
+from .hosts import HostRecord, Hosts
 
 if TYPE_CHECKING:
     from .events import EventLog

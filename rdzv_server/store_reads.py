@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from rdzv_common.protocol import JobNotFoundError, JobState
+
 from . import rounds
 from .cursors import paged
-from .protocol import JobNotFoundError, JobState
 from .rounds import Job
 
 if TYPE_CHECKING:
-    from .protocol import JobSummary, JobView
+    from rdzv_common.protocol import JobSummary, JobView
 
 
 class ReadsMixin:

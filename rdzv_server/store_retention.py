@@ -14,7 +14,8 @@ import heapq
 import logging
 from typing import TYPE_CHECKING
 
-from .protocol import ErrorCode, JobNotFinishedError, UnavailableError
+from rdzv_common.protocol import ErrorCode, JobNotFinishedError, UnavailableError
+
 from .storage import WriteError
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ acknowledged nothing by the deadline. The rules and the eviction are pure
 (:mod:`rdzv_server.rounds.suspicion`); this module does the I/O: the probe is a
 WebSocket ping (any client answers it; its kernel acknowledges the segment even
 when the process is frozen), the verdict is the kernel's ``tcp_info``
-(:mod:`rdzv_server.liveness`), and the deadline follows the connection's RTT.
+(:mod:`rdzv_common.liveness`), and the deadline follows the connection's RTT.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
+from rdzv_common.errors import RequestError, UnavailableError
+from rdzv_common.liveness import acked_within, rtt_s
+
 from .conns import LogLimiter
-from .errors import RequestError, UnavailableError
-from .liveness import acked_within, rtt_s
 from .rounds.suspicion import Suspicions, confirmed, probe_deadline, suspects
 
 if TYPE_CHECKING:

@@ -22,9 +22,10 @@ from importlib import resources
 
 from aiohttp import web
 
+from rdzv_common.protocol import ErrorCode, RequestError, UnauthorizedError
+
 from .auth import COOKIE
 from .keys import AUTH
-from .protocol import ErrorCode, RequestError, UnauthorizedError
 
 MAX_LOGIN_BODY = 4096
 _FILES = {

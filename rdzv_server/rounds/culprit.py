@@ -5,7 +5,7 @@ last stderr lines as its agent sent them (``ExitRecord.stderr``). The job view
 
 Client text, so bounded and made printable here, whatever the agent sent: each
 line escaped and clipped, the lines kept newest last within
-:data:`rdzv_server.sizes.MAX_TAIL_BYTES` as JSON (:func:`rdzv_server.sizes.tail_lines`,
+:data:`rdzv_common.sizes.MAX_TAIL_BYTES` as JSON (:func:`rdzv_common.sizes.tail_lines`,
 the agent's rule too). Pure.
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..protocol import ExitRecord, printable
-from ..sizes import MAX_CAUSE_BYTES, clip, tail_lines
+from rdzv_common.protocol import ExitRecord, printable
+from rdzv_common.sizes import MAX_CAUSE_BYTES, clip, tail_lines
 
 
 @dataclass

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..protocol import printable
-from ..sizes import MAX_OLD_REASON_BYTES, clip
+from rdzv_common.protocol import printable
+from rdzv_common.sizes import MAX_OLD_REASON_BYTES, clip
 
 MAX_DEPARTED = 32  # departures a job keeps, the latest
 MAX_DEPARTED_REASON_BYTES = 2 * MAX_OLD_REASON_BYTES  # a departure's reason, as JSON

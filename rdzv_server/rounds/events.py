@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..logs import Line, event_line
-from ..protocol import ExitRecord, printable
-from ..sizes import TRUNCATED, clip, tail_lines
+from rdzv_common.logs import Line, event_line
+from rdzv_common.protocol import ExitRecord, printable
+from rdzv_common.sizes import TRUNCATED, clip, tail_lines
+
 from .model import Effects, Event, Job, Node, RoundRecord, SlowRank
 
 MAX_FAILURES = 8  # exit records a node_failed event carries (a node may report one per local rank)

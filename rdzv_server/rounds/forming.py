@@ -4,7 +4,8 @@ and what each member is told. Pure, no I/O, no clock (see :mod:`.machine`).
 
 from __future__ import annotations
 
-from ..protocol import AssignedMsg, Assignment, JobState, SpareMsg
+from rdzv_common.protocol import AssignedMsg, Assignment, JobState, SpareMsg
+
 from . import events
 from .model import REJOINING, RUNNING, SPARE, WAITING, Effects, Job, Node, blocked, count, move, natural_key
 from .suspicion import watch_list

@@ -9,7 +9,8 @@ same blocks in :mod:`.joins`.
 
 from __future__ import annotations
 
-from ..protocol import SpareMsg
+from rdzv_common.protocol import SpareMsg
+
 from .events import note
 from .forming import _check_complete
 from .machine import _open_round

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hmac
 
-from ..protocol import (
+from rdzv_common.protocol import (
     AssignedMsg,
     EvictedError,
     JobFinishedError,
@@ -25,6 +25,7 @@ from ..protocol import (
     StaleRoundError,
     heartbeat_interval,
 )
+
 from . import events
 from .events import note
 from .forming import _assignment, _check_complete

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Literal
 
-from ..protocol import (
+from rdzv_common.protocol import (
     DoneMsg,
     EvictedError,
     EvictedMsg,
@@ -44,7 +44,8 @@ from ..protocol import (
     StatusMsg,
     printable,
 )
-from ..sizes import MAX_CAUSE_BYTES, MAX_REASON_BYTES, clip
+from rdzv_common.sizes import MAX_CAUSE_BYTES, MAX_REASON_BYTES, clip
+
 from . import departed, events
 from .culprit import culprit
 from .forming import _check_complete, _complete

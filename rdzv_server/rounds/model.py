@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
-from ..logs import Line
-from ..protocol import TERMINAL_STATES, JobSpec, JobState, ServerMessage
-from ..rest_models import StragglerRule
+from rdzv_common.logs import Line
+from rdzv_common.protocol import TERMINAL_STATES, JobSpec, JobState, ServerMessage
+from rdzv_common.rest_models import StragglerRule
+
 from .culprit import Culprit
 from .departed import Departure
 

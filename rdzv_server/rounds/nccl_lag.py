@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..protocol import RankLag, heartbeat_interval
+from rdzv_common.protocol import RankLag, heartbeat_interval
+
 from .events import note, straggler_flagged
 from .model import Effects, Job, Node, SlowRank
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..errors import ErrorCode, RequestError
-from ..protocol import RankLag, RankTiming
+from rdzv_common.errors import ErrorCode, RequestError
+from rdzv_common.protocol import RankLag, RankTiming
+
 from . import nccl_lag, slow_ranks
 from .events import note
 from .machine import _open_round

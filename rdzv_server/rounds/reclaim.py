@@ -6,7 +6,8 @@ and a new job arrives); this module only says what it does to the job.
 
 from __future__ import annotations
 
-from ..protocol import JobState
+from rdzv_common.protocol import JobState
+
 from .machine import _end
 from .model import Effects, Job
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..protocol import JobSpec, JobState
-from ..sizes import MAX_OLD_REASON_BYTES, RECENT_REASONS, clip
-from ..spec_table import spec_from_record, spec_record
+from rdzv_common.protocol import JobSpec, JobState
+from rdzv_common.sizes import MAX_OLD_REASON_BYTES, RECENT_REASONS, clip
+from rdzv_common.spec_table import spec_from_record, spec_record
+
 from . import culprit, departed
 from .model import Job, Node, NodeState, RoundRecord, RunRecord
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..protocol import MAX_WATCH, WatchPeer
+from rdzv_common.protocol import MAX_WATCH, WatchPeer
+
 from .model import RUNNING, Effects, Job, Node
 
 PROBE_MIN_S = 0.3  # the shortest wait for the suspect's kernel to acknowledge the probe

@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-from ..cursors import encode_offset
-from ..protocol import (
+from rdzv_common.protocol import (
     TERMINAL_STATES,
     CulpritView,
     DepartedView,
@@ -18,7 +17,9 @@ from ..protocol import (
     SlowRankView,
     WaitingInfo,
 )
-from ..sizes import clip
+from rdzv_common.sizes import clip
+
+from ..cursors import encode_offset
 from .model import REJOINING, RUNNING, SPARE, WAITING, Job, Node, count, natural_key
 
 MAX_VIEW_NODES = 10_000  # a job view lists at most this many nodes (members first, by rank)

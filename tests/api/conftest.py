@@ -11,8 +11,8 @@ from aiohttp import WSMsgType
 from aiohttp.test_utils import TestClient, TestServer
 from pydantic import BaseModel
 
+from rdzv_common.protocol import AGENT_PATH, SERVER_MESSAGE, JobSpec, JoinMsg
 from rdzv_server.app import Settings, create_app
-from rdzv_server.protocol import AGENT_PATH, SERVER_MESSAGE, JobSpec, JoinMsg
 
 TIMEOUT = 3.0  # generous bound on anything the server pushes "at once"
 

@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from rdzv_server.protocol import ExitRecord, FailedMsg
+from rdzv_common.protocol import ExitRecord, FailedMsg
 
 from .test_cli_live import CLI_TIMEOUT_S, ROOT, Server, _env, agents, rdzv, server  # noqa: F401 - fixtures
 
@@ -138,7 +138,7 @@ async def test_nodes_of_an_ended_job_do_not_read_running(server: Server, agents)
     "module,name", [("rdzv_client.cli", "rdzv"), ("rdzv_client.agent", "rdzv-agent"), ("rdzv_server", "rdzv-server")]
 )
 def test_version_everywhere(module: str, name: str) -> None:
-    from rdzv_server import __version__
+    from rdzv_common import __version__
 
     done = subprocess.run(
         [sys.executable, "-m", module, "--version"],
@@ -150,4 +150,4 @@ def test_version_everywhere(module: str, name: str) -> None:
     )
     assert (done.returncode, done.stdout, done.stderr) == (0, f"{name} {__version__}\n", ""), done
     meta = (ROOT / "pyproject.toml").read_text()
-    assert 'version = {attr = "rdzv_server.__version__"}' in meta  # one constant
+    assert 'version = {attr = "rdzv_common.__version__"}' in meta  # one constant

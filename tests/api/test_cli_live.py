@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from rdzv_server.protocol import AGENT_PATH, SERVER_MESSAGE, JobSpec, JobView, JoinMsg
+from rdzv_common.protocol import AGENT_PATH, SERVER_MESSAGE, JobSpec, JobView, JoinMsg
 from tests.helpers.procs import Server, free_port, start_server
 
 pytestmark = pytest.mark.timeout(30)

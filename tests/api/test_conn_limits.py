@@ -9,9 +9,9 @@ import asyncio
 
 from aiohttp import WSCloseCode, WSMsgType
 
+from rdzv_common.protocol import AGENT_PATH, SERVER_MESSAGE, HeartbeatMsg, LeaveMsg
 from rdzv_server import handlers
 from rdzv_server.app import Settings
-from rdzv_server.protocol import AGENT_PATH, SERVER_MESSAGE, HeartbeatMsg, LeaveMsg
 
 from .conftest import Agent, join_msg
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import aiohttp
 
+from rdzv_common.protocol import AGENT_PATH, SERVER_MESSAGE, JobSpec, JoinMsg
 from rdzv_server.embedded import start_embedded
-from rdzv_server.protocol import AGENT_PATH, SERVER_MESSAGE, JobSpec, JoinMsg
 
 
 async def test_an_embedded_server_listens_on_the_port_it_returns_and_forms_a_round() -> None:

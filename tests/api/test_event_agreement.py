@@ -11,9 +11,9 @@ import logging
 
 import pytest
 
+from rdzv_common.logs import EVENTS, JsonFormatter
+from rdzv_common.protocol import ExitRecord, FailedMsg, HeartbeatMsg, JobSpec, LeaveMsg, RankTiming, SucceededMsg
 from rdzv_server.app import Settings
-from rdzv_server.logs import EVENTS, JsonFormatter
-from rdzv_server.protocol import ExitRecord, FailedMsg, HeartbeatMsg, JobSpec, LeaveMsg, RankTiming, SucceededMsg
 from tests.api.conftest import join_msg
 from tests.api.test_events import open_stream
 

@@ -14,11 +14,11 @@ import sqlite3
 
 import aiohttp
 
+from rdzv_common.protocol import ExitRecord, FailedMsg, JobSpec
+from rdzv_common.sizes import MAX_REASON_BYTES, TRUNCATED, json_len
 from rdzv_server.app import Settings
 from rdzv_server.events import MAX_EVENT_BYTES
 from rdzv_server.keys import EVENTS
-from rdzv_server.protocol import ExitRecord, FailedMsg, JobSpec
-from rdzv_server.sizes import MAX_REASON_BYTES, TRUNCATED, json_len
 from rdzv_server.sse import MAX_SINCE_BYTES
 from tests.api.conftest import join_msg
 from tests.api.test_events import open_stream

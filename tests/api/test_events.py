@@ -9,9 +9,9 @@ import json
 import socket
 import sqlite3
 
+from rdzv_common.protocol import ExitRecord, FailedMsg, JobSpec, SucceededMsg
 from rdzv_server.app import Settings
 from rdzv_server.keys import EVENTS, STORE
-from rdzv_server.protocol import ExitRecord, FailedMsg, JobSpec, SucceededMsg
 from tests.api.conftest import TIMEOUT, form, join_msg
 
 DEADLINE = 10.0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from rdzv_client.cli import render_job
-from rdzv_server.protocol import MAX_STDERR_LINE, MAX_STDERR_LINES, ExitRecord, FailedMsg, JobView, LeaveMsg
+from rdzv_common.protocol import MAX_STDERR_LINE, MAX_STDERR_LINES, ExitRecord, FailedMsg, JobView, LeaveMsg
 from tests.api.conftest import form, join_msg
 from tests.api.test_events import open_stream
 from tests.api.test_rest import get_json, wait_for_job
@@ -87,7 +87,7 @@ async def test_nodes_that_left_stay_listed_with_when_and_why(client, connect):
 async def test_an_in_place_store_port_taken_re_forms_without_a_charge(client, connect):
     """Rank 0's worker could not bind the round's store port (another process took
     it): not the training's fault. A new round, nothing charged, no host cool-down."""
-    from rdzv_server.protocol import JobSpec
+    from rdzv_common.protocol import JobSpec
 
     spec = JobSpec(min_nodes=2, max_nodes=2, max_restarts=0, restart_mode="in-place")
     agents = [await connect() for _ in range(2)]

@@ -9,9 +9,9 @@ import threading
 
 from openapi_spec_validator import validate
 
+from rdzv_common.protocol import ID_PATTERN, SucceededMsg
 from rdzv_server.app import Settings, openapi_document
 from rdzv_server.keys import METRICS
-from rdzv_server.protocol import ID_PATTERN, SucceededMsg
 
 from .conftest import form, join_msg
 
@@ -196,8 +196,8 @@ async def test_the_rest_client_walks_every_page(client, connect):
 async def test_job_view_is_bounded(client, connect, monkeypatch):
     """A job view lists at most MAX_VIEW_NODES nodes (members by rank first) and the
     latest MAX_VIEW_HISTORY rounds, and says how many it left out."""
+    from rdzv_common.protocol import ExitRecord, FailedMsg
     from rdzv_server import rounds
-    from rdzv_server.protocol import ExitRecord, FailedMsg
 
     agents, got = await form(connect, "big", [f"node{i}" for i in range(5)])
     nodes = list(got)

@@ -9,8 +9,8 @@ import json
 import pytest
 from aiohttp import WSCloseCode, WSMsgType
 
+from rdzv_common.protocol import MAX_BODY_BYTES, ExitRecord, FailedMsg, HeartbeatMsg, JobSpec, SucceededMsg
 from rdzv_server.app import Settings
-from rdzv_server.protocol import MAX_BODY_BYTES, ExitRecord, FailedMsg, HeartbeatMsg, JobSpec, SucceededMsg
 
 from .conftest import form, join_msg
 

@@ -9,9 +9,9 @@ import logging
 
 import pytest
 
+from rdzv_common.protocol import ExitRecord, FailedMsg
 from rdzv_server.app import Settings
 from rdzv_server.hosts import HostRules
-from rdzv_server.protocol import ExitRecord, FailedMsg
 
 from .conftest import form, join_msg
 
@@ -43,7 +43,7 @@ async def until(agent, op: str):
 
 async def spare_in_2_of_2(connect, job_id: str, max_restarts: int = 5, on=None):
     """node a and b run a 2:2 job, node c waits as a spare."""
-    from rdzv_server.protocol import JobSpec
+    from rdzv_common.protocol import JobSpec
 
     spec = JobSpec(min_nodes=2, max_nodes=2, max_restarts=max_restarts)
     agents = {n: await connect(on) for n in ("a", "b", "c")}

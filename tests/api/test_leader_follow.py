@@ -2,7 +2,7 @@
 agent's link, the REST client and its event stream, against the real app as
 the leader and a tiny aiohttp peer as a replica that is not the leader (it
 answers everything with 503 ``not_leader`` and, when it knows one, the
-leader's URL in ``X-Rdzv-Leader``, as the contract in rdzv_server/errors.py
+leader's URL in ``X-Rdzv-Leader``, as the contract in rdzv_common/errors.py
 says). The order of tries itself is unit-tested (tests/unit/test_endpoints.py)."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from aiohttp.test_utils import TestServer
 from rdzv_client import wsclient
 from rdzv_client.client import AgentLink
 from rdzv_client.rest import RestClient
-from rdzv_server.errors import LEADER_HEADER, NotLeaderError, UnavailableError
-from rdzv_server.protocol import AGENT_PATH, JoinedMsg
+from rdzv_common.errors import LEADER_HEADER, NotLeaderError, UnavailableError
+from rdzv_common.protocol import AGENT_PATH, JoinedMsg
 from tests.helpers.procs import free_port
 
 from .conftest import join_msg

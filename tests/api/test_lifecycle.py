@@ -8,8 +8,8 @@ import asyncio
 
 from rdzv_client.client import AgentLink
 from rdzv_client.session import NodeSession
+from rdzv_common.protocol import AGENT_PATH, ExitRecord, FailedMsg, JobSpec, SucceededMsg
 from rdzv_server.app import Settings
-from rdzv_server.protocol import AGENT_PATH, ExitRecord, FailedMsg, JobSpec, SucceededMsg
 
 from .conftest import Agent, form, join_msg
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 
-from rdzv_server.logs import JsonFormatter
+from rdzv_common.logs import JsonFormatter
 from tests.api.test_hosts import post_json
 
 

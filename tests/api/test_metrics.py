@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import asyncio
 
-from rdzv_server import __version__
+from rdzv_common import __version__
+from rdzv_common.protocol import ExitRecord, FailedMsg, HeartbeatMsg, JobState
 from rdzv_server.app import EVENTS, Settings
 from rdzv_server.metrics import Metrics
-from rdzv_server.protocol import ExitRecord, FailedMsg, HeartbeatMsg, JobState
 from rdzv_server.rounds import new_job
 from tests.helpers.promlint import lint, series, value
 

@@ -12,7 +12,7 @@ import json
 import logging
 
 from rdzv_client.cli import render_job
-from rdzv_server.protocol import HeartbeatMsg, JobSpec, JobView, RankLag
+from rdzv_common.protocol import HeartbeatMsg, JobSpec, JobView, RankLag
 
 from .conftest import form, join_msg
 from .test_events import open_stream

@@ -9,10 +9,10 @@ import asyncio
 
 import pytest
 
+from rdzv_common.protocol import SucceededMsg
 from rdzv_server.app import Settings
 from rdzv_server.guesses import DEFAULT_LIMIT
 from rdzv_server.keys import GUESSES
-from rdzv_server.protocol import SucceededMsg
 
 from .conftest import TIMEOUT, join_msg
 from .test_hostile import expect_error, snapshot
@@ -140,7 +140,7 @@ async def test_a_refused_stranger_takes_no_room_from_a_waiting_job(make_client, 
     """Ownership is checked before room is made: with --max-waiting-jobs full of a job no connected node
     holds, a stranger's join to an owned finished id is refused (job_secret_mismatch) and the waiting job
     is not closed to make room for it (issue 19 review: the room check ran first and reclaimed it)."""
-    from rdzv_server.protocol import JobSpec, LeaveMsg
+    from rdzv_common.protocol import JobSpec, LeaveMsg
 
     client = await make_client(Settings(max_waiting_jobs=1))
     await run_once(lambda: connect(on=client), "nightly", OWNER)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from rdzv_server.protocol import HeartbeatMsg, JobSpec, RankTiming
+from rdzv_common.protocol import HeartbeatMsg, JobSpec, RankTiming
 
 from .conftest import form, join_msg
 
@@ -129,7 +129,7 @@ async def test_a_slow_node_is_flagged_straggler_in_the_view_and_the_log(client, 
 
 
 async def test_a_join_with_another_hang_timeout_is_refused_naming_the_field(client, connect) -> None:
-    from rdzv_server.protocol import JobSpec
+    from rdzv_common.protocol import JobSpec
 
     from .conftest import join_msg
 

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from rdzv_common.protocol import AGENT_PATH, HEARTBEAT_FRAME, JobSpec, LeaveMsg
 from rdzv_server import handlers
 from rdzv_server.app import Settings, create_app
 from rdzv_server.conns import Listener
 from rdzv_server.hosts import HostRules
-from rdzv_server.protocol import AGENT_PATH, HEARTBEAT_FRAME, JobSpec, LeaveMsg
 from rdzv_server.quotas import HEALTH_REPORT_BURST
 
 from .conftest import Agent, join_msg

@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestServer
 
 from rdzv_client.client import AgentLink
 from rdzv_client.rest import RestClient
-from rdzv_server.errors import RdzvError
+from rdzv_common.errors import RdzvError
 
 T = 10.0  # deadline on every wait
 DEEP = b"[" * 3000  # under the link's refusal body limit, past the JSON parser's recursion limit

@@ -8,8 +8,8 @@ import sys
 import pytest
 from aiohttp import WSServerHandshakeError, web
 
+from rdzv_common.protocol import AGENT_PATH, ExitRecord, FailedMsg, LeaveMsg, SucceededMsg
 from rdzv_server.app import Settings, create_app
-from rdzv_server.protocol import AGENT_PATH, ExitRecord, FailedMsg, LeaveMsg, SucceededMsg
 from rdzv_server.store import DataDirError, Store, StoreSettings
 
 from .conftest import TIMEOUT, form, join_msg

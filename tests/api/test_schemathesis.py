@@ -19,8 +19,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from rdzv_common.protocol import AGENT_PATH, SucceededMsg
 from rdzv_server.app import openapi_document
-from rdzv_server.protocol import AGENT_PATH, SucceededMsg
 from tests.helpers.procs import start_server
 
 from .conftest import join_msg

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from rdzv_server.protocol import AGENT_PATH, HEARTBEAT_FRAME, JobSpec
+from rdzv_common.protocol import AGENT_PATH, HEARTBEAT_FRAME, JobSpec
 from rdzv_server.quotas import FRAME_BURST
 
 from .conftest import Agent, join_msg

@@ -10,7 +10,7 @@ import asyncio
 import logging
 
 from rdzv_client.cli import render_job
-from rdzv_server.protocol import HeartbeatMsg, JobSpec, JobView, RankTiming
+from rdzv_common.protocol import HeartbeatMsg, JobSpec, JobView, RankTiming
 
 from .conftest import join_msg
 from .test_events import open_stream

@@ -3,7 +3,7 @@ end the job with ``stop: "no_progress"`` and the reason, told to every agent."""
 
 from __future__ import annotations
 
-from rdzv_server.protocol import ExitRecord, FailedMsg, HeartbeatMsg, JobSpec
+from rdzv_common.protocol import ExitRecord, FailedMsg, HeartbeatMsg, JobSpec
 
 from .conftest import join_msg
 

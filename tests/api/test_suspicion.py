@@ -12,9 +12,9 @@ import asyncio
 import pytest
 from aiohttp import WSMsgType
 
+from rdzv_common.protocol import AGENT_PATH, MAX_SUSPECTS, SuspectMsg
 from rdzv_server import suspicion
 from rdzv_server.keys import STORE
-from rdzv_server.protocol import AGENT_PATH, MAX_SUSPECTS, SuspectMsg
 from rdzv_server.rounds.suspicion import PROBE_MIN_S
 
 from .conftest import TIMEOUT, Agent, join_msg

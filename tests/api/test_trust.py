@@ -10,9 +10,9 @@ import sqlite3
 
 import aiohttp
 
+from rdzv_common.protocol import AGENT_PATH, ExitRecord, FailedMsg, JobSpec, LeaveMsg, SucceededMsg
 from rdzv_server.app import Settings
 from rdzv_server.keys import AUTH, STORE
-from rdzv_server.protocol import AGENT_PATH, ExitRecord, FailedMsg, JobSpec, LeaveMsg, SucceededMsg
 from rdzv_server.throttle import DEFAULT_LIMIT
 
 from .conftest import form, join_msg

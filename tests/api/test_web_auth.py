@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 from aiohttp import WSServerHandshakeError
 
+from rdzv_common.protocol import AGENT_PATH
 from rdzv_server.app import Settings
 from rdzv_server.auth import COOKIE, SESSION_TTL_S
 from rdzv_server.keys import AUTH
-from rdzv_server.protocol import AGENT_PATH
 
 from .conftest import form, join_msg
 from .test_hostile import stable

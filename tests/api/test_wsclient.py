@@ -20,9 +20,9 @@ from aiohttp.test_utils import TestServer
 from rdzv_client import wsclient
 from rdzv_client.client import AgentLink
 from rdzv_client.session import NodeSession
+from rdzv_common.errors import ErrorCode, RdzvError
+from rdzv_common.protocol import AGENT_PATH, HEARTBEAT_FRAME, JobSpec
 from rdzv_server.app import Settings
-from rdzv_server.errors import ErrorCode, RdzvError
-from rdzv_server.protocol import AGENT_PATH, HEARTBEAT_FRAME, JobSpec
 
 from .conftest import join_msg
 

@@ -24,8 +24,8 @@ import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
+from rdzv_common.protocol import JobState
 from rdzv_server.metrics import Metrics
-from rdzv_server.protocol import JobState
 from rdzv_server.rounds import NodeState
 from tests.helpers.cluster import Cluster, managed
 from tests.helpers.promlint import lint

@@ -396,7 +396,7 @@ def test_text_from_the_network_is_escaped_on_every_agent_and_in_status(cluster: 
 
     import aiohttp
 
-    from rdzv_server.protocol import AGENT_PATH, SERVER_MESSAGE, ExitRecord, FailedMsg, JobSpec, JoinMsg
+    from rdzv_common.protocol import AGENT_PATH, SERVER_MESSAGE, ExitRecord, FailedMsg, JobSpec, JoinMsg
 
     server = cluster.start_server()
     agent = cluster.start_agent(server, "esc", "stubborn.py", "--ignore", "none", flags=("--max-restarts", "0"))

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from rdzv_server.protocol import DEFAULT_HEARTBEAT_TIMEOUT_S as HEARTBEAT_TIMEOUT_S
+from rdzv_common.protocol import DEFAULT_HEARTBEAT_TIMEOUT_S as HEARTBEAT_TIMEOUT_S
 from tests.helpers.cluster import Cluster
 from tests.helpers.procs import Proc, wait_until
 

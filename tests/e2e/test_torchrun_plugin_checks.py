@@ -44,7 +44,7 @@ class LyingServer:
     async def _start(self) -> None:
         from aiohttp import web
 
-        from rdzv_server.protocol import AGENT_PATH
+        from rdzv_common.protocol import AGENT_PATH
 
         app = web.Application()
         app.router.add_get(AGENT_PATH, self._agent)
@@ -55,7 +55,7 @@ class LyingServer:
     async def _agent(self, request):
         from aiohttp import WSMsgType, web
 
-        from rdzv_server.protocol import AssignedMsg, Assignment, JoinedMsg
+        from rdzv_common.protocol import AssignedMsg, Assignment, JoinedMsg
 
         ws = web.WebSocketResponse()
         await ws.prepare(request)

@@ -11,7 +11,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from rdzv_server.protocol import AGENT_PATH, ExitRecord, FailedMsg, JobSpec, JoinMsg, LeaveMsg
+from rdzv_common.protocol import AGENT_PATH, ExitRecord, FailedMsg, JobSpec, JoinMsg, LeaveMsg
 from tests.helpers.cluster import Cluster
 from tests.helpers.procs import wait_until
 from tests.helpers.torchrun import Rig, TorchrunProc

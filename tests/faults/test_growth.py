@@ -15,7 +15,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from rdzv_server.protocol import AGENT_PATH, ExitRecord, FailedMsg, JobSpec, JoinMsg, SucceededMsg
+from rdzv_common.protocol import AGENT_PATH, ExitRecord, FailedMsg, JobSpec, JoinMsg, SucceededMsg
 from tests.helpers.cluster import FaultCluster, Ticks
 from tests.helpers.procs import Server, free_port, wait_until
 

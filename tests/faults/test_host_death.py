@@ -8,7 +8,7 @@ assertions: the numbers are bench/host_death.py's).
 
 * one node alone (no peer can suspect it): the server's own socket to its
   agent fails at the TCP level (keep-alive + TCP_USER_TIMEOUT,
-  rdzv_server.liveness), a lost connection;
+  rdzv_common.liveness), a lost connection;
 * three nodes (in-place mode here; process mode: tests/faults/test_partition.py,
   whose heartbeat timeout is short): the cut node's peers stop hearing its agent's probe answers
   (rdzv_client.peer_probe), suspect it, and the server's probe of its

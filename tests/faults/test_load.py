@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from bench.simagents import Clients, node_specs
-from rdzv_server.protocol import AGENT_PATH
+from rdzv_common.protocol import AGENT_PATH
 from tests.helpers.cluster import FaultCluster, Ticks
 from tests.helpers.procs import free_port, wait_until
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from rdzv_server.protocol import AGENT_PATH
+from rdzv_common.protocol import AGENT_PATH
 from tests.api.conftest import Agent, join_msg
 from tests.helpers.cluster import Cluster, managed
 from tests.helpers.etcd import EtcdCluster, etcd_binary

@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from rdzv_common.protocol import JobSpec
 from rdzv_server import etcd, rounds
 from rdzv_server.app import Settings, create_app
 from rdzv_server.ha import HASettings, Replica
 from rdzv_server.keys import STORE
-from rdzv_server.protocol import JobSpec
 from tests.helpers.etcd import EtcdCluster
 from tests.unit.test_joblog import ids, kept, secrets_of
 from tests.unit.test_store_runs import Recorder, join

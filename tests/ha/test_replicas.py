@@ -38,7 +38,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from rdzv_server.protocol import AGENT_PATH, LEADER_HEADER
+from rdzv_common.protocol import AGENT_PATH, LEADER_HEADER
 from tests.api.conftest import Agent, join_msg
 from tests.ha.conftest import Agents
 from tests.helpers.etcd import EtcdCluster, b64, unb64
@@ -501,8 +501,8 @@ async def test_a_write_in_a_lost_term_is_refused_by_etcd(etcd_cluster: EtcdClust
     (the compare on the key's create revision), nothing is written, and the
     replica steps down naming the new leader. (In the process tests above the
     replica's own lease checks stop it first.)"""
+    from rdzv_common.errors import NotLeaderError
     from rdzv_server import etcd as etcd_client
-    from rdzv_server.errors import NotLeaderError
     from rdzv_server.ha import Replica as HAReplica
 
     prefix = "/fence-unit/"

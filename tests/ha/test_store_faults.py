@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from rdzv_common.protocol import AGENT_PATH
 from rdzv_server import etcd
 from rdzv_server.app import Settings, create_app
 from rdzv_server.ha import HASettings
 from rdzv_server.keys import STORE
-from rdzv_server.protocol import AGENT_PATH
 from tests.api.conftest import Agent, join_msg
 from tests.helpers.etcd import EtcdCluster
 

@@ -314,7 +314,7 @@ class _OtherPort:
 
 
 def _try_to_join_and_close(server, page) -> None:
-    from rdzv_server.protocol import JobSpec, JoinMsg
+    from rdzv_common.protocol import JobSpec, JoinMsg
 
     join = JoinMsg(
         job_id="evil-job",

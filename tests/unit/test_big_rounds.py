@@ -52,7 +52,7 @@ def test_a_big_forming_round_pushes_its_status_less_often():
     """StatusMsg goes to every waiting node at most MAX_STATUS_RATE messages a second
     in all: 1 s apart for a small round, len(waiting) / MAX_STATUS_RATE for a big one
     (every second to 16,384 nodes was 16,384 messages a second while it formed)."""
-    from rdzv_server.protocol import StatusMsg
+    from rdzv_common.protocol import StatusMsg
     from rdzv_server.rounds.machine import MAX_STATUS_RATE, STATUS_PUSH_INTERVAL_S
 
     for n in (3, int(MAX_STATUS_RATE * 3)):

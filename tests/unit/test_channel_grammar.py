@@ -8,7 +8,7 @@ import sys
 
 from rdzv_client import channel_grammar as grammar
 from rdzv_client.reform import in_place_assignment
-from rdzv_server.protocol import Assignment
+from rdzv_common.protocol import Assignment
 
 A = Assignment(
     job_id="j",
@@ -49,7 +49,8 @@ def test_the_worker_reads_the_grammar_without_importing_more_than_the_standard_l
         "from rdzv_client import worker\n"
         "from rdzv_client import channel_grammar\n"
         "print(worker.ASSIGNED_VARS == frozenset(channel_grammar.ASSIGNED_VARS), "
-        "sorted(m for m in sys.modules if m.split('.')[0] in ('rdzv_server', 'pydantic', 'aiohttp', 'torch')))\n"
+        "sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('rdzv_common', 'rdzv_server', 'pydantic', 'aiohttp', 'torch')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -7,7 +7,7 @@ import datetime as dt
 import pytest
 
 from rdzv_client import cli
-from rdzv_server.protocol import JobList, JobState, JobSummary, JobView, NodeView, RoundView, WaitingInfo
+from rdzv_common.protocol import JobList, JobState, JobSummary, JobView, NodeView, RoundView, WaitingInfo
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -15,7 +15,7 @@ DOCS = REPO / "docs"
 README_MAX_LINES = 350
 # the pages whose links are checked: README, every docs/ page, and the two other front pages
 PAGES = [README, *sorted(DOCS.glob("*.md")), REPO / "CONTRIBUTING.md", REPO / "deploy" / "README.md"]
-MODULE_DIRS = ["rdzv_server", "rdzv_server/rounds", "rdzv_client"]
+MODULE_DIRS = ["rdzv_common", "rdzv_server", "rdzv_server/rounds", "rdzv_client"]
 
 FENCE = re.compile(r"^\s*(```|~~~)")
 LINK = re.compile(r"!?\[(?:[^\]\\]|\\.)*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import json
 
-from rdzv_server import rounds
-from rdzv_server.events import MAX_EVENT_BYTES, MAX_FAILURES, EventLog, Subscriber, failure_fields
-from rdzv_server.protocol import ExitRecord, JobSpec, JoinMsg
-from rdzv_server.sizes import (
+from rdzv_common.protocol import ExitRecord, JobSpec, JoinMsg
+from rdzv_common.sizes import (
     MAX_OLD_REASON_BYTES,
     MAX_REASON_BYTES,
     RECENT_REASONS,
@@ -18,6 +16,8 @@ from rdzv_server.sizes import (
     clip,
     json_len,
 )
+from rdzv_server import rounds
+from rdzv_server.events import MAX_EVENT_BYTES, MAX_FAILURES, EventLog, Subscriber, failure_fields
 
 WIDE = "\U0001f600"  # 4 bytes of UTF-8, 12 of JSON (\ud83d\ude00)
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from rdzv_client.attempt import exit_records
 from rdzv_client.exits import ExitInfo, report_tail
 from rdzv_client.inplace_store import STORE_PORT_EXIT
-from rdzv_server.protocol import MAX_STDERR_LINE, MAX_STDERR_LINES, ExitRecord, FailedMsg
-from rdzv_server.sizes import MAX_TAIL_BYTES, json_len
+from rdzv_common.protocol import MAX_STDERR_LINE, MAX_STDERR_LINES, ExitRecord, FailedMsg
+from rdzv_common.sizes import MAX_TAIL_BYTES, json_len
 from tests.unit.test_workers import WAIT_S, assignment, make_group
 
 

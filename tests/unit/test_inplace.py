@@ -14,8 +14,8 @@ import sys
 import pytest
 
 from rdzv_client.channel import WorkerChannel
+from rdzv_common.protocol import JobSpec
 from rdzv_server import rounds
-from rdzv_server.protocol import JobSpec
 
 
 def test_in_place_spec_fields_survive_a_record_and_are_left_out_at_defaults() -> None:
@@ -146,7 +146,7 @@ def test_rounds_yields_once_outside_in_place_mode(mode: str | None) -> None:
 
 
 def _formed(ids: list[str]) -> rounds.Job:
-    from rdzv_server.protocol import JoinMsg
+    from rdzv_common.protocol import JoinMsg
 
     job = rounds.new_job("j", JobSpec(min_nodes=1, max_nodes=len(ids), restart_mode="in-place"), 0.0)
     for i, n in enumerate(ids):
@@ -161,7 +161,7 @@ def _formed(ids: list[str]) -> rounds.Job:
 
 
 def _echo(rank: int):
-    from rdzv_server.protocol import ExitRecord
+    from rdzv_common.protocol import ExitRecord
 
     return [ExitRecord(local_rank=0, rank=rank, pid=9, reason="collective", message="a collective failed", timestamp=1)]
 

@@ -21,7 +21,7 @@ from rdzv_client import inplace_nccl
 from rdzv_client.inplace_nccl import WORKER_EXIT_RESTART, recover
 from rdzv_client.launch import IN_PLACE_WORKER_ENV, in_place_env_note, worker_env
 from rdzv_client.worker import MembershipChanged
-from rdzv_server.protocol import Assignment
+from rdzv_common.protocol import Assignment
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,9 +8,8 @@ import json
 
 import pytest
 
-from rdzv_server import rounds
-from rdzv_server.logs import Line
-from rdzv_server.protocol import (
+from rdzv_common.logs import Line
+from rdzv_common.protocol import (
     DoneMsg,
     EvictedError,
     ExitRecord,
@@ -23,6 +22,7 @@ from rdzv_server.protocol import (
     JoinMsg,
     StaleRoundError,
 )
+from rdzv_server import rounds
 
 
 def spec(**kw) -> JobSpec:

@@ -18,10 +18,10 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import invariant
 
+from rdzv_common.protocol import JobSpec
 from rdzv_server import etcd, joblog, rounds
 from rdzv_server.database import Database
 from rdzv_server.ha import Replica
-from rdzv_server.protocol import JobSpec
 from rdzv_server.storage import EtcdBackend
 from rdzv_server.store import Store, StoreSettings
 from tests.unit.test_rounds_property import PHASES, RoundsMachine

@@ -1,4 +1,4 @@
-"""rdzv_server.liveness on real loopback TCP sockets: the options the server
+"""rdzv_common.liveness on real loopback TCP sockets: the options the server
 sets on every accepted socket, and what the kernel says of acknowledgements."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from rdzv_server import liveness
+from rdzv_common import liveness
 
 pytestmark = pytest.mark.skipif(not hasattr(socket, "TCP_USER_TIMEOUT"), reason="Linux TCP options")
 

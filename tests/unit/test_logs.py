@@ -12,8 +12,9 @@ import sys
 
 import pytest
 
-from rdzv_server import logs, rounds
-from rdzv_server.protocol import ExitRecord, JobSpec
+from rdzv_common import logs
+from rdzv_common.protocol import ExitRecord, JobSpec
+from rdzv_server import rounds
 from tests.unit.test_rounds import form, join_msg, rejoin, spec
 
 ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 from test_rounds import form, join_msg, record, rejoin, sent, spec
 
+from rdzv_common.errors import RequestError
+from rdzv_common.protocol import RankLag, RankTiming, RestartMsg, SpareMsg, heartbeat_interval
 from rdzv_server import rounds
-from rdzv_server.errors import RequestError
-from rdzv_server.protocol import RankLag, RankTiming, RestartMsg, SpareMsg, heartbeat_interval
 from rdzv_server.rounds import nccl_lag
 from rdzv_server.rounds.views import view
 

@@ -20,8 +20,8 @@ import pytest
 from rdzv_client.agent import EXIT_USAGE, Agent, Phase, build_parser, config_from_args
 from rdzv_client.service import refusal
 from rdzv_client.session import NEW_NODE_CODES, Meaning, NodeSession, classify
-from rdzv_server.errors import ErrorCode, RdzvError, error_from_body
-from rdzv_server.protocol import (
+from rdzv_common.errors import ErrorCode, RdzvError, error_from_body
+from rdzv_common.protocol import (
     AckMsg,
     AssignedMsg,
     Assignment,

@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from rdzv_client.torch_params import exit_records as _exit_records
-from rdzv_server.protocol import Assignment
+from rdzv_common.protocol import Assignment
 
 A = Assignment(
     job_id="j",

@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from rdzv_server.protocol import (
+from rdzv_common.protocol import (
     AGENT_MESSAGE,
     ERROR_CLASSES,
     ERROR_STATUS,
@@ -53,7 +53,7 @@ def test_bad_agent_frames_are_refused(frame):
 
 
 def test_printable_escapes_control_characters():
-    from rdzv_server.protocol import printable
+    from rdzv_common.protocol import printable
 
     assert printable("plain text: ok") == "plain text: ok"
     assert printable("forged\n2026-01-01 INFO line") == "forged\\n2026-01-01 INFO line"
@@ -71,7 +71,7 @@ def test_printable_escapes_bidi_and_invisible_characters():
     import sys
     import unicodedata
 
-    from rdzv_server.protocol import printable
+    from rdzv_common.protocol import printable
 
     assert printable("job\u202egnp.exe") == "job\\u202egnp.exe"
     assert printable("a\u200bb\u200dc\u2060d\ufeffe") == "a\\u200bb\\u200dc\\u2060d\\ufeffe"
@@ -88,18 +88,19 @@ def test_printable_escapes_bidi_and_invisible_characters():
 def test_heartbeat_frame_is_what_a_heartbeat_serializes_to():
     """The server compares frames to HEARTBEAT_FRAME before parsing: the text
     must be exactly a HeartbeatMsg's JSON, and parse back to one."""
-    from rdzv_server.protocol import HEARTBEAT_FRAME, HeartbeatMsg
+    from rdzv_common.protocol import HEARTBEAT_FRAME, HeartbeatMsg
 
     assert HeartbeatMsg().model_dump_json() == HEARTBEAT_FRAME
     assert isinstance(AGENT_MESSAGE.validate_json(HEARTBEAT_FRAME), HeartbeatMsg)
 
 
 def test_error_tree_names_every_error_class_and_protocol_reexports_them():
-    """The error tree in rdzv_server.errors lists every RdzvError subclass of
-    the server, and each is importable from rdzv_server.protocol too."""
+    """The error tree in rdzv_common.errors lists every RdzvError subclass of
+    the server, and each is importable from rdzv_common.protocol too."""
     import inspect
 
-    from rdzv_server import errors, protocol, store
+    from rdzv_common import errors, protocol
+    from rdzv_server import store
 
     classes = {
         c for m in (errors, store) for _, c in inspect.getmembers(m, inspect.isclass) if issubclass(c, errors.RdzvError)

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from rdzv_common.protocol import SERVER_MESSAGE, JobSpec, JobState, JoinMsg, UnavailableError
 from rdzv_server import rounds
 from rdzv_server.conns import DEFAULT_MAX_CONNECTIONS_PER_ADDRESS, per_address_limit
 from rdzv_server.hosts import HostRules, Hosts
-from rdzv_server.protocol import SERVER_MESSAGE, JobSpec, JobState, JoinMsg, UnavailableError
 from rdzv_server.quotas import AddressBuckets, TokenBucket
 from rdzv_server.store import Store, StoreSettings
 

@@ -16,7 +16,7 @@ import pytest
 
 from rdzv_client.exits import ExitInfo, entrypoint_name, failure_summary
 from rdzv_client.workers import LaunchConfig, WorkerGroup, describe, error_file_path, root_cause_line, worker_env
-from rdzv_server.protocol import Assignment, ExitRecord
+from rdzv_common.protocol import Assignment, ExitRecord
 
 WAIT_S = 30.0
 

@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from rdzv_server import rounds
-from rdzv_server.protocol import (
+from rdzv_common.protocol import (
     AssignedMsg,
     DoneMsg,
     EvictedError,
@@ -23,6 +22,7 @@ from rdzv_server.protocol import (
     SpecMismatchError,
     StaleRoundError,
 )
+from rdzv_server import rounds
 
 BASE = dict(
     min_nodes=2,
@@ -384,7 +384,7 @@ def test_failure_echoing_a_dropped_peer_is_charged_to_the_lost_node():
     """A worker failure reported while a member's connection is down (within its
     grace) loses that member instead: no restart is charged and the round's
     reason names the lost node, not the survivor whose collective broke."""
-    from rdzv_server.protocol import ExitRecord
+    from rdzv_common.protocol import ExitRecord
 
     job = form(["a", "b", "c"], spec(min_nodes=1, max_nodes=3, max_restarts=0))
     rounds.disconnect(job, "c", 2.0, grace_s=0.5)
@@ -399,7 +399,7 @@ def test_failure_echoing_a_dropped_peer_is_charged_to_the_lost_node():
 def test_failure_after_a_server_restart_spares_nodes_not_back_yet():
     """After a restart, members that have not reconnected yet are not taken for
     dead by a failure report: the failure is charged and they keep their timeout."""
-    from rdzv_server.protocol import ExitRecord
+    from rdzv_common.protocol import ExitRecord
 
     job = rounds.from_record(json.loads(json.dumps(rounds.to_record(form(["a", "b", "c"])))))
     rounds.restored(job, 10.0)

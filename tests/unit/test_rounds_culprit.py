@@ -5,10 +5,10 @@ process re-forming without a charge (pure: plain numbers for time)."""
 
 from __future__ import annotations
 
+from rdzv_common.protocol import ExitRecord, JobState, RestartMsg
+from rdzv_common.sizes import MAX_TAIL_BYTES, json_len
 from rdzv_server import rounds
-from rdzv_server.protocol import ExitRecord, JobState, RestartMsg
 from rdzv_server.rounds.departed import MAX_DEPARTED
-from rdzv_server.sizes import MAX_TAIL_BYTES, json_len
 from tests.unit.test_rounds import form, record, rejoin, sent, spec
 
 PORT = ExitRecord(local_rank=0, rank=0, pid=7, exit_code=76, message="StorePortTaken: ...", reason="store_port")
@@ -91,7 +91,7 @@ def test_a_hostile_failure_loop_with_tails_and_departures_keeps_the_record_under
     record stays under ~110 KiB."""
     import json
 
-    from rdzv_server.protocol import MAX_ID_LEN, MAX_STDERR_LINE, MAX_STDERR_LINES, JoinMsg
+    from rdzv_common.protocol import MAX_ID_LEN, MAX_STDERR_LINE, MAX_STDERR_LINES, JoinMsg
 
     wide = "\U0001f4a5"
     sp = spec(min_nodes=1, max_nodes=40, max_restarts=100_000, storm_restarts=0, heartbeat_timeout_s=3600.0)

@@ -4,9 +4,9 @@ failures are counted against the root cause's host only."""
 
 from __future__ import annotations
 
+from rdzv_common.protocol import AssignedMsg, ExitRecord, JobSpec, JoinMsg, RestartMsg, SpareMsg
 from rdzv_server import rounds
 from rdzv_server.hosts import HostRules, Hosts
-from rdzv_server.protocol import AssignedMsg, ExitRecord, JobSpec, JoinMsg, RestartMsg, SpareMsg
 
 SPEC = JobSpec(
     min_nodes=2,

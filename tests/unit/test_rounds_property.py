@@ -10,8 +10,7 @@ from hypothesis import Phase, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from rdzv_server import rounds
-from rdzv_server.protocol import (
+from rdzv_common.protocol import (
     AssignedMsg,
     EvictedMsg,
     ExitRecord,
@@ -20,6 +19,7 @@ from rdzv_server.protocol import (
     JoinMsg,
     RdzvError,
 )
+from rdzv_server import rounds
 
 # A small pool so that ids collide, hosts sort naturally (node2 < node10) and
 # requested ranks clash.

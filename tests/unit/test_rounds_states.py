@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 from test_rounds import form, join_msg, live_counts, record, sent, spec
 
-from rdzv_server import rounds
-from rdzv_server.protocol import (
+from rdzv_common.protocol import (
     AssignedMsg,
     EvictedError,
     ExitRecord,
@@ -21,6 +20,7 @@ from rdzv_server.protocol import (
     StaleRoundError,
     StatusMsg,
 )
+from rdzv_server import rounds
 from rdzv_server.rounds import NodeState
 
 EXIT = ExitRecord(local_rank=0, rank=0, pid=1, exit_code=1)

@@ -6,8 +6,8 @@ hard budget."""
 
 from __future__ import annotations
 
+from rdzv_common.protocol import AssignedMsg, DoneMsg, ExitRecord, JobSpec, JobState, JoinMsg, RestartMsg
 from rdzv_server import rounds
-from rdzv_server.protocol import AssignedMsg, DoneMsg, ExitRecord, JobSpec, JobState, JoinMsg, RestartMsg
 
 EXIT = [ExitRecord(local_rank=0, rank=0, pid=1, exit_code=1, message="boom")]
 

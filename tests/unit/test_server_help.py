@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from rdzv_server import help_format
+from rdzv_common import help_format
 from rdzv_server.flags import build_parser
 
 

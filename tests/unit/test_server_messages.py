@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from rdzv_client.agent import DEFAULT_SERVER_TIMEOUT_S, UsageError, build_parser, config_from_args
-from rdzv_server.protocol import SERVER_MESSAGE, Assignment
+from rdzv_common.protocol import SERVER_MESSAGE, Assignment
 
 GOOD = dict(
     job_id="j",

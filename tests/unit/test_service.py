@@ -96,7 +96,7 @@ def test_outage_is_back_only_once_the_service_held() -> None:
 
 def test_refusal_is_any_error_to_an_unanswered_join_and_any_eviction() -> None:
     from rdzv_client.service import refusal
-    from rdzv_server.protocol import ErrorCode, ErrorMsg, EvictedMsg
+    from rdzv_common.protocol import ErrorCode, ErrorMsg, EvictedMsg
 
     busy = ErrorMsg(code=ErrorCode.UNAVAILABLE, message="full\nforged line")
     assert refusal(busy, serving=False) == "join refused: unavailable: full\\nforged line"

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from rdzv_client.session import OUTAGE_LOG_EVERY_S, NodeSession, OutageWatch, host_label, new_node_id
-from rdzv_server.protocol import Assignment, ExitRecord, FailedMsg, JobSpec, JoinMsg, LeaveMsg, SucceededMsg
+from rdzv_common.protocol import Assignment, ExitRecord, FailedMsg, JobSpec, JoinMsg, LeaveMsg, SucceededMsg
 
 A = Assignment(
     job_id="j",

@@ -11,8 +11,8 @@ import random
 
 from test_rounds import form, join_msg, rejoin, sent, spec
 
+from rdzv_common.protocol import AssignedMsg, RankTiming, RestartMsg, SpareMsg
 from rdzv_server import rounds
-from rdzv_server.protocol import AssignedMsg, RankTiming, RestartMsg, SpareMsg
 from rdzv_server.rounds import slow_ranks
 from rdzv_server.rounds.views import view
 

@@ -1,4 +1,4 @@
-"""The job spec's one table (rdzv_server/spec_table.py) and what it drives:
+"""The job spec's one table (rdzv_common/spec_table.py) and what it drives:
 ``JobSpec`` held equal to it (names, order, defaults, what each field takes
 and refuses), job records, rdzv-agent's flags and ``--rdzv-conf`` keys, and the
 torchrun plugin's. Every test walks the table: a new entry is covered by them
@@ -16,9 +16,9 @@ from pydantic import ValidationError
 
 from rdzv_client.config import AgentConfig, build_parser, config_from_args
 from rdzv_client.spec_flags import SPEC_GROUP, conf_spec
+from rdzv_common.protocol import JobSpec
+from rdzv_common.spec_table import DEFAULTS, FIELDS, SAME, SPEC_FIELDS, SpecField, check_spec, spec_record
 from rdzv_server import rounds
-from rdzv_server.protocol import JobSpec
-from rdzv_server.spec_table import DEFAULTS, FIELDS, SAME, SPEC_FIELDS, SpecField, check_spec, spec_record
 
 BASE = ["--endpoint", "127.0.0.1:1", "--job-id", "j"]
 NODES = {"min_nodes": 1, "max_nodes": 2}

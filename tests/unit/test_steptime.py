@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from rdzv_client import steptime
 from rdzv_client.channel import WorkerChannel
-from rdzv_server.protocol import AGENT_MESSAGE, MAX_BODY_BYTES, MAX_TIMINGS, HeartbeatMsg, RankTiming
+from rdzv_common.protocol import AGENT_MESSAGE, MAX_BODY_BYTES, MAX_TIMINGS, HeartbeatMsg, RankTiming
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,9 +9,9 @@ import sqlite3
 
 import pytest
 
+from rdzv_common.protocol import JobSpec, JobState, UnavailableError
 from rdzv_server import rounds
 from rdzv_server.database import Database
-from rdzv_server.protocol import JobSpec, JobState, UnavailableError
 from rdzv_server.rounds import Job
 from rdzv_server.storage import MemoryBackend, SqliteBackend, WriteError, decode, record_text
 from rdzv_server.store import Store, StoreSettings

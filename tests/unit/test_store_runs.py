@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from rdzv_common.protocol import SERVER_MESSAGE, JobSpec, JoinMsg
 from rdzv_server.metrics import Metrics
-from rdzv_server.protocol import SERVER_MESSAGE, JobSpec, JoinMsg
 from rdzv_server.rounds.views import view
 from rdzv_server.store import Store, StoreSettings
 

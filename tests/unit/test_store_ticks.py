@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 
+from rdzv_common.protocol import SERVER_MESSAGE, JobSpec, JobState, JoinMsg
 from rdzv_server import rounds
 from rdzv_server import store as store_mod
-from rdzv_server.protocol import SERVER_MESSAGE, JobSpec, JobState, JoinMsg
 from rdzv_server.store import STALL_S, Store, StoreSettings
 
 
@@ -145,7 +145,7 @@ def test_refused_new_jobs_are_logged_once_per_interval(caplog):
 
     import pytest
 
-    from rdzv_server.protocol import UnavailableError
+    from rdzv_common.protocol import UnavailableError
 
     clock = [1000.0]
     store = Store(StoreSettings(max_waiting_jobs=1), clock=lambda: clock[0])

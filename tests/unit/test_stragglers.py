@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from test_rounds import form, join_msg, record, rejoin, sent, spec
 
+from rdzv_common.protocol import AssignedMsg, RestartMsg, SpareMsg, SpecMismatchError
+from rdzv_common.wire import DEFAULT_STRAGGLER_WINDOW_S as STRAGGLER_WINDOW_S
 from rdzv_server import rounds
-from rdzv_server.protocol import AssignedMsg, RestartMsg, SpareMsg, SpecMismatchError
 from rdzv_server.rounds.views import view
-from rdzv_server.wire import DEFAULT_STRAGGLER_WINDOW_S as STRAGGLER_WINDOW_S
 
 
 def _beat(job: rounds.Job, rates: dict[str, float], now: float) -> list[str]:

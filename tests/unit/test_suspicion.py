@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from rdzv_common.protocol import JobSpec, JoinMsg
 from rdzv_server import rounds
-from rdzv_server.protocol import JobSpec, JoinMsg
 from rdzv_server.rounds import suspicion as sus
 
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from rdzv_server.tasks import cancel_and_wait
+from rdzv_common.tasks import cancel_and_wait
 
 T = 5.0  # deadline on every wait
 
@@ -80,7 +80,7 @@ async def test_errors_are_logged_and_none_is_skipped(caplog: pytest.LogCaptureFi
     failed.set_name("the-failing-one")
     done = asyncio.ensure_future(asyncio.sleep(0))
     await asyncio.sleep(0.01)
-    with caplog.at_level(logging.ERROR, logger="rdzv_server.tasks"):
+    with caplog.at_level(logging.ERROR, logger="rdzv_common.tasks"):
         # and no "exception was never retrieved" (warnings are errors here)
         await asyncio.wait_for(cancel_and_wait(failed, None, done), T)
     assert failed.done() and done.done()

@@ -8,8 +8,7 @@ import json
 import pytest
 from test_rounds import EXIT, form, join_msg, record, sent, spec
 
-from rdzv_server import rounds
-from rdzv_server.protocol import (
+from rdzv_common.protocol import (
     AssignedMsg,
     ExitRecord,
     JobSecretMismatchError,
@@ -19,6 +18,7 @@ from rdzv_server.protocol import (
     SpecMismatchError,
     StaleRoundError,
 )
+from rdzv_server import rounds
 
 
 def _join(job, node_id, now, *, issue=None, **kw):

@@ -1,4 +1,4 @@
-"""rdzv_server/wire.py: the plain (pydantic-free) side of the wire contract that
+"""rdzv_common/wire.py: the plain (pydantic-free) side of the wire contract that
 the agent uses to build and send its first join, kept equal to the models of
 protocol.py; and the agent's start-up path importing neither pydantic nor
 aiohttp."""
@@ -16,8 +16,8 @@ from pydantic import ValidationError
 
 from rdzv_client.config import build_parser, config_from_args
 from rdzv_client.session import NodeSession
-from rdzv_server.protocol import MAX_NODES, MAX_RESTARTS, MAX_TIMEOUT_S, JobSpec, JoinMsg
-from rdzv_server.wire import check_spec, join_fields
+from rdzv_common.protocol import MAX_NODES, MAX_RESTARTS, MAX_TIMEOUT_S, JobSpec, JoinMsg
+from rdzv_common.wire import check_spec, join_fields
 
 INTS = [0, 1, 2, 3, MAX_NODES, MAX_NODES + 1, MAX_RESTARTS, MAX_RESTARTS + 1, -1, True, 2.0, "2", None]
 SECONDS = [0, 0.0, 1, 0.5, 6.0, MAX_TIMEOUT_S, MAX_TIMEOUT_S + 1, -1.0, math.inf, math.nan, True, "1", None]
@@ -175,7 +175,7 @@ def test_the_agent_imports_neither_pydantic_nor_aiohttp_before_its_join(tmp_path
         "a = Agent(cfg); a.session.addr = '127.0.0.1'\n"
         "json.dumps(a.session.join_msg()); AgentLink(cfg.endpoint)\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pydantic', 'aiohttp', 'yarl', 'multidict')"
-        " or m == 'rdzv_server.protocol'))\n"
+        " or m == 'rdzv_common.protocol'))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]", out.stdout
@@ -185,7 +185,7 @@ def test_a_job_secret_is_16_to_256_printable_characters_in_one_place() -> None:
     """Issue 19 item 7: the agent's check (job_secret_problem) and the server's JoinMsg agree."""
     from pydantic import ValidationError
 
-    from rdzv_server.wire import MIN_JOB_SECRET_LEN, job_secret_problem
+    from rdzv_common.wire import MIN_JOB_SECRET_LEN, job_secret_problem
 
     base = dict(job_id="j", node_id="n", host="h", addr="127.0.0.1", local_world_size=1, master_port=1)
     for secret in ("", "x", "a" * (MIN_JOB_SECRET_LEN - 1), "a" * 257, "tab\there-0123456789", "é" * 20):

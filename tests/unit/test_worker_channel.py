@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rdzv_client.channel import FileTimerServer, WorkerChannel
-from rdzv_server.protocol import AGENT_MESSAGE, HEARTBEAT_FRAME, ExitRecord, HeartbeatMsg
+from rdzv_common.protocol import AGENT_MESSAGE, HEARTBEAT_FRAME, ExitRecord, HeartbeatMsg
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,7 +30,8 @@ def _run(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 def test_worker_module_imports_only_the_standard_library() -> None:
     r = _run(
         "import sys, rdzv_client.worker\n"
-        "print(sorted(m for m in ('aiohttp', 'pydantic', 'torch', 'rdzv_server') if m in sys.modules))"
+        "print(sorted(m for m in ('aiohttp', 'pydantic', 'torch', 'rdzv_server', 'rdzv_common') "
+        "if m in sys.modules))"
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"

@@ -27,7 +27,7 @@ from rdzv_client.workers import (
     read_error_file,
     worker_env,
 )
-from rdzv_server.protocol import Assignment
+from rdzv_common.protocol import Assignment
 
 WAIT_S = 15.0
 
@@ -500,7 +500,7 @@ async def test_stderr_tail_from_redirected_file(tmp_path: Path) -> None:
 
 def test_error_message_is_trimmed(tmp_path: Path) -> None:
     """A huge traceback is cut to its head plus its last lines, within the wire's message limit."""
-    from rdzv_server.protocol import MAX_ERROR_MESSAGE
+    from rdzv_common.protocol import MAX_ERROR_MESSAGE
 
     path = tmp_path / "error.json"
     frames = "".join(f'  File "x.py", line {i}, in f{i}\n    f{i + 1}()\n' for i in range(500))

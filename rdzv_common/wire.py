@@ -1,17 +1,17 @@
 """The wire contract's plain parts: paths, limits, patterns, defaults, and the
 checks that need no pydantic.
 
-Here, not in :mod:`rdzv_server.protocol`, so that the agent can build and send
+Here, not in :mod:`rdzv_common.protocol`, so that the agent can build and send
 its first join without importing pydantic (start-up is part of recovery: an
 agent that restarts should be back in the job fast). ``protocol`` re-exports
 every name here, builds its models from them, and stays the one contract;
 tests/unit/test_wire.py checks that :func:`check_spec` and
 :func:`join_fields` agree with ``JobSpec`` and ``JoinMsg``. The job spec's
 fields, their bounds and defaults, and :func:`check_spec` live in
-:mod:`rdzv_server.spec_table` (one table), re-exported here.
+:mod:`rdzv_common.spec_table` (one table), re-exported here.
 
-This module imports nothing of ours but :mod:`rdzv_server.errors` and
-:mod:`rdzv_server.spec_table`.
+This module imports nothing of ours but :mod:`rdzv_common.errors` and
+:mod:`rdzv_common.spec_table`.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ MAX_TIMINGS = 256
 MAX_TIMING_WINDOW_S = MAX_TIMEOUT_S
 # A failure report's stderr tail (ExitRecord.stderr: the failing rank's last lines, issue 25):
 # at most MAX_STDERR_LINES lines of MAX_STDERR_LINE characters each (control characters escaped);
-# what a job keeps of it: rdzv_server.sizes.MAX_TAIL_BYTES.
+# what a job keeps of it: rdzv_common.sizes.MAX_TAIL_BYTES.
 MAX_STDERR_LINES = 20
 MAX_STDERR_LINE = 240
 

@@ -1,8 +1,8 @@
 """The wire contract between rdzv's server, its agents and its REST users.
 
 Everything that crosses the network is one of the pydantic models below. The
-client imports this module; this module imports only rdzv_server.errors and
-rdzv_server.rest_models (the REST response models, re-exported here).
+client imports this module; this module imports only rdzv_common.errors and
+rdzv_common.rest_models (the REST response models, re-exported here).
 
 Two channels:
 
@@ -22,7 +22,7 @@ Errors
 ------
 Every refusal is ``{"code": ..., "message": ...}``: the HTTP body of a 4xx, or
 an ``error`` frame on the agent channel. The codes and the exception classes
-live in :mod:`rdzv_server.errors` (re-exported here); its docstring draws the
+live in :mod:`rdzv_common.errors` (re-exported here); its docstring draws the
 error tree.
 """
 
@@ -153,7 +153,7 @@ class JobSpec(_Strict):
     Every later join must send the same spec, field for field; a join that
     differs is refused with ``spec_mismatch`` naming the field and both values.
 
-    The fields are those of :data:`rdzv_server.spec_table.SPEC_FIELDS` (the one
+    The fields are those of :data:`rdzv_common.spec_table.SPEC_FIELDS` (the one
     table: bounds, defaults, flags, records), in its order; this model gives
     them types for the code that reads them, and tests/unit/test_spec_table.py
     holds the two equal.
@@ -548,7 +548,7 @@ SERVER_MESSAGE = TypeAdapter(ServerMessage)
 
 
 # ------------------------------------------------------------------- REST
-# The response models (views, lists, results) are in rdzv_server.rest_models; a job's
+# The response models (views, lists, results) are in rdzv_common.rest_models; a job's
 # view is here because it shows the agent channel's WaitingInfo.
 
 

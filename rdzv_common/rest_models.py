@@ -2,8 +2,8 @@
 
 Read-only models the server builds (:mod:`rdzv_server.rounds.views`,
 :mod:`rdzv_server.store_hosts`) and ``rdzv`` reads back. Part of the wire
-contract: :mod:`rdzv_server.protocol` re-exports every name here, and
-:class:`~rdzv_server.protocol.JobView` (it embeds the agent channel's
+contract: :mod:`rdzv_common.protocol` re-exports every name here, and
+:class:`~rdzv_common.protocol.JobView` (it embeds the agent channel's
 ``WaitingInfo``) and the request bodies stay there.
 """
 

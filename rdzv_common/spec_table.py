@@ -1,5 +1,5 @@
 """The job spec's fields, one table: what the first join of a job fixes for its
-life (see ``JobSpec`` in :mod:`rdzv_server.protocol`).
+life (see ``JobSpec`` in :mod:`rdzv_common.protocol`).
 
 Each :class:`SpecField` says a field's name, kind and bounds, its default, the
 rdzv-agent flag that sets it (with its help), the ``--rdzv-conf`` key that sets
@@ -7,7 +7,7 @@ it under torchrun (and the plugin's own default, where it differs), and whether
 a job record leaves it out at its default. Everything else reads this table:
 
 * :func:`check_spec` (the pydantic-free check the agent runs before its first
-  join, re-exported by :mod:`rdzv_server.wire`);
+  join, re-exported by :mod:`rdzv_common.wire`);
 * the records of :mod:`rdzv_server.rounds.records` (:func:`spec_record`,
   :func:`spec_from_record`);
 * rdzv-agent's flags and the ``--rdzv-conf`` keys of both the agent and the

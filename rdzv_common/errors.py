@@ -24,7 +24,7 @@ HTTP status; the client maps codes (never messages) to its exceptions
     +-- DataDirError             (rdzv_server.store) the data directory cannot be used; no start
     +-- ...                      (transport errors live in the client)
 
-This module imports nothing of ours; :mod:`rdzv_server.protocol` re-exports all of it.
+This module imports nothing of ours; :mod:`rdzv_common.protocol` re-exports all of it.
 """
 
 from __future__ import annotations

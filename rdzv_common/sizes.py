@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from .wire import MAX_STDERR_LINE, MAX_STDERR_LINES, printable
+from rdzv_common.wire import MAX_STDERR_LINE, MAX_STDERR_LINES, printable
 
 TRUNCATED = "...[truncated]"  # the marker a clipped text ends with
 
