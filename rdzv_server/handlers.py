@@ -94,14 +94,14 @@ async def list_jobs(request: web.Request) -> web.Response:
     order = request.rel_url.query.get("order", "oldest")
     if order not in ("oldest", "newest"):
         raise RequestError(f"order {order[:64]!r} is not oldest or newest", ErrorCode.VALIDATION_ERROR)
-    jobs, next_cursor = request.app[STORE].summaries(state, limit, cursor, newest=order == "newest")
+    jobs, next_cursor = request.app[STORE].reads.summaries(state, limit, cursor, newest=order == "newest")
     return _json(JobList(jobs=jobs, next_cursor=next_cursor))
 
 
 async def get_job(request: web.Request) -> web.Response:
     job_id = _job_id(request)
     limit, offset = node_page(request.rel_url.query, rounds.MAX_VIEW_NODES)
-    return _json(request.app[STORE].view(job_id, limit, offset))
+    return _json(request.app[STORE].reads.view(job_id, limit, offset))
 
 
 async def close_job(request: web.Request) -> web.Response:
@@ -121,7 +121,7 @@ async def close_job(request: web.Request) -> web.Response:
 
 async def delete_job(request: web.Request) -> web.Response:
     store = request.app[STORE]
-    job = store.delete_job(_job_id(request))
+    job = store.retention.delete_job(_job_id(request))
     await store.flushed(job.job_id)
     request.app[AUDIT].event(
         "delete", f"job {job.job_id} ({job.state.value}) deleted on request from {printable(request.remote)}"
@@ -157,18 +157,18 @@ async def _body(request: web.Request, model: type[_M]) -> _M:
 
 async def list_hosts(request: web.Request) -> web.Response:
     limit, cursor = _limit(request)
-    hosts, next_cursor = request.app[STORE].host_views(limit, cursor)
+    hosts, next_cursor = request.app[STORE].host_side.host_views(limit, cursor)
     return _json(HostList(hosts=hosts, next_cursor=next_cursor))
 
 
 async def get_host(request: web.Request) -> web.Response:
-    return _json(request.app[STORE].host_view(request.match_info["host"]))
+    return _json(request.app[STORE].host_side.host_view(request.match_info["host"]))
 
 
 async def cordon_host(request: web.Request) -> web.Response:
     host = request.match_info["host"]
     req = await _body(request, CordonRequest)
-    view = request.app[STORE].cordon(host, req.reason, req.ttl_s, req.drain)
+    view = request.app[STORE].host_side.cordon(host, req.reason, req.ttl_s, req.drain)
     await request.app[STORE].flushed(HOSTS_KEY)
     ttl = f" for {req.ttl_s:g}s" if req.ttl_s is not None else ""
     text = (
@@ -186,7 +186,7 @@ async def uncordon_host(request: web.Request) -> web.Response:
         body = await request.read()
         if body.strip() not in (b"", b"{}"):
             raise RequestError("uncordon takes no body (or an empty JSON object)", ErrorCode.VALIDATION_ERROR)
-    view = request.app[STORE].uncordon(host)
+    view = request.app[STORE].host_side.uncordon(host)
     await request.app[STORE].flushed(HOSTS_KEY)
     text = f"host {printable(host)} uncordoned on request from {printable(request.remote)}"
     request.app[AUDIT].event("uncordon", Line(text, "host_uncordoned", host=host))
@@ -204,7 +204,7 @@ async def report_health(request: web.Request) -> web.Response:
         )
         body = ErrorBody(code=ErrorCode.RATE_LIMITED, message=why).model_dump_json()
         return web.json_response(text=body, status=429, headers={"Retry-After": reports.retry_after(remote)})
-    view = request.app[STORE].report_health(host, req.job_id, req.reason)
+    view = request.app[STORE].host_side.report_health(host, req.job_id, req.reason)
     await request.app[STORE].flushed(HOSTS_KEY)
     return _json(view)
 
@@ -213,16 +213,16 @@ async def healthz(request: web.Request) -> web.Response:
     store = request.app[STORE]
     r = store.replica
     if r is None:
-        return _json(Health(jobs=len(store.jobs), nodes=store.live_nodes()))
+        return _json(Health(jobs=len(store.jobs), nodes=store.reads.live_nodes()))
     role = "leader" if store.serving else "follower"
-    return _json(Health(jobs=len(store.jobs), nodes=store.live_nodes(), role=role, leader=r.leader_url))
+    return _json(Health(jobs=len(store.jobs), nodes=store.reads.live_nodes(), role=role, leader=r.leader_url))
 
 
 async def metrics(request: web.Request) -> web.Response:
     store = request.app[STORE]
     if store.replica is not None:
         request.app[METRICS].set_leader(store.serving)
-    request.app[METRICS].set_progress(store.since_progress())
+    request.app[METRICS].set_progress(store.reads.since_progress())
     request.app[METRICS].set_storage_requests(store.backend.requests)
     request.app[METRICS].refresh(store.jobs.values(), store.hosts, store.clock())
     body = await request.app[METRICS].render_off_loop()

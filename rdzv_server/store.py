@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import functools
-import heapq
 import logging
 import secrets
 import time
@@ -60,9 +59,9 @@ from .hosts import HostRecord, Hosts
 from .quotas import Room
 from .rounds import Effects, Job
 from .storage import Backend, EtcdBackend, MemoryBackend, SqliteBackend, WriteError
-from .store_hosts import HostsMixin
-from .store_reads import ReadsMixin
-from .store_retention import RetentionMixin
+from .store_hosts import StoreHosts
+from .store_reads import StoreReads
+from .store_retention import StoreRetention
 from .store_settings import DEFAULT_DISCONNECT_GRACE_S as DEFAULT_DISCONNECT_GRACE_S  # re-exported
 from .store_settings import DEFAULT_MAX_WAITING_JOBS as DEFAULT_MAX_WAITING_JOBS  # re-exported
 from .store_settings import FAILOVER_GRACE_S
@@ -91,10 +90,12 @@ class Channel(Protocol):
         """Close the connection so the agent reconnects."""
 
 
-class Store(HostsMixin, RetentionMixin, ReadsMixin):
+class Store:
     """Every job of one server. Methods are called from the event loop only.
-    The host records' side (cordon, health, cool-downs) is :class:`~rdzv_server.store_hosts.HostsMixin`,
-    removal of finished jobs :class:`~rdzv_server.store_retention.RetentionMixin`."""
+    Its collaborators: the host records' side (cordon, health, cool-downs) is ``host_side``
+    (:class:`~rdzv_server.store_hosts.StoreHosts`), removal of finished jobs ``retention``
+    (:class:`~rdzv_server.store_retention.StoreRetention`), what REST reads ``reads``
+    (:class:`~rdzv_server.store_reads.StoreReads`)."""
 
     def __init__(
         self,
@@ -118,12 +119,13 @@ class Store(HostsMixin, RetentionMixin, ReadsMixin):
         self._tick_task: asyncio.Task[None] | None = None
         self._last_tick = time.monotonic()
         self.due = Due()  # active jobs by the next time a tick could change them (rdzv_server.due)
-        self._ended: list[tuple[float, str]] = []  # finished jobs by end time, for retention
-        self._order: list[tuple[float, str]] = []  # every job by (created_at, job_id): listing pages
+        self.order: list[tuple[float, str]] = []  # every job by (created_at, job_id): listing pages
         self.room = Room()  # the waiting-jobs cap, per address and in total (rdzv_server.quotas)
         self.hosts = Hosts(settings.host_rules)  # host records across jobs (rdzv_server.hosts)
-        self._unblock_at: float | None = None  # when the next host block ends (hosts.next_unblock)
         self.replica: Replica | None = None  # HA (--etcd, rdzv_server.ha): this replica's leadership
+        self.host_side = StoreHosts(self)  # cordons, cool-downs, health reports; when the next block ends
+        self.retention = StoreRetention(self)  # finished jobs by end time, removed past --retain-finished
+        self.reads = StoreReads(self)  # what REST and /metrics read
         self.suspicion = Suspicion(self)  # peers' suspicions and the probes they cause (issue 23)
 
     @property
@@ -157,16 +159,16 @@ class Store(HostsMixin, RetentionMixin, ReadsMixin):
         self.jobs = jobs
         self.hosts.load(hosts)
         now = self.clock()
-        self._unblock_at = self.hosts.next_unblock(now)
+        self.host_side.rearm(now)
         for job in self.jobs.values():
             job.gate = self.hosts
-            self._order.append((job.created_at, job.job_id))
+            self.order.append((job.created_at, job.job_id))
             if not job.finished:
                 rounds.restored(job, now, extra_s)
                 self._place(job, now)
             else:
-                heapq.heappush(self._ended, (job.ended_at or job.created_at, job.job_id))
-        self._order.sort()
+                self.retention.queue(job.ended_at or job.created_at, job.job_id)
+        self.order.sort()
         if self.jobs:
             log.info(
                 "loaded %d job(s) from %s (%d active); every node has %s to reconnect",
@@ -219,9 +221,10 @@ class Store(HostsMixin, RetentionMixin, ReadsMixin):
         self.active.clear()
         self.waiting.clear()
         self.progress_jobs.clear()
-        self.due, self._ended, self._order = Due(), [], []
+        self.due, self.order = Due(), []
+        self.retention.clear()
         self.hosts = Hosts(self.settings.host_rules)
-        self._unblock_at = None
+        self.host_side.clear()
         self.events.close_all()
 
     def _write_failed(self, job_id: str, err: BaseException, requester: Channel | None = None) -> None:
@@ -266,10 +269,9 @@ class Store(HostsMixin, RetentionMixin, ReadsMixin):
             printable(str(err), 300),
         )
         self._put_back(saved, saved)
-        bisect.insort(self._order, (saved.created_at, job_id))
+        bisect.insort(self.order, (saved.created_at, job_id))
         if saved.finished:
-            due = self.clock() - self.settings.retain_finished_s + 60.0
-            heapq.heappush(self._ended, (due, job_id))
+            self.retention.queue(self.clock() - self.settings.retain_finished_s + 60.0, job_id)
 
     def reply(self, job_id: str, chan: Channel, msg: BaseModel) -> None:
         """Answer one agent (an ack) after what its report caused is written."""
@@ -313,9 +315,7 @@ class Store(HostsMixin, RetentionMixin, ReadsMixin):
                 "the server did not run for a while (stopped or starved); "
                 "every node heard from since gets a full heartbeat timeout"
             )
-        if self._unblock_at is not None and now >= self._unblock_at:
-            self._unblock_at = self.hosts.next_unblock(now)
-            self._hosts_changed(now)  # a cool-down or a cordon's ttl ended: its spares may be admitted
+        self.host_side.tick(now)  # a cool-down or a cordon's ttl ended: its spares may be admitted
         for job_id in self.due.pop(now):
             job = self.jobs.get(job_id)
             if job is None or job_id not in self.active:
@@ -327,7 +327,7 @@ class Store(HostsMixin, RetentionMixin, ReadsMixin):
             except Exception:  # a bug here must not stop the clock for this job
                 log.exception("tick of job %s failed", job_id)
                 self.due.schedule(job)
-        self._expire(now)
+        self.retention.expire(now)
 
     # ------------------------------------------------------------ agent side
 
@@ -361,7 +361,7 @@ class Store(HostsMixin, RetentionMixin, ReadsMixin):
         if created:
             self.jobs[job.job_id] = job
             self.active.add(job.job_id)
-            bisect.insort(self._order, (job.created_at, job.job_id))
+            bisect.insort(self.order, (job.created_at, job.job_id))
             fx = rounds.job_created(job).merge(fx)
         key = (job.job_id, msg.node_id)
         old = self.channels.get(key)
@@ -403,16 +403,16 @@ class Store(HostsMixin, RetentionMixin, ReadsMixin):
 
     def fail(self, job_id: str, node_id: str, round_no: int, failures: list[ExitRecord], give_up: bool = False) -> None:
         """A failure report; ``give_up``: the node's launcher stops for good (the job fails)."""
-        job, now = self._job(job_id), self.clock()
+        job, now = self.reads.job(job_id), self.clock()
         step = rounds.give_up if give_up else rounds.fail
         self._apply(job, step(job, node_id, round_no, failures, now), now)
 
     def succeed(self, job_id: str, node_id: str, round_no: int) -> None:
-        job, now = self._job(job_id), self.clock()
+        job, now = self.reads.job(job_id), self.clock()
         self._apply(job, rounds.succeed(job, node_id, round_no, now), now)
 
     def leave(self, job_id: str, node_id: str, reason: str, chan: Channel) -> None:
-        job, now = self._job(job_id), self.clock()
+        job, now = self.reads.job(job_id), self.clock()
         if self.channels.get((job_id, node_id)) is chan:
             del self.channels[(job_id, node_id)]
         self._apply(job, rounds.leave(job, node_id, reason, now), now)
@@ -433,7 +433,7 @@ class Store(HostsMixin, RetentionMixin, ReadsMixin):
     # ------------------------------------------------------------- REST side
 
     def close_job(self, job_id: str) -> Job:
-        job, now = self._job(job_id), self.clock()
+        job, now = self.reads.job(job_id), self.clock()
         self._apply(job, rounds.close(job, now), now)
         return job
 
@@ -453,7 +453,7 @@ class Store(HostsMixin, RetentionMixin, ReadsMixin):
         self.backend.after(job.job_id, functools.partial(self._publish, job, fx))
         self._place(job, now)
         for host, reason in fx.host_failures:
-            self.host_failure(host, job.job_id, reason, now)
+            self.host_side.host_failure(host, job.job_id, reason, now)
 
     def _publish(self, job: Job, fx: Effects) -> None:
         """What everyone may hear of a step once it is persisted: the step's
@@ -493,7 +493,7 @@ class Store(HostsMixin, RetentionMixin, ReadsMixin):
             self.active.discard(job.job_id)
             self.waiting.discard(job.job_id)
             self.due.discard(job.job_id)
-            self._unlist(job)
+            self.retention.unlist(job)
             return
         now = self.clock()
         rounds.restored(saved, now)
@@ -511,7 +511,7 @@ class Store(HostsMixin, RetentionMixin, ReadsMixin):
         j = job.job_id
         if job.finished:
             if j in self.active:
-                heapq.heappush(self._ended, (job.ended_at or now, j))
+                self.retention.queue(job.ended_at or now, j)
             self.active.discard(j)
             self.waiting.discard(j)
             self.due.discard(j)

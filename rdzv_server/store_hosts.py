@@ -2,14 +2,15 @@
 cordons and health reports (REST ``/v1/hosts``), kept durable and told to
 every active job (:func:`rdzv_server.rounds.hosts_changed`).
 
-:class:`HostsMixin` is a part of :class:`rdzv_server.store.Store`, split out
-to keep one module readable; it uses the store's jobs, storage backend and effects.
+:class:`StoreHosts` is a collaborator of :class:`rdzv_server.store.Store`
+(``store.host_side``), split out to keep one module readable; it owns when the
+next host block ends and uses the store's host table, jobs, storage backend and
+effects.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from rdzv_common.protocol import (
@@ -24,46 +25,51 @@ from rdzv_common.protocol import (
 
 from . import rounds
 from .cursors import decode_host_cursor, encode_host_cursor
-from .hosts import HostRecord, Hosts
+from .hosts import HostRecord
 
 if TYPE_CHECKING:
-    from .events import EventLog
-    from .rounds import Effects, Job
-    from .storage import Backend
+    from .store import Store
 
 log = logging.getLogger("rdzv_server.store")  # the store's log, as before the split
 
 
-class HostsMixin:
-    """Host records of a :class:`~rdzv_server.store.Store` (its methods run on the event loop)."""
+class StoreHosts:
+    """Host records of a :class:`~rdzv_server.store.Store` (its methods run on the event loop).
+    The store's tables are read through it each time: a step-down replaces them."""
 
-    # provided by Store
-    clock: Callable[[], float]
-    backend: Backend
-    hosts: Hosts
-    jobs: dict[str, Job]
-    active: set[str]
-    _unblock_at: float | None
-    events: EventLog
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self.unblock_at: float | None = None  # when the next host block ends (hosts.next_unblock)
 
-    if TYPE_CHECKING:
+    def rearm(self, now: float) -> None:
+        """When the next host block ends, from the host table as it is now."""
+        self.unblock_at = self._store.hosts.next_unblock(now)
 
-        def _apply(self, job: Job, fx: Effects, now: float) -> None: ...
+    def clear(self) -> None:
+        """The host table was replaced by an empty one (a step-down): no block to wait for."""
+        self.unblock_at = None
+
+    def tick(self, now: float) -> None:
+        """A cool-down or a cordon's ttl that ended: its spares may be admitted."""
+        if self.unblock_at is not None and now >= self.unblock_at:
+            self.rearm(now)
+            self._hosts_changed(now)
 
     def host_failure(self, host: str, job_id: str, reason: str, now: float | None = None) -> HostRecord | None:
         """A failure counted against ``host``; a host that reaches the limit is
         cooled down and every job hears of it (its waiting nodes become spares)."""
-        now = self.clock() if now is None else now
-        rec, cooled, evicted = self.hosts.record_failure(host, job_id, reason, now)
+        hosts = self._store.hosts
+        now = self._store.clock() if now is None else now
+        rec, cooled, evicted = hosts.record_failure(host, job_id, reason, now)
         if rec is None:
             log.warning(
                 "host table full of blocked hosts (%d): failure on %s not recorded: %s",
-                len(self.hosts.records),
+                len(hosts.records),
                 printable(host, limit=255),
                 printable(reason),
             )
             return None
-        self.backend.write_hosts([rec], evicted)
+        self._store.backend.write_hosts([rec], evicted)
         if cooled:
             log.warning(
                 "host %s cooled down: %s",
@@ -71,19 +77,20 @@ class HostsMixin:
                 printable(rec.cooled_reason),
                 extra={"rdzv": {"host": host, "reason": rec.cooled_reason}},
             )
-            self._unblock_at = self.hosts.next_unblock(now)
+            self.rearm(now)
             self._hosts_changed(now)
         return rec
 
     def _hosts_changed(self, now: float, drain: set[str] | None = None) -> None:
-        for job_id in list(self.active):
-            job = self.jobs.get(job_id)
+        store = self._store
+        for job_id in list(store.active):
+            job = store.jobs.get(job_id)
             if job is None:
                 continue
             fx = rounds.hosts_changed(job, now, drain or set())
             if fx.sends or fx.persist or fx.logs:
                 try:
-                    self._apply(job, fx, now)
+                    store._apply(job, fx, now)
                 except UnavailableError:
                     pass  # the job was put back as saved; its agents reconnect and meet the block on join
 
@@ -95,21 +102,21 @@ class HostsMixin:
         return host
 
     def host_view(self, host: str) -> HostView:
-        rec = self.hosts.get(self.check_host(host))
+        rec = self._store.hosts.get(self.check_host(host))
         if rec is None:
             raise RequestError(f"no record of host {host!r}: it had no failures and no cordon", ErrorCode.NOT_FOUND)
-        return self._host_view(rec, self.clock())
+        return self._host_view(rec, self._store.clock())
 
     def report_health(self, host: str, job_id: str | None, reason: str) -> HostView:
         """A failed health check on ``host`` (POST /v1/hosts/{host}/health)."""
         rec = self.host_failure(self.check_host(host), job_id or "-", f"health check failed: {reason}")
         if rec is None:
             raise UnavailableError(
-                f"the host table is full ({len(self.hosts.records)} records, all blocking a "
+                f"the host table is full ({len(self._store.hosts.records)} records, all blocking a "
                 "host); the report is not recorded",
                 ErrorCode.UNAVAILABLE,
             )
-        return self._host_view(rec, self.clock())
+        return self._host_view(rec, self._store.clock())
 
     @staticmethod
     def _host_view(rec: HostRecord, now: float) -> HostView:
@@ -133,33 +140,36 @@ class HostsMixin:
     def host_views(self, limit: int = 100, cursor: str | None = None) -> tuple[list[HostView], str | None]:
         """One page of host records by host name: (views, next_cursor)."""
         after = decode_host_cursor(cursor) if cursor is not None else None
-        names = sorted(h for h in self.hosts.records if after is None or h > after)
-        now = self.clock()
-        page = [self._host_view(self.hosts.records[h], now) for h in names[:limit]]
+        records = self._store.hosts.records
+        names = sorted(h for h in records if after is None or h > after)
+        now = self._store.clock()
+        page = [self._host_view(records[h], now) for h in names[:limit]]
         more = len(names) > limit
         return page, (encode_host_cursor(names[limit - 1]) if more else None)
 
     def cordon(self, host: str, reason: str, ttl_s: float | None, drain: bool) -> HostView:
-        now = self.clock()
-        rec, evicted = self.hosts.cordon(self.check_host(host), reason, ttl_s, drain, now)
+        store = self._store
+        now = store.clock()
+        rec, evicted = store.hosts.cordon(self.check_host(host), reason, ttl_s, drain, now)
         if rec is None:
             raise UnavailableError(
-                f"the host table is full ({len(self.hosts.records)} records, all cordons); uncordon a host first",
+                f"the host table is full ({len(store.hosts.records)} records, all cordons); uncordon a host first",
                 ErrorCode.UNAVAILABLE,
             )
-        self.backend.write_hosts([rec], evicted)
-        self._unblock_at = self.hosts.next_unblock(now)
-        self.events.emit("host_cordoned", None, host=host, reason=reason, ttl_s=ttl_s, drain=drain)
+        store.backend.write_hosts([rec], evicted)
+        self.rearm(now)
+        store.events.emit("host_cordoned", None, host=host, reason=reason, ttl_s=ttl_s, drain=drain)
         self._hosts_changed(now, drain={host} if drain else None)
         return self._host_view(rec, now)
 
     def uncordon(self, host: str) -> HostView:
-        now = self.clock()
-        rec = self.hosts.uncordon(self.check_host(host), now)
+        store = self._store
+        now = store.clock()
+        rec = store.hosts.uncordon(self.check_host(host), now)
         if rec is None:
             raise RequestError(f"no record of host {host!r}: it is not cordoned", ErrorCode.NOT_FOUND)
-        self.backend.write_hosts([rec], [])
-        self._unblock_at = self.hosts.next_unblock(now)
-        self.events.emit("host_uncordoned", None, host=host)
+        store.backend.write_hosts([rec], [])
+        self.rearm(now)
+        store.events.emit("host_uncordoned", None, host=host)
         self._hosts_changed(now)
         return self._host_view(rec, now)

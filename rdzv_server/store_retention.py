@@ -3,8 +3,10 @@
 request (``DELETE /v1/jobs/{job_id}``), from the database first, then memory,
 the listing order and the metric series.
 
-:class:`RetentionMixin` is a part of :class:`rdzv_server.store.Store`, split
-out to keep one module readable; it uses the store's jobs, storage backend and metrics.
+:class:`StoreRetention` is a collaborator of :class:`rdzv_server.store.Store`
+(``store.retention``), split out to keep one module readable; it owns the queue
+of finished jobs by end time and uses the store's jobs, listing order, storage
+backend and metrics.
 """
 
 from __future__ import annotations
@@ -19,38 +21,37 @@ from rdzv_common.protocol import ErrorCode, JobNotFinishedError, UnavailableErro
 from .storage import WriteError
 
 if TYPE_CHECKING:
-    from .metrics import Metrics
     from .rounds import Job
-    from .storage import Backend
-    from .store_settings import StoreSettings
+    from .store import Store
 
 log = logging.getLogger("rdzv_server.store")  # the store's log, as before the split
 
 MAX_REMOVALS_PER_TICK = 500  # finished jobs past retention, removed in one transaction per tick
 
 
-class RetentionMixin:
-    """Removal of finished jobs from a :class:`~rdzv_server.store.Store` (event loop only)."""
+class StoreRetention:
+    """Removal of finished jobs from a :class:`~rdzv_server.store.Store` (event loop only).
+    The store's tables are read through it each time: a step-down replaces them."""
 
-    # provided by Store
-    settings: StoreSettings
-    backend: Backend
-    metrics: Metrics | None
-    jobs: dict[str, Job]
-    _ended: list[tuple[float, str]]
-    _order: list[tuple[float, str]]
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._ended: list[tuple[float, str]] = []  # finished jobs by end time (or when due again)
 
-    if TYPE_CHECKING:
+    def queue(self, at: float, job_id: str) -> None:
+        """``job_id`` ended at ``at`` (or is due for removal again as if it had)."""
+        heapq.heappush(self._ended, (at, job_id))
 
-        def _job(self, job_id: str) -> Job: ...
+    def clear(self) -> None:
+        self._ended = []
 
-    def _expire(self, now: float) -> None:
+    def expire(self, now: float) -> None:
         """Remove finished jobs that ended more than --retain-finished ago."""
-        limit = now - self.settings.retain_finished_s
+        store = self._store
+        limit = now - store.settings.retain_finished_s
         expired: list[Job] = []
         while self._ended and self._ended[0][0] <= limit and len(expired) < MAX_REMOVALS_PER_TICK:
             _, job_id = heapq.heappop(self._ended)
-            job = self.jobs.get(job_id)
+            job = store.jobs.get(job_id)
             if job is not None and job.finished and (job.ended_at or job.created_at) <= limit:
                 expired.append(job)
         if not expired:
@@ -61,7 +62,7 @@ class RetentionMixin:
             log.error(
                 "cannot remove %d finished job(s) from %s: %s; trying again in a minute",
                 len(expired),
-                self.backend.where,
+                store.backend.where,
                 e,
             )
             for job in expired:  # due again in 60 s
@@ -71,30 +72,32 @@ class RetentionMixin:
         log.info(
             "removed %d finished job(s) older than --retain-finished %gs: %s",
             len(expired),
-            self.settings.retain_finished_s,
+            store.settings.retain_finished_s,
             shown,
         )
 
     def _remove(self, jobs: list[Job]) -> None:
         """Forget finished jobs: storage first (raises WriteError when that fails
         at once; etcd: queued behind the jobs' writes), then memory and metric series."""
-        self.backend.remove_jobs([j.job_id for j in jobs])
+        store = self._store
+        store.backend.remove_jobs([j.job_id for j in jobs])
         for job in jobs:
-            self.jobs.pop(job.job_id, None)
-            self._unlist(job)
-            if self.metrics:
-                self.metrics.forget(job.job_id)
+            store.jobs.pop(job.job_id, None)
+            self.unlist(job)
+            if store.metrics:
+                store.metrics.forget(job.job_id)
 
-    def _unlist(self, job: Job) -> None:
-        """Take the job out of the listing order (O(log n) to find it)."""
+    def unlist(self, job: Job) -> None:
+        """Take the job out of the store's listing order (O(log n) to find it)."""
+        order = self._store.order
         key = (job.created_at, job.job_id)
-        i = bisect.bisect_left(self._order, key)
-        if i < len(self._order) and self._order[i] == key:
-            del self._order[i]
+        i = bisect.bisect_left(order, key)
+        if i < len(order) and order[i] == key:
+            del order[i]
 
     def delete_job(self, job_id: str) -> Job:
         """Forget a finished job (its view, its row, its metric series)."""
-        job = self._job(job_id)
+        job = self._store.reads.job(job_id)
         if not job.finished:
             raise JobNotFinishedError(
                 f"job {job_id!r} is {job.state.value}; close it first (rdzv close {job_id}, "

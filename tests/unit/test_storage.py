@@ -109,7 +109,7 @@ def test_a_new_job_whose_write_fails_is_forgotten_and_its_agent_told_why() -> No
     chan = Closing()
     with pytest.raises(UnavailableError):
         store.join(join("a", JobSpec(min_nodes=1, max_nodes=1)), chan)
-    assert "j" not in store.jobs and "j" not in store.active and not store.summaries()[0]
+    assert "j" not in store.jobs and "j" not in store.active and not store.reads.summaries()[0]
     assert chan.dropped and chan.msgs[-1].op == "error" and chan.msgs[-1].code == "unavailable"
 
 
@@ -120,8 +120,8 @@ def test_a_removal_that_fails_keeps_the_job() -> None:
     store.succeed("j", "a", 0)
     backend.fail = True
     with pytest.raises(UnavailableError, match="cannot delete"):
-        store.delete_job("j")
-    assert store.jobs["j"].finished and [s.job_id for s in store.summaries()[0]] == ["j"]
+        store.retention.delete_job("j")
+    assert store.jobs["j"].finished and [s.job_id for s in store.reads.summaries()[0]] == ["j"]
     backend.fail = False
-    store.delete_job("j")
+    store.retention.delete_job("j")
     assert "j" not in store.jobs and "j" not in backend.records

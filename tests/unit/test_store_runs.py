@@ -131,7 +131,7 @@ def test_since_progress_ignores_a_replaced_straggler() -> None:
                 store.heartbeat("j", n, step=1000 + t, rate=10.0)
             else:
                 store.heartbeat("j", n)
-    assert store.since_progress()["j"] < 5.0, store.since_progress()
+    assert store.reads.since_progress()["j"] < 5.0, store.reads.since_progress()
     jv = view(job, clock[0])
     shown = {n.node_id: n.since_progress_s for n in jv.nodes + jv.spares}
     assert shown["c"] is None and shown["s"] is not None and shown["s"] < 5.0, shown

@@ -167,7 +167,7 @@ def test_a_cordon_ttl_that_runs_out_admits_the_held_node_on_the_next_tick():
     clock = [1000.0]
     store = make_store(clock)
     spec = JobSpec(min_nodes=2, max_nodes=2, heartbeat_timeout_s=60.0)
-    store.cordon("b", "reboot", 30.0, False)
+    store.host_side.cordon("b", "reboot", 30.0, False)
     a, b = Recorder(), Recorder()
     store.join(join("j", "a", spec), a)
     store.join(join("j", "b", spec), b)
