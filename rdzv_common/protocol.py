@@ -1,8 +1,10 @@
 """The wire contract between rdzv's server, its agents and its REST users.
 
 Everything that crosses the network is one of the pydantic models below. The
-client imports this module; this module imports only rdzv_common.errors and
-rdzv_common.rest_models (the REST response models, re-exported here).
+client imports this module; this module imports only rdzv_common.errors,
+rdzv_common.wire, rdzv_common.fields (the strict base and bounded field types),
+rdzv_common.job_spec (JobSpec) and rdzv_common.rest_models (the REST response
+models), and re-exports their names.
 
 Two channels:
 
@@ -34,7 +36,6 @@ from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
     TypeAdapter,
@@ -64,6 +65,19 @@ from .errors import (  # noqa: F401  (re-exported: the wire contract is one impo
     UnavailableError,
     error_from_body,
 )
+from .fields import (  # noqa: F401  (re-exported: the wire contract is one import)
+    ErrorBody,
+    Host,
+    Id,
+    JobSecret,
+    Port,
+    RoundNo,
+    RunNo,
+    Seconds,
+    Secret,
+    Strict,
+)
+from .job_spec import JobSpec, heartbeat_interval  # noqa: F401  (re-exported)
 from .rest_models import (  # noqa: F401  (re-exported: the wire contract is one import)
     DEFAULT_PAGE,
     MAX_PAGE,
@@ -123,91 +137,10 @@ from .wire import (  # noqa: F401  (re-exported: the wire contract is one import
     printable,
 )
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, str_max_length=MAX_ERROR_MESSAGE)
-
-
-class ErrorBody(_Strict):
-    code: ErrorCode
-    message: str
-
-
-Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_LEN, pattern=ID_PATTERN)]
-Host = Annotated[str, Field(min_length=1, max_length=255, pattern=HOST_PATTERN)]
-Port = Annotated[int, Field(ge=1, le=65535)]
-RoundNo = Annotated[int, Field(ge=0, le=2**53)]
-RunNo = Annotated[int, Field(ge=1, le=2**53)]
-Seconds = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)]
-# Node and job secrets: printable ASCII, never shown in a repr (logs, tracebacks).
-Secret = Annotated[str, Field(min_length=1, max_length=MAX_SECRET_LEN, pattern=SECRET_PATTERN)]
-JobSecret = Annotated[str, Field(min_length=MIN_JOB_SECRET_LEN, max_length=MAX_SECRET_LEN, pattern=SECRET_PATTERN)]
-
-
-# ------------------------------------------------------------------ job spec
-
-
-class JobSpec(_Strict):
-    """What the first join of a job fixes for its life.
-
-    Every later join must send the same spec, field for field; a join that
-    differs is refused with ``spec_mismatch`` naming the field and both values.
-
-    The fields are those of :data:`rdzv_common.spec_table.SPEC_FIELDS` (the one
-    table: bounds, defaults, flags, records), in its order; this model gives
-    them types for the code that reads them, and tests/unit/test_spec_table.py
-    holds the two equal.
-    """
-
-    min_nodes: int = Field(ge=1, le=MAX_NODES)
-    max_nodes: int = Field(ge=1, le=MAX_NODES)
-    max_restarts: int = Field(default=DEFAULT_MAX_RESTARTS, ge=0, le=MAX_RESTARTS)
-    last_call_s: Seconds = DEFAULT_LAST_CALL_S
-    heartbeat_timeout_s: Seconds = DEFAULT_HEARTBEAT_TIMEOUT_S
-    join_timeout_s: Seconds = DEFAULT_JOIN_TIMEOUT_S
-    scale_up_window_s: Seconds = DEFAULT_SCALE_UP_WINDOW_S
-    # a worker that called rdzv_client.worker.progress() and then goes this long
-    # without another call is hung (see design.md "Hangs"); None: no hang detection
-    hang_timeout_s: Seconds | None = None
-    # restart storms (design.md "Restart storms"): the job fails, with stop
-    # "no_progress", when this many restarts in a row brought no progress (no step
-    # beyond the highest seen when the round started, and the round ran less than
-    # min_round_s); 0: off. --max-restarts stays the hard budget.
-    storm_restarts: int = Field(default=DEFAULT_STORM_RESTARTS, ge=0, le=MAX_RESTARTS)
-    min_round_s: Seconds = DEFAULT_MIN_ROUND_S
-    # stragglers (design.md "Hangs and progress"): a running node below
-    # straggler_fraction x the job's median steps/s for straggler_window_s is
-    # flagged; "replace": a waiting spare takes its place in a new round at once
-    # (no spare: flagged only). Left out of records at their defaults.
-    straggler_policy: Literal["warn", "replace"] = DEFAULT_STRAGGLER_POLICY
-    straggler_fraction: float = Field(default=DEFAULT_STRAGGLER_FRACTION, gt=0, le=1, allow_inf_nan=False)
-    straggler_window_s: Seconds = DEFAULT_STRAGGLER_WINDOW_S
-    # design.md "In-place re-formation": "in-place" keeps survivors' workers on a
-    # round change (they get the new assignment over the worker channel); a worker
-    # that does not reach its safe point within in_place_timeout_s is restarted
-    restart_mode: Literal["process", "in-place"] = "process"
-    in_place_timeout_s: Seconds = DEFAULT_IN_PLACE_TIMEOUT_S
-    # lock-step stragglers (design.md "Hangs and progress"): a rank whose median / own
-    # compute fraction stays below this for straggler_window_s (rounds.slow_ranks)
-    straggler_score: float = Field(default=DEFAULT_STRAGGLER_SCORE, gt=0, le=1, allow_inf_nan=False)
-
-    @model_validator(mode="after")
-    def _min_le_max(self) -> JobSpec:
-        if self.min_nodes > self.max_nodes:
-            raise ValueError(f"min_nodes ({self.min_nodes}) is greater than max_nodes ({self.max_nodes})")
-        return self
-
-
-def heartbeat_interval(spec: JobSpec) -> float:
-    """How often agents send heartbeats: a few per timeout, at most every 2 s.
-    The server says it in ``joined``; an agent uses it for its own spec until then."""
-    return heartbeat_every(spec.heartbeat_timeout_s)
-
-
 # ------------------------------------------------------- agent -> server
 
 
-class ExitRecord(_Strict):
+class ExitRecord(Strict):
     """How one worker ended: a value, not an exception (as torch's RunResult)."""
 
     local_rank: int = Field(ge=0, le=MAX_NPROC)
@@ -249,7 +182,7 @@ class ExitRecord(_Strict):
         return text
 
 
-class JoinMsg(_Strict):
+class JoinMsg(Strict):
     """Join the job's next round, or, with ``resume_round``, reconnect to the
     round this node is already running (no restart if that round still runs).
 
@@ -290,7 +223,7 @@ class JoinMsg(_Strict):
 TimingSeconds = Annotated[float, Field(ge=0, le=MAX_TIMING_WINDOW_S, allow_inf_nan=False)]
 
 
-class RankTiming(_Strict):
+class RankTiming(Strict):
     """One local rank's time over a window (``rdzv_client.steptime``): the
     seconds between two of its progress datagrams, the steps it made in them,
     and how much of them it computed and waited inside collectives (on a GPU,
@@ -304,7 +237,7 @@ class RankTiming(_Strict):
     wait_s: TimingSeconds
 
 
-class RankLag(_Strict):
+class RankLag(Strict):
     """A local rank NCCL RAS sees behind its communicator in collective count
     (``rdzv_client.nccl_trace``): behind in ``share`` of ``readings`` over ``window_s``, by up to ``behind``."""
 
@@ -315,7 +248,7 @@ class RankLag(_Strict):
     window_s: float = Field(gt=0, le=MAX_TIMING_WINDOW_S, allow_inf_nan=False)
 
 
-class HeartbeatMsg(_Strict):
+class HeartbeatMsg(Strict):
     """``{"op":"hb"}`` (HEARTBEAT_FRAME, matched without parsing), or, at most
     once per heartbeat interval from an agent whose workers call
     ``rdzv_client.worker.progress()``, the same with this node's progress: the
@@ -350,7 +283,7 @@ class HeartbeatMsg(_Strict):
         return {k: v for k, v in data.items() if v is not None}
 
 
-class FailedMsg(_Strict):
+class FailedMsg(Strict):
     """This node's workers failed in ``round``; the records say how.
 
     ``give_up``: this node's launcher stops for good after the failure (torchrun's
@@ -373,12 +306,12 @@ class FailedMsg(_Strict):
         return data
 
 
-class SucceededMsg(_Strict):
+class SucceededMsg(Strict):
     op: Literal["succeeded"] = "succeeded"
     round: RoundNo
 
 
-class LeaveMsg(_Strict):
+class LeaveMsg(Strict):
     op: Literal["leave"] = "leave"
     reason: str = Field(default="left", max_length=256)
 
@@ -387,7 +320,7 @@ MAX_SUSPECTS = 8  # peers one suspect message may name (a node watches MAX_WATCH
 MAX_WATCH = 2  # peers each member's agent probes: the next ones in group-rank order
 
 
-class SuspectMsg(_Strict):
+class SuspectMsg(Strict):
     """This node's agent stopped hearing the named peers of ``round`` (they
     answered its probes, then fell silent: rdzv_client.peer_probe). Only a
     cause for the server to probe them itself (rdzv_server.suspicion): a
@@ -407,7 +340,7 @@ AGENT_MESSAGE = TypeAdapter(AgentMessage)
 # ------------------------------------------------------- server -> agent
 
 
-class WaitingInfo(_Strict):
+class WaitingInfo(Strict):
     """Why a round is not complete yet, in words and in fields."""
 
     text: str
@@ -419,7 +352,7 @@ class WaitingInfo(_Strict):
     last_call_deadline: float | None = Field(default=None, ge=0, le=2**40, allow_inf_nan=False)
 
 
-class JoinedMsg(_Strict):
+class JoinedMsg(Strict):
     """The server took the join; ``round`` forms. Heartbeat every ``heartbeat_s``.
 
     ``node_secret`` is set only when this join created the node: keep it, and
@@ -434,7 +367,7 @@ class JoinedMsg(_Strict):
     run: RunNo = 1  # the job's run this node joined: its later joins carry it
 
 
-class StatusMsg(_Strict):
+class StatusMsg(Strict):
     """An update while the round forms (throttled)."""
 
     op: Literal["status"] = "status"
@@ -442,7 +375,7 @@ class StatusMsg(_Strict):
     waiting_for: WaitingInfo
 
 
-class WatchPeer(_Strict):
+class WatchPeer(Strict):
     """A peer whose agent this node's agent probes (UDP at ``addr:port``)."""
 
     node_id: Id
@@ -450,7 +383,7 @@ class WatchPeer(_Strict):
     port: Port
 
 
-class Assignment(_Strict):
+class Assignment(Strict):
     """Everything a node needs to start its workers for one round.
 
     Bounded and consistent: an agent takes nothing from the server that its
@@ -485,12 +418,12 @@ class Assignment(_Strict):
         return self
 
 
-class AssignedMsg(_Strict):
+class AssignedMsg(Strict):
     op: Literal["assigned"] = "assigned"
     assignment: Assignment
 
 
-class SpareMsg(_Strict):
+class SpareMsg(Strict):
     """The job is at max_nodes; wait, you replace the first node that fails.
     With ``reason``: this node's host may not be admitted now (cordoned or
     cooled down); it waits until that ends."""
@@ -500,7 +433,7 @@ class SpareMsg(_Strict):
     reason: str | None = None
 
 
-class RestartMsg(_Strict):
+class RestartMsg(Strict):
     """Round ``round`` is forming: stop your workers, then join it."""
 
     op: Literal["restart"] = "restart"
@@ -508,14 +441,14 @@ class RestartMsg(_Strict):
     reason: str
 
 
-class EvictedMsg(_Strict):
+class EvictedMsg(Strict):
     """This node is no longer part of the job: kill workers, rejoin as new."""
 
     op: Literal["evicted"] = "evicted"
     reason: str
 
 
-class DoneMsg(_Strict):
+class DoneMsg(Strict):
     """The job ended; ``state`` says how. ``root_cause`` names the first failure."""
 
     op: Literal["done"] = "done"
@@ -527,14 +460,14 @@ class DoneMsg(_Strict):
     stop: Literal["no_progress"] | None = None
 
 
-class AckMsg(_Strict):
+class AckMsg(Strict):
     """A report (failed, succeeded, leave) was recorded."""
 
     op: Literal["ack"] = "ack"
     of: str = Field(max_length=32)
 
 
-class ErrorMsg(_Strict):
+class ErrorMsg(Strict):
     op: Literal["error"] = "error"
     code: ErrorCode
     message: str
@@ -588,7 +521,7 @@ def is_valid_host(value: str) -> bool:
     return 0 < len(value) <= 255 and bool(HOST_RE.fullmatch(value))
 
 
-class CordonRequest(_Strict):
+class CordonRequest(Strict):
     """``POST /v1/hosts/{host}/cordon``: no new admissions from the host (for
     ``ttl_s`` seconds, or until uncordoned); ``drain``: replace its running
     nodes at once."""
@@ -598,7 +531,7 @@ class CordonRequest(_Strict):
     drain: bool = False
 
 
-class HealthReport(_Strict):
+class HealthReport(Strict):
     """``POST /v1/hosts/{host}/health``: an agent's health check failed on the
     host (``reason``: the check's last line); counted against the host."""
 

@@ -202,7 +202,7 @@ def test_a_round_machine_line_is_still_the_same_text():
 
 _COMPARE = r"""
 import io, logging, sys
-from rdzv_server import logs
+from rdzv_common import logs
 fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 a, b = io.StringIO(), io.StringIO()
 if sys.argv[1] == "setup":
