@@ -30,9 +30,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, TextIO
 
-# Not rdzv_common.protocol (pydantic) here: the agent sends its first join
-# without it; the link imports the models right after, and the branches below
-# that need them import them then (a dictionary look-up by that time).
+# Not rdzv_common.protocol (pydantic) here: the first join goes without it; the link
+# imports the models right after, and the branches that need them then (a dict look-up).
 from rdzv_common.wire import DEFAULT_MAX_RESTARTS, heartbeat_every, printable
 
 from . import attempt, peer_probe
@@ -70,8 +69,6 @@ if TYPE_CHECKING:
     from rdzv_common.protocol import Assignment
 
 log = logging.getLogger("rdzv_agent")
-
-# -------------------------------------------------------------------- agent
 
 
 class Agent(ServerReactions):
