@@ -161,13 +161,17 @@ def attach(session: Any, link: Any) -> PeerProbe | None:
     be bound at the node's address (its peers then never suspect it)."""
     import asyncio
 
-    from rdzv_common.protocol import AssignedMsg, SuspectMsg
-
     loop = asyncio.get_running_loop()
 
     def report(round_no: int, nodes: list[str]) -> None:
-        text = SuspectMsg(round=round_no, nodes=nodes).model_dump_json()
-        loop.call_soon_threadsafe(link.send_nowait, text)
+        loop.call_soon_threadsafe(send_suspect, round_no, nodes)
+
+    def send_suspect(round_no: int, nodes: list[str]) -> None:
+        # imported here, not at attach: the first join goes out before pydantic is loaded
+        # (tests/e2e/test_agent_startup.py); by the time a peer is suspected the link has it
+        from rdzv_common.protocol import SuspectMsg
+
+        link.send_nowait(SuspectMsg(round=round_no, nodes=nodes).model_dump_json())
 
     try:
         probe = PeerProbe(session.addr, report)
@@ -180,10 +184,11 @@ def attach(session: Any, link: Any) -> PeerProbe | None:
     def observe(msg: Any) -> None:
         if heard is not None:
             heard(msg)
-        if isinstance(msg, AssignedMsg):
+        op = getattr(msg, "op", None)
+        if op == "assigned":
             a = msg.assignment
             probe.watch(a.round, [(p.node_id, p.addr, p.port) for p in a.watch])
-        elif getattr(msg, "op", None) in ("restart", "evicted", "done", "spare"):
+        elif op in ("restart", "evicted", "done", "spare"):
             probe.unwatch()
 
     link.observer = observe
