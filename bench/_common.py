@@ -6,6 +6,8 @@ the helpers must not import torch or rdzv so that they cost nothing).
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import resource
 import signal
@@ -15,7 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -305,3 +307,31 @@ class BenchServer:
 
     def stop(self) -> None:
         self.proc.stop(5)
+
+
+async def serve_commands(handle: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]) -> None:
+    """A simulated-client process's loop (bench/simagents.py, bench/bigagents.py): says
+    ``{"ready": true}``, then answers each JSON command read from stdin with one JSON
+    line on stdout until ``{"cmd": "exit"}`` or the end of stdin."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=2**26)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    print(json.dumps({"ready": True}), flush=True)
+    while line := await reader.readline():
+        cmd = json.loads(line)
+        if cmd["cmd"] == "exit":
+            break
+        print(json.dumps(await handle(cmd)), flush=True)
+
+
+def start_clients(n: int, argv: list[str]) -> list[subprocess.Popen]:
+    """``n`` client processes of ``argv`` (a serve_commands loop each), once every one said ready."""
+    procs = [
+        subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True
+        )
+        for _ in range(n)
+    ]
+    for p in procs:
+        assert p.stdout is not None and json.loads(p.stdout.readline()).get("ready")
+    return procs

@@ -41,7 +41,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,15 +60,7 @@ class BigClients(Clients):
     """bench/bigagents.py processes, driven like bench/simagents.py's."""
 
     def __init__(self, n: int, url: str) -> None:
-        argv = [sys.executable, "-m", "bench.bigagents", url]
-        self.procs = [
-            subprocess.Popen(
-                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=C.ROOT, start_new_session=True
-            )
-            for _ in range(n)
-        ]
-        for p in self.procs:
-            assert json.loads(p.stdout.readline()).get("ready")
+        self.procs = C.start_clients(n, [sys.executable, "-m", "bench.bigagents", url])
 
     def one(self, i: int, cmd: dict) -> dict:
         p = self.procs[i]

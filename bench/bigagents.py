@@ -198,34 +198,28 @@ class BigClient:
             connector=aiohttp.TCPConnector(limit=0),
             timeout=aiohttp.ClientTimeout(total=None, connect=30),
         )
-        loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=2**26)
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-        print(json.dumps({"ready": True}), flush=True)
         try:
-            while line := await reader.readline():
-                cmd = json.loads(line)
-                op = cmd["cmd"]
-                if op == "connect":
-                    out = await self.connect(cmd["job"], cmd["spec"], cmd["nodes"])
-                elif op == "join":
-                    out = await self.join(cmd.get("nodes"))
-                elif op == "wait":
-                    out = await self.wait(int(cmd["round"]), float(cmd["timeout"]))
-                elif op == "drop":
-                    out = self.drop(cmd["node"])
-                elif op == "stats":
-                    out = self.stats()
-                elif op == "close":
-                    out = await self.close()
-                elif op == "exit":
-                    break
-                else:
-                    out = {"error": f"unknown {op}"}
-                print(json.dumps(out), flush=True)
+            await C.serve_commands(self.do)
         finally:
             await self.close()
             await self.session.close()
+
+    async def do(self, cmd: dict) -> dict:
+        """One command from the driver; its answer."""
+        op = cmd["cmd"]
+        if op == "connect":
+            return await self.connect(cmd["job"], cmd["spec"], cmd["nodes"])
+        if op == "join":
+            return await self.join(cmd.get("nodes"))
+        if op == "wait":
+            return await self.wait(int(cmd["round"]), float(cmd["timeout"]))
+        if op == "drop":
+            return self.drop(cmd["node"])
+        if op == "stats":
+            return self.stats()
+        if op == "close":
+            return await self.close()
+        return {"error": f"unknown {op}"}
 
 
 def main() -> None:

@@ -365,34 +365,28 @@ class ClientProc:
             connector=aiohttp.TCPConnector(limit=0, force_close=False),
             timeout=aiohttp.ClientTimeout(total=None, connect=30),
         )
-        loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=2**26)
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-        print(json.dumps({"ready": True}), flush=True)
         try:
-            while line := await reader.readline():
-                cmd = json.loads(line)
-                op = cmd["cmd"]
-                if op == "connect":
-                    out = await self.connect(cmd["nodes"])
-                elif op == "join":
-                    out = await self.join(cmd.get("jobs"))
-                elif op == "storm":
-                    out = await self.storm(cmd["nodes"])
-                elif op == "stats":
-                    out = self.stats()
-                elif op == "back":
-                    out = await self.back(float(cmd.get("timeout", ASSIGN_TIMEOUT_S)))
-                elif op == "close":
-                    out = await self.close()
-                elif op == "exit":
-                    break
-                else:
-                    out = {"error": f"unknown {op}"}
-                print(json.dumps(out), flush=True)
+            await C.serve_commands(self.do)
         finally:
             await self.close()
             await self.session.close()
+
+    async def do(self, cmd: dict) -> dict:
+        """One command from the driver; its answer."""
+        op = cmd["cmd"]
+        if op == "connect":
+            return await self.connect(cmd["nodes"])
+        if op == "join":
+            return await self.join(cmd.get("jobs"))
+        if op == "storm":
+            return await self.storm(cmd["nodes"])
+        if op == "stats":
+            return self.stats()
+        if op == "back":
+            return await self.back(float(cmd.get("timeout", ASSIGN_TIMEOUT_S)))
+        if op == "close":
+            return await self.close()
+        return {"error": f"unknown {op}"}
 
 
 def client_main(url: str, ws_ping: float | None, follow: bool = False) -> None:
@@ -409,14 +403,7 @@ class Clients:
             argv.append("--no-ws-ping")
         if follow:
             argv.append("--follow")
-        self.procs = [
-            subprocess.Popen(
-                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=C.ROOT, start_new_session=True
-            )
-            for _ in range(n)
-        ]
-        for p in self.procs:
-            assert json.loads(p.stdout.readline()).get("ready")
+        self.procs = C.start_clients(n, argv)
 
     def __len__(self) -> int:
         return len(self.procs)
