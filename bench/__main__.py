@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from . import _common as C
-from . import compare, finished_jobs, progress_cost, server_scale, slow_rank, ui_events
+from . import compare, compare_table, finished_jobs, progress_cost, server_scale, slow_rank, ui_events
 
 
 def server_rows(res: dict) -> list[list[str]]:
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     ui = None if a.no_server_scale else ui_events.run(*((10, 3, 50, 1) if a.smoke else (100, 50, 1000, 5)))
     slow = None if a.smoke else slow_rank.run([5.0] if a.quick else [5.0, 1.5], log=log)
 
-    text = compare.table(rows, results)
+    text = compare_table.table(rows, results)
     if scale:
         text += "\n" + "\n".join("| " + " | ".join(r) + " |" for r in server_rows(scale))
     if finished:
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     if slow:
         text += "\n" + "\n".join("| " + " | ".join(r) + " |" for r in slow_rank.rows(slow))
     print(text)
-    notes = compare.info_lines(results)
+    notes = compare_table.info_lines(results)
     print()
     for line in notes:
         print(line)
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         Path(a.out).write_text(
             json.dumps(
                 {
-                    "rows": compare.to_json(rows, results),
+                    "rows": compare_table.to_json(rows, results),
                     "server_scale": scale,
                     "finished_jobs": finished,
                     "progress_cost": progress,
