@@ -27,7 +27,7 @@ and dropped connections, and the agents' log lines about eviction. The
 target: 0 evictions, 0 restarts.
 
 Needs root, iproute2 and /dev/net/tun; prints why not otherwise. The
-10-minute run: ``python -m bench.host_soak --seconds 600 --hogs 2``.
+10-minute run (the defaults; a busy process per core): ``python -m bench.host_soak``.
 """
 
 from __future__ import annotations
@@ -317,7 +317,7 @@ def table(r: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.host_soak", description=__doc__.split("\n\n")[1])
     p.add_argument("--seconds", type=float, default=600.0)
-    p.add_argument("--hogs", type=int, default=2, help="busy processes beside it (one per core)")
+    p.add_argument("--hogs", type=int, default=os.cpu_count() or 1, help="busy processes (default: one per core)")
     p.add_argument("--sims", type=int, default=256, help="simulated nodes in a second job (0: none)")
     p.add_argument("--stop-every", type=float, default=3.0, help="a random agent SIGSTOPped for 1 s this often")
     p.add_argument("--impair-every", type=float, default=60.0)

@@ -72,6 +72,7 @@ def _rtts(client: socket.socket, target: tuple[str, int], n: int) -> list[float]
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("netlab", [2], indirect=True)
 @pytest.mark.timeout(60)
 def test_the_userspace_netem_delays_and_drops_as_told(netlab: NetLab) -> None:
