@@ -24,10 +24,11 @@ go back). The queue is bounded (``limit`` packets, as netem's default 1,000,
 and ``limit_bytes``): a packet over either bound is dropped and counted.
 
 Differences from kernel netem, named: the forwarder is a user-space thread
-(reniced to -10 where allowed), so on a loaded machine its scheduling
-adds latency of its own (the bench reports the RTT it measured with the
-impairment off); ``cut`` of a TUN-linked node works as the veth's does (the
-hub-side device set down); and the MTU is the TUN default, 1,500.
+(reniced to -10 where allowed), so on a loaded machine its scheduling adds
+latency of its own (the bench reports the RTT it measured with the impairment
+off); the MTU is the TUN default, 1,500. ``NetLab.cut``/``heal`` are not for a
+TUN-linked node (a device set down loses its route, and ``heal`` does not put
+it back): ``impair(0, 1.0, both=True)`` pulls its cable, ``clear()`` plugs it.
 
 Needs root, iproute2 and ``/dev/net/tun`` (:func:`tun_unavailable` says why not).
 """
