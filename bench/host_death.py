@@ -17,10 +17,8 @@ veth set down: no FIN, no RST, no ICMP). Measured from the cut:
   the victim: its store dies with it), the same worker: both survivors'
   workers started with world 2, if that happens within ``--bound``.
 
-``--soak S``: no false eviction. 3 agents train for S seconds while a random
-agent process is SIGSTOPped for 1 s every 3 s (``--hogs N`` busy processes
-beside them); prints the rounds, restarts, probes, cleared suspicions and
-evictions (the server log's lines).
+``--soak S [--hogs N]``: no false eviction, bench/host_soak.py for S seconds
+(SIGSTOPs, 300 ms / 5 % loss phases, 256 simulated nodes; its docstring).
 
 Needs root and iproute2 (network namespaces); prints why not otherwise.
 Victim ``plain``: a node that is neither group rank 0 nor torchrun's store
@@ -173,62 +171,6 @@ def measure_inplace(tmp: Path, kind: str, bound: float) -> dict:
         lab.cleanup()
 
 
-def soak(tmp: Path, seconds: float, hogs: int, seed: int = 1) -> dict:
-    """No false eviction: 3 agents train (process mode, default flags) while a
-    random agent process is SIGSTOPped for 1 s every 3 s (its peers stop
-    hearing its probe answers and suspect it; its kernel still acknowledges the
-    server's probe), with ``hogs`` busy processes. Counts rounds and suspicions."""
-    import random
-    import signal
-    import subprocess
-
-    from tests.helpers.netlab import NetLab
-
-    rng = random.Random(seed)
-    lab = NetLab(3)
-    lab.setup()
-    cl = None
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
-    stops = 0
-    try:
-        cl = NsCluster("rdzv", tmp, "hd-soak", lab)
-        for i in range(3):
-            cl.launch_ns(i, cl.stamp_cmd("--loop"))
-        t, why = compare._wait_started(cl, 3, 120, what="step1")
-        if t is None:
-            return {"failure": f"setup: {why or 'no world 3'}"}
-        end = time.time() + seconds
-        while time.time() < end:
-            victim = rng.choice(cl.agents)
-            victim.popen.send_signal(signal.SIGSTOP)
-            try:
-                time.sleep(1.0)
-            finally:
-                victim.popen.send_signal(signal.SIGCONT)
-            stops += 1
-            time.sleep(2.0)
-        view = cl.job_view()
-        log = cl.server.text() if cl.server else ""
-        return {
-            "seconds": seconds,
-            "hogs": hogs,
-            "stops": stops,
-            "round": view.get("round"),
-            "restarts": view.get("restarts"),
-            "nodes": len(view.get("nodes", [])),
-            "probes": log.count("suspected by a peer; probing"),
-            "cleared": log.count("suspicion cleared"),
-            "evicted": log.count("no answer to probe"),
-        }
-    finally:
-        for b in busy:
-            b.kill()
-            b.wait()
-        if cl is not None:
-            cl.close()
-        lab.cleanup()
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.host_death", description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=3)
@@ -236,22 +178,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-torchrun", action="store_true")
     p.add_argument("--bound", type=float, default=30.0, help="seconds to wait for a recovery (torchrun: 5x)")
     p.add_argument("--out", type=Path)
-    p.add_argument("--soak", type=float, metavar="S", help="instead: S seconds of SIGSTOPs, count false evictions")
+    p.add_argument("--soak", type=float, metavar="S", help="instead: python -m bench.host_soak --seconds S")
     p.add_argument("--hogs", type=int, default=0, help="with --soak: busy processes beside it")
     args = p.parse_args(argv)
+    if args.soak:
+        from . import host_soak
+
+        extra = ["--out", str(args.out)] if args.out else []
+        host_soak.main(["--seconds", f"{args.soak:g}", "--hogs", str(args.hogs), *extra])
+        return
     from tests.helpers.netlab import netns_unavailable
 
     why = netns_unavailable()
     if why:
         print(f"[bench] host_death needs network namespaces: {why}", file=sys.stderr)
         sys.exit(2)
-    if args.soak:
-        with tempfile.TemporaryDirectory(prefix="rdzv-hd-") as d:
-            out = soak(Path(d), args.soak, args.hogs)
-        print(json.dumps(out))
-        if args.out:
-            args.out.write_text(json.dumps(out, indent=1))
-        return
     res: dict[str, list[dict]] = {"rdzv": [], "rdzv_inplace": [], "torchrun": []}
     with tempfile.TemporaryDirectory(prefix="rdzv-hd-") as d:
         tmp = Path(d)

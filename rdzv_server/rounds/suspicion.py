@@ -25,10 +25,14 @@ from rdzv_common.protocol import MAX_WATCH, WatchPeer
 
 from .model import RUNNING, Effects, Job, Node
 
-PROBE_MIN_S = 0.3  # the shortest wait for the suspect's kernel to acknowledge the probe
-PROBE_RTTS = 4.0  # ... or this many of its smoothed round-trip times
-# a lost probe segment is sent again after the kernel's retransmission timeout (200 ms at least)
+PROBE_RTTS = 4.0  # the wait for the suspect's kernel to acknowledge the probe: this many smoothed RTTs ...
+# ... plus one retransmission: a lost probe segment is sent again after the kernel's timeout (200 ms at least)
 PROBE_RETRANSMIT_S = 0.2
+# The smoothed RTT learns a link's new delay only from acknowledged server data (a pong every 5 s):
+# seconds after a link slowed it still reads the old value. The shortest wait covers this much delay
+# gained unseen (issue 23's soak: 300 ms added on one node), a retransmission and 0.1 s of scheduling.
+UNSEEN_DELAY_S = 0.3
+PROBE_MIN_S = UNSEEN_DELAY_S + PROBE_RETRANSMIT_S + 0.1
 REPORT_BURST = 4  # reports one node may make at once ...
 REPORT_RATE = 1.0  # ... and per second after that
 CLEARED_FOR_S = 2.0  # a suspect whose host answered is not probed again for this long
