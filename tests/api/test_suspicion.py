@@ -66,6 +66,38 @@ async def test_each_member_watches_the_next_two_with_their_probe_ports(client, c
         assert [p.port for p in a.watch] == [PORTS[n] for n in want]
 
 
+async def test_peers_probe_the_address_a_node_connected_from_not_the_one_its_join_claims(client, connect) -> None:
+    """A join's ``addr`` is the node's word: a liar could aim its peers' probes
+    at another host. These joins claim 10.0.0.x (join_msg) but connect from
+    loopback: the peers are told to probe the loopback address, at each
+    node's own probe port; the workers' store address stays the claimed one."""
+    _, assigned = await _form(client, connect)
+    for a in assigned.values():
+        assert a.master_addr.startswith("10.0.0."), a
+        assert [(p.addr, p.port) for p in a.watch] == [("127.0.0.1", PORTS[p.node_id]) for p in a.watch], a.watch
+        assert len(a.watch) == 2
+
+
+async def test_the_members_of_a_round_share_its_probe_key_and_the_next_round_has_another(client, connect) -> None:
+    agents, assigned = await _form(client, connect)
+    keys = {a.probe_key for a in assigned.values()}
+    assert len(keys) == 1 and None not in keys
+    loner = await connect()  # a node that answers no probes gets no key
+    await loner.send(join_msg("s2", "z", (1, 1)))
+    await loner.expect("joined")
+    assert (await loner.expect("assigned")).assignment.probe_key is None
+    await agents["c"].ws.close()  # c leaves: round 1 for a and b
+    for node_id in ("a", "b"):
+        await agents[node_id].expect("restart")
+        await agents[node_id].send(join_msg("s", node_id, (3, 3), probe_port=PORTS[node_id]))
+        await agents[node_id].expect("joined")
+    agents["n"] = await connect()
+    await agents["n"].send(join_msg("s", "n", (3, 3), probe_port=40004))
+    await agents["n"].expect("joined")
+    later = {(await agents[n].expect("assigned")).assignment.probe_key for n in ("a", "b", "n")}
+    assert len(later) == 1 and later.isdisjoint(keys) and None not in later
+
+
 async def test_a_suspect_whose_host_answers_the_probe_is_kept(client, connect) -> None:
     agents, _ = await _form(client, connect)
     await agents["a"].send(SuspectMsg(round=0, nodes=["b"]))
