@@ -318,7 +318,8 @@ class LeaveMsg(Strict):
 
 MAX_SUSPECTS = 8  # peers one suspect message may name (a node watches MAX_WATCH)
 MAX_WATCH = 2  # peers each member's agent probes: the next ones in group-rank order
-PROBE_KEY_PATTERN = r"^[0-9a-f]{32}$"  # a round's probe key: 16 random-looking bytes, hex
+PROBE_KEY_BYTES = 16  # a round's probe key (Assignment.probe_key), sent as hex
+PROBE_KEY_PATTERN = rf"^[0-9a-f]{{{2 * PROBE_KEY_BYTES}}}$"
 
 
 class SuspectMsg(Strict):

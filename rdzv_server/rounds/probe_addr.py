@@ -21,6 +21,7 @@ import hmac
 import ipaddress
 import re
 
+from rdzv_common.protocol import PROBE_KEY_BYTES
 from rdzv_common.wire import HOST_PATTERN
 
 _HOST = re.compile(HOST_PATTERN)
@@ -65,4 +66,4 @@ def round_key(seed: bytes | None, run: int, round_no: int) -> str | None:
     without a seed (unsigned probes)."""
     if seed is None:
         return None
-    return hmac.new(seed, f"probe-key {run} {round_no}".encode(), hashlib.sha256).hexdigest()[:32]
+    return hmac.new(seed, f"probe-key {run} {round_no}".encode(), hashlib.sha256).digest()[:PROBE_KEY_BYTES].hex()
