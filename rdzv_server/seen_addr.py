@@ -30,9 +30,11 @@ def seen_addr(chan: Any, msg: JoinMsg) -> str | None:
     join's ``addr`` is then used)."""
     transport = getattr(chan, "transport", None)
     ip = seen_ip(transport.get_extra_info("peername") if transport is not None else None)
-    if ip is not None and ipaddress.ip_address(ip).is_loopback and _this_hosts(msg.addr):
+    if ip is None or same_ip(msg.addr, ip):
+        return ip
+    if ipaddress.ip_address(ip).is_loopback and _this_hosts(msg.addr):
         return msg.addr
-    if ip is not None and msg.probe_port is not None and not same_ip(msg.addr, ip):
+    if msg.probe_port is not None:
         _note(
             "job %s node %s: its join names address %s but its connection came from %s; its peers probe %s "
             "(behind a NAT or proxy they get no answer, and a vanished host is found by keep-alive: design.md, "
