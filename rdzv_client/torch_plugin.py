@@ -101,7 +101,7 @@ from rdzv_common.protocol import (
 )
 from rdzv_common.tasks import cancel_and_wait
 
-from . import secret_source
+from . import peer_probe, secret_source
 from .client import AgentLink
 from .endpoints import Endpoints, parse_endpoint
 from .launch import WITHHELD_FROM_WORKERS
@@ -185,6 +185,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._link: AgentLink | None = None
+        self._peers: peer_probe.PeerProbe | None = None  # probes of its peers, as rdzv-agent's (issue 23)
         self._inbox: asyncio.Queue[Heard] | None = None  # what the link hands over, classified once
 
     @property
@@ -221,6 +222,7 @@ class RdzvRendezvousHandler(RendezvousHandler):
     async def _start_link(self) -> None:
         self._link = AgentLink(self.endpoint, self.token, heartbeat_s=heartbeat_interval(self.spec))
         self.session.link = self._link
+        self._peers = peer_probe.attach(self.session, self._link)
         self._inbox = asyncio.Queue()
         self._news = asyncio.Event()
         await self._link.start()
@@ -507,6 +509,9 @@ class RdzvRendezvousHandler(RendezvousHandler):
             self._call(finish(), timeout=10)
         except Exception as e:  # shutdown must not mask torchrun's own outcome
             log.warning("rdzv handler shutdown: %s", e)
+        if self._peers is not None:
+            self._peers.close()  # its thread (the link is closed: nothing more to report)
+            self._peers = None
         self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread is not None:
             self._thread.join(timeout=5)

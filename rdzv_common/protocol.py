@@ -318,6 +318,8 @@ class LeaveMsg(Strict):
 
 MAX_SUSPECTS = 8  # peers one suspect message may name (a node watches MAX_WATCH)
 MAX_WATCH = 2  # peers each member's agent probes: the next ones in group-rank order
+PROBE_KEY_BYTES = 16  # a round's probe key (Assignment.probe_key), sent as hex
+PROBE_KEY_PATTERN = rf"^[0-9a-f]{{{2 * PROBE_KEY_BYTES}}}$"
 
 
 class SuspectMsg(Strict):
@@ -403,6 +405,9 @@ class Assignment(Strict):
     # the peers this node's agent probes (rdzv_client.peer_probe): the next MAX_WATCH
     # members in group-rank order that answer probes
     watch: list[WatchPeer] = Field(default_factory=list, max_length=MAX_WATCH)
+    # this round's key of the probes between its members (HMAC, rdzv_client.peer_probe); given
+    # to the nodes that answer probes; None: unsigned probes (nonces only)
+    probe_key: str | None = Field(default=None, pattern=PROBE_KEY_PATTERN, repr=False)
 
     @model_validator(mode="after")
     def _consistent(self) -> Assignment:

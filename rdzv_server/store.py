@@ -58,6 +58,7 @@ from .events import EventLog
 from .hosts import HostRecord, Hosts
 from .quotas import Room
 from .rounds import Effects, Job
+from .seen_addr import seen_addr
 from .storage import Backend, EtcdBackend, MemoryBackend, SqliteBackend, WriteError
 from .store_hosts import StoreHosts
 from .store_reads import StoreReads
@@ -353,9 +354,12 @@ class Store:
         if rerun:  # only its owner may take its room: ownership first (nothing changes on a refusal)
             rounds.check_owner(job, msg)
             self.room.check(self, msg.job_id, chan)
+        if job.probe_seed is None:  # its rounds' probe keys (rounds.probe_addr.round_key); not saved
+            job.probe_seed = secrets.token_bytes(16)
         # a node this join creates gets a fresh secret; only its own connection hears it
         issued = None if msg.node_id in job.nodes else secrets.token_urlsafe(24)
-        fx = rounds.join(job, msg, now, node_secret=issued)  # raises before changing anything
+        # raises before changing anything; peers probe the node where its connection came from
+        fx = rounds.join(job, msg, now, node_secret=issued, seen_addr=seen_addr(chan, msg))
         if rerun:
             self.active.add(job.job_id)
         if created:

@@ -8,6 +8,7 @@ from rdzv_common.protocol import AssignedMsg, Assignment, JobState, SpareMsg
 
 from . import events
 from .model import REJOINING, RUNNING, SPARE, WAITING, Effects, Job, Node, blocked, count, move, natural_key
+from .probe_addr import round_key
 from .suspicion import watch_list
 
 
@@ -121,4 +122,5 @@ def _assignment(job: Job, node: Node) -> Assignment:
         max_restarts=job.spec.max_restarts,
         restarts=job.restarts,
         watch=watch_list(job, node),
+        probe_key=round_key(job.probe_seed, job.run, job.round) if node.probe_port is not None else None,
     )

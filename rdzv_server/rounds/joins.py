@@ -45,6 +45,7 @@ from .model import (
     move,
     node_secret_hash,
 )
+from .probe_addr import probe_addr
 from .views import waiting_info
 
 
@@ -152,13 +153,15 @@ def _check_run(job: Job, msg: JoinMsg) -> None:
         )
 
 
-def join(job: Job, msg: JoinMsg, now: float, node_secret: str | None = None) -> Effects:
+def join(job: Job, msg: JoinMsg, now: float, node_secret: str | None = None, seen_addr: str | None = None) -> Effects:
     """A node joins the forming round, queues for a scale-up, becomes a spare,
     or (with ``resume_round``) reconnects to the round it still runs.
 
     A join that creates the node gives it ``node_secret`` (the caller draws a
     fresh random one), sent back in ``joined``; every later join naming that
     node must carry it. The job secret and the whole spec must match the job's.
+    ``seen_addr``: the IP the join's connection came from, the address its
+    peers probe (:mod:`.probe_addr`; None: the claimed ``addr``).
 
     The cases, each its own function: :func:`_reconnect` (a running member is
     back), :func:`_resume` (a node resumes a round: refused, or told to
@@ -171,13 +174,14 @@ def join(job: Job, msg: JoinMsg, now: float, node_secret: str | None = None) -> 
         new_run(job, msg.spec, now, msg.job_secret)
         started = Effects(persist=True)
         started.event(events.run_started(job, ended))
-        return started.merge(join(job, msg, now, node_secret))  # (once: the job is not finished any more)
+        return started.merge(join(job, msg, now, node_secret, seen_addr))  # (once: the job is not finished any more)
     _check_job_secret(job, msg)
     _check_spec(job, msg)
     node = job.nodes.get(msg.node_id)
     if node is not None:
         _check_node_secret(job, node, msg)
     if node is not None and node.state == RUNNING and not job.forming and msg.resume_round in (None, job.round):
+        _probed_at(node, msg, seen_addr)  # (its peers hear of a new one with the next round)
         return _reconnect(job, node, now)
     if msg.resume_round is not None:
         fx = _resume(job, node, msg, now)
@@ -187,9 +191,17 @@ def join(job: Job, msg: JoinMsg, now: float, node_secret: str | None = None) -> 
     if node is not None and node.state == SUCCEEDED:
         raise StaleRoundError(f"node {msg.node_id!r} already succeeded in round {job.round}; it cannot join again")
     if node is None:
-        return _enter(job, _new_node(job, msg, now, node_secret), now, issued=node_secret, new=True)
+        node = _new_node(job, msg, now, node_secret)
+        _probed_at(node, msg, seen_addr)
+        return _enter(job, node, now, issued=node_secret, new=True)
     _rejoin(node, msg, now)
+    _probed_at(node, msg, seen_addr)
     return _enter(job, node, now, issued=None, new=False)
+
+
+def _probed_at(node: Node, msg: JoinMsg, seen_addr: str | None) -> None:
+    """Where its peers probe it from now on: the port its join names, at the address the server saw."""
+    node.probe_port, node.probe_addr = msg.probe_port, probe_addr(msg.addr, seen_addr)
 
 
 def _heard(node: Node, now: float) -> None:
@@ -237,7 +249,6 @@ def _new_node(job: Job, msg: JoinMsg, now: float, node_secret: str | None) -> No
         local_world_size=msg.local_world_size,
         master_port=msg.master_port,
         requested_rank=msg.requested_rank,
-        probe_port=msg.probe_port,
         last_seen=now,
         joined_at=now,
         secret_hash=node_secret_hash(node_secret) if node_secret is not None else None,
@@ -251,7 +262,7 @@ def _rejoin(node: Node, msg: JoinMsg, now: float) -> None:
     it may come back with a new address, port or size."""
     node.host, node.addr = msg.host, msg.addr
     node.local_world_size, node.master_port = msg.local_world_size, msg.master_port
-    node.requested_rank, node.probe_port = msg.requested_rank, msg.probe_port
+    node.requested_rank = msg.requested_rank
     _heard(node, now)
 
 

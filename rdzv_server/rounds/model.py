@@ -81,6 +81,8 @@ class Node:
     straggler: bool = False  # slow for the straggler window (see progress.check_stragglers)
     note: str | None = None  # why it waits as a spare (its host is cordoned or cooled down)
     probe_port: int | None = None  # where its agent answers peers' probes (rdzv_client.peer_probe)
+    # the address its peers probe: the one its connection came from, not its join's word (rounds.probe_addr)
+    probe_addr: str | None = None
     # straggler_policy "replace": why this straggler was replaced; its next join makes it
     # a spare, told this (see progress.check_stragglers); None: not replaced
     replaced: str | None = None
@@ -192,6 +194,9 @@ class Job:
     culprit: Culprit | None = None  # the latest failure the training caused, its stderr tail (culprit.py)
     departed: list[Departure] = field(default_factory=list)  # nodes that left, the latest (departed.py)
     gate: HostGate | None = field(default=None, repr=False, compare=False)  # set by the store; not saved
+    # what its rounds' probe keys derive from (rounds.probe_addr.round_key): random, drawn by the
+    # store; not saved (a restarted server draws another: the reconnects' assignments carry its keys)
+    probe_seed: bytes | None = field(default=None, repr=False, compare=False)
 
     @property
     def forming(self) -> bool:

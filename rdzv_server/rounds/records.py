@@ -31,10 +31,11 @@ _NOT_SAVED_NODE = frozenset(
         "nccl_lag",
         "nccl_lag_at",
         "probe_port",  # the node's next join (a resume too) brings it back
+        "probe_addr",  # ... and its connection this one
     }
 )
 _NOT_SAVED_JOB = frozenset(
-    {"spec", "nodes", "history", "state", "counts", "stragglers_at", "gate", "culprit", "departed"}
+    {"spec", "nodes", "history", "state", "counts", "stragglers_at", "gate", "culprit", "departed", "probe_seed"}
 )
 
 

@@ -42,16 +42,17 @@ MAX_REPORTERS = 65536  # reporting nodes with a budget, server-wide
 
 def watch_list(job: Job, node: Node) -> list[WatchPeer]:
     """The peers ``node``'s agent probes: the next MAX_WATCH members after it
-    in group-rank order that answer probes. Every member is watched by up to
-    MAX_WATCH others, whatever the job's size."""
+    in group-rank order that answer probes, each at the address the server
+    chose for it (``Node.probe_addr``: its connection's, rounds.probe_addr).
+    Every member is watched by up to MAX_WATCH others, whatever the job's size."""
     n = len(job.order)
     if node.group_rank is None or n < 2:
         return []
     out = []
     for k in range(1, min(MAX_WATCH, n - 1) + 1):
         peer = job.nodes.get(job.order[(node.group_rank + k) % n])
-        if peer is not None and peer.probe_port is not None:
-            out.append(WatchPeer(node_id=peer.node_id, addr=peer.addr, port=peer.probe_port))
+        if peer is not None and peer.probe_port is not None and peer.probe_addr is not None:
+            out.append(WatchPeer(node_id=peer.node_id, addr=peer.probe_addr, port=peer.probe_port))
     return out
 
 

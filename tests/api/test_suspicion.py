@@ -8,6 +8,7 @@ the real silence of a pulled cable is tests/faults/test_host_death.py's."""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 from aiohttp import WSMsgType
@@ -64,6 +65,71 @@ async def test_each_member_watches_the_next_two_with_their_probe_ports(client, c
         want = [order[(r + 1) % 3], order[(r + 2) % 3]]
         assert [p.node_id for p in a.watch] == want
         assert [p.port for p in a.watch] == [PORTS[n] for n in want]
+
+
+def _not_this_hosts() -> str:
+    """An IP address that is not one of this machine's (none can be bound to it)."""
+    for addr in ("203.0.113.77", "198.51.100.77", "10.254.253.77", "172.31.254.77"):
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.bind((addr, 0))
+        except OSError:
+            return addr
+    raise AssertionError("every candidate address is this machine's")
+
+
+async def _form_claiming(connect, job: str, claims: dict[str, str]):
+    agents = {n: await connect() for n in claims}
+    for n, addr in claims.items():
+        await agents[n].send(join_msg(job, n, (3, 3), addr=addr, probe_port=PORTS[n]))
+    for agent in agents.values():
+        await agent.expect("joined")
+    return {n: (await agent.expect("assigned")).assignment for n, agent in agents.items()}
+
+
+async def test_peers_probe_the_address_a_node_connected_from_not_the_one_its_join_claims(connect) -> None:
+    """A join's ``addr`` is the node's word: a liar could aim its peers' probes
+    at another host. These joins claim an address that is not this machine's
+    but connect from loopback: the peers are told to probe the loopback
+    address, at each node's own probe port; the workers' store address stays
+    the claimed one."""
+    other = _not_this_hosts()
+    assigned = await _form_claiming(connect, "lie", dict.fromkeys(PORTS, other))
+    for a in assigned.values():
+        assert a.master_addr == other, a
+        assert [(p.addr, p.port) for p in a.watch] == [("127.0.0.1", PORTS[p.node_id]) for p in a.watch], a.watch
+        assert len(a.watch) == 2
+
+
+async def test_a_node_on_the_servers_host_is_probed_at_its_claimed_address_of_this_host(connect) -> None:
+    """An agent beside the server connects over loopback; its peers could not
+    reach 127.0.0.1, so an address of this host that it claims (any of
+    127.0.0.0/8 here: the kernel binds them all) is the one they probe; a
+    claim of another host's address from loopback is not."""
+    other = _not_this_hosts()
+    assigned = await _form_claiming(connect, "beside", {"a": "127.0.0.2", "b": other, "c": "127.0.0.3"})
+    probed = {p.node_id: p.addr for a in assigned.values() for p in a.watch}
+    assert probed == {"a": "127.0.0.2", "b": "127.0.0.1", "c": "127.0.0.3"}
+
+
+async def test_the_members_of_a_round_share_its_probe_key_and_the_next_round_has_another(client, connect) -> None:
+    agents, assigned = await _form(client, connect)
+    keys = {a.probe_key for a in assigned.values()}
+    assert len(keys) == 1 and None not in keys
+    loner = await connect()  # a node that answers no probes gets no key
+    await loner.send(join_msg("s2", "z", (1, 1)))
+    await loner.expect("joined")
+    assert (await loner.expect("assigned")).assignment.probe_key is None
+    await agents["c"].ws.close()  # c leaves: round 1 for a and b
+    for node_id in ("a", "b"):
+        await agents[node_id].expect("restart")
+        await agents[node_id].send(join_msg("s", node_id, (3, 3), probe_port=PORTS[node_id]))
+        await agents[node_id].expect("joined")
+    agents["n"] = await connect()
+    await agents["n"].send(join_msg("s", "n", (3, 3), probe_port=40004))
+    await agents["n"].expect("joined")
+    later = {(await agents[n].expect("assigned")).assignment.probe_key for n in ("a", "b", "n")}
+    assert len(later) == 1 and later.isdisjoint(keys) and None not in later
 
 
 async def test_a_suspect_whose_host_answers_the_probe_is_kept(client, connect) -> None:
