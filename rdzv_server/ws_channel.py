@@ -66,16 +66,17 @@ def text_frame(text: str) -> bytes:
 
 
 class _LastFrame:
-    """The frame of the last text framed: a broadcast's text is one object, framed once."""
+    """The frame of the last text framed: a broadcast's text is one object, framed once.
+    One tuple, read and replaced whole (servers in two threads never mix a text and a frame)."""
 
-    text: str | None = None
-    frame = b""
+    last: tuple[str | None, bytes] = (None, b"")
 
     @classmethod
     def of(cls, text: str) -> bytes:
-        if text is not cls.text:
-            cls.text, cls.frame = text, text_frame(text)
-        return cls.frame
+        last = cls.last
+        if last[0] is not text:
+            last = cls.last = (text, text_frame(text))
+        return last[1]
 
 
 class WsChannel:
