@@ -74,10 +74,12 @@ async def test_messages_to_an_idle_connection_go_out_at_once_and_arrive_in_order
         assert chan.queue.qsize() == 0 and chan.queued_bytes == 0
         assert await _read(ws, len(msgs)) == msgs
         # a queued message keeps its place: what comes after it queues behind it
-        chan.queue.put_nowait("first")
+        chan.queue.put_nowait("first")  # as deliver queues one (the writer has not run yet)
+        chan.queued_bytes += len("first")
         chan.deliver("second")
         assert chan.queue.qsize() == 2
         assert await _read(ws, 2) == ["first", "second"]
+        assert chan.queued_bytes == 0
         chan.deliver("third")
         assert await _read(ws, 1) == ["third"]
         await ws.close()
