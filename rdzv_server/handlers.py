@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import TypeVar
 
 from aiohttp import WSCloseCode, WSMsgType, web
@@ -49,7 +48,6 @@ from rdzv_common.protocol import (
 )
 
 from . import rounds
-from .conns import LogLimiter
 from .cursors import node_page
 from .keys import AUDIT, GUESSES, HEALTH_REPORTS, IDLE_TIMEOUT, JOIN_DEADLINE, METRICS, OPENAPI, STORE
 from .metrics import CONTENT_TYPE_LATEST
@@ -57,6 +55,8 @@ from .quotas import FRAME_BURST, FRAME_RATE, TokenBucket
 from .silence import Silence
 from .storage import HOSTS_KEY
 from .store import Store
+from .ws_channel import MAX_ERRORS as MAX_ERRORS  # re-exported (tests read it here)
+from .ws_channel import WsChannel, close_log
 
 log = logging.getLogger(__name__)
 
@@ -235,115 +235,6 @@ async def openapi(request: web.Request) -> web.Response:
 
 # ----------------------------------------------------------- agent channel
 
-# What one connection may cost the server. Outgoing messages queue per
-# connection; an agent that does not read its messages is disconnected when
-# its queue holds this many (it reconnects like any agent), and so is one
-# whose single send does not complete within SEND_TIMEOUT_S.
-MAX_QUEUED_MESSAGES = 1000
-MAX_QUEUED_BYTES = 1 << 20
-SEND_TIMEOUT_S = 10.0
-# Error replies (invalid frames, refused requests): more than MAX_ERRORS
-# within ERROR_WINDOW_S and the connection is closed.
-MAX_ERRORS = 20
-ERROR_WINDOW_S = 10.0
-
-_close_log = LogLimiter(log, logging.WARNING, burst=10, rate=1.0)
-
-
-class WsChannel:
-    """One agent's connection: messages queue up and a writer task sends them,
-    so one slow agent never holds up the others. The queue is bounded (see
-    MAX_QUEUED_MESSAGES): an agent that falls behind is disconnected."""
-
-    def __init__(self, ws: web.WebSocketResponse, transport: asyncio.Transport | None = None, peer: str = "?") -> None:
-        self.ws = ws
-        self.transport = transport
-        self.peer = peer
-        self.queue: asyncio.Queue[str | None] = asyncio.Queue()
-        self.queued_bytes = 0
-        self.killed = False
-        self.errors = 0
-        self.errors_since = time.monotonic()
-        self.close_code = WSCloseCode.OK
-        self.close_reason = ""
-        self.writer = asyncio.create_task(self._write())
-
-    def deliver(self, text: str) -> None:
-        if self.killed:
-            return
-        if self.queue.qsize() >= MAX_QUEUED_MESSAGES or self.queued_bytes + len(text) > MAX_QUEUED_BYTES:
-            self.kill(
-                f"send queue full ({self.queue.qsize()} messages, {self.queued_bytes} bytes): the agent does not read"
-            )
-            return
-        self.queued_bytes += len(text)
-        self.queue.put_nowait(text)
-
-    def tell(self, msg: BaseModel) -> None:
-        """Reply on this connection only (acks and errors)."""
-        self.deliver(msg.model_dump_json())
-
-    def refuse(self, msg: ErrorMsg) -> bool:
-        """Reply with an error; False when this connection sent too many bad
-        messages lately: it is told so and must be closed."""
-        now = time.monotonic()
-        if now - self.errors_since > ERROR_WINDOW_S:
-            self.errors, self.errors_since = 0, now
-        self.errors += 1
-        if self.errors > MAX_ERRORS:
-            why = f"too many invalid messages (more than {MAX_ERRORS} in {ERROR_WINDOW_S:g}s)"
-            self.tell(ErrorMsg(code=ErrorCode.BAD_REQUEST, message=f"{why}: closing the connection"))
-            _close_log("closing agent connection from %s: %s", self.peer, why)
-            return False
-        self.tell(msg)
-        return True
-
-    def drop(self) -> None:
-        """Close the connection after what is queued (the agent reconnects)."""
-        if not self.killed:
-            self.queue.put_nowait(None)
-
-    def kill(self, why: str) -> None:
-        """Disconnect at once, dropping what is queued."""
-        if not self.killed:
-            _close_log("closing agent connection from %s: %s", self.peer, why)
-            self.abort()
-
-    def abort(self) -> None:
-        self.killed = True
-        while not self.queue.empty():
-            self.queue.get_nowait()
-        self.queued_bytes = 0
-        if self.transport is not None:
-            self.transport.abort()
-        if self.writer is not asyncio.current_task():
-            self.writer.cancel()
-
-    async def _write(self) -> None:
-        # The send deadline is a timer, not asyncio.wait_for: on Python < 3.12
-        # wait_for runs every send in a task of its own, which doubled the
-        # time to tell 256 nodes their assignment.
-        loop = asyncio.get_running_loop()
-        try:
-            while (text := await self.queue.get()) is not None:
-                self.queued_bytes -= len(text)
-                timer = loop.call_later(SEND_TIMEOUT_S, self._send_expired)
-                try:
-                    await self.ws.send_str(text)
-                finally:
-                    timer.cancel()
-            timer = loop.call_later(SEND_TIMEOUT_S, self._send_expired)
-            try:
-                await self.ws.close(code=self.close_code, message=self.close_reason.encode())
-            finally:
-                timer.cancel()
-        except (ConnectionError, RuntimeError, asyncio.CancelledError):
-            pass
-
-    def _send_expired(self) -> None:
-        self.kill(f"a send did not complete in {SEND_TIMEOUT_S:g}s")
-
-
 _DONE_TYPES = (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED)
 
 
@@ -374,7 +265,7 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
             if not frames.take():  # far more frames than any agent sends: each one costs the loop
                 chan.close_code = WSCloseCode.POLICY_VIOLATION
                 chan.close_reason = f"more than {FRAME_BURST} frames at over {FRAME_RATE:g}/s"
-                _close_log("closing agent connection from %s: %s", chan.peer, chan.close_reason)
+                close_log("closing agent connection from %s: %s", chan.peer, chan.close_reason)
                 break
             if not store.serving:  # an HA replica that stopped leading: its agents go to the new leader
                 break
@@ -431,7 +322,7 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
         chan.close_reason = (
             f"no join within {join_deadline:g}s" if bound is None else f"nothing received for {idle_s:g}s"
         )
-        _close_log("closing agent connection from %s: %s", chan.peer, chan.close_reason)
+        close_log("closing agent connection from %s: %s", chan.peer, chan.close_reason)
     finally:
         silence.stop()
         if bound is not None:

@@ -1,0 +1,190 @@
+"""One agent's WebSocket, outgoing side: bounded, and cheap per message.
+
+A message for an idle connection is framed here and written to its transport
+at once (:func:`text_frame`: an unmasked, uncompressed text frame, the bytes
+aiohttp's writer would send). A round change of a 16,384-node job sends ~3
+messages per node; through aiohttp's per-message send each one cost a queue
+hand-off, a task switch, a send timer and aiohttp's framing. A broadcast
+(``restart``) is framed once: the store hands every channel the same text
+object, and the last frame built is kept for it.
+
+The bounds are those of the queued path, which takes over whenever the direct
+one may not: a message waits in the connection's queue while earlier ones
+wait, while the transport holds :data:`DIRECT_MAX_BUFFERED` bytes the peer
+has not taken, on a compressed connection, or once it closes. An agent that
+does not read fills its transport, then its queue (``MAX_QUEUED_MESSAGES``,
+``MAX_QUEUED_BYTES``), and is disconnected as before; one whose single queued
+send does not complete within ``SEND_TIMEOUT_S`` likewise."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+import time
+
+from aiohttp import WSCloseCode, web
+from pydantic import BaseModel
+
+from rdzv_common.protocol import ErrorCode, ErrorMsg
+
+from .conns import LogLimiter
+
+log = logging.getLogger("rdzv_server.handlers")
+
+# What one connection may cost the server. Outgoing messages queue per
+# connection; an agent that does not read its messages is disconnected when
+# its queue holds this many (it reconnects like any agent), and so is one
+# whose single send does not complete within SEND_TIMEOUT_S.
+MAX_QUEUED_MESSAGES = 1000
+MAX_QUEUED_BYTES = 1 << 20
+SEND_TIMEOUT_S = 10.0
+# A message goes straight to the transport only while it holds fewer unsent
+# bytes than this (aiohttp's own write limit): beyond, the queue and its bounds.
+DIRECT_MAX_BUFFERED = 1 << 16
+# Error replies (invalid frames, refused requests): more than MAX_ERRORS
+# within ERROR_WINDOW_S and the connection is closed.
+MAX_ERRORS = 20
+ERROR_WINDOW_S = 10.0
+
+close_log = LogLimiter(log, logging.WARNING, burst=10, rate=1.0)
+
+_LEN1, _LEN2, _LEN3 = struct.Struct("!BB").pack, struct.Struct("!BBH").pack, struct.Struct("!BBQ").pack
+_FIN_TEXT = 0x81  # FIN, opcode 1 (text); a server's frames are never masked (RFC 6455 5.1)
+
+
+def text_frame(text: str) -> bytes:
+    """``text`` as one WebSocket text frame from a server: the bytes aiohttp's
+    ``send_str`` writes on a connection without compression."""
+    data = text.encode("utf-8")
+    n = len(data)
+    if n < 126:
+        return _LEN1(_FIN_TEXT, n) + data
+    if n < 65536:
+        return _LEN2(_FIN_TEXT, 126, n) + data
+    return _LEN3(_FIN_TEXT, 127, n) + data
+
+
+class _LastFrame:
+    """The frame of the last text framed: a broadcast's text is one object, framed once.
+    One tuple, read and replaced whole (servers in two threads never mix a text and a frame)."""
+
+    last: tuple[str | None, bytes] = (None, b"")
+
+    @classmethod
+    def of(cls, text: str) -> bytes:
+        last = cls.last
+        if last[0] is not text:
+            last = cls.last = (text, text_frame(text))
+        return last[1]
+
+
+class WsChannel:
+    """One agent's connection: a message goes out at once when the connection
+    is idle, else it queues and a writer task sends it, so one slow agent never
+    holds up the others. The queue is bounded (see MAX_QUEUED_MESSAGES): an
+    agent that falls behind is disconnected."""
+
+    def __init__(self, ws: web.WebSocketResponse, transport: asyncio.Transport | None = None, peer: str = "?") -> None:
+        self.ws = ws
+        self.transport = transport
+        self.peer = peer
+        self.queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self.queued_bytes = 0
+        self.killed = False
+        self.closing = False  # drop() queued the close: nothing goes around it
+        # framed here only where aiohttp would send the same bytes: no compression negotiated
+        self.direct = transport is not None and not ws.compress
+        self.errors = 0
+        self.errors_since = time.monotonic()
+        self.close_code = WSCloseCode.OK
+        self.close_reason = ""
+        self.writer = asyncio.create_task(self._write())
+
+    def deliver(self, text: str) -> None:
+        if self.killed:
+            return
+        t = self.transport
+        if (
+            self.direct
+            and t is not None
+            and not self.closing
+            and self.queue.empty()  # nothing earlier waits (the writer takes an item only when it runs)
+            and t.get_write_buffer_size() < DIRECT_MAX_BUFFERED
+            and not t.is_closing()
+            and not self.ws.closed
+        ):
+            t.write(_LastFrame.of(text))
+            return
+        if self.queue.qsize() >= MAX_QUEUED_MESSAGES or self.queued_bytes + len(text) > MAX_QUEUED_BYTES:
+            self.kill(
+                f"send queue full ({self.queue.qsize()} messages, {self.queued_bytes} bytes): the agent does not read"
+            )
+            return
+        self.queued_bytes += len(text)
+        self.queue.put_nowait(text)
+
+    def tell(self, msg: BaseModel) -> None:
+        """Reply on this connection only (acks and errors)."""
+        self.deliver(msg.model_dump_json())
+
+    def refuse(self, msg: ErrorMsg) -> bool:
+        """Reply with an error; False when this connection sent too many bad
+        messages lately: it is told so and must be closed."""
+        now = time.monotonic()
+        if now - self.errors_since > ERROR_WINDOW_S:
+            self.errors, self.errors_since = 0, now
+        self.errors += 1
+        if self.errors > MAX_ERRORS:
+            why = f"too many invalid messages (more than {MAX_ERRORS} in {ERROR_WINDOW_S:g}s)"
+            self.tell(ErrorMsg(code=ErrorCode.BAD_REQUEST, message=f"{why}: closing the connection"))
+            close_log("closing agent connection from %s: %s", self.peer, why)
+            return False
+        self.tell(msg)
+        return True
+
+    def drop(self) -> None:
+        """Close the connection after what is queued (the agent reconnects)."""
+        if not self.killed:
+            self.closing = True
+            self.queue.put_nowait(None)
+
+    def kill(self, why: str) -> None:
+        """Disconnect at once, dropping what is queued."""
+        if not self.killed:
+            close_log("closing agent connection from %s: %s", self.peer, why)
+            self.abort()
+
+    def abort(self) -> None:
+        self.killed = True
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.queued_bytes = 0
+        if self.transport is not None:
+            self.transport.abort()
+        if self.writer is not asyncio.current_task():
+            self.writer.cancel()
+
+    async def _write(self) -> None:
+        # The send deadline is a timer, not asyncio.wait_for: on Python < 3.12
+        # wait_for runs every send in a task of its own, which doubled the
+        # time to tell 256 nodes their assignment.
+        loop = asyncio.get_running_loop()
+        try:
+            while (text := await self.queue.get()) is not None:
+                self.queued_bytes -= len(text)
+                timer = loop.call_later(SEND_TIMEOUT_S, self._send_expired)
+                try:
+                    await self.ws.send_str(text)
+                finally:
+                    timer.cancel()
+            timer = loop.call_later(SEND_TIMEOUT_S, self._send_expired)
+            try:
+                await self.ws.close(code=self.close_code, message=self.close_reason.encode())
+            finally:
+                timer.cancel()
+        except (ConnectionError, RuntimeError, asyncio.CancelledError):
+            pass
+
+    def _send_expired(self) -> None:
+        self.kill(f"a send did not complete in {SEND_TIMEOUT_S:g}s")
