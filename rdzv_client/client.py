@@ -311,7 +311,11 @@ class AgentLink:
                     self.service.served()
                     self.last_error = None
                     if isinstance(msg, JoinedMsg):
+                        faster = msg.heartbeat_s < self.heartbeat_s
                         self.heartbeat_s = msg.heartbeat_s
+                        if faster:  # the sleep in progress is the old, longer one: the new pace from now
+                            hb.cancel()
+                            hb = asyncio.create_task(self._heartbeat(ws))
                     if self.observer is not None:
                         self.observer(msg)
                     self._messages.put_nowait(msg)

@@ -23,7 +23,6 @@ from rdzv_common.protocol import (
     SpareMsg,
     SpecMismatchError,
     StaleRoundError,
-    heartbeat_interval,
 )
 
 from . import events
@@ -45,6 +44,7 @@ from .model import (
     move,
     node_secret_hash,
 )
+from .pace import told_interval
 from .views import waiting_info
 
 
@@ -288,7 +288,7 @@ def _enter(job: Job, node: Node, now: float, issued: str | None, new: bool) -> E
             JoinedMsg(
                 round=job.round,
                 node_id=node.node_id,
-                heartbeat_s=heartbeat_interval(spec),
+                heartbeat_s=told_interval(job),
                 waiting_for=waiting_info(job, now, detail=False),
                 node_secret=issued,
                 run=job.run,
@@ -300,7 +300,7 @@ def _enter(job: Job, node: Node, now: float, issued: str | None, new: bool) -> E
         JoinedMsg(
             round=job.round + 1,
             node_id=node.node_id,
-            heartbeat_s=heartbeat_interval(spec),
+            heartbeat_s=told_interval(job),
             node_secret=issued,
             run=job.run,
         ),
@@ -342,7 +342,7 @@ def _hold(job: Job, node: Node, now: float, why: str, issued: str | None, new: b
         JoinedMsg(
             round=round_no,
             node_id=node.node_id,
-            heartbeat_s=heartbeat_interval(job.spec),
+            heartbeat_s=told_interval(job),
             node_secret=issued,
             run=job.run,
         ),

@@ -117,7 +117,7 @@ def new_run(job: Job, spec: JobSpec, now: float, job_secret: str | None = None) 
     ended = f"run {job.run} {job.state.value}"
     fresh = new_job(job.job_id, spec, now, job_secret)
     for f in fields(Job):
-        if f.name not in ("created_at", "runs", "gate"):
+        if f.name not in ("created_at", "runs", "gate", "heartbeat_s"):
             setattr(job, f.name, getattr(fresh, f.name))
     job.run = job.runs[-1].run + 1
     job.run_started_at = now

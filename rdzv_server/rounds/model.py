@@ -192,6 +192,8 @@ class Job:
     culprit: Culprit | None = None  # the latest failure the training caused, its stderr tail (culprit.py)
     departed: list[Departure] = field(default_factory=list)  # nodes that left, the latest (departed.py)
     gate: HostGate | None = field(default=None, repr=False, compare=False)  # set by the store; not saved
+    # the heartbeat interval a join is told (rdzv_server.pacing); None: heartbeat_interval(spec). Not saved
+    heartbeat_s: float | None = field(default=None, repr=False, compare=False)
 
     @property
     def forming(self) -> bool:

@@ -34,7 +34,7 @@ _NOT_SAVED_NODE = frozenset(
     }
 )
 _NOT_SAVED_JOB = frozenset(
-    {"spec", "nodes", "history", "state", "counts", "stragglers_at", "gate", "culprit", "departed"}
+    {"spec", "nodes", "history", "state", "counts", "stragglers_at", "gate", "heartbeat_s", "culprit", "departed"}
 )
 
 

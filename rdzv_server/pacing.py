@@ -1,0 +1,107 @@
+"""Heartbeats that fit the job, the server's side (issue 23, item 2): the
+interval a joining node is told (:func:`rdzv_server.rounds.pace.heartbeat_s`
+over the nodes the server has), each told node's heartbeat arrivals
+(:class:`~rdzv_server.rounds.pace.Arrivals`), and a sweep that hands a running
+member silent past its limit to the same kernel-ack probe a peer's report
+causes (:meth:`rdzv_server.suspicion.Suspicion.silent`). Silence never evicts
+by itself; the heartbeat timeout is unchanged and stays the hard bound.
+
+The sweep runs from the store's tick. When the tick itself came late (the
+loop was busy or starved: heartbeats may sit unread in the sockets), nobody is
+judged on the silence before that moment (``calm_since``), as the agents'
+peer probers give a fresh grace after their own stall.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from rdzv_common.protocol import JoinedMsg
+
+from .rounds.model import RUNNING, Effects, Job
+from .rounds.pace import SILENCE_MIN_S, Arrivals, heartbeat_s
+
+if TYPE_CHECKING:
+    from .store import Store
+
+SWEEP_S = 0.25  # how often silences are looked for
+LATE_S = 0.25  # a tick this much later than due: the loop was busy, silences so far are not judged
+MAX_PROBES_PER_SWEEP = 64  # silence probes one sweep may start (a rack's worth; the rest next sweep)
+MAX_TRACKED = 1 << 17  # nodes whose arrivals are kept, server-wide
+CLEAN_S = 10.0  # how often every entry is checked for a node or job that is gone
+
+
+class Pacing:
+    """The store's heartbeat intervals and silence judgments."""
+
+    def __init__(self, store: Store, tick_s: float) -> None:
+        self.store = store
+        self.tick_s = tick_s
+        self.arrivals: dict[tuple[str, str], Arrivals] = {}
+        self.nodes = 0  # nodes of active jobs, as of the last sweep
+        now = time.monotonic()
+        self.calm_since = now  # silences before this are not judged (the loop was late then)
+        self._ticked = now
+        self._swept = now
+        self._cleaned = now
+
+    def interval(self, job: Job) -> float:
+        """The interval to tell a node joining ``job`` now: over the nodes the
+        server has, and those this job is sure to bring (up to its min_nodes),
+        so a join storm is told its final interval from its first join."""
+        have = max(self.nodes, len(self.store.channels))
+        return heartbeat_s(job.spec, have + max(0, job.spec.min_nodes - len(job.nodes)))
+
+    def told(self, job_id: str, node_id: str, fx: Effects) -> None:
+        """``node_id``'s join had effects ``fx``: the interval its ``joined`` tells."""
+        for to, msg in fx.sends:
+            if to == node_id and isinstance(msg, JoinedMsg):
+                key = (job_id, node_id)
+                arr = self.arrivals.get(key)
+                if arr is not None:
+                    arr.tell(msg.heartbeat_s)
+                elif len(self.arrivals) < MAX_TRACKED:
+                    self.arrivals[key] = Arrivals(msg.heartbeat_s)
+
+    def heard(self, job_id: str, node_id: str) -> None:
+        """A heartbeat of ``node_id`` (the hot path: one lookup, a few flops)."""
+        arr = self.arrivals.get((job_id, node_id))
+        if arr is not None:
+            arr.heard(time.monotonic(), arr.last is None or arr.last >= self.calm_since)
+
+    def tick(self) -> None:
+        """From the store's tick: note a late loop; every SWEEP_S, judge."""
+        now = time.monotonic()
+        if now - self._ticked > self.tick_s + LATE_S:
+            self.calm_since = now
+        self._ticked = now
+        if now - self._swept < SWEEP_S:
+            return
+        self._swept = now
+        store = self.store
+        self.nodes = sum(len(store.jobs[j].nodes) for j in store.active if j in store.jobs)
+        if not store.serving:
+            return
+        started, gone = 0, []
+        # the common case, skipped at the cost of one comparison: heard lately, or never since told;
+        # every CLEAN_S all are looked at (a node or job gone)
+        heard_after = now - SILENCE_MIN_S if now - self._cleaned < CLEAN_S else float("inf")
+        if heard_after == float("inf"):
+            self._cleaned = now
+        for key, arr in self.arrivals.items():
+            if (arr.last or now) > heard_after:
+                continue
+            job = store.jobs.get(key[0])
+            node = job.nodes.get(key[1]) if job is not None and not job.finished else None
+            if job is None or node is None:
+                gone.append(key)
+                continue
+            silent = arr.silent(now, self.calm_since, job.spec.heartbeat_timeout_s)
+            if silent is None:
+                continue
+            judged = node.state == RUNNING and not job.forming and node.connected and started < MAX_PROBES_PER_SWEEP
+            if judged and store.suspicion.silent(key[0], key[1], job.round, silent, now):
+                started += 1
+        for key in gone:
+            del self.arrivals[key]
