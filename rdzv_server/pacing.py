@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from rdzv_common.protocol import JoinedMsg
 
 from .rounds.model import RUNNING, Effects, Job
-from .rounds.pace import SILENCE_MIN_S, Arrivals, heartbeat_s
+from .rounds.pace import SILENCE_MIN_S, Arrivals, heartbeat_s, unanswered
 
 if TYPE_CHECKING:
     from .store import Store
@@ -69,6 +69,19 @@ class Pacing:
         arr = self.arrivals.get((job_id, node_id))
         if arr is not None:
             arr.heard(time.monotonic(), arr.last is None or arr.last >= self.calm_since)
+
+    def unanswered(self, job: Job, node_id: str, round_no: int, silent_s: float, waited_s: float) -> None:
+        """``node_id``'s silence was probed and nothing answered, no peer reported it: its
+        connection is cut, and it is lost after the disconnect grace with the reason
+        rounds.pace.unanswered gives (a partition that heals within the grace costs nothing)."""
+        why = unanswered(job, node_id, round_no, silent_s, waited_s)
+        chan = self.store.channels.get((job.job_id, node_id))
+        if why is not None and chan is not None:
+            kill = getattr(chan, "kill", None)
+            if kill is not None:
+                kill(why)
+            else:
+                chan.drop()
 
     def tick(self) -> None:
         """From the store's tick: note a late loop; every SWEEP_S, judge."""

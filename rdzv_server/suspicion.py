@@ -94,6 +94,9 @@ class Suspicion:
         job = self.store.jobs.get(job_id)
         if job is None or not self.store.serving:  # an HA replica that stopped leading meanwhile
             return
+        if not probe.reporters and probe.silent_s is not None:  # its silence alone: a lost connection
+            self.store.pacing.unanswered(job, suspect, round_no, probe.silent_s + waited, waited)
+            return
         t = self.store.clock()
         fx = confirmed(job, suspect, round_no, len(probe.reporters), waited, t, probe.silent_s)
         if not fx.events:

@@ -195,7 +195,7 @@ def join(job: Job, msg: JoinMsg, now: float, node_secret: str | None = None) -> 
 def _heard(node: Node, now: float) -> None:
     """The node's agent is connected and speaking now."""
     node.connected, node.lost_deadline, node.last_seen, node.dropped = True, None, now, False
-    node.graced = False
+    node.graced, node.lost_why = False, None
 
 
 def _reconnect(job: Job, node: Node, now: float) -> Effects:

@@ -97,6 +97,9 @@ class Node:
     # (rounds.nccl_lag); memory only
     nccl_lag: tuple[Any, ...] | None = None
     nccl_lag_at: float | None = None
+    # why its connection was cut by the server (its silence, unanswered: rounds.pace.unanswered);
+    # the reason it is lost with if the disconnect grace ends before it is back; memory only
+    lost_why: str | None = None
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,10 @@ late, widens its own limit). The false-positive rules (design.md "A vanished
 host"):
 
 1. Silence is only a reason to probe (:mod:`.suspicion`, the same kernel-ack
-   probe a peer's report causes); the eviction needs the suspect's *kernel*
-   to acknowledge nothing. The heartbeat timeout stays the hard bound.
+   probe a peer's report causes). When the suspect's *kernel* acknowledged
+   nothing and no peer reported it, its connection is lost
+   (:func:`unanswered`): the disconnect grace still applies, as when the
+   keep-alive finds it. The heartbeat timeout stays the hard bound.
 2. A node is judged on the interval it was *told* (a faster one takes effect
    only from its next heartbeat: the agent's sleep in progress is the old
    one), and only after it heartbeated at least once since.
@@ -37,7 +39,7 @@ import math
 
 from rdzv_common.job_spec import JobSpec, heartbeat_interval
 
-from .model import Job
+from .model import RUNNING, Job
 
 FAST_HEARTBEAT_S = 0.25  # the fastest interval a node is told
 HEARTBEAT_BUDGET = 5000.0  # heartbeats a second, all nodes of all jobs, the interval is sized for
@@ -58,6 +60,20 @@ def told_interval(job: Job) -> float:
     """The interval a ``joined`` of ``job`` tells: the one the store chose
     (``job.heartbeat_s``), else the spec's own."""
     return job.heartbeat_s if job.heartbeat_s is not None else heartbeat_interval(job.spec)
+
+
+def unanswered(job: Job, node_id: str, round_no: int, silent_s: float, waited_s: float) -> str | None:
+    """The server probed ``node_id`` for its silence alone (no peer reported
+    it) and its kernel acknowledged nothing in ``waited_s``: what the
+    keep-alive would find seconds later, that its connection is lost. The
+    caller cuts the connection, and the node is lost after the disconnect
+    grace, as any lost connection (a partition that heals within it costs
+    nothing), with this reason; None: the round or the node changed meanwhile."""
+    node = job.nodes.get(node_id)
+    if job.finished or job.forming or round_no != job.round or node is None or node.state != RUNNING:
+        return None
+    node.lost_why = f"silent for {silent_s * 1000:.0f} ms, no answer to probe in {waited_s * 1000:.0f} ms"
+    return node.lost_why
 
 
 class Arrivals:

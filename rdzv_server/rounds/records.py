@@ -31,6 +31,7 @@ _NOT_SAVED_NODE = frozenset(
         "nccl_lag",
         "nccl_lag_at",
         "probe_port",  # the node's next join (a resume too) brings it back
+        "lost_why",
     }
 )
 _NOT_SAVED_JOB = frozenset(

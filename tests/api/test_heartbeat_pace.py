@@ -20,6 +20,7 @@ from aiohttp import WSMsgType
 from rdzv_common.protocol import AGENT_PATH
 from rdzv_common.wire import HEARTBEAT_FRAME
 from rdzv_server import suspicion
+from rdzv_server.app import Settings
 from rdzv_server.keys import STORE
 from rdzv_server.rounds.pace import FAST_HEARTBEAT_S
 
@@ -108,9 +109,11 @@ async def test_a_silent_member_whose_kernel_answers_is_probed_and_kept(client, c
             await beat.stop()
 
 
-async def test_a_silent_member_whose_kernel_does_not_answer_is_evicted_for_its_silence(
+async def test_a_silent_member_whose_kernel_does_not_answer_is_a_lost_connection_with_its_own_reason(
     client, connect, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """No peer reported it: its connection is cut, and it is lost after the
+    disconnect grace (0.5 s), as any lost connection, saying why."""
     monkeypatch.setattr(suspicion, "acked_within", lambda sock, seconds: False)  # a pulled cable's verdict
     a, b, told = await _form(client, connect)
     beats = [Beats(a, told[0]), Beats(b, told[1], read=True)]
@@ -120,11 +123,43 @@ async def test_a_silent_member_whose_kernel_does_not_answer_is_evicted_for_its_s
         restart = await a.expect("restart", DEADLINE)
         assert "node b" in restart.reason and "silent for" in restart.reason, restart.reason
         assert "no answer to probe in" in restart.reason and "no heartbeat" not in restart.reason
-        host = await (await client.get("/v1/hosts/b")).json()
-        assert any("silent for" in str(f) for f in host["failures"]), host  # charged, as a heartbeat eviction is
+        assert b.ws.closed  # the server cut it
     finally:
         for beat in beats:
             await beat.stop()
+
+
+async def test_a_cut_off_member_that_is_back_within_the_disconnect_grace_is_kept(
+    make_client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A partition between the server and a node that heals within the grace
+    costs nothing, as with any lost connection: the silence probe only found
+    sooner what the keep-alive would have."""
+    monkeypatch.setattr(suspicion, "acked_within", lambda sock, seconds: False)
+    client = await make_client(Settings(disconnect_grace_s=DEADLINE))
+    a = Agent(await client.ws_connect(AGENT_PATH))
+    b = Agent(await client.ws_connect(AGENT_PATH, autoping=False))
+    for node_id, agent in (("a", a), ("b", b)):
+        await agent.send(join_msg("g", node_id, (2, 2)))
+    told = []
+    for agent in (a, b):
+        told.append((await agent.expect("joined")).heartbeat_s)
+        await agent.expect("assigned")
+    beats = [Beats(a, told[0]), Beats(b, told[1], read=True)]
+    try:
+        await asyncio.sleep(4 * told[1])
+        beats[1].beating = False
+        await _until("b's connection cut", lambda: b.ws.closed)
+        back = Agent(await client.ws_connect(AGENT_PATH))
+        await back.send(join_msg("g", "b", (2, 2), resume_round=0, node_secret=b.node_secret))
+        assert (await back.expect("assigned")).assignment.round == 0
+        view = await (await client.get("/v1/jobs/g")).json()
+        assert (view["round"], view["restarts"], len(view["nodes"])) == (0, 0, 2), view["history"]
+        await back.close()
+    finally:
+        for beat in beats:
+            await beat.stop()
+        await a.close()
 
 
 async def test_no_silence_is_judged_across_the_servers_own_stall(client, connect) -> None:

@@ -130,3 +130,27 @@ def test_a_silent_suspect_goes_through_the_same_table_and_is_evicted_with_its_ow
     job, _ = _running(3)
     sus.confirmed(job, "n2", 0, 2, 0.3, 5.0, silent_s=1.0)
     assert "suspected by 2 peer(s), silent for 1300 ms, no answer to probe in 300 ms" in job.history[-1].reason
+
+
+def test_an_unanswered_silence_is_a_lost_connection_with_its_own_reason() -> None:
+    """No peer reported it: the disconnect grace still applies (the caller cuts
+    the connection); the node is lost when it ends, saying why; a node back
+    in time is kept and forgets it."""
+    job, _ = _running(3)
+    assert pace.unanswered(job, "n1", 7, 1.3, 0.3) is None  # a later round's verdict: nothing
+    why = pace.unanswered(job, "n1", 0, 1.3, 0.3)
+    assert why == "silent for 1300 ms, no answer to probe in 300 ms"
+    rounds.disconnect(job, "n1", 1.0, 0.5)
+    assert rounds.tick(job, 1.4).events == []  # within the grace
+    fx = rounds.tick(job, 1.5)
+    assert fx.evicted == ["n1"] and job.round == 1
+    assert "node n1 (h1) silent for 1300 ms, no answer to probe in 300 ms" in job.history[-1].reason
+    kept, _ = _running(3)
+    pace.unanswered(kept, "n2", 0, 1.3, 0.3)
+    rounds.disconnect(kept, "n2", 1.0, 0.5)
+    back = JoinMsg(
+        job_id="j", node_id="n2", host="h2", addr="10.0.0.3", local_world_size=1, master_port=29500,
+        spec=kept.spec, resume_round=0,
+    )  # fmt: skip
+    rounds.join(kept, back, 1.2)
+    assert kept.nodes["n2"].lost_why is None and rounds.tick(kept, 2.0).events == [] and kept.round == 0
