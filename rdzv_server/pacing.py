@@ -10,6 +10,11 @@ The sweep runs from the store's tick. When the tick itself came late (the
 loop was busy or starved: heartbeats may sit unread in the sockets), nobody is
 judged on the silence before that moment (``calm_since``), as the agents'
 peer probers give a fresh grace after their own stall.
+
+When the server grows (jobs added after a small one was told 0.25 s), the
+nodes told an interval now too fast for the budget are told the new one
+(``pace``; an agent too old for it keeps its interval until its next
+``joined``), so the total stays near the budget however the nodes came.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from rdzv_common.protocol import JoinedMsg
+from rdzv_common.protocol import JoinedMsg, PaceMsg
 
 from .rounds.model import RUNNING, Effects, Job
 from .rounds.pace import SILENCE_MIN_S, Arrivals, heartbeat_s, unanswered
@@ -30,6 +35,7 @@ LATE_S = 0.25  # a tick this much later than due: the loop was busy, silences so
 MAX_PROBES_PER_SWEEP = 64  # silence probes one sweep may start (a rack's worth; the rest next sweep)
 MAX_TRACKED = 1 << 17  # nodes whose arrivals are kept, server-wide
 CLEAN_S = 10.0  # how often every entry is checked for a node or job that is gone
+REPACE_GROWTH = 1.25  # the server grew by this factor since the nodes were last paced: pace them again
 
 
 class Pacing:
@@ -45,6 +51,7 @@ class Pacing:
         self._ticked = now
         self._swept = now
         self._cleaned = now
+        self._paced_nodes = 0  # self.nodes when the nodes were last paced
 
     def interval(self, job: Job) -> float:
         """The interval to tell a node joining ``job`` now: over the nodes the
@@ -83,6 +90,25 @@ class Pacing:
             else:
                 chan.drop()
 
+    def repace(self) -> None:
+        """Every tracked node told an interval over REPACE_GROWTH times faster than
+        the one it would be told now is told that one (the total rate: near the budget)."""
+        texts: dict[float, str] = {}
+        for (job_id, node_id), arr in self.arrivals.items():
+            job = self.store.jobs.get(job_id)
+            if job is None or job.finished:
+                continue
+            want = heartbeat_s(job.spec, self.nodes)
+            if arr.next * REPACE_GROWTH >= want:
+                continue
+            chan = self.store.channels.get((job_id, node_id))
+            if chan is not None:
+                text = texts.get(want)
+                if text is None:
+                    text = texts[want] = PaceMsg(heartbeat_s=want).model_dump_json()
+                chan.deliver(text)
+                arr.tell(want)
+
     def tick(self) -> None:
         """From the store's tick: note a late loop; every SWEEP_S, judge."""
         now = time.monotonic()
@@ -96,6 +122,10 @@ class Pacing:
         self.nodes = sum(len(store.jobs[j].nodes) for j in store.active if j in store.jobs)
         if not store.serving:
             return
+        self._paced_nodes = min(self._paced_nodes, self.nodes)  # growth counts from the lowest since
+        if self.nodes > self._paced_nodes * REPACE_GROWTH:
+            self._paced_nodes = self.nodes
+            self.repace()
         started, gone = 0, []
         # the common case, skipped at the cost of one comparison: heard lately, or never since told;
         # every CLEAN_S all are looked at (a node or job gone)

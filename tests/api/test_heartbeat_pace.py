@@ -217,3 +217,40 @@ async def test_the_agent_link_takes_up_a_faster_interval_at_once(client) -> None
         assert store.channels[("paced", "node1")] is chan  # on that connection (a new one starts at the new pace)
     finally:
         await link.close()
+
+
+async def test_nodes_told_a_fast_interval_are_told_a_slower_one_when_the_server_grows(
+    client, connect, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real AgentLink joins a small server and is told a fast interval;
+    then a bigger job arrives: the total rate would pass the budget (4 a
+    second here), so the link is told (``pace``) the interval a join would be
+    told now, and takes it; the message is the link's own (its agent never sees it)."""
+    from rdzv_client.client import AgentLink
+    from rdzv_client.session import NodeSession
+    from rdzv_common.protocol import JobSpec
+    from rdzv_server.rounds import pace
+
+    monkeypatch.setattr(pace, "HEARTBEAT_BUDGET", 4.0)
+    link = AgentLink(f"127.0.0.1:{client.server.port}", heartbeat_s=2.0)
+    session = NodeSession(job_id="small", host="h", nproc=1, spec=JobSpec(min_nodes=1, max_nodes=1), addr="127.0.0.1")
+    session.node_id = "node1"
+    session.link = link
+    await link.start()
+    try:
+        session.join()
+        joined = await asyncio.wait_for(link.recv(), TIMEOUT)
+        assert joined.op == "joined" and joined.heartbeat_s == FAST_HEARTBEAT_S  # 1 node / 4: the floor
+        assert (await asyncio.wait_for(link.recv(), TIMEOUT)).op == "assigned"
+        big = [await connect() for _ in range(4)]
+        for i, agent in enumerate(big):
+            await agent.send(join_msg("big", f"b{i}", (4, 4)))
+        for agent in big:
+            assert (await agent.expect("joined")).heartbeat_s == 1.25  # 5 nodes / 4
+        await _until("the small job's node told the slower interval", lambda: link.heartbeat_s == 1.25)
+        arr = client.app[STORE].pacing.arrivals[("small", "node1")]
+        assert arr.told == 1.25  # judged on it at once
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(link.recv(), 0.5)  # nothing for the agent
+    finally:
+        await link.close()
