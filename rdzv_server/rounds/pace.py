@@ -53,7 +53,7 @@ def heartbeat_s(spec: JobSpec, nodes: int) -> float:
     """The interval to tell a node of a job with ``spec`` when the server
     counts ``nodes`` nodes in all (those it has, and those the job is sure to
     bring: its ``min_nodes``)."""
-    return min(heartbeat_interval(spec), max(FAST_HEARTBEAT_S, nodes / HEARTBEAT_BUDGET))
+    return min(heartbeat_interval(spec), max(FAST_HEARTBEAT_S, round(nodes / HEARTBEAT_BUDGET, 2)))
 
 
 def told_interval(job: Job) -> float:
