@@ -90,6 +90,8 @@ class BigClient:
                         await self._send_join(node)
                     except (ConnectionError, RuntimeError, OSError):
                         break  # an agent with no workers to stop joins again at once
+                elif '"op":"pace"' in data:  # the server grew: a slower interval, as the agent's link takes it
+                    node.hb_s = json.loads(data)["heartbeat_s"]
                 elif '"op":"joined"' in data:
                     msg = json.loads(data)
                     node.secret = msg.get("node_secret") or node.secret
@@ -178,6 +180,7 @@ class BigClient:
             "nodes": len(self.nodes),
             "dropped": sum(n.dropped for n in self.nodes.values()),
             "cpu_ticks": C.cpu_ticks(os.getpid()),
+            "hb_s": sorted({n.hb_s for n in self.nodes.values() if n.hb_s is not None}),  # the intervals told
         }
 
     async def close(self) -> dict:

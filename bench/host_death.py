@@ -1,5 +1,6 @@
 """python -m bench.host_death [--runs K] [--victim plain|rank0] [--no-torchrun] [--bound S] [--out FILE.json]
 python -m bench.host_death --soak S [--hogs N]
+python -m bench.host_death --lone [--runs K]
 
 A node's host vanishes (issue 23): three agents, each in a network namespace
 of its own (tests/helpers/netlab.NetLab: a hub namespace with a bridge, one
@@ -16,6 +17,12 @@ veth set down: no FIN, no RST, no ICMP). Measured from the cut:
 * torchrun (c10d, ``--rdzv-conf is_host=1`` on node 0, which then must not be
   the victim: its store dies with it), the same worker: both survivors'
   workers started with world 2, if that happens within ``--bound``.
+
+``--lone``: one node alone (no peer can suspect it; the same holds for a
+node whose peers are not probing): cut -> the server's round 1 (the node
+lost), polled every 10 ms, and the reason. Only the server's own signals can
+find it: the silence of its heartbeats (a probe, rdzv_server.pacing) or, 4.6 s
+after the cut, its socket's keep-alive.
 
 ``--soak S [--hogs N]``: no false eviction, bench/host_soak.py for S seconds
 (SIGSTOPs, 300 ms / 5 % loss phases, 256 simulated nodes; its docstring).
@@ -171,6 +178,54 @@ def measure_inplace(tmp: Path, kind: str, bound: float) -> dict:
         lab.cleanup()
 
 
+def measure_lone(tmp: Path, bound: float) -> dict:
+    from tests.helpers.netlab import NetLab
+
+    lab = NetLab(1)
+    lab.setup()
+    cl = None
+    try:
+        cl = NsCluster("rdzv", tmp, "hd-lone", lab)
+        argv = [sys.executable, "-m", "rdzv_client.agent", "--endpoint", cl.endpoint, "--job-id", cl.job]
+        argv += ["--local-addr", lab.node_addr(0), "--nnodes", "1", "--no-python", "sleep", "600"]
+        p = C.Proc("agent0", ["ip", "netns", "exec", lab.node_ns(0), *argv], cl.dir / "agent0.log", env=cl.env)
+        cl.agents.append(p)
+        if not C.wait_until(lambda: cl.job_view().get("state") == "running", 60):
+            return {"failure": "setup: not running"}
+        time.sleep(3.0)  # heartbeats at the interval it was told
+        t_cut = time.time()
+        lab.cut(0)
+        if not C.wait_until(lambda: cl.job_view().get("round", 0) >= 1, bound, 0.01):
+            return {"failure": f"not lost in {bound:g} s"}
+        out: dict = {"cut_to_lost_s": time.time() - t_cut}
+        hist = cl.job_view().get("history", [])
+        out["reason"] = hist[1]["reason"] if len(hist) > 1 else None
+        return out
+    finally:
+        if cl is not None:
+            cl.close()
+        lab.cleanup()
+
+
+def lone(args: argparse.Namespace) -> None:
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="rdzv-hd-") as d:
+        for run in range(args.runs):
+            runs.append(measure_lone(Path(d), args.bound))
+            print(f"[bench] run {run + 1}: {json.dumps(runs[-1])}", file=sys.stderr)
+    vals = [r["cut_to_lost_s"] for r in runs if "cut_to_lost_s" in r]
+    cell = f"median {C.fmt_s(C.median(vals))} ({', '.join(C.fmt_s(v) for v in vals)})" if vals else "-"
+    fails = [r["failure"] for r in runs if "failure" in r]
+    if fails:
+        cell += f"; failed: {'; '.join(fails)}"
+    print(f"host death of a lone node (no peer probes it), network namespaces, load {C.loadavg()}")
+    print(C.md_table(["measure", "seconds", "runs"], [["cut -> node lost (round 1)", cell, str(len(runs))]]))
+    for reason in sorted({r["reason"] for r in runs if r.get("reason")}):
+        print(f"- round 1's reason: {reason}")
+    if args.out:
+        args.out.write_text(json.dumps(runs, indent=1))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.host_death", description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=3)
@@ -180,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path)
     p.add_argument("--soak", type=float, metavar="S", help="instead: python -m bench.host_soak --seconds S")
     p.add_argument("--hogs", type=int, default=0, help="with --soak: busy processes beside it")
+    p.add_argument("--lone", action="store_true", help="instead: a lone node's cable pulled, cut -> node lost")
     args = p.parse_args(argv)
     if args.soak:
         from . import host_soak
@@ -193,6 +249,9 @@ def main(argv: list[str] | None = None) -> None:
     if why:
         print(f"[bench] host_death needs network namespaces: {why}", file=sys.stderr)
         sys.exit(2)
+    if args.lone:
+        lone(args)
+        return
     res: dict[str, list[dict]] = {"rdzv": [], "rdzv_inplace": [], "torchrun": []}
     with tempfile.TemporaryDirectory(prefix="rdzv-hd-") as d:
         tmp = Path(d)

@@ -175,6 +175,8 @@ class ClientProc:
                     if node.hb_task is None:
                         node.hb_s = joined["heartbeat_s"]
                         node.hb_task = asyncio.ensure_future(self._heartbeat(node))
+                elif '"op":"pace"' in data:  # the server grew: a slower interval, as the agent's link takes it
+                    node.hb_s = json.loads(data)["heartbeat_s"]
                 elif '"op":"evicted"' in data:
                     node.evicted += 1
                 elif '"op":"restart"' in data:

@@ -285,7 +285,7 @@ class AgentLink:
                 # the join is on the wire: now the models that check what the server says
                 from pydantic import ValidationError
 
-                from rdzv_common.protocol import SERVER_MESSAGE, ErrorMsg, EvictedMsg, JoinedMsg
+                from rdzv_common.protocol import SERVER_MESSAGE, ErrorMsg, EvictedMsg, JoinedMsg, PaceMsg
 
                 async for data in ws:
                     try:
@@ -310,8 +310,14 @@ class AgentLink:
                         continue
                     self.service.served()
                     self.last_error = None
-                    if isinstance(msg, JoinedMsg):
+                    if isinstance(msg, (JoinedMsg, PaceMsg)):
+                        faster = msg.heartbeat_s < self.heartbeat_s
                         self.heartbeat_s = msg.heartbeat_s
+                        if faster:  # the sleep in progress is the old, longer one: the new pace from now
+                            hb.cancel()
+                            hb = asyncio.create_task(self._heartbeat(ws))
+                        if isinstance(msg, PaceMsg):  # the link's own business
+                            continue
                     if self.observer is not None:
                         self.observer(msg)
                     self._messages.put_nowait(msg)

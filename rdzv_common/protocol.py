@@ -369,6 +369,13 @@ class JoinedMsg(Strict):
     run: RunNo = 1  # the job's run this node joined: its later joins carry it
 
 
+class PaceMsg(Strict):
+    """Heartbeat every ``heartbeat_s`` from now: the server grew since ``joined`` said."""
+
+    op: Literal["pace"] = "pace"
+    heartbeat_s: Seconds
+
+
 class StatusMsg(Strict):
     """An update while the round forms (throttled)."""
 
@@ -479,7 +486,7 @@ class ErrorMsg(Strict):
 
 
 ServerMessage = Annotated[
-    JoinedMsg | StatusMsg | AssignedMsg | SpareMsg | RestartMsg | EvictedMsg | DoneMsg | AckMsg | ErrorMsg,
+    JoinedMsg | StatusMsg | AssignedMsg | SpareMsg | RestartMsg | EvictedMsg | DoneMsg | AckMsg | ErrorMsg | PaceMsg,
     Field(discriminator="op"),
 ]
 SERVER_MESSAGE = TypeAdapter(ServerMessage)

@@ -56,6 +56,7 @@ from .database import Database, DataDirError  # noqa: F401  (DataDirError: re-ex
 from .due import Due
 from .events import EventLog
 from .hosts import HostRecord, Hosts
+from .pacing import Pacing
 from .quotas import Room
 from .rounds import Effects, Job
 from .seen_addr import seen_addr
@@ -128,6 +129,7 @@ class Store:
         self.retention = StoreRetention(self)  # finished jobs by end time, removed past --retain-finished
         self.reads = StoreReads(self)  # what REST and /metrics read
         self.suspicion = Suspicion(self)  # peers' suspicions and the probes they cause (issue 23)
+        self.pacing = Pacing(self, TICK_S)  # heartbeat intervals told, silences judged (rdzv_server.pacing)
 
     @property
     def durable(self) -> bool:
@@ -317,6 +319,7 @@ class Store:
                 "every node heard from since gets a full heartbeat timeout"
             )
         self.host_side.tick(now)  # a cool-down or a cordon's ttl ended: its spares may be admitted
+        self.pacing.tick()  # silent running members: probed (rdzv_server.pacing)
         for job_id in self.due.pop(now):
             job = self.jobs.get(job_id)
             if job is None or job_id not in self.active:
@@ -358,8 +361,10 @@ class Store:
             job.probe_seed = secrets.token_bytes(16)
         # a node this join creates gets a fresh secret; only its own connection hears it
         issued = None if msg.node_id in job.nodes else secrets.token_urlsafe(24)
+        job.heartbeat_s = self.pacing.interval(job)
         # raises before changing anything; peers probe the node where its connection came from
         fx = rounds.join(job, msg, now, node_secret=issued, seen_addr=seen_addr(chan, msg))
+        self.pacing.told(job.job_id, msg.node_id, fx)
         if rerun:
             self.active.add(job.job_id)
         if created:
@@ -391,6 +396,7 @@ class Store:
         job = self.jobs.get(job_id)
         if job is not None:
             now = self.clock()
+            self.pacing.heard(job_id, node_id)
             fx = rounds.heartbeat(job, node_id, now, step, rate, timings, nccl_lag)
             if step is not None:
                 self.progress_jobs.add(job_id)

@@ -56,7 +56,15 @@ class Suspicion:
             if self.table.open(job_id, suspect, reporter, round_no, now):
                 self._probe(job_id, suspect, round_no, now)
 
-    def _probe(self, job_id: str, suspect: str, round_no: int, now: float) -> None:
+    def silent(self, job_id: str, node_id: str, round_no: int, silent_s: float, now: float) -> bool:
+        """The server's own judgment (rdzv_server.pacing): ``node_id``, a running
+        member of round ``round_no``, has been silent ``silent_s``; True: probed."""
+        if not self.table.open(job_id, node_id, None, round_no, now, silent_s=silent_s):
+            return False
+        self._probe(job_id, node_id, round_no, now, f"silent for {silent_s * 1000:.0f} ms")
+        return True
+
+    def _probe(self, job_id: str, suspect: str, round_no: int, now: float, why: str = "suspected by a peer") -> None:
         chan = self.store.channels.get((job_id, suspect))
         ws = getattr(chan, "ws", None)
         transport = getattr(chan, "transport", None)
@@ -66,7 +74,7 @@ class Suspicion:
             self.table.close(job_id, suspect, answered=True, now=now)
             return
         deadline = probe_deadline(rtt_s(sock))
-        _note("job %s: node %s suspected by a peer; probing it (%.0f ms)", job_id, suspect, deadline * 1000)
+        _note("job %s: node %s %s; probing it (%.0f ms)", job_id, suspect, why, deadline * 1000)
         ping = asyncio.ensure_future(_ping(ws))
         self._pings.add(ping)
         ping.add_done_callback(self._pings.discard)
@@ -86,8 +94,11 @@ class Suspicion:
         job = self.store.jobs.get(job_id)
         if job is None or not self.store.serving:  # an HA replica that stopped leading meanwhile
             return
+        if not probe.reporters and probe.silent_s is not None:  # its silence alone: a lost connection
+            self.store.pacing.unanswered(job, suspect, round_no, probe.silent_s + waited, waited)
+            return
         t = self.store.clock()
-        fx = confirmed(job, suspect, round_no, len(probe.reporters), waited, t)
+        fx = confirmed(job, suspect, round_no, len(probe.reporters), waited, t, probe.silent_s)
         if not fx.events:
             return  # the round or the node changed meanwhile
         try:

@@ -23,7 +23,6 @@ from rdzv_common.protocol import (
     SpareMsg,
     SpecMismatchError,
     StaleRoundError,
-    heartbeat_interval,
 )
 
 from . import events
@@ -45,6 +44,7 @@ from .model import (
     move,
     node_secret_hash,
 )
+from .pace import told_interval
 from .probe_addr import probe_addr
 from .views import waiting_info
 
@@ -207,7 +207,7 @@ def _probed_at(node: Node, msg: JoinMsg, seen_addr: str | None) -> None:
 def _heard(node: Node, now: float) -> None:
     """The node's agent is connected and speaking now."""
     node.connected, node.lost_deadline, node.last_seen, node.dropped = True, None, now, False
-    node.graced = False
+    node.graced, node.lost_why = False, None
 
 
 def _reconnect(job: Job, node: Node, now: float) -> Effects:
@@ -299,7 +299,7 @@ def _enter(job: Job, node: Node, now: float, issued: str | None, new: bool) -> E
             JoinedMsg(
                 round=job.round,
                 node_id=node.node_id,
-                heartbeat_s=heartbeat_interval(spec),
+                heartbeat_s=told_interval(job),
                 waiting_for=waiting_info(job, now, detail=False),
                 node_secret=issued,
                 run=job.run,
@@ -311,7 +311,7 @@ def _enter(job: Job, node: Node, now: float, issued: str | None, new: bool) -> E
         JoinedMsg(
             round=job.round + 1,
             node_id=node.node_id,
-            heartbeat_s=heartbeat_interval(spec),
+            heartbeat_s=told_interval(job),
             node_secret=issued,
             run=job.run,
         ),
@@ -353,7 +353,7 @@ def _hold(job: Job, node: Node, now: float, why: str, issued: str | None, new: b
         JoinedMsg(
             round=round_no,
             node_id=node.node_id,
-            heartbeat_s=heartbeat_interval(job.spec),
+            heartbeat_s=told_interval(job),
             node_secret=issued,
             run=job.run,
         ),

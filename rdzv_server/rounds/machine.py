@@ -117,7 +117,7 @@ def new_run(job: Job, spec: JobSpec, now: float, job_secret: str | None = None) 
     ended = f"run {job.run} {job.state.value}"
     fresh = new_job(job.job_id, spec, now, job_secret)
     for f in fields(Job):
-        if f.name not in ("created_at", "runs", "gate", "probe_seed"):
+        if f.name not in ("created_at", "runs", "gate", "probe_seed", "heartbeat_s"):
             setattr(job, f.name, getattr(fresh, f.name))
     job.run = job.runs[-1].run + 1
     job.run_started_at = now
@@ -171,7 +171,9 @@ def fail(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], now:
         fx.event(events.node_failed(job, node, failures, cause))
         for node_id in gone:
             if node_id in job.nodes:
-                fx.merge(_lose(job, node_id, "connection lost", now, evict=True, lost=True))
+                fx.merge(
+                    _lose(job, node_id, job.nodes[node_id].lost_why or "connection lost", now, evict=True, lost=True)
+                )
         return fx
     if all(r.reason == "collective" for r in failures):
         # In-place mode: a parked worker's echo, and no member is known gone: the
@@ -356,7 +358,7 @@ def tick(job: Job, now: float) -> Effects:
             continue
         if node.lost_deadline is not None:  # not connected: judged by the grace it was given
             if now >= node.lost_deadline:
-                fx.merge(_lose(job, node.node_id, "connection lost", now, evict=True, lost=True))
+                fx.merge(_lose(job, node.node_id, node.lost_why or "connection lost", now, evict=True, lost=True))
         elif now - node.last_seen >= timeout:
             fx.host_failures.append((node.host, f"evicted: no heartbeat for {timeout:g}s"))
             fx.merge(_lose(job, node.node_id, f"no heartbeat for {timeout:g}s", now, evict=True, lost=False))

@@ -99,6 +99,9 @@ class Node:
     # (rounds.nccl_lag); memory only
     nccl_lag: tuple[Any, ...] | None = None
     nccl_lag_at: float | None = None
+    # why its connection was cut by the server (its silence, unanswered: rounds.pace.unanswered);
+    # the reason it is lost with if the disconnect grace ends before it is back; memory only
+    lost_why: str | None = None
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,8 @@ class Job:
     # what its rounds' probe keys derive from (rounds.probe_addr.round_key): random, drawn by the
     # store; not saved (a restarted server draws another: the reconnects' assignments carry its keys)
     probe_seed: bytes | None = field(default=None, repr=False, compare=False)
+    # the heartbeat interval a join is told (rdzv_server.pacing); None: heartbeat_interval(spec). Not saved
+    heartbeat_s: float | None = field(default=None, repr=False, compare=False)
 
     @property
     def forming(self) -> bool:

@@ -32,10 +32,23 @@ _NOT_SAVED_NODE = frozenset(
         "nccl_lag_at",
         "probe_port",  # the node's next join (a resume too) brings it back
         "probe_addr",  # ... and its connection this one
+        "lost_why",
     }
 )
 _NOT_SAVED_JOB = frozenset(
-    {"spec", "nodes", "history", "state", "counts", "stragglers_at", "gate", "culprit", "departed", "probe_seed"}
+    {
+        "spec",
+        "nodes",
+        "history",
+        "state",
+        "counts",
+        "stragglers_at",
+        "gate",
+        "culprit",
+        "departed",
+        "probe_seed",
+        "heartbeat_s",
+    }
 )
 
 

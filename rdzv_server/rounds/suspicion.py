@@ -15,6 +15,9 @@ The false-positive rules (design.md "A vanished host"):
    are bounded in entries.
 4. An agent suspects only a peer that answered its probes before
    (rdzv_client.peer_probe): a peer that cannot be probed is never suspected.
+5. The server's own judgment that a node went silent (:mod:`.pace`) opens
+   the same probe (no reporter: ``silent_s`` instead), under the same
+   one-probe-per-suspect, hold-off and caps.
 """
 
 from __future__ import annotations
@@ -80,27 +83,35 @@ def suspects(job: Job, reporter: str, round_no: int, nodes: list[str]) -> list[s
     return out
 
 
-def confirmed(job: Job, node_id: str, round_no: int, reporters: int, waited_s: float, now: float) -> Effects:
+def confirmed(
+    job: Job, node_id: str, round_no: int, reporters: int, waited_s: float, now: float, silent_s: float | None = None
+) -> Effects:
     """The server's probe of a suspect went unanswered: it is out, as a node
     silent past the heartbeat timeout is (its host charged), unless the round
-    or the node changed meanwhile."""
+    or the node changed meanwhile. ``silent_s``: the server probed it for its
+    silence (rule 5), that long before the probe went out."""
     from .machine import _lose  # machine -> forming -> this module: imported when used
 
     node = job.nodes.get(node_id)
     if job.finished or job.forming or round_no != job.round or node is None or node.state != RUNNING:
         return Effects()
-    why = f"suspected by {reporters} peer(s), no answer to probe in {waited_s * 1000:.0f} ms"
+    said = [f"suspected by {reporters} peer(s)"] if reporters else []
+    if silent_s is not None:
+        said.append(f"silent for {(silent_s + waited_s) * 1000:.0f} ms")
+    why = f"{', '.join(said)}, no answer to probe in {waited_s * 1000:.0f} ms"
     fx = Effects(host_failures=[(node.host, f"evicted: {why}")])
     return fx.merge(_lose(job, node_id, why, now, evict=True, lost=False))
 
 
 @dataclass
 class Probe:
-    """One suspect being probed: for which round, and who suspects it."""
+    """One suspect being probed: for which round, and who suspects it (and
+    ``silent_s``: how long it had been silent, when its silence did)."""
 
     round: int
     started: float
     reporters: set[str] = field(default_factory=set)
+    silent_s: float | None = None
 
 
 @dataclass
@@ -129,13 +140,19 @@ class Suspicions:
         self.budgets[key] = (tokens - 1.0, now)
         return True
 
-    def open(self, job_id: str, suspect: str, reporter: str, round_no: int, now: float) -> bool:
-        """Note a report; True when it starts a probe (none open for this
-        suspect, none cleared it lately, room in the table)."""
+    def open(
+        self, job_id: str, suspect: str, reporter: str | None, round_no: int, now: float, silent_s: float | None = None
+    ) -> bool:
+        """Note a report (``reporter`` None: the server's judgment that the
+        suspect is ``silent_s`` silent, rule 5); True when it starts a probe
+        (none open for this suspect, none cleared it lately, room in the table)."""
         key = (job_id, suspect)
         probe = self.probes.get(key)
         if probe is not None and probe.round == round_no:
-            probe.reporters.add(reporter)
+            if reporter is not None:
+                probe.reporters.add(reporter)
+            if silent_s is not None and probe.silent_s is None:
+                probe.silent_s = max(0.0, silent_s + probe.started - now)  # as of when it went out
             return False
         until = self.cleared.get(key)
         if until is not None:
@@ -147,7 +164,8 @@ class Suspicions:
                 del self.cleared[k]
             if len(self.probes) + len(self.cleared) >= MAX_PROBES:
                 return False
-        self.probes[key] = Probe(round=round_no, started=now, reporters={reporter})
+        reporters = {reporter} if reporter is not None else set()
+        self.probes[key] = Probe(round=round_no, started=now, reporters=reporters, silent_s=silent_s)
         return True
 
     def close(self, job_id: str, suspect: str, answered: bool, now: float, round_no: int | None = None) -> Probe | None:
