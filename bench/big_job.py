@@ -30,6 +30,11 @@ storage per round change
     wrote to disk (/proc/PID/io ``write_bytes``: the WAL's pages and fsyncs,
     less what its log file grew).
 
+With ``--etcd`` (bench/big_job_etcd.py): the nodes follow the leader of the
+replicas as the agent does, and after the scale-up the leader is killed
+(``leader kill``: kill -9 -> every node back on the new leader and the round
+complete); the largest request sent to etcd is shown.
+
 The clients share the cores with the server (a real node has its own
 machine): their CPU is reported, and the load average.
 """
@@ -59,8 +64,9 @@ SPEC = {"heartbeat_timeout_s": 30.0}
 class BigClients(Clients):
     """bench/bigagents.py processes, driven like bench/simagents.py's."""
 
-    def __init__(self, n: int, url: str) -> None:
-        self.procs = C.start_clients(n, [sys.executable, "-m", "bench.bigagents", url])
+    def __init__(self, n: int, url: str, follow: bool = False) -> None:
+        argv = [sys.executable, "-m", "bench.bigagents", url]
+        self.procs = C.start_clients(n, [*argv, "--follow"] if follow else argv)
 
     def one(self, i: int, cmd: dict) -> dict:
         p = self.procs[i]
@@ -149,7 +155,10 @@ def run(
     out["storage"] = f"etcd, {etcd} replica(s)" if etcd else "SQLite"
     clients = None
     try:
-        clients = BigClients(n_clients, server.url + "/v1/agent")
+        if isinstance(server, BigServer):
+            clients = BigClients(n_clients, server.url + "/v1/agent")
+        else:  # every replica: the nodes follow the leader (bench/big_job_etcd.py)
+            clients = BigClients(n_clients, server.endpoint, follow=True)
         ids = [[f"n{i}", i] for i in range(n)]
         t0 = time.time()
         clients.all(
@@ -204,6 +213,12 @@ def run(
         out["scale_up_client_cpu_s"] = (clients.cpu() - ccpu) / C.CLK_TCK
         out["scale_up_storage"] = storage.delta()
         log(f"[big_job] N={n}: scale-up {out['scale_up_s']} s, storage {out['scale_up_storage']}")
+        if not isinstance(server, BigServer):
+            from .big_job_etcd import leader_kill
+
+            if etcd and etcd > 1:
+                out["leader_kill"] = leader_kill(server, clients, job, n, log)
+            out["max_request_bytes"] = server.max_request_bytes()
         view = server.job(job) or {}
         out["final_round"], out["final_world"] = view.get("round"), view.get("world_size")
         out["stalls"] = server.stalls()
@@ -255,6 +270,10 @@ def table(results: list[dict]) -> str:
                 f"(clients {r['hb_client_cpu'] * 100:.0f}%, load {r['hb_load']})",
             ],
         ]
+        if "max_request_bytes" in r:
+            from .big_job_etcd import rows as etcd_rows
+
+            rows += etcd_rows(r)
     return C.md_table([f"big job ({results[0]['storage']})", "result"], rows)
 
 
