@@ -127,29 +127,38 @@ class Storage:
         return out
 
 
-def _profiled(tmp: Path, profile: str) -> str:
-    """A "python" that runs the server under cProfile (its stats written to ``profile`` at exit)."""
+def _profiled(tmp: Path, profile: str, per_pid: bool = False) -> str:
+    """A "python" that runs the server under cProfile (its stats written to ``profile`` at exit;
+    ``per_pid``: to ``profile.PID``, one file per replica)."""
     wrapper = tmp / "python-profiled"
-    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} -m cProfile -o {Path(profile).resolve()} "$@"\n')
+    out = f"{Path(profile).resolve()}" + (".$$" if per_pid else "")
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} -m cProfile -o {out} "$@"\n')
     wrapper.chmod(0o755)
     return str(wrapper)
 
 
 def run(
-    n: int, n_clients: int = 2, live_s: float = 10.0, log=print, profile: str | None = None, etcd: int | None = None
+    n: int,
+    n_clients: int = 2,
+    live_s: float = 10.0,
+    log=print,
+    profile: str | None = None,
+    etcd: int | None = None,
+    lease_ttl: int | None = None,
 ) -> dict:
-    """One job of ``n`` nodes; ``etcd``: on that many ``--etcd`` replicas (bench/big_job_etcd.py), else SQLite."""
+    """One job of ``n`` nodes; ``etcd``: on that many ``--etcd`` replicas (bench/big_job_etcd.py,
+    ``--etcd-lease-ttl lease_ttl``), else SQLite."""
     C.raise_nofile()
     tmp = Path(tempfile.mkdtemp(prefix="rdzv-bench-big-"))
     job = f"big{n}-{os.getpid()}"
     spec = {"min_nodes": n - 1, "max_nodes": n, "last_call_s": 1.0, "scale_up_window_s": 0.1, **SPEC}
     out: dict = {"nodes": n, "clients": n_clients, "load_before": C.loadavg()}
     # every node connects before any joins: a long join deadline keeps the first ones open meanwhile
-    python = _profiled(tmp, profile) if profile else sys.executable
+    python = _profiled(tmp, profile, per_pid=bool(etcd)) if profile else sys.executable
     if etcd:
         from .big_job_etcd import EtcdServer
 
-        server: BigServer | EtcdServer = EtcdServer(tmp, etcd)
+        server: BigServer | EtcdServer = EtcdServer(tmp, etcd, python, lease_ttl)
     else:
         server = BigServer(tmp, python=python, extra=["--join-deadline", "600"])
     out["storage"] = f"etcd, {etcd} replica(s)" if etcd else "SQLite"
@@ -283,9 +292,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clients", type=int, default=2, help="client processes")
     p.add_argument("--live-s", type=float, default=10.0, help="seconds of heartbeats measured")
     p.add_argument("--out", default=None, help="write the results as JSON here")
-    p.add_argument("--profile", default=None, help="run the server under cProfile; its stats go to this file")
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="run the server under cProfile; its stats go to this file (--etcd: each replica's to FILE.PID)",
+    )
     p.add_argument("--etcd", action="store_true", help="on rdzv-server --etcd replicas and a 3-member etcd")
     p.add_argument("--replicas", type=int, default=3, help="with --etcd: how many replicas")
+    p.add_argument(
+        "--lease-ttl", type=int, default=None, help="with --etcd: the replicas' --etcd-lease-ttl (default: bench.ha's)"
+    )
     a = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the server and clients are stopped on the way out
     ns = [int(x) for x in a.nodes.split(",") if x.strip()]
@@ -294,9 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     log = lambda s: print(s, file=sys.stderr)  # noqa: E731
     if a.profile and len(ns) > 1:
         p.error("--profile: one N at a time")
-    if a.etcd and a.profile:
-        p.error("--profile: SQLite only")
-    results = [run(n, a.clients, a.live_s, log, a.profile, a.replicas if a.etcd else None) for n in ns]
+    results = [run(n, a.clients, a.live_s, log, a.profile, a.replicas if a.etcd else None, a.lease_ttl) for n in ns]
     print(table(results))
     print(f"\nload average before/after: {results[0]['load_before']} / {results[-1]['load_after']}")
     if a.out:

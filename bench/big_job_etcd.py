@@ -47,11 +47,14 @@ ETCD_LIMIT = 1_572_864  # etcd's default --max-request-bytes (1.5 MiB)
 class EtcdServer:
     """What big_job.run uses of a server: the leader replica's url, pid, log, metrics."""
 
-    def __init__(self, tmp: Path, replicas: int) -> None:
+    def __init__(self, tmp: Path, replicas: int, python: str = "", lease_ttl: int | None = None) -> None:
+        """``python``: what runs each replica (big_job's --profile: cProfile, its stats in a file per pid)."""
         self.etcd = ha._etcd(tmp / "etcd")
         try:
             prefix = f"/bench-big-{os.getpid()}/"
-            self.replicas = ha.Replicas(replicas, tmp, self.etcd.endpoints, prefix, ("--join-deadline", "600"))
+            ttl = str(lease_ttl or ha.LEASE_TTL_S)
+            flags = ("--join-deadline", "600", "--etcd-lease-ttl", ttl)  # (the last --etcd-lease-ttl counts)
+            self.replicas = ha.Replicas(replicas, tmp, self.etcd.endpoints, prefix, flags, python)
         except BaseException:
             ha._stop_etcd(self.etcd)
             raise
@@ -89,18 +92,22 @@ class EtcdServer:
     def stalls(self) -> int:
         return self.proc.text().count("did not run for a while")
 
+    def elections(self) -> int:
+        """Leaders elected so far (1 without a failover; more: a leader lost its lease, on a starved machine)."""
+        return sum(r.proc.text().count("elected leader (term") for r in self.replicas.all)
+
     def written(self, io_written) -> tuple[int, int]:
         return sum(io_written(self.etcd.pid(i)) for i in range(len(self.etcd.members))), 0
 
     def stop(self, grace: float = 5) -> None:
-        self.replicas.stop()
+        self.replicas.stop(grace)
         ha._stop_etcd(self.etcd)
 
 
 def leader_kill(server: EtcdServer, clients: Any, job: str, n: int, log=print) -> dict:
     """kill -9 of the leader; see the module doc. ``clients``: big_job.BigClients (``--follow``)."""
     before = server.job(job) or {}
-    out: dict[str, Any] = {"round_before": before.get("round")}
+    out: dict[str, Any] = {"round_before": before.get("round"), "elections_before": server.elections()}
     server.largest = server.max_request_bytes()
     old = server.leader
     others = [r for r in server.replicas.all if r is not old]
@@ -113,6 +120,7 @@ def leader_kill(server: EtcdServer, clients: Any, job: str, n: int, log=print) -
         raise RuntimeError("no new leader after the leader kill")
     out["serving_s"] = time.time() - t_kill  # (polled: /healthz says leader)
     server._lead(new)
+    out["new_leader_pid"] = new.pid  # (--profile: its stats are FILE.<this pid>)
     back = clients.same({"cmd": "back", "since": t_kill, "timeout": kill_timeout(n)})
     times = sorted(t - t_kill for a in back for t in a["back"])
     out["behind"] = sum(a["behind"] for a in back)
@@ -138,6 +146,7 @@ def leader_kill(server: EtcdServer, clients: Any, job: str, n: int, log=print) -
         if ln.get("job") == job and ln.get("message", "").endswith(" reconnected")
     )
     out["srv_count"] = len(srv)
+    out["srv_first_s"] = srv[0] if srv else None
     out["srv_p50_s"], out["srv_p99_s"] = _pct(srv, 50), _pct(srv, 99)
     out["srv_max_s"] = srv[-1] if srv else None
     out["nodes_p50_s"], out["nodes_p99_s"] = _pct(times, 50), _pct(times, 99)
@@ -148,6 +157,7 @@ def leader_kill(server: EtcdServer, clients: Any, job: str, n: int, log=print) -
     out["follower_cpu_s"] = sum((C.cpu_ticks(r.pid) or 0) - cpu0[r.pid] for r in others if r is not new) / C.CLK_TCK
     out["client_cpu_s"] = (clients.cpu() - ccpu) / C.CLK_TCK
     out["load"] = C.loadavg()
+    out["elections_after"] = server.elections()  # 1 more than before: the kill's, and no other
     log(f"[big_job] N={n}: leader kill: everything back {out['all_s']} s ({out})")
     return out
 
@@ -164,6 +174,12 @@ def _s(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f} s"
 
 
+def _flaps(lk: dict) -> str:
+    """Leaders that lost their lease (a starved machine) besides the kill's election."""
+    extra = lk["elections_after"] - 2
+    return f"; {extra} more leader election(s): a leader lost its lease" if extra > 0 else ""
+
+
 def rows(r: dict) -> list[list[str]]:
     """The table's etcd rows of one run (big_job.table)."""
     n = r["nodes"]
@@ -175,6 +191,7 @@ def rows(r: dict) -> list[list[str]]:
             f"round {lk['round_after']}, world {lk['world_after']}"
             + (" (re-formed)" if lk["round_after"] != lk["round_before"] else ", no re-formation")
             + (f", {lk['behind']} nodes NOT back" if lk["behind"] else "")
+            + _flaps(lk)
         )
         out += [
             [
@@ -188,8 +205,9 @@ def rows(r: dict) -> list[list[str]]:
                 f"{_s(lk['elected_s'])} / {_s(lk['loaded_s'])} / {_s(lk['serving_s'])}",
             ],
             [
-                f"N={n} ... kill -> resumes taken by the new leader (its log, p50 / p99 / last)",
-                f"{_s(lk['srv_p50_s'])} / {_s(lk['srv_p99_s'])} / {_s(lk['srv_max_s'])} ({lk['srv_count']} of "
+                f"N={n} ... kill -> resumes taken by the new leader (its log, first / p50 / p99 / last)",
+                f"{_s(lk.get('srv_first_s'))} / {_s(lk['srv_p50_s'])} / {_s(lk['srv_p99_s'])} / "
+                f"{_s(lk['srv_max_s'])} ({lk['srv_count']} of "
                 f"{n} nodes; {lk['refused']} connection attempts refused on the way)",
             ],
             [

@@ -39,6 +39,7 @@ import os
 import random
 import sys
 import time
+from typing import Any
 
 from . import _common as C
 
@@ -70,6 +71,12 @@ class Node:
         self.link: asyncio.Task | None = None  # --follow: the task that keeps it connected
         self.t_drop: float | None = None  # --follow: when its connection last dropped
         self.t_back: float | None = None  # ... and when an assignment came on a new one after that
+
+
+def _transport(node: Node) -> Any:
+    """The node's open connection's transport, or None (not connected, or closing)."""
+    conn = None if node.ws is None or node.ws.closed else node.ws._conn
+    return None if conn is None else conn.transport
 
 
 def join_fields(job: str, node_id: str, index: int, spec: dict) -> dict:
@@ -219,12 +226,17 @@ class BigClient:
         return {"last": max(done) if done else None, "first": min(done) if done else None, "behind": behind}
 
     def drop(self, node_id: str) -> dict:
-        """Cut ``node_id``'s connection, or, when that one is down already, the last live node's here."""
-        live = [n for n in self.nodes.values() if not n.dropped and n.ws is not None and n.ws._conn is not None]
-        node = self.nodes[node_id] if self.nodes[node_id] in live else live[-1]
+        """Cut ``node_id``'s connection, or, when that one is down already, the last live node's here
+        (none connected, --follow: that node stops reconnecting: lost all the same)."""
+        live = [n for n in self.nodes.values() if not n.dropped and _transport(n) is not None]
+        node = self.nodes[node_id] if _transport(self.nodes[node_id]) is not None or not live else live[-1]
         node.dropped = node.stopping = True
         t = time.time()
-        node.ws._conn.transport.abort()  # no close frame: the server sees the connection lost
+        transport = _transport(node)
+        if transport is not None:
+            transport.abort()  # no close frame: the server sees the connection lost
+        if node.link is not None and transport is None:
+            node.link.cancel()
         if node.hb is not None:
             node.hb.cancel()
         return {"t": t, "node": node.node_id}
