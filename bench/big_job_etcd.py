@@ -80,8 +80,10 @@ class EtcdServer:
         return Server.metrics(self)  # type: ignore[arg-type]  # only reads self.url
 
     def max_request_bytes(self) -> int:
-        """The largest request any leader of this run sent to etcd."""
-        return max(self.largest, int(self.metrics().get("rdzv_storage_max_request_bytes", 0)))
+        """The largest request any replica of this run sent to etcd (a killed one's: read before the kill)."""
+        live = [r for r in self.replicas.all if r.proc.poll() is None]
+        got = [Server.metrics(r).get("rdzv_storage_max_request_bytes", 0) for r in live]  # type: ignore[arg-type]
+        return int(max([self.largest, *got]))
 
     def job(self, job_id: str) -> dict | None:
         return self.leader.job(job_id)
@@ -106,13 +108,16 @@ class EtcdServer:
 
 def leader_kill(server: EtcdServer, clients: Any, job: str, n: int, log=print) -> dict:
     """kill -9 of the leader; see the module doc. ``clients``: big_job.BigClients (``--follow``)."""
+    old = server.replicas.leader(kill_timeout(n))  # the leader now (a lease lost under load moves it)
+    if old is None:
+        raise RuntimeError("no leader to kill")
+    server._lead(old)
     before = server.job(job) or {}
     out: dict[str, Any] = {"round_before": before.get("round"), "elections_before": server.elections()}
     server.largest = server.max_request_bytes()
-    old = server.leader
     others = [r for r in server.replicas.all if r is not old]
     cpu0 = {r.pid: C.cpu_ticks(r.pid) or 0 for r in others}
-    ccpu = clients.cpu()
+    ccpu, overflows = clients.cpu(), listen_overflows()
     t_kill = time.time()
     C.kill_tree(old.pid)
     new = server.replicas.leader(kill_timeout(n))
@@ -157,9 +162,20 @@ def leader_kill(server: EtcdServer, clients: Any, job: str, n: int, log=print) -
     out["follower_cpu_s"] = sum((C.cpu_ticks(r.pid) or 0) - cpu0[r.pid] for r in others if r is not new) / C.CLK_TCK
     out["client_cpu_s"] = (clients.cpu() - ccpu) / C.CLK_TCK
     out["load"] = C.loadavg()
+    out["listen_overflows"] = listen_overflows() - overflows
     out["elections_after"] = server.elections()  # 1 more than before: the kill's, and no other
     log(f"[big_job] N={n}: leader kill: everything back {out['all_s']} s ({out})")
     return out
+
+
+def listen_overflows() -> int:
+    """The kernel's count of connections a full accept queue turned away (TcpExt ListenOverflows;
+    this network namespace, every process in it): each one's client retries after 1, 2, 4 ... s."""
+    try:
+        head, values = [ln.split() for ln in Path("/proc/net/netstat").read_text().splitlines()[:2]]
+        return int(dict(zip(head, values, strict=True)).get("ListenOverflows", 0))
+    except (OSError, ValueError):
+        return 0
 
 
 def _rel(t: float | None, t0: float) -> float | None:
@@ -176,8 +192,9 @@ def _s(v: float | None) -> str:
 
 def _flaps(lk: dict) -> str:
     """Leaders that lost their lease (a starved machine) besides the kill's election."""
-    extra = lk["elections_after"] - 2
-    return f"; {extra} more leader election(s): a leader lost its lease" if extra > 0 else ""
+    before, after = lk["elections_before"] - 1, lk["elections_after"] - lk["elections_before"] - 1
+    out = f"; {before} leader(s) lost the lease BEFORE the kill (phase CPU/storage read the first)" if before else ""
+    return out + (f"; {after} more election(s) after the kill's" if after > 0 else "")
 
 
 def rows(r: dict) -> list[list[str]]:
@@ -208,7 +225,8 @@ def rows(r: dict) -> list[list[str]]:
                 f"N={n} ... kill -> resumes taken by the new leader (its log, first / p50 / p99 / last)",
                 f"{_s(lk.get('srv_first_s'))} / {_s(lk['srv_p50_s'])} / {_s(lk['srv_p99_s'])} / "
                 f"{_s(lk['srv_max_s'])} ({lk['srv_count']} of "
-                f"{n} nodes; {lk['refused']} connection attempts refused on the way)",
+                f"{n} nodes; {lk['refused']} connection attempts refused on the way; "
+                f"{lk.get('listen_overflows', 0)} connections turned away by a full accept queue, any process)",
             ],
             [
                 f"N={n} ... kill -> nodes hold their assignment again (their clocks, p50 / p99 / last)",
