@@ -28,7 +28,9 @@ Commands (JSON lines on stdin, one answer line each on stdout):
 keeps its link as the agent does (bench/follow.py: the endpoint walk,
 ``X-Rdzv-Leader``, the backoff); on a new connection after a drop it sends its
 join again with its node secret and, while it holds an assignment,
-``resume_round`` (the agent's intent while its workers run).
+``resume_round`` (the agent's intent while its workers run); told it was
+evicted (or its round is over) it joins anew, without a secret, as the agent
+does (under its own id here, which the server no longer knows).
 """
 
 from __future__ import annotations
@@ -79,6 +81,13 @@ def _transport(node: Node) -> Any:
     return None if conn is None else conn.transport
 
 
+def _forgotten(frame: str) -> bool:
+    """The server forgot this node (evicted; its resume refused as evicted or of an older round)."""
+    return '"op":"evicted"' in frame or (
+        '"op":"error"' in frame and ('"code":"evicted"' in frame or '"code":"stale_round"' in frame)
+    )
+
+
 def join_fields(job: str, node_id: str, index: int, spec: dict) -> dict:
     return {
         "op": "join",
@@ -124,6 +133,12 @@ class BigClient:
                         await self._send_join(node)
                     except (ConnectionError, RuntimeError, OSError):
                         break  # an agent with no workers to stop joins again at once
+                elif self.follow and _forgotten(data):  # --follow: the agent joins anew (session.evicted)
+                    node.running, node.secret = False, None
+                    try:
+                        await self._send_join(node)
+                    except (ConnectionError, RuntimeError, OSError):
+                        break
                 elif '"op":"joined"' in data:
                     msg = json.loads(data)
                     node.secret = msg.get("node_secret") or node.secret
