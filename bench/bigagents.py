@@ -81,11 +81,12 @@ def _transport(node: Node) -> Any:
     return None if conn is None else conn.transport
 
 
-def _forgotten(frame: str) -> bool:
-    """The server forgot this node (evicted; its resume refused as evicted or of an older round)."""
-    return '"op":"evicted"' in frame or (
-        '"op":"error"' in frame and ('"code":"evicted"' in frame or '"code":"stale_round"' in frame)
-    )
+def _refused(frame: str) -> str | None:
+    """ "evicted": the server forgot this node (its secret with it); "stale": its resume named a round
+    that is over (the node stays); None: neither."""
+    if '"op":"evicted"' in frame or ('"op":"error"' in frame and '"code":"evicted"' in frame):
+        return "evicted"
+    return "stale" if '"op":"error"' in frame and '"code":"stale_round"' in frame else None
 
 
 def join_fields(job: str, node_id: str, index: int, spec: dict) -> dict:
@@ -133,8 +134,10 @@ class BigClient:
                         await self._send_join(node)
                     except (ConnectionError, RuntimeError, OSError):
                         break  # an agent with no workers to stop joins again at once
-                elif self.follow and _forgotten(data):  # --follow: the agent joins anew (session.evicted)
-                    node.running, node.secret = False, None
+                elif self.follow and (why := _refused(data)):  # --follow: the agent joins again
+                    node.running = False
+                    if why == "evicted":  # as a new node (session.evicted)
+                        node.secret = None
                     try:
                         await self._send_join(node)
                     except (ConnectionError, RuntimeError, OSError):
