@@ -20,6 +20,13 @@ leader kill
     the round the nodes resumed, complete, with every node. "Everything
     back" is the last of these. A re-formation (nodes lost meanwhile) shows
     as a later round, and everything back waits for it.
+
+``--lease-ttl S``: the replicas' ``--etcd-lease-ttl`` (2 s, bench.ha's, by
+default; the kill -9 takeover does not wait for it, so a longer one changes
+only how much starvation a leader rides out). ``--profile FILE``: every
+replica under cProfile, its stats in ``FILE.<pid>`` (the new leader's pid is
+in the results, ``new_leader_pid``). The table says when a leader lost its
+lease during the run (then the phases' CPU and storage read the first leader).
 """
 
 from __future__ import annotations
