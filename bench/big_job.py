@@ -31,6 +31,11 @@ storage per round change
     wrote to disk (/proc/PID/io ``write_bytes``: the WAL's pages and fsyncs,
     less what its log file grew).
 
+With ``--etcd`` (bench/big_job_etcd.py): the nodes follow the leader of the
+replicas as the agent does, and after the scale-up the leader is killed
+(``leader kill``: kill -9 -> every node back on the new leader and the round
+complete); the largest request sent to etcd is shown.
+
 The clients share the cores with the server (a real node has its own
 machine): their CPU is reported, and the load average.
 """
@@ -60,8 +65,9 @@ SPEC = {"heartbeat_timeout_s": 30.0}
 class BigClients(Clients):
     """bench/bigagents.py processes, driven like bench/simagents.py's."""
 
-    def __init__(self, n: int, url: str) -> None:
-        self.procs = C.start_clients(n, [sys.executable, "-m", "bench.bigagents", url])
+    def __init__(self, n: int, url: str, follow: bool = False) -> None:
+        argv = [sys.executable, "-m", "bench.bigagents", url]
+        self.procs = C.start_clients(n, [*argv, "--follow"] if follow else argv)
 
     def one(self, i: int, cmd: dict) -> dict:
         p = self.procs[i]
@@ -122,35 +128,47 @@ class Storage:
         return out
 
 
-def _profiled(tmp: Path, profile: str) -> str:
-    """A "python" that runs the server under cProfile (its stats written to ``profile`` at exit)."""
+def _profiled(tmp: Path, profile: str, per_pid: bool = False) -> str:
+    """A "python" that runs the server under cProfile (its stats written to ``profile`` at exit;
+    ``per_pid``: to ``profile.PID``, one file per replica)."""
     wrapper = tmp / "python-profiled"
-    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} -m cProfile -o {Path(profile).resolve()} "$@"\n')
+    out = f"{Path(profile).resolve()}" + (".$$" if per_pid else "")
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} -m cProfile -o {out} "$@"\n')
     wrapper.chmod(0o755)
     return str(wrapper)
 
 
 def run(
-    n: int, n_clients: int = 2, live_s: float = 10.0, log=print, profile: str | None = None, etcd: int | None = None
+    n: int,
+    n_clients: int = 2,
+    live_s: float = 10.0,
+    log=print,
+    profile: str | None = None,
+    etcd: int | None = None,
+    lease_ttl: int | None = None,
 ) -> dict:
-    """One job of ``n`` nodes; ``etcd``: on that many ``--etcd`` replicas (bench/big_job_etcd.py), else SQLite."""
+    """One job of ``n`` nodes; ``etcd``: on that many ``--etcd`` replicas (bench/big_job_etcd.py,
+    ``--etcd-lease-ttl lease_ttl``), else SQLite."""
     C.raise_nofile()
     tmp = Path(tempfile.mkdtemp(prefix="rdzv-bench-big-"))
     job = f"big{n}-{os.getpid()}"
     spec = {"min_nodes": n - 1, "max_nodes": n, "last_call_s": 1.0, "scale_up_window_s": 0.1, **SPEC}
     out: dict = {"nodes": n, "clients": n_clients, "load_before": C.loadavg()}
     # every node connects before any joins: a long join deadline keeps the first ones open meanwhile
-    python = _profiled(tmp, profile) if profile else sys.executable
+    python = _profiled(tmp, profile, per_pid=bool(etcd)) if profile else sys.executable
     if etcd:
         from .big_job_etcd import EtcdServer
 
-        server: BigServer | EtcdServer = EtcdServer(tmp, etcd)
+        server: BigServer | EtcdServer = EtcdServer(tmp, etcd, python, lease_ttl)
     else:
         server = BigServer(tmp, python=python, extra=["--join-deadline", "600"])
     out["storage"] = f"etcd, {etcd} replica(s)" if etcd else "SQLite"
     clients = None
     try:
-        clients = BigClients(n_clients, server.url + "/v1/agent")
+        if isinstance(server, BigServer):
+            clients = BigClients(n_clients, server.url + "/v1/agent")
+        else:  # every replica: the nodes follow the leader (bench/big_job_etcd.py)
+            clients = BigClients(n_clients, server.endpoint, follow=True)
         ids = [[f"n{i}", i] for i in range(n)]
         t0 = time.time()
         clients.all(
@@ -207,6 +225,12 @@ def run(
         out["scale_up_client_cpu_s"] = (clients.cpu() - ccpu) / C.CLK_TCK
         out["scale_up_storage"] = storage.delta()
         log(f"[big_job] N={n}: scale-up {out['scale_up_s']} s, storage {out['scale_up_storage']}")
+        if not isinstance(server, BigServer):
+            from .big_job_etcd import leader_kill
+
+            if etcd and etcd > 1:
+                out["leader_kill"] = leader_kill(server, clients, job, n, log)
+            out["max_request_bytes"] = server.max_request_bytes()
         view = server.job(job) or {}
         out["final_round"], out["final_world"] = view.get("round"), view.get("world_size")
         out["stalls"] = server.stalls()
@@ -258,6 +282,10 @@ def table(results: list[dict]) -> str:
                 f"(clients {r['hb_client_cpu'] * 100:.0f}%, load {r['hb_load']})",
             ],
         ]
+        if "max_request_bytes" in r:
+            from .big_job_etcd import rows as etcd_rows
+
+            rows += etcd_rows(r)
     return C.md_table([f"big job ({results[0]['storage']})", "result"], rows)
 
 
@@ -267,9 +295,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clients", type=int, default=2, help="client processes")
     p.add_argument("--live-s", type=float, default=10.0, help="seconds of heartbeats measured")
     p.add_argument("--out", default=None, help="write the results as JSON here")
-    p.add_argument("--profile", default=None, help="run the server under cProfile; its stats go to this file")
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="run the server under cProfile; its stats go to this file (--etcd: each replica's to FILE.PID)",
+    )
     p.add_argument("--etcd", action="store_true", help="on rdzv-server --etcd replicas and a 3-member etcd")
     p.add_argument("--replicas", type=int, default=3, help="with --etcd: how many replicas")
+    p.add_argument(
+        "--lease-ttl", type=int, default=None, help="with --etcd: the replicas' --etcd-lease-ttl (default: bench.ha's)"
+    )
     a = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the server and clients are stopped on the way out
     ns = [int(x) for x in a.nodes.split(",") if x.strip()]
@@ -278,9 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     log = lambda s: print(s, file=sys.stderr)  # noqa: E731
     if a.profile and len(ns) > 1:
         p.error("--profile: one N at a time")
-    if a.etcd and a.profile:
-        p.error("--profile: SQLite only")
-    results = [run(n, a.clients, a.live_s, log, a.profile, a.replicas if a.etcd else None) for n in ns]
+    results = [run(n, a.clients, a.live_s, log, a.profile, a.replicas if a.etcd else None, a.lease_ttl) for n in ns]
     print(table(results))
     print(f"\nload average before/after: {results[0]['load_before']} / {results[-1]['load_after']}")
     if a.out:

@@ -15,8 +15,22 @@ Commands (JSON lines on stdin, one answer line each on stdout):
     until every node still connected holds an assignment of round R or later
     (or S seconds): the time the last one got it, and how many did not;
 ``{"cmd": "drop", "node": node_id}``
-    cut that node's connection (TCP abort, no close frame): a lost node;
+    cut that node's connection (TCP abort, no close frame): a lost node (it
+    does not reconnect);
+``{"cmd": "back", "since": T, "timeout": S}``
+    (``--follow``) until every node still in the job had its connection drop
+    at or after unix time T and got its assignment again on a new connection
+    (or S seconds): the time each got it back, and how many did not;
 ``{"cmd": "stats"}``, ``{"cmd": "close"}``, ``{"cmd": "exit"}``.
+
+``--follow`` (``python -m bench.bigagents ENDPOINTS --follow``, big_job
+``--etcd``): the argument is an endpoint list of HA replicas, and each node
+keeps its link as the agent does (bench/follow.py: the endpoint walk,
+``X-Rdzv-Leader``, the backoff); on a new connection after a drop it sends its
+join again with its node secret and, while it holds an assignment,
+``resume_round`` (the agent's intent while its workers run); told it was
+evicted (or its round is over) it joins anew, without a secret, as the agent
+does (under its own id here, which the server no longer knows).
 """
 
 from __future__ import annotations
@@ -27,14 +41,19 @@ import os
 import random
 import sys
 import time
+from typing import Any
 
 from . import _common as C
 
 WS_PING_S = 5.0  # as the real agent's link
+CONNECT_TIMEOUT_S = 60.0  # --follow: a node's first connection (the link retries until then)
 
 
 class Node:
-    __slots__ = ("node_id", "join", "ws", "secret", "hb_s", "hb", "reader", "round", "t_round", "dropped", "joined")
+    __slots__ = (
+        *("node_id", "join", "ws", "secret", "hb_s", "hb", "reader", "round", "t_round", "dropped", "joined"),
+        *("running", "stopping", "refused", "link", "t_drop", "t_back"),
+    )
 
     def __init__(self, node_id: str, join: dict) -> None:
         self.node_id = node_id
@@ -46,8 +65,28 @@ class Node:
         self.reader: asyncio.Task | None = None
         self.round = -1  # the round of the last assignment it holds
         self.t_round = 0.0  # when it got that assignment
-        self.dropped = False
+        self.dropped = False  # lost for good (cut by ``drop``; without --follow, any drop)
         self.joined = False
+        self.running = False  # holds an assignment (no restart since): a reconnect resumes its round
+        self.stopping = False  # --follow: do not reconnect
+        self.refused = 0  # --follow: connection attempts refused (not_leader) or failed
+        self.link: asyncio.Task | None = None  # --follow: the task that keeps it connected
+        self.t_drop: float | None = None  # --follow: when its connection last dropped
+        self.t_back: float | None = None  # ... and when an assignment came on a new one after that
+
+
+def _transport(node: Node) -> Any:
+    """The node's open connection's transport, or None (not connected, or closing)."""
+    conn = None if node.ws is None or node.ws.closed else node.ws._conn
+    return None if conn is None else conn.transport
+
+
+def _refused(frame: str) -> str | None:
+    """ "evicted": the server forgot this node (its secret with it); "stale": its resume named a round
+    that is over (the node stays); None: neither."""
+    if '"op":"evicted"' in frame or ('"op":"error"' in frame and '"code":"evicted"' in frame):
+        return "evicted"
+    return "stale" if '"op":"error"' in frame and '"code":"stale_round"' in frame else None
 
 
 def join_fields(job: str, node_id: str, index: int, spec: dict) -> dict:
@@ -64,8 +103,9 @@ def join_fields(job: str, node_id: str, index: int, spec: dict) -> dict:
 
 
 class BigClient:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, follow: bool = False) -> None:
         self.url = url
+        self.follow = follow
         self.nodes: dict[str, Node] = {}
         self.session = None
 
@@ -85,13 +125,25 @@ class BigClient:
                 data = frame.data
                 if '"op":"assigned"' in data:
                     node.round, node.t_round = json.loads(data)["assignment"]["round"], time.time()
+                    node.running = True
+                    if node.t_drop is not None and node.t_back is None:
+                        node.t_back = node.t_round
                 elif '"op":"restart"' in data:
+                    node.running = False
                     try:
                         await self._send_join(node)
                     except (ConnectionError, RuntimeError, OSError):
                         break  # an agent with no workers to stop joins again at once
                 elif '"op":"pace"' in data:  # the server grew: a slower interval, as the agent's link takes it
                     node.hb_s = json.loads(data)["heartbeat_s"]
+                elif self.follow and (why := _refused(data)):  # --follow: the agent joins again
+                    node.running = False
+                    if why == "evicted":  # as a new node (session.evicted)
+                        node.secret = None
+                    try:
+                        await self._send_join(node)
+                    except (ConnectionError, RuntimeError, OSError):
+                        break
                 elif '"op":"joined"' in data:
                     msg = json.loads(data)
                     node.secret = msg.get("node_secret") or node.secret
@@ -100,7 +152,25 @@ class BigClient:
                         node.hb = asyncio.ensure_future(self._heartbeat(node))
         except Exception:
             pass
-        node.dropped = True
+        if not self.follow or node.stopping:
+            node.dropped = True
+        else:  # the link reconnects (bench/follow.py)
+            node.t_drop, node.t_back = time.time(), None
+
+    async def _opened(self, node: Node) -> None:
+        """--follow: a new connection. After a drop, the join again (the agent's intent)."""
+        if not node.joined:
+            return  # the first connection: the join goes when the driver says
+        fields = dict(node.join, node_secret=node.secret)
+        if node.running:
+            fields["resume_round"] = node.round
+        try:
+            await node.ws.send_str(json.dumps(fields))
+        except (ConnectionError, RuntimeError, OSError):
+            return
+        if node.hb is not None:  # heartbeats on the new connection
+            node.hb.cancel()
+            node.hb = asyncio.ensure_future(self._heartbeat(node))
 
     async def _heartbeat(self, node: Node) -> None:
         loop = asyncio.get_running_loop()
@@ -124,6 +194,17 @@ class BigClient:
 
         async def one(node_id: str, index: int) -> None:
             node = Node(node_id, join_fields(job, node_id, index, spec))
+            if self.follow:
+                from .follow import keep_linked
+
+                connected = asyncio.Event()
+                async with sem:
+                    node.link = asyncio.ensure_future(
+                        keep_linked(self.session, self.url, node, self._opened, self._read, connected)
+                    )
+                    await asyncio.wait_for(connected.wait(), CONNECT_TIMEOUT_S)
+                self.nodes[node_id] = node
+                return
             async with sem:
                 for attempt in range(30):
                     try:
@@ -165,15 +246,38 @@ class BigClient:
         return {"last": max(done) if done else None, "first": min(done) if done else None, "behind": behind}
 
     def drop(self, node_id: str) -> dict:
-        """Cut ``node_id``'s connection, or, when that one is down already, the last live node's here."""
-        live = [n for n in self.nodes.values() if not n.dropped and n.ws is not None and n.ws._conn is not None]
-        node = self.nodes[node_id] if self.nodes[node_id] in live else live[-1]
-        node.dropped = True
+        """Cut ``node_id``'s connection, or, when that one is down already, the last live node's here
+        (none connected, --follow: that node stops reconnecting: lost all the same)."""
+        live = [n for n in self.nodes.values() if not n.dropped and _transport(n) is not None]
+        node = self.nodes[node_id] if _transport(self.nodes[node_id]) is not None or not live else live[-1]
+        node.dropped = node.stopping = True
         t = time.time()
-        node.ws._conn.transport.abort()  # no close frame: the server sees the connection lost
+        transport = _transport(node)
+        if transport is not None:
+            transport.abort()  # no close frame: the server sees the connection lost
+        if node.link is not None and transport is None:
+            node.link.cancel()
         if node.hb is not None:
             node.hb.cancel()
         return {"t": t, "node": node.node_id}
+
+    async def back(self, since: float, timeout: float) -> dict:
+        """--follow: until every node still in the job dropped at or after ``since`` and has
+        its assignment again (or ``timeout``). Polled, as ``wait``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            live = [n for n in self.nodes.values() if n.joined and not n.stopping]
+            behind = sum(1 for n in live if n.t_drop is None or n.t_drop < since or n.t_back is None)
+            if not behind or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        done = [n for n in live if n.t_drop is not None and n.t_drop >= since and n.t_back is not None]
+        return {
+            "back": [n.t_back for n in done],
+            "rounds": sorted({n.round for n in done}),
+            "behind": behind,
+            "refused": sum(n.refused for n in live),
+        }
 
     def stats(self) -> dict:
         return {
@@ -186,6 +290,9 @@ class BigClient:
     async def close(self) -> dict:
         nodes, self.nodes = list(self.nodes.values()), {}
         for n in nodes:
+            n.stopping = True
+            if n.link is not None:
+                n.link.cancel()
             if n.hb is not None:
                 n.hb.cancel()
         await asyncio.gather(*(n.ws.close() for n in nodes if n.ws is not None), return_exceptions=True)
@@ -218,6 +325,8 @@ class BigClient:
             return await self.wait(int(cmd["round"]), float(cmd["timeout"]))
         if op == "drop":
             return self.drop(cmd["node"])
+        if op == "back":
+            return await self.back(float(cmd["since"]), float(cmd["timeout"]))
         if op == "stats":
             return self.stats()
         if op == "close":
@@ -227,7 +336,7 @@ class BigClient:
 
 def main() -> None:
     C.raise_nofile()
-    asyncio.run(BigClient(sys.argv[1]).serve())
+    asyncio.run(BigClient(sys.argv[1], follow="--follow" in sys.argv[2:]).serve())
 
 
 if __name__ == "__main__":

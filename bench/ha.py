@@ -125,11 +125,13 @@ def _log_time(text: str, needle: str, after: float = 0.0) -> float | None:
 class Replica:
     """One ``rdzv-server --etcd`` process, its log in json lines."""
 
-    def __init__(self, i: int, tmp: Path, etcd_urls: list[str], prefix: str, extra: tuple[str, ...] = ()):
+    def __init__(
+        self, i: int, tmp: Path, etcd_urls: list[str], prefix: str, extra: tuple[str, ...] = (), python: str = ""
+    ):
         self.port = C.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [
-            sys.executable, "-m", "rdzv_server",
+            python or sys.executable, "-m", "rdzv_server",
             "--host", "127.0.0.1", "--port", str(self.port),
             "--etcd", ",".join(etcd_urls), "--etcd-prefix", prefix,
             "--etcd-lease-ttl", str(LEASE_TTL_S), "--advertise-url", self.url,
@@ -168,12 +170,15 @@ class Replica:
 class Replicas:
     """``n`` replicas against one etcd, under their own prefix."""
 
-    def __init__(self, n: int, tmp: Path, etcd_urls: list[str], prefix: str, extra: tuple[str, ...] = ()):
+    def __init__(
+        self, n: int, tmp: Path, etcd_urls: list[str], prefix: str, extra: tuple[str, ...] = (), python: str = ""
+    ):
+        """``python``: what runs each replica (a profiler's wrapper); the venv's by default."""
         self.prefix = prefix
         self.all: list[Replica] = []
         try:
             for i in range(n):
-                self.all.append(Replica(i, tmp, etcd_urls, prefix, extra))
+                self.all.append(Replica(i, tmp, etcd_urls, prefix, extra, python))
             for r in self.all:
                 if not C.wait_until(lambda r=r: r.health() or r.proc.poll() is not None, 30):
                     raise RuntimeError(f"replica did not start:\n{r.proc.text()[-2000:]}")
@@ -199,9 +204,9 @@ class Replicas:
 
         return C.wait_until(serving, timeout, 0.02)
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 5) -> None:
         for r in self.all:
-            r.proc.stop(5)
+            r.proc.stop(grace)
 
 
 # ------------------------------------------------------------------ failover

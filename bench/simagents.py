@@ -214,55 +214,31 @@ class ClientProc:
             pass
 
     async def _link(self, node: Node, connected: asyncio.Event) -> None:
-        """--follow: keep the node connected as the agent's link does (the same
-        endpoint walk and backoff); after a drop, resume the round it runs."""
-        import aiohttp
+        """--follow: keep the node connected as the agent's link does (bench/follow.py);
+        after a drop, resume the round it runs."""
+        from .follow import keep_linked
 
-        from rdzv_client.client import STABLE_S
-        from rdzv_client.endpoints import Endpoints, backoff_delays, election_wait
-        from rdzv_common.errors import LEADER_HEADER
-        from rdzv_common.wire import AGENT_PATH
+        await keep_linked(self.session, self.url, node, self._opened, self._read_noting_drop, connected)
 
-        tries = Endpoints(self.url).tries()
-        delays = backoff_delays()
-        down_since, not_leader = time.monotonic(), False
-        while not node.stopping:
-            leader = None
-            try:
-                node.ws = await self.session.ws_connect(tries.url + AGENT_PATH, autoping=True)
-            except aiohttp.WSServerHandshakeError as e:
-                leader = (e.headers or {}).get(LEADER_HEADER) if e.status == 503 else None
-                not_leader = not_leader or e.status == 503  # what a replica answers while it does not lead
-                node.refused += 1
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
-                node.refused += 1
-            else:
-                tries.ok()
-                node.closed, node.why = False, None
-                connected_at = time.monotonic()
-                if node.t_sent is not None:  # a reconnect: the join again, resuming the round it runs
-                    fields = json.loads(node.join_text)
-                    fields.update(resume_round=node.round, node_secret=node.secret)
-                    try:
-                        await node.ws.send_str(json.dumps(fields))
-                    except (ConnectionError, RuntimeError, OSError):
-                        pass
-                    if node.hb_s is not None:  # heartbeats on the new connection
-                        if node.hb_task is not None:
-                            node.hb_task.cancel()
-                        node.hb_task = asyncio.ensure_future(self._heartbeat(node))
-                connected.set()
-                await self._read(node)
-                if node.stopping:
-                    return
-                if node.t_drop is None:
-                    node.t_drop = time.time()
-                down_since = time.monotonic()
-                if down_since - connected_at >= STABLE_S:
-                    delays = backoff_delays()
-            if not tries.failed(leader):
-                await asyncio.sleep(election_wait(next(delays), not_leader, time.monotonic() - down_since))
-                not_leader = False
+    async def _opened(self, node: Node) -> None:
+        node.closed, node.why = False, None
+        if node.t_sent is None:
+            return  # the first connection: the join goes when the driver says
+        fields = json.loads(node.join_text)  # a reconnect: the join again, resuming the round it runs
+        fields.update(resume_round=node.round, node_secret=node.secret)
+        try:
+            await node.ws.send_str(json.dumps(fields))
+        except (ConnectionError, RuntimeError, OSError):
+            pass
+        if node.hb_s is not None:  # heartbeats on the new connection
+            if node.hb_task is not None:
+                node.hb_task.cancel()
+            node.hb_task = asyncio.ensure_future(self._heartbeat(node))
+
+    async def _read_noting_drop(self, node: Node) -> None:
+        await self._read(node)
+        if not node.stopping and node.t_drop is None:
+            node.t_drop = time.time()
 
     async def back(self, timeout: float) -> dict:
         """--follow: until every node that dropped has its assignment again (or ``timeout``)."""

@@ -438,7 +438,9 @@ def create_app(settings: Settings | None = None) -> web.Application:
     )
     app[STORE] = Store(settings.store_settings, metrics=metrics, events=events)
     if settings.ha is not None:
-        app[STORE].use_replica(settings.ha.replica())
+        replica = settings.ha.replica()
+        app[STORE].use_replica(replica)
+        metrics.watch_request_bytes(lambda: replica.client.max_request_bytes)
     app[JOIN_DEADLINE] = settings.join_deadline_s
     app[IDLE_TIMEOUT] = settings.idle_timeout_s
     app[HEALTH_REPORTS] = AddressBuckets(HEALTH_REPORT_BURST, 1.0 / HEALTH_REPORT_EVERY_S)

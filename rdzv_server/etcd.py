@@ -175,6 +175,9 @@ class EtcdClient:
         self._token: str | None = None
         self.timeout_s = timeout_s
         self._session: aiohttp.ClientSession | None = None
+        # the largest request body sent (its JSON, keys and values in base64: more than the
+        # request etcd's --max-request-bytes counts); rdzv_storage_max_request_bytes
+        self.max_request_bytes = 0
 
     @property
     def endpoint(self) -> str:
@@ -215,10 +218,14 @@ class EtcdClient:
         if auth and self._user and self._token is None:  # (not for the authenticate request itself)
             answer = await self._post(_auth_url(url), self._credentials(), timeout_s, reauth=False, auth=False)
             self._token = _token_of(url, answer)
-        headers = {"Authorization": self._token} if self._token else {}
+        headers = {"Content-Type": "application/json"}
+        if self._token:
+            headers["Authorization"] = self._token
+        data = json.dumps(body).encode()  # (what json=body did; its size is counted)
+        self.max_request_bytes = max(self.max_request_bytes, len(data))
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         try:
-            async with self._session.post(url, json=body, headers=headers, timeout=timeout) as r:
+            async with self._session.post(url, data=data, headers=headers, timeout=timeout) as r:
                 raw = await _read_body(r.content)
                 status = r.status
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:

@@ -433,7 +433,8 @@ class Replica:
                 raise self.refusal()
             term = self.term
             self.requests += 1
-            r = await self.client.txn([etcd.created_at(self.leader_key, term)], batch, [etcd.get(self.leader_key)])
+            fence, check = [etcd.created_at(self.leader_key, term)], [etcd.get(self.leader_key)]
+            r = await self.client.txn(fence, batch, check, timeout_s=self.write_timeout())
             if not r.succeeded:
                 if self.term == term:
                     self._depose("a write found the leader key changed (another replica leads)")
@@ -443,6 +444,15 @@ class Replica:
                 raise self.refusal()
             if not self.serving:  # applied, but too late to announce: the next leader loads it
                 raise self.refusal()
+
+    def write_timeout(self) -> float:
+        """How long a write may wait for etcd: while the lease surely holds (the answer of a
+        write that came later is not acted on: see write), and at least the client's timeout. A
+        starved etcd that answers in 3 s must not cost a job its round change (and every agent
+        of it a reconnect) under a lease of 10 s; under the default 2 s lease this is the client's."""
+        with self._lease_lock:
+            until = self._lease_until
+        return max(self.client.timeout_s, until - _margin(self._ttl) - time.monotonic())
 
     def job_ops(self, job_id: str, plan: joblog.Plan | None) -> list[dict[str, Any]]:
         """The operations of a job's write (``plan``), or its removal (None), in this term."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,  # noqa: F401  (re-exported for the app)
@@ -238,6 +238,15 @@ class Metrics:
                 "rdzv_ha_leader", "1 while this HA replica leads and serves, 0 while it follows", registry=self.registry
             )
         self.ha_leader.set(1 if serving else 0)
+
+    def watch_request_bytes(self, read: Callable[[], int]) -> None:
+        """An HA replica (--etcd): rdzv_storage_max_request_bytes, ``read()`` at each scrape."""
+        Gauge(
+            "rdzv_storage_max_request_bytes",
+            "The largest request sent to etcd so far, in bytes as sent (JSON, values in base64: more than "
+            "what etcd's --max-request-bytes counts)",
+            registry=self.registry,
+        ).set_function(read)
 
     def set_storage_requests(self, total: int) -> None:
         """The backend's running count of write requests (it restarts with a new backend)."""

@@ -1,7 +1,10 @@
 """bench/big_job.py must not rot: one tiny job (8 nodes) through formation,
 heartbeats, a node loss and a scale-up. No timing assertions: only that every
 step completed, the job ends at round 2 with all 8 nodes again, and storage
-writes were counted for each round change. On SQLite and on etcd (3 replicas)."""
+writes were counted for each round change. On SQLite and on etcd (3 replicas);
+on etcd also the leader kill: every node follows the new leader and resumes
+its round there (the nodes' links walk the replicas and their not_leader
+hints), and the largest request sent to etcd is shown."""
 
 from __future__ import annotations
 
@@ -38,3 +41,13 @@ def test_big_job_bench_smoke(tmp_path, medium):
     assert r["server_rss_mb"] > 0 and r["hb_server_cpu"] >= 0, r
     assert r["storage"] == ("etcd, 3 replica(s)" if medium else "SQLite")
     assert r["node_loss_storage"]["bytes"] > 0, r  # what the server (SQLite) or the etcd members wrote
+    if not medium:
+        assert "leader_kill" not in r and "max_request_bytes" not in r, r
+        return
+    lk = r["leader_kill"]
+    assert "| N=8 leader kill -9 -> every node back on the new leader and the round complete" in proc.stdout
+    # every node resumed its round on the new leader, no node lost: the same round, all 8 in it
+    assert lk["behind"] == 0 and lk["round_complete"] and lk["all_s"] is not None, lk
+    assert (lk["round_before"], lk["round_after"], lk["world_after"], lk["resumed_rounds"]) == (2, 2, 8, [2]), lk
+    assert lk["srv_count"] >= 8 and lk["elected_s"] is not None and lk["loaded_s"] is not None, lk
+    assert 0 < r["max_request_bytes"] < 1_572_864, r

@@ -114,6 +114,11 @@ async def test_a_job_over_one_etcd_request_forms_re_forms_and_loads(
     assert len(json.dumps(rounds.to_record(job))) > ETCD_LIMIT  # one request could not hold it
     assert len(sizes) >= 2 and max(sizes) < ETCD_LIMIT, sizes
     assert kept((await load_anew(etcd_cluster))["j"]) == kept(acked)
+    # /metrics says the largest request sent: the body as sent, more than its keys and values
+    largest = store.replica.client.max_request_bytes
+    assert max(sizes) < largest < ETCD_LIMIT, (largest, sizes)
+    scrape = await (await leader.get("/metrics")).text()
+    assert f"rdzv_storage_max_request_bytes {float(largest)}" in scrape, scrape[-2000:]
 
     secrets = secrets_of(chans)
     before = len(sizes)

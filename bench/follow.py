@@ -1,0 +1,73 @@
+"""A simulated node's link to an endpoint list of HA replicas, as the real
+agent's (rdzv_client.client.AgentLink): one place for bench/simagents.py
+(``--follow``, bench/ha.py) and bench/bigagents.py (bench/big_job.py
+``--etcd``).
+
+:func:`keep_linked` connects to the endpoint that answers, with the link's own
+code (rdzv_client.endpoints: EndpointTries, backoff_delays, election_wait):
+a refused or unreachable replica sends it on to the next endpoint, a
+``not_leader`` refusal's ``X-Rdzv-Leader`` hint to the leader it names if that
+is one of the list; after a cycle of failures it backs off (short while a
+replica says an election is on). Once connected it calls the node's
+``opened`` (which says what the agent says then: its join, resuming the round
+it runs), ``read`` until the connection drops (the caller notes the drop
+there), and starts over, until the node's ``stopping`` is set.
+
+The node is any object with the attributes ``ws`` (the connection in use),
+``stopping`` (bool: do not reconnect) and ``refused`` (an int: connection
+attempts refused or failed). Stdlib and aiohttp, plus rdzv_client.endpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+
+async def keep_linked(
+    session: Any,
+    endpoint: str,
+    node: Any,
+    opened: Callable[[Any], Awaitable[None]],
+    read: Callable[[Any], Awaitable[None]],
+    connected: asyncio.Event | None = None,
+) -> None:
+    """Keep ``node`` connected to the leader of ``endpoint`` (``h:p,h:p``, as
+    ``rdzv-agent --endpoint`` takes it); ``connected`` is set at the first connection."""
+    import aiohttp
+
+    from rdzv_client.client import STABLE_S
+    from rdzv_client.endpoints import Endpoints, backoff_delays, election_wait
+    from rdzv_common.errors import LEADER_HEADER
+    from rdzv_common.wire import AGENT_PATH
+
+    tries = Endpoints(endpoint).tries()
+    delays = backoff_delays()
+    down_since, not_leader = time.monotonic(), False
+    while not node.stopping:
+        leader = None
+        try:
+            node.ws = await session.ws_connect(tries.url + AGENT_PATH, autoping=True)
+        except aiohttp.WSServerHandshakeError as e:
+            leader = (e.headers or {}).get(LEADER_HEADER) if e.status == 503 else None
+            not_leader = not_leader or e.status == 503  # what a replica answers while it does not lead
+            node.refused += 1
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            node.refused += 1
+        else:
+            tries.ok()
+            connected_at = time.monotonic()
+            await opened(node)
+            if connected is not None:
+                connected.set()
+            await read(node)
+            if node.stopping:
+                return
+            down_since = time.monotonic()
+            if down_since - connected_at >= STABLE_S:
+                delays = backoff_delays()
+        if not tries.failed(leader):
+            await asyncio.sleep(election_wait(next(delays), not_leader, time.monotonic() - down_since))
+            not_leader = False
