@@ -66,7 +66,7 @@ from .store_reads import StoreReads
 from .store_retention import StoreRetention
 from .store_settings import DEFAULT_DISCONNECT_GRACE_S as DEFAULT_DISCONNECT_GRACE_S  # re-exported
 from .store_settings import DEFAULT_MAX_WAITING_JOBS as DEFAULT_MAX_WAITING_JOBS  # re-exported
-from .store_settings import FAILOVER_GRACE_S
+from .store_settings import FAILOVER_GRACE_S, reconnect_grace_s
 from .store_settings import StoreSettings as StoreSettings  # re-exported
 from .suspicion import Suspicion
 
@@ -158,9 +158,10 @@ class Store:
 
     def _loaded(self, jobs: dict[str, Job], hosts: list[HostRecord], where: str, extra_s: float = 0.0) -> None:
         """Serve ``jobs``: every node gets a full heartbeat timeout, plus
-        ``extra_s``, to reconnect."""
+        ``extra_s`` and the reconnect storm's allowance for all their nodes, to reconnect."""
         self.jobs = jobs
         self.hosts.load(hosts)
+        extra_s += reconnect_grace_s(sum(len(j.nodes) for j in jobs.values() if not j.finished))
         now = self.clock()
         self.host_side.rearm(now)
         for job in self.jobs.values():
@@ -178,7 +179,7 @@ class Store:
                 len(self.jobs),
                 where,
                 len(self.active),
-                "a full heartbeat timeout" + (f" + {extra_s:g}s" if extra_s else ""),
+                "a full heartbeat timeout" + (f" + {extra_s:.3g}s" if extra_s else ""),
             )
 
     async def start(self) -> None:
