@@ -372,9 +372,9 @@ class Agent(ServerReactions):
         """Kept workers are not moving to a next round any more (they are stopped)."""
         self.in_place.end()
 
-    def _assign_in_place(self, a: Assignment) -> bool:
+    async def _assign_in_place(self, a: Assignment) -> bool:
         """Hand kept workers round ``a``; False: they must be restarted."""
-        if not self.in_place.assign(a, self.group):
+        if not await self.in_place.assign(a, self.group):
             return False
         self.session.assignment = a
         self._say(
@@ -424,7 +424,7 @@ class Agent(ServerReactions):
 
     async def _start_workers(self, a: Assignment) -> None:
         if self.group is not None:  # kept in place through a round change
-            if self._assign_in_place(a):
+            if await self._assign_in_place(a):
                 return
             self.in_place.end()
             await self._stop_workers()

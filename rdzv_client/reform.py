@@ -48,6 +48,9 @@ def in_place_assignment(a: Assignment, local_rank: int, job_id: str, virtual_loc
 # dropped, the usual cause, and otherwise waits for the cause's own report); if
 # the round has not changed this much later, it reports a plain (charged) failure.
 PLAIN_REPORT_AFTER_S = 1.0
+# A kept worker that no longer takes its round may be exiting (exit 75: NCCL or its
+# GPU did not recover) with its exit not yet reaped: this long to learn its status.
+REAP_WAIT_S = 0.5
 
 
 @dataclass
@@ -92,7 +95,7 @@ class InPlace:
         """Kept workers are not moving to a next round any more (they are stopped)."""
         self.reform = None
 
-    def assign(self, a: Assignment, group: WorkerGroup | None) -> bool:
+    async def assign(self, a: Assignment, group: WorkerGroup | None) -> bool:
         """Hand kept workers round ``a`` (the agent then runs it); False: they
         must be restarted."""
         cfg, channel = self.cfg, self.watch.channel
@@ -100,18 +103,22 @@ class InPlace:
             return False
         gone = [lr for lr in range(cfg.nproc) if not group.running(lr)]
         if gone:
-            codes = group.returncode(gone[0])
-            asked = codes == WORKER_EXIT_RESTART
-            why = " (it asked for a process restart: NCCL or its GPU did not recover)" if asked else ""
-            self._say(
-                "round %d: kept local rank %d exited %s%s; restarting this node's workers", a.round, gone[0], codes, why
-            )
-            return False
+            return self._exited(a, gone[0], group.returncode(gone[0]))
         for lr in range(cfg.nproc):
             if not channel.tell(lr, in_place_assignment(a, lr, cfg.job_id, cfg.virtual_local_rank)):
+                code = await group.reaped(lr, REAP_WAIT_S)  # it may have closed its channel as it exited
+                if code is not None:
+                    return self._exited(a, lr, code)
                 self._say("round %d: local rank %d no longer listens; restarting this node's workers", a.round, lr)
                 return False
         return True
+
+    def _exited(self, a: Assignment, local_rank: int, code: int | None) -> bool:
+        asked = code == WORKER_EXIT_RESTART
+        why = " (it asked for a process restart: NCCL or its GPU did not recover)" if asked else ""
+        say = "round %d: kept local rank %d exited %s%s; restarting this node's workers"
+        self._say(say, a.round, local_rank, code, why)
+        return False
 
     async def check(self, group: WorkerGroup | None, assigned: bool) -> bool:
         """Every kept worker parked (and, ``assigned``, handed the new round):

@@ -332,6 +332,17 @@ class WorkerGroup:
         w = self._workers[local_rank]
         return None if w.proc is None else w.proc.returncode
 
+    async def reaped(self, local_rank: int, wait_s: float) -> int | None:
+        """That worker's exit status once its exit is reaped (a moment after it
+        closed its pipes and channel), None if it still runs after ``wait_s``."""
+        w = self._workers[local_rank]
+        if w.proc is None:
+            return None
+        try:
+            return await asyncio.wait_for(w.proc.wait(), wait_s)
+        except asyncio.TimeoutError:
+            return None
+
     def _monitors(self) -> list[asyncio.Task[ExitInfo]]:
         if not self._started:
             raise RuntimeError("WorkerGroup.start() has not been called")

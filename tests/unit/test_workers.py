@@ -450,3 +450,15 @@ def test_in_place_assignment_keeps_virtual_local_rank() -> None:
     assert all("LOCAL_RANK=0 " in t for t in texts), texts
     assert ["RANK=8" in texts[0], "RANK=9" in texts[1]] == [True, True]
     assert "LOCAL_RANK=1 " in in_place_assignment(a, 1, "j", virtual_local_rank=False)
+
+
+async def test_reaped_gives_the_status_of_a_worker_that_exits_and_none_for_one_that_runs(tmp_path: Path) -> None:
+    """What the agent waits on when a kept worker no longer takes its round: a
+    worker exiting 75 (its GPU did not recover) closed its channel a moment
+    before its exit was reaped; its status then explains the restart."""
+    group = make_group(["import sys; sys.exit(75)", "import time; time.sleep(30)"], tmp_path)
+    await group.start()
+    assert await group.reaped(0, WAIT_S) == 75
+    assert await group.reaped(1, 0.2) is None
+    assert group.running(1)
+    await group.stop()
