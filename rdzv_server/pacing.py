@@ -61,7 +61,11 @@ class Pacing:
         return heartbeat_s(job.spec, have + max(0, job.spec.min_nodes - len(job.nodes)))
 
     def told(self, job_id: str, node_id: str, fx: Effects) -> None:
-        """``node_id``'s join had effects ``fx``: the interval its ``joined`` tells."""
+        """``node_id``'s join had effects ``fx``: the interval its ``joined`` tells.
+        A reconnect (``assigned`` again, no ``joined``) is judged anew from its next heartbeat."""
+        arr = self.arrivals.get((job_id, node_id))
+        if arr is not None:
+            arr.rejoined()
         for to, msg in fx.sends:
             if to == node_id and isinstance(msg, JoinedMsg):
                 key = (job_id, node_id)

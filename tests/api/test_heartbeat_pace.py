@@ -22,6 +22,7 @@ from rdzv_common.wire import HEARTBEAT_FRAME
 from rdzv_server import suspicion
 from rdzv_server.app import Settings
 from rdzv_server.keys import STORE
+from rdzv_server.pacing import SWEEP_S
 from rdzv_server.rounds.pace import FAST_HEARTBEAT_S
 
 from .conftest import TIMEOUT, Agent, join_msg
@@ -156,6 +157,47 @@ async def test_a_cut_off_member_that_is_back_within_the_disconnect_grace_is_kept
         view = await (await client.get("/v1/jobs/g")).json()
         assert (view["round"], view["restarts"], len(view["nodes"])) == (0, 0, 2), view["history"]
         await back.close()
+    finally:
+        for beat in beats:
+            await beat.stop()
+        await a.close()
+
+
+async def test_a_member_back_on_a_new_connection_is_not_judged_on_its_old_silence(
+    make_client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its silence before the reconnect was judged already (its connection was
+    cut): on the new one it is judged again only once heard there, not probed at
+    the next sweep for the old gap (here, where the probe goes unanswered, it would
+    be cut again though it heartbeats)."""
+    monkeypatch.setattr(suspicion, "acked_within", lambda sock, seconds: False)
+    client = await make_client(Settings(disconnect_grace_s=DEADLINE))
+    a = Agent(await client.ws_connect(AGENT_PATH))
+    b = Agent(await client.ws_connect(AGENT_PATH, autoping=False))
+    for node_id, agent in (("a", a), ("b", b)):
+        await agent.send(join_msg("g", node_id, (2, 2)))
+    told = []
+    for agent in (a, b):
+        told.append((await agent.expect("joined")).heartbeat_s)
+        await agent.expect("assigned")
+    beats = [Beats(a, told[0]), Beats(b, told[1], read=True)]
+    try:
+        await asyncio.sleep(4 * told[1])
+        beats[1].beating = False
+        await _until("b's connection cut", lambda: b.ws.closed)
+        await beats[1].stop()
+        back = Agent(await client.ws_connect(AGENT_PATH, autoping=False))
+        await back.send(join_msg("g", "b", (2, 2), resume_round=0, node_secret=b.node_secret))
+        assert (await back.expect("assigned")).assignment.round == 0
+        reading = Beats(back, told[1], read=True)
+        reading.beating = False  # the real link sleeps an interval before its first heartbeat (up to 2 s)
+        beats[1] = reading
+        await asyncio.sleep(3 * SWEEP_S)  # sweeps before it: the old gap (over a second) would have been probed
+        reading.beating = True
+        await asyncio.sleep(4 * told[1])
+        assert beats[1].pings == 0 and not back.ws.closed
+        view = await (await client.get("/v1/jobs/g")).json()
+        assert (view["round"], view["restarts"], len(view["nodes"])) == (0, 0, 2), view["history"]
     finally:
         for beat in beats:
             await beat.stop()
