@@ -53,6 +53,11 @@ class Pacing:
         self._cleaned = now
         self._paced_nodes = 0  # self.nodes when the nodes were last paced
 
+    def forget(self) -> None:
+        """An HA replica stepped down: what it learned of its agents' heartbeats goes with them."""
+        self.arrivals.clear()
+        self.nodes = self._paced_nodes = 0
+
     def interval(self, job: Job) -> float:
         """The interval to tell a node joining ``job`` now: over the nodes the
         server has, and those this job is sure to bring (up to its min_nodes),

@@ -204,6 +204,26 @@ async def test_a_member_back_on_a_new_connection_is_not_judged_on_its_old_silenc
         await a.close()
 
 
+async def test_a_replica_that_steps_down_keeps_no_arrival_or_probe_of_its_term(client, connect) -> None:
+    """An HA replica that stops leading forgets every job and connection (the
+    next term reloads them from etcd, the agents reconnect): the arrivals it
+    learned and the probe it had open go too, so neither judges a node of a
+    later term on a connection of this one."""
+    a, b, told = await _form(client, connect)
+    beats = [Beats(a, told[0]), Beats(b, told[1], read=True)]
+    store = client.app[STORE]
+    try:
+        await asyncio.sleep(4 * told[1])
+        beats[1].beating = False
+        await _until("b's silence probed", lambda: ("q", "b") in store.suspicion.table.probes)
+        assert store.pacing.arrivals
+        store.step_down("a test: another replica leads", quiet=True)
+        assert not store.pacing.arrivals and not store.suspicion.table.probes
+    finally:
+        for beat in beats:
+            await beat.stop()
+
+
 async def test_no_silence_is_judged_across_the_servers_own_stall(client, connect) -> None:
     """The loop that serves both sides is blocked (as a busy server's would be):
     nobody's heartbeats were read meanwhile, so nobody is probed for it."""
