@@ -53,6 +53,11 @@ class Pacing:
         self._cleaned = now
         self._paced_nodes = 0  # self.nodes when the nodes were last paced
 
+    def forget(self) -> None:
+        """An HA replica stepped down: what it learned of its agents' heartbeats goes with them."""
+        self.arrivals.clear()
+        self.nodes = self._paced_nodes = 0
+
     def interval(self, job: Job) -> float:
         """The interval to tell a node joining ``job`` now: over the nodes the
         server has, and those this job is sure to bring (up to its min_nodes),
@@ -61,7 +66,11 @@ class Pacing:
         return heartbeat_s(job.spec, have + max(0, job.spec.min_nodes - len(job.nodes)))
 
     def told(self, job_id: str, node_id: str, fx: Effects) -> None:
-        """``node_id``'s join had effects ``fx``: the interval its ``joined`` tells."""
+        """``node_id``'s join had effects ``fx``: the interval its ``joined`` tells.
+        A reconnect (``assigned`` again, no ``joined``) is judged anew from its next heartbeat."""
+        arr = self.arrivals.get((job_id, node_id))
+        if arr is not None:
+            arr.rejoined()
         for to, msg in fx.sends:
             if to == node_id and isinstance(msg, JoinedMsg):
                 key = (job_id, node_id)

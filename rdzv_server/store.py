@@ -230,6 +230,8 @@ class Store:
         self.hosts = Hosts(self.settings.host_rules)
         self.host_side.clear()
         self.events.close_all()
+        self.suspicion.forget()
+        self.pacing.forget()
 
     def _write_failed(self, job_id: str, err: BaseException, requester: Channel | None = None) -> None:
         """The one put-back path: a write of ``job_id`` failed (at once, SQLite; or

@@ -37,6 +37,11 @@ class Suspicion:
         self.table = Suspicions()
         self._pings: set[asyncio.Future[Any]] = set()
 
+    def forget(self) -> None:
+        """An HA replica stepped down: its probes, hold-offs and budgets go (a
+        probe's pending judgment then finds nothing open: it judges nobody)."""
+        self.table = Suspicions()
+
     def report(self, job_id: str, reporter: str, round_no: int, nodes: list[str]) -> None:
         """``reporter`` (a node of ``job_id``, the connection's own) suspects ``nodes``."""
         job = self.store.jobs.get(job_id)

@@ -25,7 +25,8 @@ host"):
    keep-alive finds it. The heartbeat timeout stays the hard bound.
 2. A node is judged on the interval it was *told* (a faster one takes effect
    only from its next heartbeat: the agent's sleep in progress is the old
-   one), and only after it heartbeated at least once since.
+   one), and only after it heartbeated at least once since, and since it
+   last joined (a reconnect: its old silence was its old connection's).
 3. A node whose limit is not shorter than its heartbeat timeout is not judged
    (the timeout comes first anyway).
 4. The caller judges no silence that spans a time its own loop was late
@@ -95,6 +96,11 @@ class Arrivals:
         self.next = interval
         if interval > self.told:
             self.told = interval
+
+    def rejoined(self) -> None:
+        """It joined again (a new connection): its silence so far was judged on
+        the old one; on this one it is judged once heard there (rule 2)."""
+        self.last = None
 
     def heard(self, now: float, learn: bool = True) -> None:
         """A heartbeat at ``now``; ``learn``: the gap since the last one is a

@@ -17,11 +17,11 @@ import time
 import pytest
 from aiohttp import WSMsgType
 
-from rdzv_common.protocol import AGENT_PATH
 from rdzv_common.wire import HEARTBEAT_FRAME
 from rdzv_server import suspicion
 from rdzv_server.app import Settings
 from rdzv_server.keys import STORE
+from rdzv_server.pacing import SWEEP_S
 from rdzv_server.rounds.pace import FAST_HEARTBEAT_S
 
 from .conftest import TIMEOUT, Agent, join_msg
@@ -66,8 +66,8 @@ class Beats:
 async def _form(client, connect, job: str = "q"):
     """Two members; b's connection shows pings (no autoping). Both heartbeat
     at the interval they were told."""
-    a = await connect()
-    b = Agent(await client.ws_connect(AGENT_PATH, autoping=False))
+    a = await connect(on=client)
+    b = await connect(on=client, autoping=False)
     told = []
     for node_id, agent in (("a", a), ("b", b)):
         await agent.send(join_msg(job, node_id, (2, 2)))
@@ -129,37 +129,85 @@ async def test_a_silent_member_whose_kernel_does_not_answer_is_a_lost_connection
             await beat.stop()
 
 
-async def test_a_cut_off_member_that_is_back_within_the_disconnect_grace_is_kept(
-    make_client, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A partition between the server and a node that heals within the grace
-    costs nothing, as with any lost connection: the silence probe only found
-    sooner what the keep-alive would have."""
+async def _cut_off(make_client, connect, monkeypatch: pytest.MonkeyPatch):
+    """b's silence is probed and its kernel does not answer (a pulled cable's
+    verdict): its connection is cut, and a disconnect grace longer than the test
+    keeps it. Returns the server, a, b's node secret, the intervals told and a's heartbeats."""
     monkeypatch.setattr(suspicion, "acked_within", lambda sock, seconds: False)
     client = await make_client(Settings(disconnect_grace_s=DEADLINE))
-    a = Agent(await client.ws_connect(AGENT_PATH))
-    b = Agent(await client.ws_connect(AGENT_PATH, autoping=False))
-    for node_id, agent in (("a", a), ("b", b)):
-        await agent.send(join_msg("g", node_id, (2, 2)))
-    told = []
-    for agent in (a, b):
-        told.append((await agent.expect("joined")).heartbeat_s)
-        await agent.expect("assigned")
+    a, b, told = await _form(client, connect, "g")
     beats = [Beats(a, told[0]), Beats(b, told[1], read=True)]
     try:
         await asyncio.sleep(4 * told[1])
         beats[1].beating = False
         await _until("b's connection cut", lambda: b.ws.closed)
-        back = Agent(await client.ws_connect(AGENT_PATH))
-        await back.send(join_msg("g", "b", (2, 2), resume_round=0, node_secret=b.node_secret))
+    finally:
+        await beats[1].stop()
+    return client, a, b.node_secret, told, beats[0]
+
+
+async def test_a_cut_off_member_that_is_back_within_the_disconnect_grace_is_kept(
+    make_client, connect, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A partition between the server and a node that heals within the grace
+    costs nothing, as with any lost connection: the silence probe only found
+    sooner what the keep-alive would have."""
+    client, a, secret, told, beat = await _cut_off(make_client, connect, monkeypatch)
+    try:
+        back = await connect(on=client)
+        await back.send(join_msg("g", "b", (2, 2), resume_round=0, node_secret=secret))
         assert (await back.expect("assigned")).assignment.round == 0
         view = await (await client.get("/v1/jobs/g")).json()
         assert (view["round"], view["restarts"], len(view["nodes"])) == (0, 0, 2), view["history"]
-        await back.close()
+    finally:
+        await beat.stop()
+
+
+async def test_a_member_back_on_a_new_connection_is_not_judged_on_its_old_silence(
+    make_client, connect, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its silence before the reconnect was judged already (its connection was
+    cut): on the new one it is judged again only once heard there, not probed at
+    the next sweep for the old gap (here, where the probe goes unanswered, it would
+    be cut again though it heartbeats)."""
+    client, a, secret, told, beat = await _cut_off(make_client, connect, monkeypatch)
+    reading = None
+    try:
+        back = await connect(on=client, autoping=False)
+        await back.send(join_msg("g", "b", (2, 2), resume_round=0, node_secret=secret))
+        assert (await back.expect("assigned")).assignment.round == 0
+        reading = Beats(back, told[1], read=True)
+        reading.beating = False  # the real link sleeps an interval before its first heartbeat (up to 2 s)
+        await asyncio.sleep(3 * SWEEP_S)  # sweeps before it: the old gap (over a second) would have been probed
+        reading.beating = True
+        await asyncio.sleep(4 * told[1])
+        assert reading.pings == 0 and not back.ws.closed
+        view = await (await client.get("/v1/jobs/g")).json()
+        assert (view["round"], view["restarts"], len(view["nodes"])) == (0, 0, 2), view["history"]
+    finally:
+        await beat.stop()
+        if reading is not None:
+            await reading.stop()
+
+
+async def test_a_replica_that_steps_down_keeps_no_arrival_or_probe_of_its_term(client, connect) -> None:
+    """An HA replica that stops leading forgets every job and connection (the
+    next term reloads them from etcd, the agents reconnect): the arrivals it
+    learned and the probe it had open go too, so neither judges a node of a
+    later term on a connection of this one."""
+    a, b, told = await _form(client, connect)
+    beats = [Beats(a, told[0]), Beats(b, told[1], read=True)]
+    store = client.app[STORE]
+    try:
+        await asyncio.sleep(4 * told[1])
+        beats[1].beating = False
+        await _until("b's silence probed", lambda: ("q", "b") in store.suspicion.table.probes)
+        assert store.pacing.arrivals
+        store.step_down("a test: another replica leads", quiet=True)
+        assert not store.pacing.arrivals and not store.suspicion.table.probes
     finally:
         for beat in beats:
             await beat.stop()
-        await a.close()
 
 
 async def test_no_silence_is_judged_across_the_servers_own_stall(client, connect) -> None:

@@ -124,3 +124,37 @@ async def test_a_peer_that_never_reads_is_disconnected_and_the_transport_stays_b
         ws._response.connection.transport.abort()  # type: ignore[union-attr]
     finally:
         await client.close()
+
+
+async def test_pings_and_the_close_written_by_aiohttp_keep_their_place_among_direct_frames() -> None:
+    """The suspicion probe's ping (ws.ping) and the close are aiohttp's frames,
+    written whole to the same transport (no await inside a frame): a peer
+    reads each frame intact, in the order they were written, and nothing
+    delivered after the close is written after it."""
+    client, channels = await _serve()
+    try:
+        ws = await client.ws_connect("/ws", autoping=False)
+        chan = await asyncio.wait_for(channels.get(), TIMEOUT)
+        big = "b" * 70_000  # aiohttp writes a frame this big as two writes, header then payload
+        chan.deliver("a")
+        await chan.ws.ping(b"1")
+        chan.deliver(big)
+        await chan.ws.ping(b"2")
+        chan.deliver("c")
+        chan.drop()
+        chan.deliver("after the close")
+        got = []
+        for _ in range(6):
+            frame = await asyncio.wait_for(ws.receive(), TIMEOUT)
+            got.append((frame.type, frame.data if frame.type != WSMsgType.CLOSE else None))
+        assert got == [
+            (WSMsgType.TEXT, "a"),
+            (WSMsgType.PING, b"1"),
+            (WSMsgType.TEXT, big),
+            (WSMsgType.PING, b"2"),
+            (WSMsgType.TEXT, "c"),
+            (WSMsgType.CLOSE, None),
+        ]
+        await ws.close()
+    finally:
+        await client.close()

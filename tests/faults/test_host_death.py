@@ -29,26 +29,12 @@ import pytest
 from tests.e2e.test_inplace import EXAMPLE, IN_PLACE, check_training, last_step, pids, rank0, wait_steps
 from tests.helpers.cluster import FaultCluster
 from tests.helpers.netlab import NetLab
-from tests.helpers.procs import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 HB_TIMEOUT = 30.0
 # well under the heartbeat timeout: only the new detection can re-form this soon
 BEFORE_HB = 20.0
-
-
-def _server(netlab: NetLab, fcluster: FaultCluster, tmp_path: Path):
-    # --insecure: no token, on an address that exists only in the test's private namespaces
-    return fcluster.start_server_at(
-        free_port(),
-        tmp_path / "data",
-        "--insecure",
-        host=netlab.hub_addr,
-        name="server",
-        netns=netlab.hub,
-        request_via=netlab.in_hub,
-    )
 
 
 @pytest.mark.parametrize("netlab", [1], indirect=True)
@@ -58,7 +44,7 @@ def test_a_lone_nodes_vanished_host_is_evicted_for_its_silence_before_its_keep_a
 ) -> None:
     """No peer can suspect a lone node (and its worker needs no torch here):
     only the server's own judgment of its heartbeats finds it this soon."""
-    server = _server(netlab, fcluster, tmp_path)
+    server = fcluster.start_hub_server(netlab, tmp_path / "data")
     flags = ("--local-addr", netlab.node_addr(0), "--heartbeat-timeout", f"{HB_TIMEOUT:g}", "--no-python")
     argv = [*fcluster.agent_argv(server.endpoint, "lone", "1", 1, flags), "sleep", "600"]
     fcluster.start("n0", ["ip", "netns", "exec", netlab.node_ns(0), *argv])
@@ -87,7 +73,7 @@ def test_in_place_survivors_of_a_pulled_cable_leave_their_collective_and_train_o
     vanish). The restart the eviction pushes ends the survivors' pending
     collectives (item 4): the same worker processes step in world 2, before
     the heartbeat timeout and before --in-place-timeout would restart them."""
-    server = _server(netlab, fcluster, tmp_path)
+    server = fcluster.start_hub_server(netlab, tmp_path / "data")
     agents = []
     for i in range(netlab.n):
         flags = (*IN_PLACE, "--local-addr", netlab.node_addr(i), "--heartbeat-timeout", f"{HB_TIMEOUT:g}")

@@ -22,7 +22,7 @@ import pytest
 
 from tests.helpers.cluster import FaultCluster, Ticks
 from tests.helpers.netlab import NetLab
-from tests.helpers.procs import descendants, free_port, wait_until
+from tests.helpers.procs import descendants, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -53,17 +53,7 @@ def test_cut_off_node_is_fenced_and_comes_back_as_a_new_node(
     stale workers first, and rejoins as a new node; round 2 has all three.
     No (round, rank) was ever claimed by two nodes' workers, and the job
     succeeds."""
-    port = free_port()
-    # --insecure: no token, on an address that exists only in the test's private namespaces
-    server = fcluster.start_server_at(
-        port,
-        tmp_path / "data",
-        "--insecure",
-        host=netlab.hub_addr,
-        name="server",
-        netns=netlab.hub,
-        request_via=netlab.in_hub,
-    )
+    server = fcluster.start_hub_server(netlab, tmp_path / "data")
     stop = tmp_path / "stop"
     agents = []
     for i in range(netlab.n):
@@ -168,14 +158,10 @@ def test_a_server_whose_host_vanished_is_noticed_at_the_next_heartbeat(
     interval plus that, in time to reach a new HA leader within its grace; the
     ping alone (WS_PING_S + half of it) took over 22 s. Plugged back, the agent
     resumes; the workers never stopped."""
-    port = free_port()
     # the server keeps the node (no loss in the test's window): this is about the agent's side.
     # Its own socket to the agent fails at the TCP level too (issue 23), so the dropped
     # connection gets the longest grace to come back
-    server = fcluster.start_server_at(
-        port, tmp_path / "data", "--insecure", "--disconnect-grace", "60", host=netlab.hub_addr, name="server",
-        netns=netlab.hub, request_via=netlab.in_hub,
-    )  # fmt: skip
+    server = fcluster.start_hub_server(netlab, tmp_path / "data", "--disconnect-grace", "60")
     stop = tmp_path / "stop"
     agent = fcluster.start_ranks_agent(
         server.endpoint, "cable", "n0", stop, nnodes="1", interval=0.05, netns=netlab.node_ns(0),

@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 
 from rdzv_server.rounds.suspicion import probe_deadline
-from tests.faults.test_host_death import _server
 from tests.helpers.cluster import FaultCluster
 from tests.helpers.netem import tun_link, tun_unavailable
 from tests.helpers.netlab import NetLab
@@ -48,7 +47,7 @@ def test_a_frozen_agent_behind_a_link_that_just_slowed_is_cleared_not_evicted(
     assert 4 * DELAY / 8 + 0.2 < DELAY  # one sample of the new delay in the kernel's srtt would not cover it
     fwd = tun_link(netlab, 0)
     try:
-        server = _server(netlab, fcluster, tmp_path)
+        server = fcluster.start_hub_server(netlab, tmp_path / "data")
         agents = []
         for i in range(2):
             flags = ("--local-addr", netlab.node_addr(i), "--heartbeat-timeout", f"{HB_TIMEOUT:g}", "--no-python")

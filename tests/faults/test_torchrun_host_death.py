@@ -25,7 +25,7 @@ pytest.importorskip("torch")
 from tests.e2e.test_torchrun_plugin import _at
 from tests.helpers.cluster import FaultCluster
 from tests.helpers.netlab import NetLab
-from tests.helpers.procs import free_port, wait_until
+from tests.helpers.procs import wait_until
 from tests.helpers.torchrun import WORKER, WORKER_ARGS, TorchrunProc
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -40,16 +40,7 @@ def test_a_torchrun_nodes_pulled_cable_is_suspected_by_its_peers(
     peers' probes go unanswered, they suspect it, the server's probe of its
     connection goes unacknowledged: evicted, "suspected by N peer(s)", and the
     two survivors step at world 2."""
-    # --insecure: no token, on an address that exists only in the test's private namespaces
-    server = fcluster.start_server_at(
-        free_port(),
-        tmp_path / "data",
-        "--insecure",
-        host=netlab.hub_addr,
-        name="server",
-        netns=netlab.hub,
-        request_via=netlab.in_hub,
-    )
+    server = fcluster.start_hub_server(netlab, tmp_path / "data")
     nodes = []
     for i in range(netlab.n):
         argv = [

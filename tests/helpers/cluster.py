@@ -41,6 +41,7 @@ from .procs import (
     Server,
     clean_env,
     descendants,
+    free_port,
     kill_pid,
     killpg,
     spawn,
@@ -321,6 +322,20 @@ class FaultCluster(Cluster):
             return server
         raise AssertionError(
             f"server {name} did not come up on port {port} (exit {server.popen.poll()}):\n{server.text()[-3000:]}"
+        )
+
+    def start_hub_server(self, netlab: Any, data_dir: Path | str, *flags: str, port: int | None = None) -> Server:
+        """``rdzv-server --insecure`` (no token) in ``netlab``'s hub namespace, on the hub's
+        address, which exists only in the test's private namespaces; asked through the hub."""
+        return self.start_server_at(
+            port or free_port(),
+            data_dir,
+            "--insecure",
+            *flags,
+            host=netlab.hub_addr,
+            name="server",
+            netns=netlab.hub,
+            request_via=netlab.in_hub,
         )
 
     def kill9(self, proc: Proc, timeout: float = 10.0) -> None:

@@ -13,6 +13,7 @@ from rdzv_server.rounds import pace
 from rdzv_server.rounds import suspicion as sus
 from rdzv_server.rounds.pace import FAST_HEARTBEAT_S, HEARTBEAT_BUDGET, SILENCE_MIN_S, Arrivals
 from rdzv_server.rounds.records import to_record
+from tests.helpers.jobs import running_job
 
 SPEC = JobSpec(min_nodes=1, max_nodes=1)  # the defaults: a 6 s heartbeat timeout, heartbeats every 2 s at most
 
@@ -88,23 +89,8 @@ def test_no_judgment_past_the_timeout_or_across_the_servers_own_lateness() -> No
 
 
 def _running(n: int, heartbeat_s: float | None = None):
-    job = rounds.new_job("j", JobSpec(min_nodes=n, max_nodes=n), 0.0)
-    job.heartbeat_s = heartbeat_s
-    told = []
-    for i in range(n):
-        msg = JoinMsg(
-            job_id="j",
-            node_id=f"n{i}",
-            host=f"h{i}",
-            addr=f"10.0.0.{i + 1}",
-            local_world_size=1,
-            master_port=29500,
-            spec=job.spec,
-        )
-        fx = rounds.join(job, msg, 0.0)
-        told += [m.heartbeat_s for to, m in fx.sends if isinstance(m, JoinedMsg)]
-    assert not job.forming
-    return job, told
+    job, effects = running_job(n, heartbeat_s=heartbeat_s)
+    return job, [m.heartbeat_s for fx in effects for to, m in fx.sends if isinstance(m, JoinedMsg)]
 
 
 def test_joined_tells_the_interval_the_store_chose() -> None:

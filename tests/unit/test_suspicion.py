@@ -9,24 +9,11 @@ import pytest
 from rdzv_common.protocol import JobSpec, JoinMsg
 from rdzv_server import rounds
 from rdzv_server.rounds import suspicion as sus
+from tests.helpers.jobs import running_job
 
 
 def _job(n: int, probe: bool = True):
-    job = rounds.new_job("j", JobSpec(min_nodes=n, max_nodes=n), 0.0)
-    for i in range(n):
-        msg = JoinMsg(
-            job_id="j",
-            node_id=f"n{i}",
-            host=f"h{i}",
-            addr=f"10.0.0.{i + 1}",
-            local_world_size=1,
-            master_port=29500,
-            spec=job.spec,
-            probe_port=40000 + i if probe else None,
-        )
-        rounds.join(job, msg, 0.0)
-    assert not job.forming
-    return job
+    return running_job(n, probe)[0]
 
 
 def _by_rank(job):
