@@ -61,6 +61,7 @@ class MemEtcd:
 
     def __init__(self) -> None:
         self.sizes: list[int] = []
+        self.timeout_s = etcd.DEFAULT_TIMEOUT_S  # a request's time limit, as the client's (Replica.write_timeout)
 
     async def txn(self, compare: Any, success: list[dict[str, Any]], *args: Any, **kw: Any) -> etcd.TxnResult:
         bodies = [next(iter(op.values())) for op in success]

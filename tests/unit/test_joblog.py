@@ -158,8 +158,11 @@ class MemEtcd:
         self.kv: dict[bytes, bytes] = {}
         self.txns: list[list[dict[str, Any]]] = []
         self.fail_at: int | None = None
+        self.timeout_s = etcd.DEFAULT_TIMEOUT_S  # a request's time limit, as the client's (Replica.write_timeout)
 
-    async def txn(self, compare: Any, success: list[dict[str, Any]], failure: Any = None) -> etcd.TxnResult:
+    async def txn(
+        self, compare: Any, success: list[dict[str, Any]], failure: Any = None, timeout_s: float | None = None
+    ) -> etcd.TxnResult:
         if self.fail_at is not None:
             self.fail_at -= 1
             if self.fail_at < 0:
