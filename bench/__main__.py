@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
             finished = finished_jobs.run(10_000, 20.0, 500, waiting=1000, log=log)
 
     progress = progress_cost.run(*((20_000, 1) if a.smoke else (200_000, 3) if a.quick else (1_000_000, 5)))
-    ui = None if a.no_server_scale else ui_events.run(*((10, 3, 50, 1) if a.smoke else (100, 50, 1000, 5)))
+    ui = None if a.no_server_scale else ui_events.run(*(ui_events.SMOKE if a.smoke else (100, 50, 1000, 5)))
     slow = None if a.smoke else slow_rank.run([5.0] if a.quick else [5.0, 1.5], log=log)
 
     text = compare_table.table(rows, results)

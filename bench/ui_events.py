@@ -36,10 +36,14 @@ _CLIENTS = r"""
 import asyncio, json, sys, time
 import aiohttp
 
-async def one(url, got, opened):
+async def one(url, got, opened, refused, local):
     timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
-    async with aiohttp.ClientSession(timeout=timeout) as s, s.get(url + "/v1/events") as r:
+    conn = aiohttp.TCPConnector(local_addr=(local, 0))  # the server holds 16 streams per client address
+    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as s, s.get(url + "/v1/events") as r:
         opened.append(1)
+        if r.status != 200:
+            refused.append(r.status)
+            return
         data = None
         async for raw in r.content:
             line = raw.decode().rstrip("\n")
@@ -52,20 +56,24 @@ async def one(url, got, opened):
                 if ev["type"] == "round_completed":
                     got.setdefault(ev["job"], []).append(now - ev["time"])
 
-async def main(url, n):
-    got, opened = {}, []
-    tasks = [asyncio.create_task(one(url, got, opened)) for _ in range(n)]
+async def main(url, n, proc):
+    got, opened, refused = {}, [], []
+    tasks = [asyncio.create_task(one(url, got, opened, refused, f"127.1.{proc}.{k // 8 + 1}")) for k in range(n)]
     while len(opened) < n:
         await asyncio.sleep(0.01)
-    print("ready", flush=True)
+    print(json.dumps({"ready": n, "refused": refused}), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     print(json.dumps(got), flush=True)
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
 
-asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
 """
+
+
+# --smoke: more event streams than one client address may hold, so that the row's spread is checked
+SMOKE = (20, 3, 50, 1)
 
 
 def _delivery(url: str, clients: int, rounds: int, procs: int = 4) -> dict[str, Any]:
@@ -74,20 +82,23 @@ def _delivery(url: str, clients: int, rounds: int, procs: int = 4) -> dict[str, 
     per = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
     readers = [
         subprocess.Popen(
-            [sys.executable, "-c", _CLIENTS, url, str(n)],
+            [sys.executable, "-c", _CLIENTS, url, str(n), str(i)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             start_new_session=True,
         )
-        for n in per
+        for i, n in enumerate(per)
         if n
     ]
     agents = Clients(1, url + "/v1/agent", None)
     got: dict[str, list[float]] = {}
     try:
         for r in readers:
-            assert r.stdout is not None and r.stdout.readline().strip() == "ready"
+            assert r.stdout is not None
+            ready = json.loads(r.stdout.readline())
+            if ready["refused"]:  # every client must hold a stream, or the row measures fewer
+                raise RuntimeError(f"{len(ready['refused'])} event stream(s) refused: HTTP {ready['refused'][0]}")
         time.sleep(0.2)  # every stream's handler is subscribed
         for i in range(rounds):
             agents.split("storm", node_specs(f"lat{i}", 1))
@@ -218,13 +229,13 @@ def rows(res: dict[str, Any]) -> list[list[str]]:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(prog="python -m bench.ui_events")
-    ap.add_argument("--smoke", action="store_true", help="10 clients, 3 rounds, a 50-node job, 1 load")
+    ap.add_argument("--smoke", action="store_true", help="20 clients, 3 rounds, a 50-node job, 1 load")
     ap.add_argument("--clients", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=50)
     ap.add_argument("--nodes", type=int, default=1000)
     ap.add_argument("--loads", type=int, default=5)
     a = ap.parse_args()
-    res = run(10, 3, 50, 1) if a.smoke else run(a.clients, a.rounds, a.nodes, a.loads)
+    res = run(*SMOKE) if a.smoke else run(a.clients, a.rounds, a.nodes, a.loads)
     print(json.dumps(res, indent=1))
     for r in rows(res):
         print("| " + " | ".join(r) + " |")
