@@ -10,23 +10,12 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.helpers.procs import scrubbed
+
 from . import _common as C
 
 STAMP = C.SCRIPTS / "stamp.py"
 TAG_VAR = "RDZV_BENCH_TAG"
-_SCRUB_PREFIXES = ("SLURM_", "PET_", "RDZV_", "TORCHELASTIC_", "MASTER_", "TORCH_NCCL_")
-_SCRUB = {
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "ROLE_NAME",
-    "OMP_NUM_THREADS",
-}
 
 
 @dataclass
@@ -82,7 +71,7 @@ class Cluster:
         self.server: C.Proc | None = None
         self.port = C.free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB}
+        self.env = scrubbed(os.environ)
         self.env.update(
             {TAG_VAR: self.tag, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(C.ROOT), "RDZV_LOG_LEVEL": "INFO"}
         )

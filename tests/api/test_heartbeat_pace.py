@@ -239,20 +239,26 @@ async def test_a_member_that_never_heartbeats_is_left_to_the_timeout(client, con
         await beat.stop()
 
 
+async def _real_link(client, job_id: str, heartbeat_s: float):
+    """The agent's real AgentLink, started, and a one-node session on it as node1 of ``job_id``."""
+    from rdzv_client.client import AgentLink
+    from rdzv_client.session import NodeSession
+    from rdzv_common.protocol import JobSpec
+
+    link = AgentLink(f"127.0.0.1:{client.server.port}", heartbeat_s=heartbeat_s)
+    session = NodeSession(job_id=job_id, host="h", nproc=1, spec=JobSpec(min_nodes=1, max_nodes=1), addr="127.0.0.1")
+    session.node_id = "node1"
+    session.link = link
+    await link.start()
+    return link, session
+
+
 async def test_the_agent_link_takes_up_a_faster_interval_at_once(client) -> None:
     """The real AgentLink (the agent's and the torchrun plugin's): its first
     interval is the spec's (an hour here, so that its sleep in progress cannot
     be what ends); ``joined`` tells 0.25 s, and heartbeats come at that pace
     from then, so the node is judged from about a second after it joined."""
-    from rdzv_client.client import AgentLink
-    from rdzv_client.session import NodeSession
-    from rdzv_common.protocol import JobSpec
-
-    link = AgentLink(f"127.0.0.1:{client.server.port}", heartbeat_s=3600.0)
-    session = NodeSession(job_id="paced", host="h", nproc=1, spec=JobSpec(min_nodes=1, max_nodes=1), addr="127.0.0.1")
-    session.node_id = "node1"
-    session.link = link
-    await link.start()
+    link, session = await _real_link(client, "paced", heartbeat_s=3600.0)
     try:
         session.join()
         joined = await asyncio.wait_for(link.recv(), TIMEOUT)
@@ -274,17 +280,10 @@ async def test_nodes_told_a_fast_interval_are_told_a_slower_one_when_the_server_
     then a bigger job arrives: the total rate would pass the budget (4 a
     second here), so the link is told (``pace``) the interval a join would be
     told now, and takes it; the message is the link's own (its agent never sees it)."""
-    from rdzv_client.client import AgentLink
-    from rdzv_client.session import NodeSession
-    from rdzv_common.protocol import JobSpec
     from rdzv_server.rounds import pace
 
     monkeypatch.setattr(pace, "HEARTBEAT_BUDGET", 4.0)
-    link = AgentLink(f"127.0.0.1:{client.server.port}", heartbeat_s=2.0)
-    session = NodeSession(job_id="small", host="h", nproc=1, spec=JobSpec(min_nodes=1, max_nodes=1), addr="127.0.0.1")
-    session.node_id = "node1"
-    session.link = link
-    await link.start()
+    link, session = await _real_link(client, "small", heartbeat_s=2.0)
     try:
         session.join()
         joined = await asyncio.wait_for(link.recv(), TIMEOUT)

@@ -31,7 +31,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -195,12 +195,18 @@ def kill_pid(pid: int, sig: int = signal.SIGKILL) -> None:
         pass
 
 
+def scrubbed(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` without the variables that would change what an agent or a
+    worker does (the bench's processes start from it too)."""
+    return {k: v for k, v in environ.items() if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB_NAMES}
+
+
 def clean_env(tag: str | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The runner's environment for a child: without the variables that would
     change what it does, with ROOT on PYTHONPATH, unbuffered output, ``tag``
     in ``RDZV_E2E_TAG`` (workers inherit it: teardown finds them by it), and
     ``extra`` on top."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB_NAMES}
+    env = scrubbed(os.environ)
     if tag is not None:
         env[TAG_VAR] = tag
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
