@@ -10,7 +10,7 @@ import asyncio
 import logging
 from typing import TypeVar
 
-from aiohttp import WSCloseCode, WSMsgType, web
+from aiohttp import WSCloseCode, WSMessage, WSMsgType, web
 from pydantic import BaseModel, ValidationError
 
 from rdzv_common.logs import Line
@@ -57,6 +57,7 @@ from .storage import HOSTS_KEY
 from .store import Store
 from .ws_channel import MAX_ERRORS as MAX_ERRORS  # re-exported (tests read it here)
 from .ws_channel import WsChannel, close_log
+from .ws_inline import AgentSocket
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +247,7 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
     guesses = request.app[GUESSES]
     counter = request.app[METRICS].agent_messages
     join_deadline, idle_s = request.app[JOIN_DEADLINE], request.app[IDLE_TIMEOUT]
-    ws = web.WebSocketResponse(max_msg_size=MAX_BODY_BYTES, autoping=True, heartbeat=None)
+    ws = AgentSocket(max_msg_size=MAX_BODY_BYTES, autoping=True, heartbeat=None)
     await ws.prepare(request)
     chan = WsChannel(ws, request.transport, printable(request.remote, limit=64))
     bound: tuple[str, str] | None = None
@@ -255,6 +256,24 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
     # client's to set (up to days): the idle timeout is not
     silence = Silence(join_deadline)
     frames = TokenBucket(FRAME_BURST, FRAME_RATE)
+
+    def inline(frame: WSMessage) -> bool:
+        """The hot path, taken where the frame is parsed (rdzv_server.ws_inline): a joined
+        node's plain heartbeat, a ping. False: the loop below takes the frame, as any other."""
+        if bound is None or not store.serving:
+            return False
+        if frame.type is WSMsgType.TEXT:
+            if frame.data != HEARTBEAT_FRAME or not frames.take():
+                return False
+            silence.heard()
+            store.heartbeat(*bound)
+            return True
+        if frame.type is WSMsgType.PING and frames.take() and chan.pong(frame.data):
+            silence.heard()
+            return True
+        return False
+
+    ws.inline = inline
     try:
         while True:
             frame = await ws.receive()
@@ -324,6 +343,7 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
         )
         close_log("closing agent connection from %s: %s", chan.peer, chan.close_reason)
     finally:
+        ws.inline = None
         silence.stop()
         if bound is not None:
             store.disconnected(*bound, chan)

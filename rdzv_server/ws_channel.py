@@ -51,6 +51,8 @@ close_log = LogLimiter(log, logging.WARNING, burst=10, rate=1.0)
 
 _LEN1, _LEN2, _LEN3 = struct.Struct("!BB").pack, struct.Struct("!BBH").pack, struct.Struct("!BBQ").pack
 _FIN_TEXT = 0x81  # FIN, opcode 1 (text); a server's frames are never masked (RFC 6455 5.1)
+_FIN_PONG = 0x8A  # FIN, opcode 10 (pong)
+MAX_CONTROL_PAYLOAD = 125  # a control frame's payload at most (RFC 6455 5.5): aiohttp's reader refuses more
 
 
 def text_frame(text: str) -> bytes:
@@ -104,17 +106,8 @@ class WsChannel:
     def deliver(self, text: str) -> None:
         if self.killed:
             return
-        t = self.transport
-        if (
-            self.direct
-            and t is not None
-            and not self.closing
-            and self.queue.empty()  # nothing earlier waits (the writer takes an item only when it runs)
-            and t.get_write_buffer_size() < DIRECT_MAX_BUFFERED
-            and not t.is_closing()
-            and not self.ws.closed
-        ):
-            t.write(_LastFrame.of(text))
+        if self._direct_now():
+            self.transport.write(_LastFrame.of(text))  # type: ignore[union-attr]
             return
         if self.queue.qsize() >= MAX_QUEUED_MESSAGES or self.queued_bytes + len(text) > MAX_QUEUED_BYTES:
             self.kill(
@@ -124,9 +117,30 @@ class WsChannel:
         self.queued_bytes += len(text)
         self.queue.put_nowait(text)
 
+    def pong(self, payload: bytes) -> bool:
+        """Answer a ping at once, as aiohttp's autoping would (ws_inline); False
+        when it cannot go straight out now (the caller takes aiohttp's path)."""
+        if len(payload) > MAX_CONTROL_PAYLOAD or not self._direct_now():
+            return False
+        self.transport.write(_LEN1(_FIN_PONG, len(payload)) + payload)  # type: ignore[union-attr]
+        return True
+
     def tell(self, msg: BaseModel) -> None:
         """Reply on this connection only (acks and errors)."""
         self.deliver(msg.model_dump_json())
+
+    def _direct_now(self) -> bool:
+        """Whether a frame may be written straight to the transport now."""
+        t = self.transport
+        return (
+            self.direct
+            and t is not None
+            and not self.closing
+            and self.queue.empty()  # nothing earlier waits (the writer takes an item only when it runs)
+            and t.get_write_buffer_size() < DIRECT_MAX_BUFFERED
+            and not t.is_closing()
+            and not self.ws.closed
+        )
 
     def refuse(self, msg: ErrorMsg) -> bool:
         """Reply with an error; False when this connection sent too many bad

@@ -1,0 +1,175 @@
+"""rdzv_server.ws_inline.AgentSocket over a real aiohttp server and client:
+frames its ``inline`` takes never reach ``receive()``, frames it declines do,
+in order; a frame behind a queued one is not taken ahead of it; bytes sent
+before the upgrade completed leave the socket plain; a failing ``inline`` costs
+one frame, not the connection. And the agent channel's use of it: a joined
+node's heartbeat counts and a ping is answered, both without the handler's loop."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import struct
+
+from aiohttp import WSMsgType, web
+from aiohttp.test_utils import TestClient, TestServer
+
+from rdzv_common.protocol import HEARTBEAT_FRAME
+from rdzv_server.keys import STORE
+from rdzv_server.ws_inline import AgentSocket
+
+from .conftest import join_msg
+
+TIMEOUT = 5.0
+
+
+async def _serve(inline, hold: asyncio.Event | None = None):
+    """An app whose one WebSocket route is an AgentSocket with ``inline``; what its
+    ``receive()`` got, and the sockets, go to the test. ``hold``: receive only once set."""
+    got: asyncio.Queue = asyncio.Queue()
+    sockets: list[AgentSocket] = []
+
+    async def handler(request: web.Request) -> web.WebSocketResponse:
+        ws = AgentSocket()
+        await ws.prepare(request)
+        ws.inline = inline
+        sockets.append(ws)
+        if hold is not None:
+            await hold.wait()
+        async for msg in ws:
+            await got.put(msg.data)
+        return ws
+
+    app = web.Application()
+    app.router.add_get("/ws", handler)
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    return client, got, sockets
+
+
+async def _next(q: asyncio.Queue):
+    return await asyncio.wait_for(q.get(), TIMEOUT)
+
+
+async def test_taken_frames_skip_the_queue_and_declined_ones_arrive_in_order() -> None:
+    taken: list[str] = []
+
+    def inline(msg) -> bool:
+        if msg.type is WSMsgType.TEXT and msg.data.startswith("hb"):
+            taken.append(msg.data)
+            return True
+        return False
+
+    client, got, sockets = await _serve(inline)
+    try:
+        ws = await client.ws_connect("/ws")
+        for text in ["a", "hb1", "b", "hb2", "c"]:
+            await ws.send_str(text)
+            if not text.startswith("hb"):  # each read before the next is sent: the queue is empty
+                assert await _next(got) == text
+        assert taken == ["hb1", "hb2"] and sockets[0].inlined
+        assert got.empty()
+        await ws.close()
+    finally:
+        await client.close()
+
+
+async def test_a_frame_behind_a_queued_one_is_not_taken_ahead_of_it() -> None:
+    hold = asyncio.Event()
+    taken: list[str] = []
+
+    def inline(msg) -> bool:
+        if msg.type is WSMsgType.TEXT and msg.data.startswith("hb"):
+            taken.append(msg.data)
+            return True
+        return False
+
+    client, got, _ = await _serve(inline, hold)
+    try:
+        ws = await client.ws_connect("/ws")
+        await ws.send_str("report")  # declined: queued, and the handler does not read yet
+        await ws.send_str("hb1")  # would be taken, but "report" waits before it
+        await asyncio.sleep(0.2)
+        hold.set()
+        assert [await _next(got) for _ in range(2)] == ["report", "hb1"]
+        assert taken == []
+        await ws.send_str("hb2")  # the queue is empty again: taken
+        await ws.send_str("after")
+        assert await _next(got) == "after" and taken == ["hb2"]
+        await ws.close()
+    finally:
+        await client.close()
+
+
+async def test_a_failing_inline_costs_one_frame_not_the_connection() -> None:
+    def inline(msg) -> bool:
+        raise RuntimeError("a bug")
+
+    client, got, sockets = await _serve(inline)
+    try:
+        ws = await client.ws_connect("/ws")
+        await ws.send_str("lost")
+        await ws.send_str("kept")  # inline is off after the failure: the queued path
+        assert await _next(got) == "kept"
+        assert sockets[0].inline is None and not ws.closed
+        await ws.close()
+    finally:
+        await client.close()
+
+
+def _masked_text(text: str) -> bytes:
+    data, mask = text.encode(), os.urandom(4)
+    return struct.pack("!BB", 0x81, 0x80 | len(data)) + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(data))
+
+
+async def test_frames_sent_with_the_upgrade_request_leave_the_socket_plain() -> None:
+    taken: list[str] = []
+    client, got, sockets = await _serve(lambda msg: bool(taken.append(msg.data)) or True)
+    try:
+        key = base64.b64encode(os.urandom(16)).decode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+        request = (
+            f"GET /ws HTTP/1.1\r\nHost: 127.0.0.1:{client.port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        ).encode()
+        writer.write(request + _masked_text("early"))  # one write: the frame is the request's tail
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), TIMEOUT)
+        assert head.startswith(b"HTTP/1.1 101"), head
+        assert await _next(got) == "early"  # served, through aiohttp's queue
+        assert not sockets[0].inlined and taken == []
+        writer.write(_masked_text("later"))
+        await writer.drain()
+        assert await _next(got) == "later" and taken == []
+        writer.close()
+    finally:
+        await client.close()
+
+
+async def test_an_agents_heartbeats_and_pings_are_taken_inline(client, connect, monkeypatch) -> None:
+    received: list = []  # every frame the agent channel's loop got from receive()
+    plain = AgentSocket.receive
+
+    async def receive(self, timeout=None):
+        msg = await plain(self, timeout)
+        received.append((msg.type, msg.data))
+        return msg
+
+    monkeypatch.setattr(AgentSocket, "receive", receive)
+    agent = await connect(autoping=False)
+    await agent.send(join_msg("j", "n0", (1, 1)))
+    await agent.expect("joined")
+    await agent.expect("assigned")
+    arrivals = client.server.app[STORE].pacing.arrivals[("j", "n0")]
+    assert arrivals.last is None
+    await agent.ws.send_str(HEARTBEAT_FRAME)
+    await agent.ws.ping(b"are you there")
+    pong = await agent.ws.receive(TIMEOUT)
+    assert pong.type is WSMsgType.PONG and pong.data == b"are you there", pong
+    for _ in range(50):
+        if arrivals.last is not None:
+            break
+        await asyncio.sleep(0.02)
+    assert arrivals.last is not None  # the heartbeat counted
+    assert received and all(t is WSMsgType.TEXT and '"op":"join"' in d for t, d in received), received
