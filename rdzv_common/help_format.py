@@ -35,6 +35,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("hosts that fail: cool-downs", ("host_failures", "host_failure_window", "host_cooldown", "host_cooldown_max")),
     ("logging", ("log_level", "log_format")),
+    ("speed", ("event_loop",)),
 )
 
 

@@ -8,8 +8,8 @@ import logging
 import signal
 import ssl
 import sys
-from collections.abc import Callable
-from typing import TextIO, cast
+from collections.abc import Callable, Coroutine
+from typing import Any, TextIO, cast
 
 from aiohttp import web
 
@@ -26,7 +26,7 @@ from .conns import (
     raise_fd_limit,
 )
 from .database import DataDirError, free_bytes
-from .flags import UsageError, bind_host, build_parser, ha_settings, settings_from_args
+from .flags import UsageError, bind_host, build_parser, ha_settings, loop_factory, settings_from_args
 from .keys import STORE
 
 log = logging.getLogger("rdzv_server")
@@ -135,6 +135,23 @@ async def serve(
         await runner.cleanup()
 
 
+def run(main: Coroutine[Any, Any, None], factory: Callable[[], asyncio.AbstractEventLoop] | None) -> None:
+    """``asyncio.run(main)`` on a loop from ``factory`` (None: asyncio's own)."""
+    if factory is None:
+        asyncio.run(main)
+    elif sys.version_info >= (3, 11):
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(main)
+    else:  # pragma: no cover: Python 3.10 has no Runner
+        loop = factory()
+        try:
+            asyncio.set_event_loop(loop)
+            loop.run_until_complete(main)
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     stderr = sys.stderr
@@ -171,7 +188,13 @@ def main(argv: list[str] | None = None) -> None:
         + (f" (--max-connections {args.max_connections} lowered to fit)" if max_conns < args.max_connections else "")
     )
     try:
-        asyncio.run(
+        factory = loop_factory(args.event_loop)
+    except UsageError as e:
+        print(f"rdzv-server: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    fd_note += f"; event loop: {'uvloop' if factory is not None else 'asyncio'}"
+    try:
+        run(
             serve(
                 settings,
                 host,
@@ -181,7 +204,8 @@ def main(argv: list[str] | None = None) -> None:
                 max_connections=max_conns,
                 per_address=args.max_connections_per_address,
                 fd_note=fd_note,
-            )
+            ),
+            factory,
         )
     except DataDirError as e:
         print(f"rdzv-server: refusing to start: {e}", file=sys.stderr)

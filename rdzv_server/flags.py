@@ -6,9 +6,12 @@ the server with them). A command line the server refuses is a
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import ssl
+from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 from rdzv_common import __version__, help_format, logs
 from rdzv_common.durations import parse_duration
@@ -280,8 +283,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="text: for people; json: one object per line (time, level, job, round, node, event, message) "
         "for log pipelines (default: $RDZV_LOG_FORMAT or text)",
     )
+    p.add_argument(
+        "--event-loop",
+        default="auto",
+        choices=LOOPS,
+        help="the event loop the server runs on: uvloop (libuv; about a quarter less CPU per agent message "
+        "at 16,384 nodes), asyncio (the standard library's), or auto: uvloop where it is installed (it is a "
+        "dependency on Linux and macOS)",
+    )
     help_format.arrange(p, help_format.GROUPS)  # essentials first, then one group per concern
     return p
+
+
+LOOPS = ("auto", "uvloop", "asyncio")
+
+
+def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The ``--event-loop``'s factory (None: asyncio's own); uvloop asked for and
+    not installed is a UsageError."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise UsageError("--event-loop uvloop: uvloop is not installed (pip install uvloop)") from None
+        return None
+    return cast("Callable[[], asyncio.AbstractEventLoop]", uvloop.new_event_loop)
 
 
 def _etcd_url(text: str) -> str:

@@ -43,8 +43,12 @@ def test_sigkilled_node_is_replaced_by_a_smaller_round(cluster: Cluster, on_erro
     node was lost, and no restart spent. The survivors' workers either hang in
     their failed collective (so only the server can tell the agents) or exit
     at once when it fails, so that their agents' failure reports race the dead
-    node's disconnect grace (and must not be charged as a worker failure)."""
-    server = cluster.start_server()
+    node's disconnect grace (and must not be charged as a worker failure).
+    The second case's server runs on asyncio's own event loop, the first on the
+    default (uvloop, installed with rdzv): both loops serve a real job."""
+    loop = "asyncio" if on_error == "exit" else "uvloop"
+    server = cluster.start_server("--event-loop", loop)
+    server.wait_log(f"event loop: {loop}", timeout=5)
     agents = [
         cluster.start_agent(
             server,

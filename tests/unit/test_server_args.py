@@ -3,6 +3,9 @@ process-level refusals are in tests/faults/test_server_guard.py)."""
 
 from __future__ import annotations
 
+import asyncio
+import sys
+
 import pytest
 
 from rdzv_server.__main__ import auth_note
@@ -118,3 +121,28 @@ def test_etcd_password_file(tmp_path, monkeypatch):
 def test_bad_etcd_flags_are_refused_with_the_reason(argv, host, match):
     with pytest.raises(UsageError, match=match):
         _ha(*argv, host=host)
+
+
+def test_the_event_loop_is_uvloop_where_installed_unless_asyncio_is_asked_for(monkeypatch):
+    import uvloop
+
+    from rdzv_server.__main__ import run
+    from rdzv_server.flags import loop_factory
+
+    assert build_parser().parse_args([]).event_loop == "auto"
+    assert loop_factory("auto") is uvloop.new_event_loop and loop_factory("uvloop") is uvloop.new_event_loop
+    assert loop_factory("asyncio") is None
+    seen = []
+
+    async def main():
+        seen.append(type(asyncio.get_running_loop()).__module__)
+
+    run(main(), loop_factory("auto"))
+    run(main(), None)
+    assert seen[0].startswith("uvloop") and seen[1].startswith("asyncio"), seen
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # not installed
+    assert loop_factory("auto") is None
+    with pytest.raises(UsageError, match="uvloop is not installed"):
+        loop_factory("uvloop")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--event-loop", "trio"])
