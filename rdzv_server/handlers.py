@@ -257,18 +257,60 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
     silence = Silence(join_deadline)
     frames = TokenBucket(FRAME_BURST, FRAME_RATE)
 
+    close_next = False  # inline refused a message and the connection must close: the loop does it
+
+    def handle(msg: AgentMessage, held: float) -> bool:
+        """One valid message, taken by either path; False: close the connection
+        (``held``: a job secret's guess was slowed: one guess per connection)."""
+        nonlocal bound
+        counter.labels(msg.op).inc()
+        try:
+            now_bound = _dispatch(store, msg, bound, chan)
+        except RdzvError as e:
+            if isinstance(msg, JoinMsg):
+                request.app[AUDIT].event(
+                    "join",
+                    f"join refused: job {msg.job_id} node {msg.node_id} from "
+                    f"{printable(request.remote)}: {e.code.value}: {e.message}",
+                )
+                if msg.job_secret and isinstance(e, JobSecretMismatchError):
+                    guesses.wrong(msg.job_id, chan.peer)
+                    if held:  # one guess per connection while slowed
+                        chan.tell(ErrorMsg(code=e.code, message=f"{e.message} ({guesses.why})"))
+                        return False
+            return chan.refuse(ErrorMsg(code=e.code, message=e.message))
+        if bound is not None and now_bound is None:  # it left: join again in time, or go
+            silence.restart(join_deadline)
+        elif bound is None and now_bound is not None:  # joined: the idle timeout from now on
+            silence.restart(idle_s)
+        bound = now_bound
+        return True
+
     def inline(frame: WSMessage) -> bool:
         """The hot path, taken where the frame is parsed (rdzv_server.ws_inline): a joined
-        node's plain heartbeat, a ping. False: the loop below takes the frame, as any other."""
-        if bound is None or not store.serving:
+        node's frames (its heartbeats, a ping, its join again after ``restart``: at 16,384
+        nodes a round change is 16,384 joins). False: the loop below takes the frame, as any
+        other: one that does not parse (it says why), a guess to slow, any frame before the join."""
+        nonlocal close_next
+        if bound is None or not store.serving or not frames.take():
             return False
         if frame.type is WSMsgType.TEXT:
-            if frame.data != HEARTBEAT_FRAME or not frames.take():
+            if frame.data == HEARTBEAT_FRAME:
+                silence.heard()
+                store.heartbeat(*bound)
+                return True
+            try:
+                msg = AGENT_MESSAGE.validate_json(frame.data)
+            except ValidationError:
+                return False
+            if isinstance(msg, JoinMsg) and msg.job_secret and guesses.hold(msg.job_id, chan.peer):
                 return False
             silence.heard()
-            store.heartbeat(*bound)
+            if not handle(msg, 0.0):
+                close_next = True  # queued: the loop reads it next (nothing is taken behind it) and closes
+                return False
             return True
-        if frame.type is WSMsgType.PING and frames.take() and chan.pong(frame.data):
+        if frame.type is WSMsgType.PING and chan.pong(frame.data):
             silence.heard()
             return True
         return False
@@ -277,6 +319,8 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
     try:
         while True:
             frame = await ws.receive()
+            if close_next:
+                break
             if bound is not None:
                 silence.heard()
             if frame.type in _DONE_TYPES:
@@ -303,35 +347,14 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
                 if not chan.refuse(ErrorMsg(code=ErrorCode.VALIDATION_ERROR, message=_short(e))):
                     break
                 continue
-            counter.labels(msg.op).inc()
             # a job secret: guessing it is slowed (rdzv_server.guesses); the right one is never refused
             held = guesses.hold(msg.job_id, chan.peer) if isinstance(msg, JoinMsg) and msg.job_secret else 0.0
             if held:
                 await asyncio.sleep(held)
                 if not store.serving:
                     break
-            try:
-                now_bound = _dispatch(store, msg, bound, chan)
-            except RdzvError as e:
-                if isinstance(msg, JoinMsg):
-                    request.app[AUDIT].event(
-                        "join",
-                        f"join refused: job {msg.job_id} node {msg.node_id} from "
-                        f"{printable(request.remote)}: {e.code.value}: {e.message}",
-                    )
-                    if msg.job_secret and isinstance(e, JobSecretMismatchError):
-                        guesses.wrong(msg.job_id, chan.peer)
-                        if held:  # one guess per connection while slowed
-                            chan.tell(ErrorMsg(code=e.code, message=f"{e.message} ({guesses.why})"))
-                            break
-                if not chan.refuse(ErrorMsg(code=e.code, message=e.message)):
-                    break
-                continue
-            if bound is not None and now_bound is None:  # it left: join again in time, or go
-                silence.restart(join_deadline)
-            elif bound is None and now_bound is not None:  # joined: the idle timeout from now on
-                silence.restart(idle_s)
-            bound = now_bound
+            if not handle(msg, held):
+                break
     except asyncio.CancelledError:
         if not silence.caught():
             raise

@@ -3,7 +3,9 @@ frames its ``inline`` takes never reach ``receive()``, frames it declines do,
 in order; a frame behind a queued one is not taken ahead of it; bytes sent
 before the upgrade completed leave the socket plain; a failing ``inline`` costs
 one frame, not the connection. And the agent channel's use of it: a joined
-node's heartbeat counts and a ping is answered, both without the handler's loop."""
+node's heartbeat counts and a ping is answered, both without the handler's loop;
+so are its join again and a progress heartbeat, and what it sends wrong gets the
+same answers as through the loop, closing the connection after too many."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from aiohttp import WSMsgType, web
 from aiohttp.test_utils import TestClient, TestServer
 
 from rdzv_common.protocol import HEARTBEAT_FRAME
+from rdzv_server.handlers import MAX_ERRORS
 from rdzv_server.keys import STORE
 from rdzv_server.ws_inline import AgentSocket
 
@@ -147,8 +150,9 @@ async def test_frames_sent_with_the_upgrade_request_leave_the_socket_plain() -> 
         await client.close()
 
 
-async def test_an_agents_heartbeats_and_pings_are_taken_inline(client, connect, monkeypatch) -> None:
-    received: list = []  # every frame the agent channel's loop got from receive()
+def _record_receive(monkeypatch) -> list:
+    """Every frame the agent channel's loop gets from ``receive()`` (not taken inline)."""
+    received: list = []
     plain = AgentSocket.receive
 
     async def receive(self, timeout=None):
@@ -157,6 +161,11 @@ async def test_an_agents_heartbeats_and_pings_are_taken_inline(client, connect, 
         return msg
 
     monkeypatch.setattr(AgentSocket, "receive", receive)
+    return received
+
+
+async def test_an_agents_heartbeats_and_pings_are_taken_inline(client, connect, monkeypatch) -> None:
+    received = _record_receive(monkeypatch)
     agent = await connect(autoping=False)
     await agent.send(join_msg("j", "n0", (1, 1)))
     await agent.expect("joined")
@@ -173,3 +182,39 @@ async def test_an_agents_heartbeats_and_pings_are_taken_inline(client, connect, 
         await asyncio.sleep(0.02)
     assert arrivals.last is not None  # the heartbeat counted
     assert received and all(t is WSMsgType.TEXT and '"op":"join"' in d for t, d in received), received
+
+
+async def test_a_joined_nodes_join_again_and_progress_are_taken_inline(client, connect, monkeypatch) -> None:
+    received = _record_receive(monkeypatch)
+    agent = await connect()
+    await agent.send(join_msg("j", "n0", (1, 1)))
+    await agent.expect("joined")
+    first = await agent.expect("assigned")
+    await agent.send({"op": "hb", "step": 7, "rate": 2.5})  # a heartbeat with progress: parsed
+    await agent.send(join_msg("j", "n0", (1, 1)))  # its join again (as after a restart), its secret added
+    again = await agent.expect("assigned")  # a running member back: its assignment again
+    assert again.assignment.round == first.assignment.round
+    node = client.server.app[STORE].jobs["j"].nodes["n0"]
+    assert node.step == 7  # the progress counted
+    assert len(received) == 1 and '"op":"join"' in received[0][1], received  # only the first join took the loop
+
+
+async def test_a_joined_nodes_wrong_messages_are_refused_as_by_the_loop(client, connect, monkeypatch) -> None:
+    received = _record_receive(monkeypatch)
+    agent = await connect()
+    await agent.send(join_msg("j", "n0", (2, 2)))
+    await agent.expect("joined")
+    await agent.send(join_msg("j", "n1", (2, 2)))  # valid, refused by the store: answered inline
+    refused = await agent.expect("error")
+    assert refused.code == "already_joined", refused
+    await agent.send('{"op":"hb","step":"many"}')  # does not parse: the loop says why
+    invalid = await agent.expect("error")
+    assert invalid.code == "validation_error" and "step" in invalid.message, invalid
+    assert [d for _, d in received][1:] == ['{"op":"hb","step":"many"}']
+    for _ in range(MAX_ERRORS):  # too many refusals: closed, through the loop, saying why
+        await agent.send(join_msg("j", "n1", (2, 2)))
+    for _ in range(MAX_ERRORS - 2):
+        assert (await agent.expect("error")).code == "already_joined"
+    last = await agent.expect("error")
+    assert "too many invalid messages" in last.message, last
+    await agent.wait_closed()
