@@ -15,7 +15,8 @@ formation
 heartbeats
     every node heartbeating (``heartbeat_s`` from the server: it sizes it to
     the nodes it has, rdzv_server.rounds.pace; 2 s from 10,000 nodes)
-    and pinging (5 s, as the agent's link) for ``--live-s`` seconds: the server
+    and pinging (every ``rdzv_client.client.WS_PING_S``, 15 s: the agent's link pings
+    after that long without a frame from the server) for ``--live-s`` seconds: the server
     process's CPU (utime+stime, /proc) and RSS;
 node loss
     one node's connection cut (TCP abort, no close frame) -> every survivor
@@ -51,6 +52,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from rdzv_client.client import WS_PING_S
 
 from . import _common as C
 from .server_scale import Server
@@ -277,7 +280,8 @@ def table(results: list[dict]) -> str:
             [f"N={n} storage written, node-loss round change", _st(r["node_loss_storage"])],
             [f"N={n} storage written, scale-up round change", _st(r["scale_up_storage"])],
             [
-                f"N={n} all heartbeating ({'/'.join(f'{t:g}' for t in r.get('hb_s', [])) or '?'} s) and pinging (5 s)",
+                f"N={n} all heartbeating ({'/'.join(f'{t:g}' for t in r.get('hb_s', [])) or '?'} s) "
+                f"and pinging ({WS_PING_S:g} s)",
                 f"server CPU {r['hb_server_cpu'] * 100:.1f}% of a core, RSS {r['server_rss_mb']:.0f} MB "
                 f"(clients {r['hb_client_cpu'] * 100:.0f}%, load {r['hb_load']})",
             ],

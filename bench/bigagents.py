@@ -43,9 +43,10 @@ import sys
 import time
 from typing import Any
 
+from rdzv_client.client import WS_PING_S  # as the real agent's link: a ping after this long without a frame
+
 from . import _common as C
 
-WS_PING_S = 5.0  # as the real agent's link
 CONNECT_TIMEOUT_S = 60.0  # --follow: a node's first connection (the link retries until then)
 
 

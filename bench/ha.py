@@ -63,6 +63,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rdzv_client.client import WS_PING_S
+
 from . import _common as C
 from . import compare, server_scale
 from .simagents import Clients, node_specs
@@ -228,7 +230,7 @@ def failover_rdzv(
         replicas = Replicas(3, tmp, etcd.endpoints, f"/bench-ha-{os.getpid()}-{tmp.name}/")
         leader = replicas.leader(30)
         assert leader is not None
-        clients = Clients(n_clients, replicas.endpoint, 5.0, follow=True)
+        clients = Clients(n_clients, replicas.endpoint, WS_PING_S, follow=True)
         jobs, have = [], 0
         while have < nodes:
             size = min(job_nodes, nodes - have)
@@ -384,7 +386,7 @@ def formation_both(tmp: Path, etcd: Any, n: int, reps: int, n_clients: int, log=
     server = server_scale.Server(sub)
     clients = None
     try:
-        clients = Clients(n_clients, server.url + "/v1/agent", 5.0)
+        clients = Clients(n_clients, server.url + "/v1/agent", WS_PING_S)
         out["sqlite"] = server_scale.formation(server, clients, n, reps, tag + "s")
     finally:
         if clients is not None:
@@ -396,7 +398,7 @@ def formation_both(tmp: Path, etcd: Any, n: int, reps: int, n_clients: int, log=
     try:
         replicas = Replicas(3, tmp, etcd.endpoints, f"/bench-form-{os.getpid()}/")
         srv = _EtcdFormationServer(replicas, etcd)
-        clients = Clients(n_clients, srv.url + "/v1/agent", 5.0)
+        clients = Clients(n_clients, srv.url + "/v1/agent", WS_PING_S)
         out["etcd"] = server_scale.formation(srv, clients, n, reps, tag + "e")  # type: ignore[arg-type]
         out["etcd"]["writes"] = srv.writes
     finally:

@@ -7,7 +7,7 @@
 The server is ``python -m rdzv_server --host 127.0.0.1 --port P --data-dir TMP``
 (SQLite, as deployed). Nodes are bench/simagents.py: WebSocket clients on ``/v1/agent``
 speaking the agent protocol (join, heartbeats at the ``heartbeat_s`` the server
-sends, WebSocket pings every 5 s as the real agent's link does), spread over
+sends, WebSocket pings every 15 s as the real agent's link does), spread over
 ``--clients`` separate client processes so that the clients' own work is not
 one Python loop. What is measured:
 
@@ -43,6 +43,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from rdzv_client.client import WS_PING_S
 
 from . import _common as C
 from .simagents import ASSIGN_TIMEOUT_S, Clients, node_specs
@@ -225,7 +227,7 @@ def run(
     live_totals: list[int],
     live_s: float,
     n_clients: int = 2,
-    ws_ping: float | None = 5.0,
+    ws_ping: float | None = WS_PING_S,
     log=print,
 ) -> dict:
     """All the server scale measurements; each part has its own fresh server."""
@@ -330,7 +332,9 @@ def table(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.server_scale", description=__doc__.split("\n\n")[0])
-    p.add_argument("--no-ws-ping", action="store_true", help="clients send no WebSocket pings (the agent does, 5 s)")
+    p.add_argument(
+        "--no-ws-ping", action="store_true", help=f"clients send no WebSocket pings (the agent does, {WS_PING_S:g} s)"
+    )
     p.add_argument("--quick", action="store_true", help="a small subset in well under a minute")
     p.add_argument("--formation", default=None, help="comma-separated N (default 8,64,256,1024)")
     p.add_argument("--reps", type=int, default=None, help="formation repetitions (default 3)")
@@ -352,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
         live_totals=ints(a.live, [1000] if q else [1000, 5000, 10000]),
         live_s=a.live_s or (5.0 if q else 20.0),
         n_clients=a.clients,
-        ws_ping=None if a.no_ws_ping else 5.0,
+        ws_ping=None if a.no_ws_ping else WS_PING_S,
         log=lambda s: print(s, file=sys.stderr),
     )
     print(table(res))

@@ -5,7 +5,8 @@ against a real server and run no workers. One module for the benchmark
 Each simulated node connects to ``/v1/agent``, sends a ``join``
 (protocol.JoinMsg, ``--nnodes N:N``), heartbeats at the ``heartbeat_s`` the
 server's ``joined`` frame gives it (spread at random, as real agents are) and,
-optionally, sends WebSocket pings every 5 s as the real agent's link does. It
+optionally, sends WebSocket pings every ``WS_PING_S`` (15 s) as the real agent's
+link does while the server sends nothing. It
 counts what the server tells it: ``assigned`` (with the time), ``evicted``,
 ``restart``, ``done``, ``error``, and whether its connection dropped.
 
@@ -52,6 +53,8 @@ import os
 import subprocess
 import sys
 import time
+
+from rdzv_client.client import WS_PING_S
 
 from . import _common as C
 
@@ -140,7 +143,7 @@ class ClientProc:
         delay, err = 0.05, None
         for _ in range(30):
             try:
-                # Pings as the agent's link sends them (every 5 s), but without its
+                # Pings as the agent's link sends them (every WS_PING_S), but without its
                 # 2.5 s pong deadline: a slow sim client must not drop connections.
                 node.ws = await self.session.ws_connect(self.url, autoping=True)
                 return
@@ -433,10 +436,12 @@ def node_specs(job_id: str, n: int, base: int = 0) -> list[list]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.simagents", description=__doc__.split("\n\n")[0])
     p.add_argument("url", help="the server's agent URL, http://HOST:PORT/v1/agent (--follow: HOST:PORT,HOST:PORT..)")
-    p.add_argument("--no-ws-ping", action="store_true", help="send no WebSocket pings (the agent does, 5 s)")
+    p.add_argument(
+        "--no-ws-ping", action="store_true", help=f"send no WebSocket pings (the agent does, {WS_PING_S:g} s)"
+    )
     p.add_argument("--follow", action="store_true", help="follow the leader of an endpoint list; reconnect on a drop")
     a = p.parse_args(argv)
-    client_main(a.url, None if a.no_ws_ping else 5.0, a.follow)
+    client_main(a.url, None if a.no_ws_ping else WS_PING_S, a.follow)
 
 
 if __name__ == "__main__":
