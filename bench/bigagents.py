@@ -2,7 +2,11 @@
 (WebSocket clients on ``/v1/agent``, in client processes driven over pipes),
 but each node also follows its job through round changes as the agent does:
 on ``restart`` it joins again at once (its node secret, no workers to stop),
-and every ``assigned`` is recorded with its round and time.
+and every ``assigned`` is recorded with its round and time. Its connections
+are bench/rawws.py's (each message taken where it is read, no task per node)
+and its heartbeats and pings bench/beats.py's (one task per process): the
+server sees what agents send, at the rates they send it, and the clients,
+which share the server's cores here, take as little of them as they can.
 
 Commands (JSON lines on stdin, one answer line each on stdout):
 
@@ -38,32 +42,33 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
+import re
 import sys
 import time
 from typing import Any
 
-from rdzv_client.client import WS_PING_S  # as the real agent's link: a ping after this long without a frame
-
 from . import _common as C
+from .beats import Beats
+from .rawws import WsConn
+from .rawws import connect as ws_connect
 
 CONNECT_TIMEOUT_S = 60.0  # --follow: a node's first connection (the link retries until then)
+_ROUND = re.compile(r'"round":(\d+)')  # an assigned's round: the first "round" in it (the assignment's)
 
 
 class Node:
     __slots__ = (
-        *("node_id", "join", "ws", "secret", "hb_s", "hb", "reader", "round", "t_round", "dropped", "joined"),
+        *("node_id", "join", "ws", "secret", "hb_s", "beat_gen", "round", "t_round", "dropped", "joined"),
         *("running", "stopping", "refused", "link", "t_drop", "t_back"),
     )
 
     def __init__(self, node_id: str, join: dict) -> None:
         self.node_id = node_id
         self.join = join
-        self.ws = None
+        self.ws: WsConn | None = None
         self.secret: str | None = None
         self.hb_s: float | None = None
-        self.hb: asyncio.Task | None = None
-        self.reader: asyncio.Task | None = None
+        self.beat_gen = 0  # bench.beats: its heartbeats and pings on the connection in use
         self.round = -1  # the round of the last assignment it holds
         self.t_round = 0.0  # when it got that assignment
         self.dropped = False  # lost for good (cut by ``drop``; without --follow, any drop)
@@ -76,10 +81,9 @@ class Node:
         self.t_back: float | None = None  # ... and when an assignment came on a new one after that
 
 
-def _transport(node: Node) -> Any:
-    """The node's open connection's transport, or None (not connected, or closing)."""
-    conn = None if node.ws is None or node.ws.closed else node.ws._conn
-    return None if conn is None else conn.transport
+def _live(node: Node) -> bool:
+    """Whether the node's connection is open."""
+    return node.ws is not None and not node.ws.closed
 
 
 def _refused(frame: str) -> str | None:
@@ -108,87 +112,71 @@ class BigClient:
         self.url = url
         self.follow = follow
         self.nodes: dict[str, Node] = {}
-        self.session = None
+        self.beats = Beats()
 
-    async def _send_join(self, node: Node) -> None:
-        fields = dict(node.join)
+    def _send_join(self, node: Node, **extra: Any) -> bool:
+        fields = dict(node.join, **extra)
         if node.secret is not None:
             fields["node_secret"] = node.secret
-        await node.ws.send_str(json.dumps(fields))
+        return node.ws is not None and node.ws.send_text(json.dumps(fields))
 
-    async def _read(self, node: Node) -> None:
-        import aiohttp
+    def _on_text(self, conn: WsConn, data: str) -> None:
+        """A message from the server, taken where it is read (bench.rawws)."""
+        node: Node = conn.tag
+        if conn is not node.ws:
+            return  # an older connection's
+        if '"op":"assigned"' in data:
+            m = _ROUND.search(data)
+            node.round = int(m.group(1)) if m else json.loads(data)["assignment"]["round"]
+            node.t_round = time.time()
+            node.running = True
+            if node.t_drop is not None and node.t_back is None:
+                node.t_back = node.t_round
+        elif '"op":"restart"' in data:
+            node.running = False
+            self._send_join(node)  # an agent with no workers to stop joins again at once
+        elif '"op":"pace"' in data:  # the server grew: a slower interval, as the agent's link takes it
+            node.hb_s = json.loads(data)["heartbeat_s"]
+        elif self.follow and (why := _refused(data)):  # --follow: the agent joins again
+            node.running = False
+            if why == "evicted":  # as a new node (session.evicted)
+                node.secret = None
+            self._send_join(node)
+        elif '"op":"joined"' in data:
+            msg = json.loads(data)
+            node.secret = msg.get("node_secret") or node.secret
+            if node.hb_s is None:
+                node.hb_s = msg["heartbeat_s"]
+                self.beats.start(node)
 
-        try:
-            async for frame in node.ws:
-                if frame.type != aiohttp.WSMsgType.TEXT:
-                    continue
-                data = frame.data
-                if '"op":"assigned"' in data:
-                    node.round, node.t_round = json.loads(data)["assignment"]["round"], time.time()
-                    node.running = True
-                    if node.t_drop is not None and node.t_back is None:
-                        node.t_back = node.t_round
-                elif '"op":"restart"' in data:
-                    node.running = False
-                    try:
-                        await self._send_join(node)
-                    except (ConnectionError, RuntimeError, OSError):
-                        break  # an agent with no workers to stop joins again at once
-                elif '"op":"pace"' in data:  # the server grew: a slower interval, as the agent's link takes it
-                    node.hb_s = json.loads(data)["heartbeat_s"]
-                elif self.follow and (why := _refused(data)):  # --follow: the agent joins again
-                    node.running = False
-                    if why == "evicted":  # as a new node (session.evicted)
-                        node.secret = None
-                    try:
-                        await self._send_join(node)
-                    except (ConnectionError, RuntimeError, OSError):
-                        break
-                elif '"op":"joined"' in data:
-                    msg = json.loads(data)
-                    node.secret = msg.get("node_secret") or node.secret
-                    if node.hb is None:
-                        node.hb_s = msg["heartbeat_s"]
-                        node.hb = asyncio.ensure_future(self._heartbeat(node))
-        except Exception:
-            pass
+    def _on_closed(self, conn: WsConn) -> None:
+        node: Node = conn.tag
+        if conn is not node.ws:
+            return
+        self.beats.stop(node)
         if not self.follow or node.stopping:
             node.dropped = True
         else:  # the link reconnects (bench/follow.py)
             node.t_drop, node.t_back = time.time(), None
 
+    async def _connect(self, url: str, node: Node) -> WsConn:
+        return await ws_connect(url, self._on_text, self._on_closed, tag=node)
+
     async def _opened(self, node: Node) -> None:
         """--follow: a new connection. After a drop, the join again (the agent's intent)."""
         if not node.joined:
             return  # the first connection: the join goes when the driver says
-        fields = dict(node.join, node_secret=node.secret)
         if node.running:
-            fields["resume_round"] = node.round
-        try:
-            await node.ws.send_str(json.dumps(fields))
-        except (ConnectionError, RuntimeError, OSError):
-            return
-        if node.hb is not None:  # heartbeats on the new connection
-            node.hb.cancel()
-            node.hb = asyncio.ensure_future(self._heartbeat(node))
+            self._send_join(node, resume_round=node.round)
+        else:
+            self._send_join(node)
+        self.beats.start(node)  # heartbeats on the new connection
 
-    async def _heartbeat(self, node: Node) -> None:
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        next_hb, next_ping = now + random.uniform(0, node.hb_s), now + random.uniform(0, WS_PING_S)
-        try:
-            while not node.ws.closed:
-                await asyncio.sleep(max(0.0, min(next_hb, next_ping) - loop.time()))
-                now = loop.time()
-                if now >= next_hb:
-                    await node.ws.send_str('{"op":"hb"}')
-                    next_hb += node.hb_s
-                if now >= next_ping:
-                    await node.ws.ping()
-                    next_ping += WS_PING_S
-        except Exception:
-            pass
+    @staticmethod
+    async def _read(node: Node) -> None:
+        """--follow: until the connection in use is gone (its messages are taken as they come)."""
+        if node.ws is not None:
+            await node.ws.done
 
     async def connect(self, job: str, spec: dict, specs: list[list]) -> dict:
         sem = asyncio.Semaphore(256)
@@ -201,7 +189,7 @@ class BigClient:
                 connected = asyncio.Event()
                 async with sem:
                     node.link = asyncio.ensure_future(
-                        keep_linked(self.session, self.url, node, self._opened, self._read, connected)
+                        keep_linked(None, self.url, node, self._opened, self._read, connected, self._connect)
                     )
                     await asyncio.wait_for(connected.wait(), CONNECT_TIMEOUT_S)
                 self.nodes[node_id] = node
@@ -209,13 +197,12 @@ class BigClient:
             async with sem:
                 for attempt in range(30):
                     try:
-                        node.ws = await self.session.ws_connect(self.url, autoping=True)
+                        node.ws = await self._connect(self.url, node)
                         break
                     except Exception:
                         if attempt == 29:
                             raise
                         await asyncio.sleep(min(1.0, 0.05 * 2**attempt))
-            node.reader = asyncio.ensure_future(self._read(node))
             self.nodes[node_id] = node
 
         await asyncio.gather(*(one(nid, idx) for nid, idx in specs))
@@ -228,9 +215,7 @@ class BigClient:
         for node in todo:
             node.joined = True
             sent.append(time.time())
-            try:
-                await self._send_join(node)
-            except (ConnectionError, RuntimeError, OSError):
+            if not self._send_join(node):
                 failed += 1  # its connection closed: it counts as behind in wait
         return {"sent": sent, "failed": failed}
 
@@ -249,17 +234,15 @@ class BigClient:
     def drop(self, node_id: str) -> dict:
         """Cut ``node_id``'s connection, or, when that one is down already, the last live node's here
         (none connected, --follow: that node stops reconnecting: lost all the same)."""
-        live = [n for n in self.nodes.values() if not n.dropped and _transport(n) is not None]
-        node = self.nodes[node_id] if _transport(self.nodes[node_id]) is not None or not live else live[-1]
+        live = [n for n in self.nodes.values() if not n.dropped and _live(n)]
+        node = self.nodes[node_id] if _live(self.nodes[node_id]) or not live else live[-1]
         node.dropped = node.stopping = True
         t = time.time()
-        transport = _transport(node)
-        if transport is not None:
-            transport.abort()  # no close frame: the server sees the connection lost
-        if node.link is not None and transport is None:
+        self.beats.stop(node)
+        if _live(node):
+            node.ws.abort()  # type: ignore[union-attr]  # no close frame: the server sees the connection lost
+        elif node.link is not None:
             node.link.cancel()
-        if node.hb is not None:
-            node.hb.cancel()
         return {"t": t, "node": node.node_id}
 
     async def back(self, since: float, timeout: float) -> dict:
@@ -286,34 +269,29 @@ class BigClient:
             "dropped": sum(n.dropped for n in self.nodes.values()),
             "cpu_ticks": C.cpu_ticks(os.getpid()),
             "hb_s": sorted({n.hb_s for n in self.nodes.values() if n.hb_s is not None}),  # the intervals told
+            "beats_sent": self.beats.sent,  # heartbeats, pings
         }
 
     async def close(self) -> dict:
         nodes, self.nodes = list(self.nodes.values()), {}
         for n in nodes:
             n.stopping = True
+            self.beats.stop(n)
             if n.link is not None:
                 n.link.cancel()
-            if n.hb is not None:
-                n.hb.cancel()
-        await asyncio.gather(*(n.ws.close() for n in nodes if n.ws is not None), return_exceptions=True)
-        for n in nodes:
-            if n.reader is not None:
-                n.reader.cancel()
+            if n.ws is not None:
+                n.ws.close()
+        open_ = [n.ws.done for n in nodes if n.ws is not None and not n.ws.done.done()]
+        if open_:  # the server's close frames back, or the connections gone
+            await asyncio.wait(open_, timeout=5.0)
         return {"closed": len(nodes)}
 
     async def serve(self) -> None:
-        import aiohttp
-
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
-            timeout=aiohttp.ClientTimeout(total=None, connect=30),
-        )
         try:
             await C.serve_commands(self.do)
         finally:
             await self.close()
-            await self.session.close()
+            self.beats.close()
 
     async def do(self, cmd: dict) -> dict:
         """One command from the driver; its answer."""

@@ -33,9 +33,12 @@ async def keep_linked(
     opened: Callable[[Any], Awaitable[None]],
     read: Callable[[Any], Awaitable[None]],
     connected: asyncio.Event | None = None,
+    connect: Callable[[str, Any], Awaitable[Any]] | None = None,
 ) -> None:
     """Keep ``node`` connected to the leader of ``endpoint`` (``h:p,h:p``, as
-    ``rdzv-agent --endpoint`` takes it); ``connected`` is set at the first connection."""
+    ``rdzv-agent --endpoint`` takes it); ``connected`` is set at the first connection.
+    ``connect(url, node)``: how a connection is opened (bench.rawws.connect's way: it
+    raises bench.rawws.Refused); None: aiohttp's ``session.ws_connect``."""
     import aiohttp
 
     from rdzv_client.client import STABLE_S
@@ -43,16 +46,20 @@ async def keep_linked(
     from rdzv_common.errors import LEADER_HEADER
     from rdzv_common.wire import AGENT_PATH
 
+    from .rawws import Refused
+
     tries = Endpoints(endpoint).tries()
     delays = backoff_delays()
     down_since, not_leader = time.monotonic(), False
     while not node.stopping:
         leader = None
         try:
-            node.ws = await session.ws_connect(tries.url + AGENT_PATH, autoping=True)
-        except aiohttp.WSServerHandshakeError as e:
-            leader = (e.headers or {}).get(LEADER_HEADER) if e.status == 503 else None
-            not_leader = not_leader or e.status == 503  # what a replica answers while it does not lead
+            url = tries.url + AGENT_PATH
+            node.ws = await (connect(url, node) if connect is not None else session.ws_connect(url, autoping=True))
+        except (aiohttp.WSServerHandshakeError, Refused) as e:
+            status, headers = e.status, (e.headers or {})
+            leader = (headers.get(LEADER_HEADER) or headers.get(LEADER_HEADER.lower())) if status == 503 else None
+            not_leader = not_leader or status == 503  # what a replica answers while it does not lead
             node.refused += 1
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             node.refused += 1

@@ -1,0 +1,194 @@
+"""bench/rawws.py and bench/beats.py, the simulated nodes' connections and beats
+(bench/bigagents.py): a client frame is the bytes aiohttp's client writer sends
+with the same mask, at each length encoding; against a real aiohttp server a
+connection upgrades, sends and receives text (one message in several frames
+too), answers a ping, hears a close, and a refused upgrade says its status and
+headers; the beats go to a node's current connection only, and stop."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import pytest
+from aiohttp import WSMsgType, web
+from aiohttp._websocket.writer import WebSocketWriter
+from aiohttp.test_utils import TestServer
+
+from bench import beats as beats_mod
+from bench.beats import Beats
+from bench.rawws import PING, TEXT, Refused, client_frame, connect
+from rdzv_common.wire import HEARTBEAT_FRAME
+
+TIMEOUT = 5.0
+
+
+class _Recorder(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.data = bytearray()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.data += bytes(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+
+class _Protocol:
+    _paused = False
+
+
+class _FixedBits:
+    def __init__(self, bits: int) -> None:
+        self.bits = bits
+
+    def getrandbits(self, k: int) -> int:
+        return self.bits
+
+
+def _aiohttp_client_bytes(payload: bytes, opcode: int, bits: int) -> bytes:
+    async def go() -> bytes:
+        t = _Recorder()
+        writer = WebSocketWriter(_Protocol(), t, use_mask=True, random=_FixedBits(bits), compress=0)  # type: ignore[arg-type]
+        await writer.send_frame(payload, opcode)
+        return bytes(t.data)
+
+    return asyncio.run(go())
+
+
+_PAYLOADS = [b"", HEARTBEAT_FRAME.encode(), b"x" * 125, b"x" * 126, b"y" * 65535, b"z" * 65536]
+_PAYLOADS.append("caf\u00e9 \u2603".encode())
+
+
+@pytest.mark.parametrize(
+    ("opcode", "payload"),
+    [(TEXT, p) for p in _PAYLOADS] + [(PING, p) for p in _PAYLOADS if len(p) <= 125],  # a control frame: <= 125
+    ids=lambda v: f"{len(v)}bytes" if isinstance(v, bytes) else f"op{v}",
+)
+def test_a_client_frame_is_the_bytes_aiohttps_client_sends(opcode: int, payload: bytes) -> None:
+    for bits in (0, 0xDEADBEEF, 0x01020304):
+        assert client_frame(opcode, payload, struct.pack("!L", bits)) == _aiohttp_client_bytes(payload, opcode, bits)
+
+
+def test_a_client_frame_has_a_fresh_mask_each_time() -> None:
+    frames = {client_frame(TEXT, b"same") for _ in range(20)}
+    assert len(frames) > 1
+
+
+async def _server(handler) -> TestServer:
+    app = web.Application()
+    app.router.add_get("/ws", handler)
+    server = TestServer(app)
+    await server.start_server()
+    return server
+
+
+async def test_a_connection_sends_receives_answers_pings_and_hears_a_close() -> None:
+    got: list[str] = []
+    pong = asyncio.Event()
+
+    async def handler(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse(autoping=False)
+        await ws.prepare(request)
+        msg = await ws.receive()
+        got.append(msg.data)
+        await ws.send_str("back: " + msg.data)
+        # one message in three frames: the client joins them
+        ws._writer.transport.write(b"\x01\x03abc" + b"\x00\x03def" + b"\x80\x03ghi")  # type: ignore[union-attr]
+        await ws.ping(b"hi")
+        answer = await ws.receive()
+        if answer.type is WSMsgType.PONG and answer.data == b"hi":
+            pong.set()
+        await ws.close()
+        return ws
+
+    server = await _server(handler)
+    texts: list[str] = []
+    closed = asyncio.Event()
+    try:
+        conn = await connect(
+            f"http://127.0.0.1:{server.port}/ws", lambda c, t: texts.append(t), lambda c: closed.set(), tag="n0"
+        )
+        assert conn.tag == "n0" and conn.send_text('{"op":"join"}')
+        await asyncio.wait_for(closed.wait(), TIMEOUT)
+        assert got == ['{"op":"join"}'] and texts == ['back: {"op":"join"}', "abcdefghi"]
+        assert pong.is_set() and conn.closed and conn.done.done()
+        assert not conn.send_text("after")  # gone: nothing written
+    finally:
+        await server.close()
+
+
+async def test_a_refused_upgrade_says_its_status_and_headers() -> None:
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(status=503, headers={"X-Rdzv-Leader": "127.0.0.1:9"}, text="not the leader")
+
+    server = await _server(handler)
+    try:
+        with pytest.raises(Refused) as e:
+            await connect(f"http://127.0.0.1:{server.port}/ws", lambda c, t: None, lambda c: None)
+        assert e.value.status == 503 and e.value.headers["x-rdzv-leader"] == "127.0.0.1:9"
+    finally:
+        await server.close()
+
+
+class _Ws:
+    def __init__(self) -> None:
+        self.closed = False
+        self.sent: list[str] = []
+
+    def send_text(self, text: str) -> bool:
+        self.sent.append(text)
+        return True
+
+    def ping(self) -> bool:
+        self.sent.append("<ping>")
+        return True
+
+
+class _Node:
+    def __init__(self, hb_s: float) -> None:
+        self.ws: _Ws | None = _Ws()
+        self.hb_s: float | None = hb_s
+        self.beat_gen = 0
+
+
+async def _until(cond, timeout: float = TIMEOUT) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        assert loop.time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_beats_go_to_the_current_connection_and_stop(monkeypatch) -> None:
+    monkeypatch.setattr(beats_mod, "WS_PING_S", 0.05)
+    b = Beats()
+    node = _Node(hb_s=0.02)
+    first = node.ws
+    assert first is not None
+    b.start(node)
+    try:
+        await _until(lambda: first.sent.count(HEARTBEAT_FRAME) >= 5 and "<ping>" in first.sent)
+        second = node.ws = _Ws()  # a new connection: beats move to it
+        b.start(node)
+        before = len(first.sent)
+        await _until(lambda: second.sent.count(HEARTBEAT_FRAME) >= 3)
+        assert len(first.sent) == before
+        b.stop(node)
+        after = len(second.sent)
+        await asyncio.sleep(0.15)
+        assert len(second.sent) == after  # stopped
+        assert b.sent[0] >= 8 and b.sent[1] >= 1
+    finally:
+        b.close()
+
+
+async def test_a_node_told_no_interval_yet_does_not_beat() -> None:
+    b = Beats()
+    node = _Node(hb_s=0.02)
+    node.hb_s = None
+    b.start(node)
+    await asyncio.sleep(0.1)
+    assert node.ws is not None and node.ws.sent == []
+    b.close()
