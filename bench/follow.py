@@ -15,7 +15,8 @@ there), and starts over, until the node's ``stopping`` is set.
 
 The node is any object with the attributes ``ws`` (the connection in use),
 ``stopping`` (bool: do not reconnect) and ``refused`` (an int: connection
-attempts refused or failed). Stdlib and aiohttp, plus rdzv_client.endpoints.
+attempts refused or failed). Stdlib and aiohttp (or bench/rawws.py's connections,
+through ``connect``), plus rdzv_client.endpoints.
 """
 
 from __future__ import annotations
