@@ -24,7 +24,7 @@ import hashlib
 import os
 import struct
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 _GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
@@ -113,8 +113,7 @@ class WsConn(asyncio.Protocol):
     # -- asyncio's side
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # (uvloop's is not asyncio's class)
         transport.write(self._request)
 
     def data_received(self, data: bytes) -> None:
