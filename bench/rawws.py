@@ -78,6 +78,7 @@ class WsConn(asyncio.Protocol):
         self.on_text, self.on_closed, self.tag = on_text, on_closed, tag
         self.transport: asyncio.Transport | None = None
         self.opened: asyncio.Future[WsConn] = loop.create_future()
+        self.opened.add_done_callback(_retrieved)  # a failure nobody waits for any more is not "never retrieved"
         self.done: asyncio.Future[None] = loop.create_future()
         self.closed = False
         self._upgraded = False
@@ -198,6 +199,11 @@ class WsConn(asyncio.Protocol):
             self.transport.write(client_frame(PONG, payload))
         elif op == CLOSE:
             self.close()
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 async def connect(
