@@ -147,7 +147,7 @@ async def _run(n: int, reps: int, backend: str, profile: cProfile.Profile | None
         events=EventLog(clock=lambda: clock[0]),
     )
     store.open()
-    counter = metrics.agent_messages
+    counted = metrics.agent_message
     spec = JobSpec(min_nodes=max(1, n - reps - 1), max_nodes=n, heartbeat_timeout_s=3600, join_timeout_s=3600)
     transports = [Transport(ip_of(i)) for i in range(n)]
     chans = [WsChannel(Ws(), t, t.peer[0]) for t in transports]  # type: ignore[arg-type]
@@ -158,7 +158,7 @@ async def _run(n: int, reps: int, backend: str, profile: cProfile.Profile | None
         t = time.process_time()
         for i, text in enumerate(frames):
             msg = AGENT_MESSAGE.validate_json(text)
-            counter.labels(msg.op).inc()
+            counted(msg.op)
             _dispatch(store, msg, None, chans[i])  # type: ignore[arg-type]
         out["formation_us"] = (time.process_time() - t) / n * 1e6
         job = store.jobs[JOB]
@@ -184,7 +184,7 @@ async def _run(n: int, reps: int, backend: str, profile: cProfile.Profile | None
             msgs = []
             for text in frames:
                 msg = AGENT_MESSAGE.validate_json(text)
-                counter.labels(msg.op).inc()
+                counted(msg.op)
                 msgs.append(msg)
             t2 = time.process_time()
             for k in range(len(live) - 1):

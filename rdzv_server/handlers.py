@@ -245,7 +245,7 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
     deadline is closed."""
     store = request.app[STORE]
     guesses = request.app[GUESSES]
-    counter = request.app[METRICS].agent_messages
+    counted = request.app[METRICS].agent_message
     join_deadline, idle_s = request.app[JOIN_DEADLINE], request.app[IDLE_TIMEOUT]
     ws = AgentSocket(max_msg_size=MAX_BODY_BYTES, autoping=True, heartbeat=None)
     await ws.prepare(request)
@@ -303,7 +303,7 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
                 if not chan.refuse(ErrorMsg(code=ErrorCode.VALIDATION_ERROR, message=_short(e))):
                     break
                 continue
-            counter.labels(msg.op).inc()
+            counted(msg.op)
             # a job secret: guessing it is slowed (rdzv_server.guesses); the right one is never refused
             held = guesses.hold(msg.job_id, chan.peer) if isinstance(msg, JoinMsg) and msg.job_secret else 0.0
             if held:
