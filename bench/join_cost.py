@@ -51,11 +51,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rdzv_common.protocol import AGENT_MESSAGE, AssignedMsg, JobSpec, JoinMsg
+from rdzv_common.protocol import AGENT_MESSAGE, JobSpec, JoinMsg
 from rdzv_server.events import EventLog
 from rdzv_server.handlers import _dispatch
 from rdzv_server.metrics import Metrics
-from rdzv_server.rounds.forming import _assignment
+from rdzv_server.rounds.forming import assigned
 from rdzv_server.store import Store, StoreSettings
 from rdzv_server.ws_channel import WsChannel, text_frame
 
@@ -214,12 +214,13 @@ async def _run(n: int, reps: int, backend: str, profile: cProfile.Profile | None
 
 
 def _assigned_parts(store: Store, job: Any) -> dict[str, float]:
-    """One ``assigned`` per member of the running round, taken apart: build, serialize, frame (µs each)."""
+    """One ``assigned`` per member of the running round, as its completion builds them
+    (rounds.forming.assigned), taken apart: build, serialize, frame (µs each)."""
     members = [job.nodes[nid] for nid in job.order]
     best = {"build": float("inf"), "serialize": float("inf"), "frame": float("inf")}
     for _ in range(3):
         t0 = time.process_time()
-        msgs = [AssignedMsg(assignment=_assignment(job, node)) for node in members]
+        msgs = assigned(job, members)
         t1 = time.process_time()
         out = [m.model_dump_json() for m in msgs]
         t2 = time.process_time()

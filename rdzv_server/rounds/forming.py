@@ -4,12 +4,12 @@ and what each member is told. Pure, no I/O, no clock (see :mod:`.machine`).
 
 from __future__ import annotations
 
-from rdzv_common.protocol import AssignedMsg, Assignment, JobState, SpareMsg
+from rdzv_common.protocol import AssignedMsg, Assignment, JobState, SpareMsg, WatchPeer
 
 from . import events
 from .model import REJOINING, RUNNING, SPARE, WAITING, Effects, Job, Node, blocked, count, move, natural_key
 from .probe_addr import round_key
-from .suspicion import watch_list
+from .suspicion import watch_list, watch_peers
 
 
 def _check_complete(job: Job, now: float) -> Effects:
@@ -96,8 +96,8 @@ def _complete(job: Job, now: float) -> Effects:
         offset += node.local_world_size
     for node in spares:
         move(job, node, SPARE)
-    for node in members:
-        fx.send(node.node_id, AssignedMsg(assignment=_assignment(job, node)))
+    for node, msg in zip(members, assigned(job, members), strict=True):
+        fx.send(node.node_id, msg)
     spare = SpareMsg(round=job.round)  # one message for all spares
     for node in spares:
         fx.send(node.node_id, spare)
@@ -106,7 +106,13 @@ def _complete(job: Job, now: float) -> Effects:
     return fx
 
 
-def _assignment(job: Job, node: Node) -> Assignment:
+def assigned(job: Job, members: list[Node]) -> list[AssignedMsg]:
+    """Each member's ``assigned``, in the order of ``members`` (the running round's)."""
+    peers = watch_peers(job)  # each member's WatchPeer, made once for its MAX_WATCH watchers
+    return [AssignedMsg(assignment=_assignment(job, node, peers)) for node in members]
+
+
+def _assignment(job: Job, node: Node, peers: list[WatchPeer | None] | None = None) -> Assignment:
     # set when the round's membership froze, which is when assignments are made
     assert node.group_rank is not None and job.master_addr is not None and job.master_port is not None
     return Assignment(
@@ -121,6 +127,6 @@ def _assignment(job: Job, node: Node) -> Assignment:
         master_port=job.master_port,
         max_restarts=job.spec.max_restarts,
         restarts=job.restarts,
-        watch=watch_list(job, node),
+        watch=watch_list(job, node, peers),
         probe_key=round_key(job.probe_seed, job.run, job.round) if node.probe_port is not None else None,
     )
