@@ -11,21 +11,21 @@ work. Then ``--reps`` node-loss re-formations, each one measured in phases:
 
 restart
     one member leaves: the round opens, ``restart`` goes to every survivor
-    (serialized and framed once);
-parse
-    each survivor's join frame (the JSON the agent sends after ``restart``:
-    its node secret, run and probe port) to a JoinMsg as the agent channel
-    does it (``AGENT_MESSAGE.validate_json``, the per-op message counter);
-join
-    each survivor's join but the last through the store (the handler's
-    ``_dispatch``): the round machine, the ``joined`` reply built,
-    serialized and framed;
+    (serialized and framed once), the round written to storage;
+rejoin
+    each survivor's join frame but the last (the JSON the agent sends after
+    ``restart``: its node secret, run and probe port) as the agent channel
+    takes it: parsed to a JoinMsg (``AGENT_MESSAGE.validate_json``), counted,
+    joined through the store (the handler's ``_dispatch``): the round
+    machine, the ``joined`` reply built, serialized and framed. The parse
+    alone is also measured apart (each message dropped at once);
 complete
     the last join: the round completes, each member's ``assigned`` is built,
     serialized and framed, the round written to storage.
 
 Each phase in CPU microseconds (``time.process_time``) per survivor, the best
-of ``--reps``; "total" is the best re-formation as a whole. Below, one
+of ``--reps``; "total" is the best re-formation as a whole, and the part of
+it spent in garbage collections (``gc.callbacks``). Below, one
 ``assigned`` taken apart, per message over the job's members: building
 (``AssignedMsg``: the assignment and its watch list, validated), serializing
 (``model_dump_json``) and framing (``text_frame``). The first formation (N
@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import gc
 import io
 import json
 import logging
@@ -62,7 +63,7 @@ from rdzv_server.ws_channel import WsChannel, text_frame
 from . import _common as C
 
 JOB = "big"
-PHASES = ("restart", "parse", "join", "complete")
+PHASES = ("restart", "rejoin", "complete")
 
 
 class Transport:
@@ -170,34 +171,38 @@ async def _run(n: int, reps: int, backend: str, profile: cProfile.Profile | None
                     secrets[i] = json.loads(text)["node_secret"]
             tr.frames.clear()
         live = list(range(n))
-        best = dict.fromkeys((*PHASES, "total"), float("inf"))
+        best = dict.fromkeys((*PHASES, "parse", "gc", "total"), float("inf"))
         for rep in range(reps):
             clock[0] += 1.0
             lost = live.pop(len(live) // 2)  # (rank 0 stays: the master address does not move)
             run = job.run
             frames = [frame_of(i, spec, secrets[i], run) for i in live]
-            if profile is not None:
-                profile.enable()
-            t0 = time.process_time()
-            store.leave(JOB, f"node{lost:06d}", "bench", chans[lost])
-            t1 = time.process_time()
-            msgs = []
-            for text in frames:
-                msg = AGENT_MESSAGE.validate_json(text)
+            t = time.process_time()
+            for text in frames:  # the parse alone, apart (each message dropped at once, as the server's)
+                AGENT_MESSAGE.validate_json(text)
+            parse = time.process_time() - t
+            last = len(live) - 1
+            with _GcTime() as gc_time:
+                if profile is not None:
+                    profile.enable()
+                t0 = time.process_time()
+                store.leave(JOB, f"node{lost:06d}", "bench", chans[lost])
+                t1 = time.process_time()
+                for k in range(last):  # each frame as the agent channel takes it: parsed, counted, joined
+                    msg = AGENT_MESSAGE.validate_json(frames[k])
+                    counted(msg.op)
+                    _dispatch(store, msg, None, chans[live[k]])  # type: ignore[arg-type]
+                t2 = time.process_time()
+                msg = AGENT_MESSAGE.validate_json(frames[last])
                 counted(msg.op)
-                msgs.append(msg)
-            t2 = time.process_time()
-            for k in range(len(live) - 1):
-                _dispatch(store, msgs[k], None, chans[live[k]])  # type: ignore[arg-type]
-            t3 = time.process_time()
-            _dispatch(store, msgs[-1], None, chans[live[-1]])  # type: ignore[arg-type]
-            t4 = time.process_time()
-            if profile is not None:
-                profile.disable()
-            spent = {"restart": t1 - t0, "parse": t2 - t1, "join": t3 - t2, "complete": t4 - t3}
-            for phase, s in spent.items():
-                best[phase] = min(best[phase], s / len(live) * 1e6)
-            best["total"] = min(best["total"], (t4 - t0) / len(live) * 1e6)
+                _dispatch(store, msg, None, chans[live[last]])  # type: ignore[arg-type]
+                t3 = time.process_time()
+                if profile is not None:
+                    profile.disable()
+            spent = {"restart": t1 - t0, "rejoin": t2 - t1, "complete": t3 - t2, "parse": parse}
+            spent |= {"gc": gc_time.spent, "total": t3 - t0}
+            for phase, sec in spent.items():
+                best[phase] = min(best[phase], sec / len(live) * 1e6)
             job = store.jobs[JOB]
             assert job.state.value == "running" and job.round == rep + 1 and len(job.order) == len(live)
             told = sum(len(transports[i].frames) for i in live)
@@ -211,6 +216,27 @@ async def _run(n: int, reps: int, backend: str, profile: cProfile.Profile | None
     finally:
         await store.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+class _GcTime:
+    """CPU seconds the garbage collector spent in collections while the block ran."""
+
+    def __init__(self) -> None:
+        self.spent = 0.0
+        self._at = 0.0
+
+    def __enter__(self) -> _GcTime:
+        gc.callbacks.append(self._note)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._note)
+
+    def _note(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._at = time.process_time()
+        else:
+            self.spent += time.process_time() - self._at
 
 
 def _assigned_parts(store: Store, job: Any) -> dict[str, float]:
@@ -237,9 +263,16 @@ def run(n: int, reps: int = 5, backend: str = "sqlite", profile: cProfile.Profil
 
 
 def table(r: dict[str, Any]) -> str:
-    rows = [[phase, f"{r[f'{phase}_us']:.1f}"] for phase in (*PHASES, "total")]
-    rows += [[f"assigned: {k}", f"{r[f'assigned_{k}_us']:.1f}"] for k in ("build", "serialize", "frame")]
-    rows.append(["formation (first joins, once)", f"{r['formation_us']:.1f}"])
+    rows = [
+        ["restart (a member leaves: the round opens, restart to every survivor)", f"{r['restart_us']:.1f}"],
+        ["rejoin (each survivor's join frame parsed, counted and joined; its joined reply)", f"{r['rejoin_us']:.1f}"],
+        ["- of which the parse, JSON -> JoinMsg (measured apart)", f"{r['parse_us']:.1f}"],
+        ["complete (the last join: each assigned built, serialized, framed; round written)", f"{r['complete_us']:.1f}"],
+        ["total", f"{r['total_us']:.1f}"],
+        ["- of which in garbage collections", f"{r['gc_us']:.1f}"],
+    ]
+    rows += [[f"one assigned: {k}", f"{r[f'assigned_{k}_us']:.1f}"] for k in ("build", "serialize", "frame")]
+    rows.append(["formation (the first joins, once)", f"{r['formation_us']:.1f}"])
     head = f"{r['nodes']:,} nodes, {r['backend']}, best of {r['reps']}: CPU µs per survivor"
     return (
         C.md_table([head, "µs"], rows)
