@@ -245,7 +245,7 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
     deadline is closed."""
     store = request.app[STORE]
     guesses = request.app[GUESSES]
-    counter = request.app[METRICS].agent_messages
+    counted = request.app[METRICS].agent_message
     join_deadline, idle_s = request.app[JOIN_DEADLINE], request.app[IDLE_TIMEOUT]
     ws = AgentSocket(max_msg_size=MAX_BODY_BYTES, autoping=True, heartbeat=None)
     await ws.prepare(request)
@@ -263,7 +263,7 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
         """One valid message, taken by either path; False: close the connection
         (``held``: a job secret's guess was slowed: one guess per connection)."""
         nonlocal bound
-        counter.labels(msg.op).inc()
+        counted(msg.op)
         try:
             now_bound = _dispatch(store, msg, bound, chan)
         except RdzvError as e:

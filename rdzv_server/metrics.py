@@ -125,10 +125,29 @@ class Metrics:
             self.since_progress,
             self.waiting,
         )
+        # the labelled children counted per message (a .labels() call costs a lock and a
+        # tuple per use: twice per join at 16,384 joins a round): per job (dropped with its
+        # series, :meth:`_remove`), and per op (a handful)
+        self._joins: dict[str, Counter] = {}
+        self._by_op: dict[str, Counter] = {}
         # per job: what its gauges show now ((state, nodes per node state, nodes, round))
         self._shown: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         self._dirty: set[str] = set()  # jobs whose gauges changed since the last scrape
         self._rendering: asyncio.Future[bytes] | None = None
+
+    def joined(self, job_id: str) -> None:
+        """A join accepted (rdzv_joins_total)."""
+        child = self._joins.get(job_id)
+        if child is None:
+            child = self._joins[job_id] = self.joins.labels(job_id)
+        child.inc()
+
+    def agent_message(self, op: str) -> None:
+        """A message of an agent, by its op (rdzv_agent_messages_total): the protocol's few ops."""
+        child = self._by_op.get(op)
+        if child is None:
+            child = self._by_op[op] = self.agent_messages.labels(op)
+        child.inc()
 
     def observe(self, job: Job, fx: Effects) -> None:
         """A step's effects: its events (rounds, restarts, formation times), nodes
@@ -222,6 +241,7 @@ class Metrics:
 
     def _remove(self, job_id: str) -> None:
         self._shown.pop(job_id, None)
+        self._joins.pop(job_id, None)  # a child of a removed series counts for nobody
         self._dirty.discard(job_id)
         for metric in self.per_job:
             self._remove_series(metric, job_id)

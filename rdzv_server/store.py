@@ -381,7 +381,7 @@ class Store:
         if old is not None and old is not chan:
             old.drop()
         if self.metrics:
-            self.metrics.joins.labels(job.job_id).inc()
+            self.metrics.joined(job.job_id)
         self._apply(job, fx, now, requester=chan)
         if job.job_id in self.due:
             # its deadline is now + timeout: sooner than a failover's longer grace already queued

@@ -4,12 +4,14 @@ and what each member is told. Pure, no I/O, no clock (see :mod:`.machine`).
 
 from __future__ import annotations
 
-from rdzv_common.protocol import AssignedMsg, Assignment, JobState, SpareMsg
+from typing import Any
+
+from rdzv_common.protocol import AssignedMsg, Assignment, JobState, SpareMsg, WatchPeer
 
 from . import events
 from .model import REJOINING, RUNNING, SPARE, WAITING, Effects, Job, Node, blocked, count, move, natural_key
 from .probe_addr import round_key
-from .suspicion import watch_list
+from .suspicion import watch_list, watch_peers
 
 
 def _check_complete(job: Job, now: float) -> Effects:
@@ -96,8 +98,8 @@ def _complete(job: Job, now: float) -> Effects:
         offset += node.local_world_size
     for node in spares:
         move(job, node, SPARE)
-    for node in members:
-        fx.send(node.node_id, AssignedMsg(assignment=_assignment(job, node)))
+    for node, msg in zip(members, assigned(job, members), strict=True):
+        fx.send(node.node_id, msg)
     spare = SpareMsg(round=job.round)  # one message for all spares
     for node in spares:
         fx.send(node.node_id, spare)
@@ -106,21 +108,48 @@ def _complete(job: Job, now: float) -> Effects:
     return fx
 
 
-def _assignment(job: Job, node: Node) -> Assignment:
+def assigned(job: Job, members: list[Node]) -> list[AssignedMsg]:
+    """Each member's ``assigned``, in the order of ``members`` (the running round's).
+
+    What every member is told alike (the job, round, world, master, restart
+    budget) is validated once, in the first member's assignment; each other one
+    is a copy of it with the member's own fields (:func:`_own`), which this
+    completion set within their bounds (its rank and offset among the members,
+    its validated size, watch peers and the round's key). At 16,384 members a
+    copy costs ~1 µs less than a validation, each."""
+    if not members:
+        return []
+    peers = watch_peers(job)  # each member's WatchPeer, made once for its MAX_WATCH watchers
+    first = _assignment(job, members[0], peers)
+    out = [AssignedMsg(assignment=first)]
+    for node in members[1:]:
+        out.append(AssignedMsg(assignment=first.model_copy(update=_own(job, node, peers))))
+    return out
+
+
+def _assignment(job: Job, node: Node, peers: list[WatchPeer | None] | None = None) -> Assignment:
     # set when the round's membership froze, which is when assignments are made
-    assert node.group_rank is not None and job.master_addr is not None and job.master_port is not None
+    assert job.master_addr is not None and job.master_port is not None
     return Assignment(
         job_id=job.job_id,
         round=job.round,
-        group_rank=node.group_rank,
         group_world_size=len(job.order),
-        local_world_size=node.local_world_size,
-        rank_offset=node.rank_offset,
         world_size=job.world_size,
         master_addr=job.master_addr,
         master_port=job.master_port,
         max_restarts=job.spec.max_restarts,
         restarts=job.restarts,
-        watch=watch_list(job, node),
-        probe_key=round_key(job.probe_seed, job.run, job.round) if node.probe_port is not None else None,
+        **_own(job, node, peers),
     )
+
+
+def _own(job: Job, node: Node, peers: list[WatchPeer | None] | None) -> dict[str, Any]:
+    """The fields of ``node``'s assignment that are its own, not the round's."""
+    assert node.group_rank is not None
+    return {
+        "group_rank": node.group_rank,
+        "local_world_size": node.local_world_size,
+        "rank_offset": node.rank_offset,
+        "watch": watch_list(job, node, peers),
+        "probe_key": round_key(job.probe_seed, job.run, job.round) if node.probe_port is not None else None,
+    }

@@ -207,3 +207,19 @@ def test_a_live_jobs_gauges_are_set_at_the_scrape_not_per_effect() -> None:
     assert series(m.render().decode()).get("rdzv_live_nodes", []) == []  # set at every effect before
     m.refresh([job], Hosts(), 1.0)
     assert value(m.render().decode(), "rdzv_live_nodes", job_id="big") == 0
+
+
+def test_a_removed_jobs_join_count_comes_back_with_its_next_join() -> None:
+    """Joins are counted on a child kept per job (not .labels() per join); a removed
+    job's child goes with its series, so a later job of that id is counted where a scrape sees it."""
+    m = Metrics()
+    m.joined("j")
+    m.joined("j")
+    m.agent_message("join")
+    assert value(m.render().decode(), "rdzv_joins_total", job_id="j") == 2
+    m.forget("j")
+    assert all(lab.get("job_id") != "j" for lab, _ in series(m.render().decode()).get("rdzv_joins_total", []))
+    m.joined("j")
+    text = m.render().decode()
+    assert value(text, "rdzv_joins_total", job_id="j") == 1
+    assert value(text, "rdzv_agent_messages_total", op="join") == 1

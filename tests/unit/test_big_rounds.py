@@ -63,3 +63,30 @@ def test_a_big_forming_round_pushes_its_status_less_often():
         fx = rounds.tick(job, 0.5)
         assert sum(isinstance(m, StatusMsg) for _, m in fx.sends) == n
         assert job.next_status_at - 0.5 == max(STATUS_PUSH_INTERVAL_S, n / MAX_STATUS_RATE)
+
+
+def test_each_members_assignment_is_what_validating_it_whole_makes():
+    """A completion validates what all members share once and copies it per member with
+    its own fields (rounds.forming.assigned): every copy must equal the member's assignment
+    built and validated whole, field for field and byte for byte, whatever differs between
+    members (rank, size, offset, watch peers, whether it gets the probe key)."""
+    from rdzv_common.protocol import AssignedMsg
+    from rdzv_server.rounds.forming import _assignment
+
+    n = 7
+    sp = spec(min_nodes=n, max_nodes=n)
+    job = rounds.new_job("j", sp, 0.0)
+    job.probe_seed = bytes(range(16))
+    sends = []
+    for i in range(n):
+        msg = join_msg(f"n{i}", f"h{i}", sp=sp, lws=(1, 2, 4, 8)[i % 4], rank=(n - 1 if i == 2 else None))
+        msg = msg.model_copy(update={"probe_port": 40000 + i if i % 3 else None})
+        sends += rounds.join(job, msg, 1.0, seen_addr=f"10.0.0.{i + 1}").sends
+    got = {node: m.assignment for node, m in sends if isinstance(m, AssignedMsg)}
+    members = [job.nodes[node_id] for node_id in job.order]
+    whole = {node.node_id: _assignment(job, node) for node in members}
+    assert got == whole
+    assert [got[k].model_dump_json() for k in job.order] == [whole[k].model_dump_json() for k in job.order]
+    assert len({a.rank_offset for a in got.values()}) == n
+    assert {a.local_world_size for a in got.values()} == {1, 2, 4, 8}
+    assert sum(a.probe_key is None for a in got.values()) == 3 and got["n2"].group_rank == n - 1

@@ -123,3 +123,31 @@ def test_the_tables_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not t.allow("j", "c", 0.0)  # full of budgets in use
     assert t.allow("j", "c", 100.0)  # the idle (full) buckets are forgotten
     assert len(t.budgets) <= 2
+
+
+def test_a_completing_round_makes_each_members_watch_peer_once() -> None:
+    """Issue 24's 16,384-node re-formation: every member is in MAX_WATCH watch lists; its
+    WatchPeer is one validated model for all of them, made when the round completes."""
+    job = rounds.new_job("j", JobSpec(min_nodes=4, max_nodes=4), 0.0)
+    sends = []
+    for i in range(4):
+        msg = JoinMsg(
+            job_id="j",
+            node_id=f"n{i}",
+            host=f"h{i}",
+            addr=f"10.0.0.{i + 1}",
+            local_world_size=1,
+            master_port=29500,
+            spec=job.spec,
+            probe_port=41000 + i,
+        )
+        sends += rounds.join(job, msg, 0.0).sends
+    watch = [m.assignment.watch for _, m in sends if m.op == "assigned"]
+    assert len(watch) == 4 and all(len(w) == 2 for w in watch)
+    by_peer: dict[str, list[int]] = {}
+    for w in watch:
+        for peer in w:
+            by_peer.setdefault(peer.node_id, []).append(id(peer))
+    assert sorted(by_peer) == ["n0", "n1", "n2", "n3"]
+    assert all(len(ids) == 2 and len(set(ids)) == 1 for ids in by_peer.values()), by_peer
+    assert watch == [sus.watch_list(job, job.nodes[n]) for n in job.order]  # what each one's own list says

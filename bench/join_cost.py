@@ -1,0 +1,309 @@
+"""What the server's CPU pays per node for a re-formation of one big job, in process.
+
+    python -m bench.join_cost [--nodes 16384] [--reps 5] [--backend sqlite|memory] [--profile FILE]
+
+One job of N nodes is formed through the real Store (its Metrics and EventLog
+as the app makes them, SQLite in a temporary data dir by default, as
+deployed), each node with the server's own channel
+(rdzv_server.ws_channel.WsChannel) over a stand-in transport that keeps the
+frames written to it: no sockets, so what is measured is the server's own
+work. Then ``--reps`` node-loss re-formations, each one measured in phases:
+
+restart
+    one member leaves: the round opens, ``restart`` goes to every survivor
+    (serialized and framed once), the round written to storage;
+rejoin
+    each survivor's join frame but the last (the JSON the agent sends after
+    ``restart``: its node secret, run and probe port) as the agent channel
+    takes it: parsed to a JoinMsg (``AGENT_MESSAGE.validate_json``), counted,
+    joined through the store (the handler's ``_dispatch``): the round
+    machine, the ``joined`` reply built, serialized and framed. The parse
+    alone is also measured apart (each message dropped at once);
+complete
+    the last join: the round completes, each member's ``assigned`` is built,
+    serialized and framed, the round written to storage.
+
+Each phase in CPU microseconds (``time.process_time``) per survivor, the best
+of ``--reps``; "total" is the best re-formation as a whole, and the part of
+it spent in garbage collections (``gc.callbacks``). Below, one
+``assigned`` taken apart, per message over the job's members: building
+(``AssignedMsg``: the assignment and its watch list, validated), serializing
+(``model_dump_json``) and framing (``text_frame``). The first formation (N
+new nodes) is shown for comparison, measured once. The server's garbage
+collector settings apply (``rdzv_server.__main__.tune_gc``), and logging at
+INFO to nowhere, as a server's log at its default level costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import gc
+import io
+import json
+import logging
+import os
+import pstats
+import shutil
+import struct
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rdzv_common.protocol import AGENT_MESSAGE, JobSpec, JoinMsg
+from rdzv_server.events import EventLog
+from rdzv_server.handlers import _dispatch
+from rdzv_server.metrics import Metrics
+from rdzv_server.rounds.forming import assigned
+from rdzv_server.store import Store, StoreSettings
+from rdzv_server.ws_channel import WsChannel, text_frame
+
+from . import _common as C
+
+JOB = "big"
+PHASES = ("restart", "rejoin", "complete")
+
+
+class Transport:
+    """A connection's transport, as much of it as the channel and the store use:
+    the peer it came from, and every frame written (nothing is sent)."""
+
+    def __init__(self, ip: str) -> None:
+        self.peer = (ip, 40000)
+        self.frames: list[bytes] = []
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self.peer if name == "peername" else default
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def is_closing(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> None:
+        self.frames.append(data)
+
+    def abort(self) -> None:
+        pass
+
+
+class Ws:
+    """What the channel reads of its aiohttp WebSocket: no compression, open."""
+
+    compress = 0
+    closed = False
+
+    async def send_str(self, text: str) -> None:
+        pass
+
+    async def close(self, code: int = 1000, message: bytes = b"") -> bool:
+        return True
+
+
+def texts(frames: list[bytes]) -> list[str]:
+    """The text of each server frame (unmasked, as ws_channel.text_frame builds them)."""
+    out = []
+    for f in frames:
+        n, head = f[1], 2
+        if n == 126:
+            n, head = struct.unpack("!H", f[2:4])[0], 4
+        elif n == 127:
+            n, head = struct.unpack("!Q", f[2:10])[0], 10
+        out.append(f[head : head + n].decode())
+    return out
+
+
+def ip_of(i: int) -> str:
+    return f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}"
+
+
+def frame_of(i: int, spec: JobSpec, secret: str | None = None, run: int | None = None) -> str:
+    """Node ``i``'s join as its agent sends it (after ``restart``: its secret and run)."""
+    msg = JoinMsg(
+        job_id=JOB,
+        node_id=f"node{i:06d}",
+        host=f"host{i}",
+        addr=ip_of(i),
+        local_world_size=8,
+        master_port=29500,
+        spec=spec,
+        node_secret=secret,
+        run=run,
+        probe_port=29400,
+    )
+    return msg.model_dump_json(exclude_none=True)
+
+
+async def _run(n: int, reps: int, backend: str, profile: cProfile.Profile | None) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="rdzv-bench-join-"))
+    clock = [1000.0]
+    metrics = Metrics()
+    store = Store(
+        StoreSettings(data_dir=tmp if backend == "sqlite" else None),
+        clock=lambda: clock[0],
+        metrics=metrics,
+        events=EventLog(clock=lambda: clock[0]),
+    )
+    store.open()
+    counted = metrics.agent_message
+    spec = JobSpec(min_nodes=max(1, n - reps - 1), max_nodes=n, heartbeat_timeout_s=3600, join_timeout_s=3600)
+    transports = [Transport(ip_of(i)) for i in range(n)]
+    chans = [WsChannel(Ws(), t, t.peer[0]) for t in transports]  # type: ignore[arg-type]
+    out: dict[str, Any] = {"nodes": n, "reps": reps, "backend": backend, "load_before": C.loadavg()}
+    try:
+        # formation: N new nodes (measured once)
+        frames = [frame_of(i, spec) for i in range(n)]
+        t = time.process_time()
+        for i, text in enumerate(frames):
+            msg = AGENT_MESSAGE.validate_json(text)
+            counted(msg.op)
+            _dispatch(store, msg, None, chans[i])  # type: ignore[arg-type]
+        out["formation_us"] = (time.process_time() - t) / n * 1e6
+        job = store.jobs[JOB]
+        assert job.state.value == "running" and len(job.order) == n, job.state
+        secrets: dict[int, str] = {}
+        for i, tr in enumerate(transports):
+            for text in texts(tr.frames):
+                if '"op":"joined"' in text:
+                    secrets[i] = json.loads(text)["node_secret"]
+            tr.frames.clear()
+        live = list(range(n))
+        best = dict.fromkeys((*PHASES, "parse", "gc", "total"), float("inf"))
+        for rep in range(reps):
+            clock[0] += 1.0
+            lost = live.pop(len(live) // 2)  # (rank 0 stays: the master address does not move)
+            run = job.run
+            frames = [frame_of(i, spec, secrets[i], run) for i in live]
+            t = time.process_time()
+            for text in frames:  # the parse alone, apart (each message dropped at once, as the server's)
+                AGENT_MESSAGE.validate_json(text)
+            parse = time.process_time() - t
+            last = len(live) - 1
+            with _GcTime() as gc_time:
+                if profile is not None:
+                    profile.enable()
+                t0 = time.process_time()
+                store.leave(JOB, f"node{lost:06d}", "bench", chans[lost])
+                t1 = time.process_time()
+                for k in range(last):  # each frame as the agent channel takes it: parsed, counted, joined
+                    msg = AGENT_MESSAGE.validate_json(frames[k])
+                    counted(msg.op)
+                    _dispatch(store, msg, None, chans[live[k]])  # type: ignore[arg-type]
+                t2 = time.process_time()
+                msg = AGENT_MESSAGE.validate_json(frames[last])
+                counted(msg.op)
+                _dispatch(store, msg, None, chans[live[last]])  # type: ignore[arg-type]
+                t3 = time.process_time()
+                if profile is not None:
+                    profile.disable()
+            spent = {"restart": t1 - t0, "rejoin": t2 - t1, "complete": t3 - t2, "parse": parse}
+            spent |= {"gc": gc_time.spent, "total": t3 - t0}
+            for phase, sec in spent.items():
+                best[phase] = min(best[phase], sec / len(live) * 1e6)
+            job = store.jobs[JOB]
+            assert job.state.value == "running" and job.round == rep + 1 and len(job.order) == len(live)
+            told = sum(len(transports[i].frames) for i in live)
+            assert told == 3 * len(live), f"{told} frames for {len(live)} survivors: restart, joined, assigned each"
+            for i in live:
+                transports[i].frames.clear()
+        out.update({f"{k}_us": v for k, v in best.items()})
+        out.update(_assigned_parts(store, job))
+        out["load_after"] = C.loadavg()
+        return out
+    finally:
+        await store.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class _GcTime:
+    """CPU seconds the garbage collector spent in collections while the block ran."""
+
+    def __init__(self) -> None:
+        self.spent = 0.0
+        self._at = 0.0
+
+    def __enter__(self) -> _GcTime:
+        gc.callbacks.append(self._note)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._note)
+
+    def _note(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._at = time.process_time()
+        else:
+            self.spent += time.process_time() - self._at
+
+
+def _assigned_parts(store: Store, job: Any) -> dict[str, float]:
+    """One ``assigned`` per member of the running round, as its completion builds them
+    (rounds.forming.assigned), taken apart: build, serialize, frame (µs each)."""
+    members = [job.nodes[nid] for nid in job.order]
+    best = {"build": float("inf"), "serialize": float("inf"), "frame": float("inf")}
+    for _ in range(3):
+        t0 = time.process_time()
+        msgs = assigned(job, members)
+        t1 = time.process_time()
+        out = [m.model_dump_json() for m in msgs]
+        t2 = time.process_time()
+        for text in out:
+            text_frame(text)
+        t3 = time.process_time()
+        for k, s in (("build", t1 - t0), ("serialize", t2 - t1), ("frame", t3 - t2)):
+            best[k] = min(best[k], s / len(members) * 1e6)
+    return {f"assigned_{k}_us": v for k, v in best.items()} | {"assigned_bytes": len(out[len(out) // 2])}
+
+
+def run(n: int, reps: int = 5, backend: str = "sqlite", profile: cProfile.Profile | None = None) -> dict[str, Any]:
+    return asyncio.run(_run(n, reps, backend, profile))
+
+
+def table(r: dict[str, Any]) -> str:
+    rows = [
+        ["restart (a member leaves: the round opens, restart to every survivor)", f"{r['restart_us']:.1f}"],
+        ["rejoin (each survivor's join frame parsed, counted and joined; its joined reply)", f"{r['rejoin_us']:.1f}"],
+        ["- of which the parse, JSON -> JoinMsg (measured apart)", f"{r['parse_us']:.1f}"],
+        ["complete (the last join: each assigned built, serialized, framed; round written)", f"{r['complete_us']:.1f}"],
+        ["total", f"{r['total_us']:.1f}"],
+        ["- of which in garbage collections", f"{r['gc_us']:.1f}"],
+    ]
+    rows += [[f"one assigned: {k}", f"{r[f'assigned_{k}_us']:.1f}"] for k in ("build", "serialize", "frame")]
+    rows.append(["formation (the first joins, once)", f"{r['formation_us']:.1f}"])
+    head = f"{r['nodes']:,} nodes, {r['backend']}, best of {r['reps']}: CPU µs per survivor"
+    return (
+        C.md_table([head, "µs"], rows)
+        + f"\n\nassigned: {r['assigned_bytes']} bytes; load average {r['load_before']} -> {r['load_after']}"
+    )
+
+
+def main() -> None:
+    from rdzv_server.__main__ import tune_gc
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", type=int, default=16384)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--backend", choices=("sqlite", "memory"), default="sqlite")
+    p.add_argument("--profile", metavar="FILE", help="cProfile the re-formations; stats to FILE, top 40 printed")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    with open(os.devnull, "w") as null:
+        logging.basicConfig(level=logging.INFO, stream=null)  # the server's default level, written nowhere
+        tune_gc()
+        prof = cProfile.Profile() if a.profile else None
+        r = run(a.nodes, a.reps, a.backend, prof)
+        print(table(r))
+        if prof is not None:
+            prof.dump_stats(a.profile)
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(40)
+            print(s.getvalue())
+        if a.out:
+            Path(a.out).write_text(json.dumps(r, indent=1))
+
+
+if __name__ == "__main__":
+    main()

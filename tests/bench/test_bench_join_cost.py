@@ -1,0 +1,38 @@
+"""bench/join_cost.py must not rot: 32 nodes, two re-formations, the table and the JSON.
+No timing assertions: only that it ran every phase (it checks each re-formation
+completed and told every survivor restart, joined and assigned) and measured them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
+
+
+def test_join_cost_bench_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "join_cost.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.join_cost", "--nodes", "32", "--reps", "2", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=50,
+        start_new_session=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| 32 nodes, sqlite, best of 2: CPU µs per survivor | µs |" in proc.stdout, proc.stdout
+    rows = ("| restart (", "| rejoin (", "| - of which the parse", "| complete (", "| total |", "| one assigned: build")
+    for row in rows:
+        assert row in proc.stdout, proc.stdout
+    r = json.loads(out.read_text())
+    assert r["nodes"] == 32 and r["reps"] == 2
+    for key in ("restart_us", "rejoin_us", "parse_us", "complete_us", "total_us", "formation_us", "assigned_build_us"):
+        assert r[key] > 0, r
+    assert r["gc_us"] >= 0 and r["total_us"] >= r["rejoin_us"] and r["assigned_bytes"] > 100
