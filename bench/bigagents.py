@@ -59,7 +59,7 @@ _ROUND = re.compile(r'"round":(\d+)')  # an assigned's round: the first "round" 
 class Node:
     __slots__ = (
         *("node_id", "join", "ws", "secret", "hb_s", "beat_gen", "round", "t_round", "dropped", "joined"),
-        *("running", "stopping", "refused", "link", "t_drop", "t_back"),
+        *("running", "stopping", "refused", "link", "t_drop", "t_back", "run"),
     )
 
     def __init__(self, node_id: str, join: dict) -> None:
@@ -79,6 +79,7 @@ class Node:
         self.link: asyncio.Task | None = None  # --follow: the task that keeps it connected
         self.t_drop: float | None = None  # --follow: when its connection last dropped
         self.t_back: float | None = None  # ... and when an assignment came on a new one after that
+        self.run: int | None = None  # the job's run, from its first joined
 
 
 def _live(node: Node) -> bool:
@@ -103,6 +104,7 @@ def join_fields(job: str, node_id: str, index: int, spec: dict) -> dict:
         "addr": "127.0.0.1",
         "local_world_size": 1,
         "master_port": 20000 + index % 40000,
+        "probe_port": 20000 + index % 40000,  # as the agent's peer probes announce it (nobody probes here)
         "spec": spec,
     }
 
@@ -118,6 +120,8 @@ class BigClient:
         fields = dict(node.join, **extra)
         if node.secret is not None:
             fields["node_secret"] = node.secret
+        if node.run is not None:
+            fields["run"] = node.run
         return node.ws is not None and node.ws.send_text(json.dumps(fields))
 
     def _on_text(self, conn: WsConn, data: str) -> None:
@@ -145,6 +149,8 @@ class BigClient:
         elif '"op":"joined"' in data:
             msg = json.loads(data)
             node.secret = msg.get("node_secret") or node.secret
+            if node.run is None:  # the job's run: named in every later join, as the agent does
+                node.run = msg.get("run")
             if node.hb_s is None:
                 node.hb_s = msg["heartbeat_s"]
                 self.beats.start(node)
