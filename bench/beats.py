@@ -70,7 +70,7 @@ class Beats:
                 await asyncio.sleep(min(wait, MAX_NAP_S))
                 continue
             now = loop.time()
-            while heap and heap[0][0] <= now:
+            while heap and heap[0][0] <= now + MIN_NAP_S:  # (<= now alone: a spin, never yielding, till it is)
                 due, _, node, gen, kind = heapq.heappop(heap)
                 ws = node.ws
                 if gen != node.beat_gen or ws is None or ws.closed:
