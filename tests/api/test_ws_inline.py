@@ -51,12 +51,8 @@ async def _serve(inline, hold: asyncio.Event | None = None):
     return client, got, sockets
 
 
-async def _next(q: asyncio.Queue):
-    return await asyncio.wait_for(q.get(), TIMEOUT)
-
-
-async def test_taken_frames_skip_the_queue_and_declined_ones_arrive_in_order() -> None:
-    taken: list[str] = []
+def _taking_hb(taken: list[str]):
+    """An inline that takes the text frames starting "hb" (into ``taken``), declines the rest."""
 
     def inline(msg) -> bool:
         if msg.type is WSMsgType.TEXT and msg.data.startswith("hb"):
@@ -64,7 +60,17 @@ async def test_taken_frames_skip_the_queue_and_declined_ones_arrive_in_order() -
             return True
         return False
 
-    client, got, sockets = await _serve(inline)
+    return inline
+
+
+async def _next(q: asyncio.Queue):
+    return await asyncio.wait_for(q.get(), TIMEOUT)
+
+
+async def test_taken_frames_skip_the_queue_and_declined_ones_arrive_in_order() -> None:
+    taken: list[str] = []
+
+    client, got, sockets = await _serve(_taking_hb(taken))
     try:
         ws = await client.ws_connect("/ws")
         for text in ["a", "hb1", "b", "hb2", "c"]:
@@ -82,13 +88,7 @@ async def test_a_frame_behind_a_queued_one_is_not_taken_ahead_of_it() -> None:
     hold = asyncio.Event()
     taken: list[str] = []
 
-    def inline(msg) -> bool:
-        if msg.type is WSMsgType.TEXT and msg.data.startswith("hb"):
-            taken.append(msg.data)
-            return True
-        return False
-
-    client, got, _ = await _serve(inline, hold)
+    client, got, _ = await _serve(_taking_hb(taken), hold)
     try:
         ws = await client.ws_connect("/ws")
         await ws.send_str("report")  # declined: queued, and the handler does not read yet

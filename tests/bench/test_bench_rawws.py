@@ -12,49 +12,15 @@ import struct
 
 import pytest
 from aiohttp import WSMsgType, web
-from aiohttp._websocket.writer import WebSocketWriter
 from aiohttp.test_utils import TestServer
 
 from bench import beats as beats_mod
 from bench.beats import Beats
 from bench.rawws import PING, TEXT, Refused, client_frame, connect
 from rdzv_common.wire import HEARTBEAT_FRAME
+from tests.helpers.ws_bytes import aiohttp_frame
 
 TIMEOUT = 5.0
-
-
-class _Recorder(asyncio.Transport):
-    def __init__(self) -> None:
-        super().__init__()
-        self.data = bytearray()
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        self.data += bytes(data)
-
-    def is_closing(self) -> bool:
-        return False
-
-
-class _Protocol:
-    _paused = False
-
-
-class _FixedBits:
-    def __init__(self, bits: int) -> None:
-        self.bits = bits
-
-    def getrandbits(self, k: int) -> int:
-        return self.bits
-
-
-def _aiohttp_client_bytes(payload: bytes, opcode: int, bits: int) -> bytes:
-    async def go() -> bytes:
-        t = _Recorder()
-        writer = WebSocketWriter(_Protocol(), t, use_mask=True, random=_FixedBits(bits), compress=0)  # type: ignore[arg-type]
-        await writer.send_frame(payload, opcode)
-        return bytes(t.data)
-
-    return asyncio.run(go())
 
 
 _PAYLOADS = [b"", HEARTBEAT_FRAME.encode(), b"x" * 125, b"x" * 126, b"y" * 65535, b"z" * 65536]
@@ -68,7 +34,7 @@ _PAYLOADS.append("caf\u00e9 \u2603".encode())
 )
 def test_a_client_frame_is_the_bytes_aiohttps_client_sends(opcode: int, payload: bytes) -> None:
     for bits in (0, 0xDEADBEEF, 0x01020304):
-        assert client_frame(opcode, payload, struct.pack("!L", bits)) == _aiohttp_client_bytes(payload, opcode, bits)
+        assert client_frame(opcode, payload, struct.pack("!L", bits)) == aiohttp_frame(payload, opcode, bits)
 
 
 def test_a_client_frame_has_a_fresh_mask_each_time() -> None:

@@ -128,21 +128,8 @@ def test_the_tables_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_completing_round_makes_each_members_watch_peer_once() -> None:
     """Issue 24's 16,384-node re-formation: every member is in MAX_WATCH watch lists; its
     WatchPeer is one validated model for all of them, made when the round completes."""
-    job = rounds.new_job("j", JobSpec(min_nodes=4, max_nodes=4), 0.0)
-    sends = []
-    for i in range(4):
-        msg = JoinMsg(
-            job_id="j",
-            node_id=f"n{i}",
-            host=f"h{i}",
-            addr=f"10.0.0.{i + 1}",
-            local_world_size=1,
-            master_port=29500,
-            spec=job.spec,
-            probe_port=41000 + i,
-        )
-        sends += rounds.join(job, msg, 0.0).sends
-    watch = [m.assignment.watch for _, m in sends if m.op == "assigned"]
+    job, effects = running_job(4, probe=True)
+    watch = [m.assignment.watch for fx in effects for _, m in fx.sends if m.op == "assigned"]
     assert len(watch) == 4 and all(len(w) == 2 for w in watch)
     by_peer: dict[str, list[int]] = {}
     for w in watch:

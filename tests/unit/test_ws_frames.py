@@ -7,38 +7,14 @@ and for text that is not ASCII."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
-from aiohttp._websocket.writer import WebSocketWriter
 
 from rdzv_server.ws_channel import text_frame
-
-
-class _Recorder(asyncio.Transport):
-    def __init__(self) -> None:
-        super().__init__()
-        self.data = bytearray()
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        self.data += bytes(data)
-
-    def is_closing(self) -> bool:
-        return False
-
-
-class _Protocol:
-    _paused = False
+from tests.helpers.ws_bytes import aiohttp_frame
 
 
 def _aiohttp_bytes(text: str) -> bytes:
-    async def go() -> bytes:
-        t = _Recorder()
-        writer = WebSocketWriter(_Protocol(), t, use_mask=False, compress=0)  # type: ignore[arg-type]
-        await writer.send_frame(text.encode("utf-8"), 0x1)
-        return bytes(t.data)
-
-    return asyncio.run(go())
+    return aiohttp_frame(text.encode("utf-8"), 0x1)
 
 
 @pytest.mark.parametrize(
