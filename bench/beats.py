@@ -9,7 +9,8 @@ its interval so that the nodes spread. A node's beats stop when its connection
 does, and :meth:`Beats.start` starts them on a new one (an older connection's
 entries are skipped when they come due). The task sleeps until the next due
 time (at most :data:`MAX_NAP_S`, so that a node started meanwhile is not late;
-what is due within :data:`MIN_NAP_S` goes now).
+what is due within :data:`MIN_NAP_S` goes in the same pass), and yields after
+every pass.
 """
 
 from __future__ import annotations
@@ -65,12 +66,8 @@ class Beats:
         loop = asyncio.get_running_loop()
         heap = self._heap
         while heap:
-            wait = heap[0][0] - loop.time()
-            if wait > MIN_NAP_S:
-                await asyncio.sleep(min(wait, MAX_NAP_S))
-                continue
             now = loop.time()
-            while heap and heap[0][0] <= now + MIN_NAP_S:  # (<= now alone: a spin, never yielding, till it is)
+            while heap and heap[0][0] <= now + MIN_NAP_S:
                 due, _, node, gen, kind = heapq.heappop(heap)
                 ws = node.ws
                 if gen != node.beat_gen or ws is None or ws.closed:
@@ -84,3 +81,5 @@ class Beats:
                 self.sent[kind] += 1
                 nxt = due + every
                 self._push(nxt if nxt > now else now + every, node, kind)  # late: no burst to catch up
+            if heap:  # every pass yields, however soon the next is due: the loop's other work runs
+                await asyncio.sleep(min(max(0.0, heap[0][0] - MIN_NAP_S - loop.time()), MAX_NAP_S))

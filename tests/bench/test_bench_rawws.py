@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import threading
 
 import pytest
 from aiohttp import WSMsgType, web
@@ -148,6 +149,27 @@ async def test_beats_go_to_the_current_connection_and_stop(monkeypatch) -> None:
         assert b.sent[0] >= 8 and b.sent[1] >= 1
     finally:
         b.close()
+
+
+def test_beats_never_keep_the_loop_from_other_work(monkeypatch) -> None:
+    """Beats due closer together than a pass takes (1 ms here): each pass still yields, so the
+    loop's other callbacks run (a pass that did not yield spun until the thread was stopped)."""
+    monkeypatch.setattr(beats_mod, "WS_PING_S", 0.001)
+    other_ran: list[int] = []
+
+    async def go() -> None:
+        b = Beats()
+        node = _Node(hb_s=0.001)
+        b.start(node)
+        for _ in range(50):
+            await asyncio.sleep(0)
+            other_ran.append(1)
+        b.close()
+
+    t = threading.Thread(target=asyncio.run, args=(go(),), daemon=True)
+    t.start()
+    t.join(TIMEOUT)
+    assert not t.is_alive() and len(other_ran) == 50
 
 
 async def test_a_node_told_no_interval_yet_does_not_beat() -> None:
