@@ -320,7 +320,14 @@ class BigClient:
 
 
 def main() -> None:
+    from rdzv_server.gc_policy import tune_gc
+
     C.raise_nofile()
+    # a client process holds thousands of nodes' connections, where each agent holds one: a
+    # collection here would pause thousands of simulated agents at once (at CPython's
+    # default thresholds, 0.1-0.2 s of each round change at 16,384 nodes), so these collect
+    # as the server does
+    tune_gc()
     asyncio.run(BigClient(sys.argv[1], follow="--follow" in sys.argv[2:]).serve())
 
 

@@ -30,7 +30,7 @@ it spent in garbage collections (``gc.callbacks``). Below, one
 (``AssignedMsg``: the assignment and its watch list, validated), serializing
 (``model_dump_json``) and framing (``text_frame``). The first formation (N
 new nodes) is shown for comparison, measured once. The server's garbage
-collector settings apply (``rdzv_server.__main__.tune_gc``), and logging at
+collector settings apply (``rdzv_server.gc_policy.tune_gc``), and logging at
 INFO to nowhere, as a server's log at its default level costs.
 """
 
@@ -281,7 +281,7 @@ def table(r: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    from rdzv_server.__main__ import tune_gc
+    from rdzv_server.gc_policy import tune_gc
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=16384)

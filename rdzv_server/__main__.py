@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import signal
 import ssl
@@ -27,6 +26,7 @@ from .conns import (
 )
 from .database import DataDirError, free_bytes
 from .flags import UsageError, bind_host, build_parser, ha_settings, loop_factory, settings_from_args
+from .gc_policy import tune_gc
 from .keys import STORE
 
 log = logging.getLogger("rdzv_server")
@@ -53,25 +53,6 @@ def ssl_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
     return ctx
 
 
-# A young collection once 200,000 more tracked objects live than at the last one: a steady
-# server (heartbeats, round changes) then runs none at all, as what it allocates dies by
-# reference counting first; at 50,000 it ran one every ~0.3 s at 16,384 nodes, each scanning
-# whatever was in flight (15-20% of the server's CPU in a round change). Garbage cycles wait
-# for up to that many objects (~30 MB); the middle generation is scanned every 5 young
-# collections, so it holds no more than at (50,000, 20): 1,000,000 objects.
-GC_THRESHOLD = (200_000, 5, 100)
-
-
-def tune_gc() -> None:
-    """The garbage collector as the server runs it, once startup is done (bench/join_cost.py
-    measures under it too). Thousands of held connections are ~100 tracked objects each;
-    CPython's full collections then stop the loop for a second or more and free nothing
-    (measured at 10,000 nodes). Freeze what startup made and collect the old generations
-    far less often; reference counting frees almost everything."""
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLD)
-
-
 async def serve(
     settings: Settings,
     host: str,
@@ -92,6 +73,7 @@ async def serve(
     if fd_note:
         log.info("%s", fd_note)
     tune_gc()
+    app[STORE].gc_hold.on = True  # this process is the server's: hold young collections in round changes
     site = Listener(
         runner,
         host,

@@ -55,6 +55,7 @@ from . import rounds
 from .database import Database, DataDirError  # noqa: F401  (DataDirError: re-exported)
 from .due import Due
 from .events import EventLog
+from .gc_policy import GcHold
 from .hosts import HostRecord, Hosts
 from .pacing import Pacing
 from .quotas import Room
@@ -130,6 +131,7 @@ class Store:
         self.reads = StoreReads(self)  # what REST and /metrics read
         self.suspicion = Suspicion(self)  # peers' suspicions and the probes they cause (issue 23)
         self.pacing = Pacing(self, TICK_S)  # heartbeat intervals told, silences judged (rdzv_server.pacing)
+        self.gc_hold = GcHold()  # young collections held in round changes (rdzv-server turns it on)
 
     @property
     def durable(self) -> bool:
@@ -323,6 +325,7 @@ class Store:
             )
         self.host_side.tick(now)  # a cool-down or a cordon's ttl ended: its spares may be admitted
         self.pacing.tick()  # silent running members: probed (rdzv_server.pacing)
+        self.gc_hold.tick()
         for job_id in self.due.pop(now):
             job = self.jobs.get(job_id)
             if job is None or job_id not in self.active:
@@ -339,6 +342,7 @@ class Store:
     # ------------------------------------------------------------ agent side
 
     def join(self, msg: JoinMsg, chan: Channel) -> None:
+        self.gc_hold.busy()  # a join storm, a round change's rejoins, a failover's resumes
         now = self.clock()
         job = self.jobs.get(msg.job_id)
         created = job is None
@@ -482,6 +486,8 @@ class Store:
         for line in fx.logs:
             log.info("%s", printable(line), extra=logs.extra(line))  # one event, one line, whatever a client sent
         texts: dict[int, str] = {}  # a broadcast (restart, done, status) is serialized once
+        if len(fx.sends) > 1:
+            self.gc_hold.busy()  # a round's fan-out
         for node_id, msg in fx.sends:
             chan = self.channels.get((job.job_id, node_id))
             if chan is not None:

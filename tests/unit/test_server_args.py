@@ -146,18 +146,3 @@ def test_the_event_loop_is_uvloop_where_installed_unless_asyncio_is_asked_for(mo
         loop_factory("uvloop")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--event-loop", "trio"])
-
-
-def test_tune_gc_freezes_startup_and_collects_old_generations_rarely() -> None:
-    import gc
-
-    from rdzv_server.__main__ import GC_THRESHOLD, tune_gc
-
-    was = gc.get_threshold()
-    try:
-        tune_gc()
-        assert gc.get_threshold() == GC_THRESHOLD == (200_000, 5, 100)
-        assert gc.get_freeze_count() > 0  # what startup made is out of every collection
-    finally:
-        gc.unfreeze()
-        gc.set_threshold(*was)

@@ -1,0 +1,116 @@
+"""The server's garbage collector (rdzv_server.gc_policy): its thresholds, and
+young collections held off while a round change runs. Every test puts the
+process's collector back as it found it."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+
+import pytest
+
+from rdzv_common.protocol import JobSpec, StatusMsg, WaitingInfo
+from rdzv_server.gc_policy import GC_THRESHOLD, HOLD_THRESHOLD0, MAX_HOLD_S, QUIET_S, GcHold, tune_gc
+from rdzv_server.rounds import Effects
+from tests.unit.test_store_ticks import Recorder, join, make_store, plain_tick
+
+
+@pytest.fixture(autouse=True)
+def collector_restored() -> Iterator[None]:
+    was = gc.get_threshold()
+    try:
+        yield
+    finally:
+        gc.set_threshold(*was)
+
+
+def test_tune_gc_freezes_startup_and_collects_old_generations_rarely() -> None:
+    try:
+        tune_gc()
+        assert gc.get_threshold() == GC_THRESHOLD == (200_000, 5, 100)
+        assert gc.get_freeze_count() > 0  # what startup made is out of every collection
+    finally:
+        gc.unfreeze()
+
+
+def test_a_hold_is_off_until_turned_on() -> None:
+    gc.set_threshold(*GC_THRESHOLD)
+    hold = GcHold(clock=lambda: 5.0)
+    hold.busy()
+    assert not hold.held and hold.holds == 0
+    assert gc.get_threshold() == GC_THRESHOLD
+
+
+def test_a_hold_ends_once_quiet() -> None:
+    gc.set_threshold(*GC_THRESHOLD)
+    now = [100.0]
+    hold = GcHold(on=True, clock=lambda: now[0])
+    hold.busy()
+    assert hold.held and gc.get_threshold() == (HOLD_THRESHOLD0, *GC_THRESHOLD[1:])
+    now[0] += QUIET_S / 2
+    hold.busy()  # still busy: the quiet counts from the last one
+    now[0] += QUIET_S * 0.9
+    hold.tick()
+    assert hold.held and gc.get_threshold()[0] == HOLD_THRESHOLD0
+    now[0] += QUIET_S * 0.2
+    hold.tick()
+    assert not hold.held and gc.get_threshold() == GC_THRESHOLD
+    hold.busy()  # the next round change holds again
+    assert hold.held and hold.holds == 2
+
+
+def test_a_hold_ends_after_max_hold_however_busy() -> None:
+    """A client that keeps joining cannot keep the collector off: the hold ends
+    MAX_HOLD_S after it began, and the next one begins only at the next busy()."""
+    gc.set_threshold(*GC_THRESHOLD)
+    now = [0.0]
+    hold = GcHold(on=True, clock=lambda: now[0])
+    released_at = None
+    while now[0] < 2 * MAX_HOLD_S and released_at is None:
+        hold.busy()
+        now[0] += QUIET_S / 4
+        hold.tick()
+        if not hold.held:
+            released_at = now[0]
+    assert released_at is not None and MAX_HOLD_S <= released_at < MAX_HOLD_S + QUIET_S
+    assert gc.get_threshold() == GC_THRESHOLD
+    hold.busy()
+    assert hold.held and hold.since == now[0]
+
+
+def test_release_when_turned_off() -> None:
+    gc.set_threshold(*GC_THRESHOLD)
+    hold = GcHold(on=True, clock=lambda: 1.0)
+    hold.busy()
+    hold.on = False
+    hold.release()
+    assert not hold.held and gc.get_threshold() == GC_THRESHOLD
+    hold.busy()
+    assert not hold.held
+
+
+def test_the_store_holds_while_joins_arrive_and_its_tick_releases() -> None:
+    """The store's side: a join holds (it is what a join storm, a round change's
+    rejoins and a failover's resumes are made of), so does a fan-out (a message
+    to more than one node), and the tick releases once quiet. Off (a store
+    embedded in another program): nothing is touched."""
+    gc.set_threshold(*GC_THRESHOLD)
+    store = make_store([1000.0])
+    spec = JobSpec(min_nodes=3, max_nodes=3)
+    store.join(join("j", "a", spec), Recorder())
+    assert not store.gc_hold.held and gc.get_threshold() == GC_THRESHOLD
+    mono = [50.0]
+    store.gc_hold = GcHold(on=True, clock=lambda: mono[0])
+    store.join(join("j", "b", spec), Recorder())  # told `joined`, nobody else anything
+    assert store.gc_hold.held and gc.get_threshold()[0] == HOLD_THRESHOLD0
+    mono[0] += QUIET_S / 2
+    plain_tick(store)
+    assert store.gc_hold.held
+    mono[0] += QUIET_S
+    plain_tick(store)
+    assert not store.gc_hold.held and gc.get_threshold() == GC_THRESHOLD
+    fx = Effects()
+    for node_id in ("a", "b"):
+        fx.send(node_id, StatusMsg(round=0, waiting_for=WaitingInfo(text="2 of 3", joined=2, min_nodes=3, max_nodes=3)))
+    store._apply(store.jobs["j"], fx, 1000.0)
+    assert store.gc_hold.held and store.gc_hold.holds == 2
