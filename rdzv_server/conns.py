@@ -61,6 +61,11 @@ DEFAULT_MAX_CONNECTIONS = 32768
 # Open connections one client address may hold (--max-connections-per-address; 0: no limit of
 # its own). Never more than half of --max-connections: the rest stays for other clients.
 DEFAULT_MAX_CONNECTIONS_PER_ADDRESS = 1024
+# Connections the kernel may hold accepted before the server takes them: what the listening
+# socket asks for; the kernel caps it at net.core.somaxconn (4096 on most Linux). A reconnect
+# storm (a restart, a failover) of more nodes than that overflows the queue, and each connection
+# turned away waits for its SYN's retry (1 s, then 3 s): raising somaxconn lets this count.
+LISTEN_BACKLOG = 65535
 FD_RESERVE = 64  # descriptors kept for the database, logs and the listening socket
 _ACCEPT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
@@ -244,7 +249,7 @@ class Listener(web.BaseSite):
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
         per_address: int | None = None,
-        backlog: int = 4096,
+        backlog: int = LISTEN_BACKLOG,
     ) -> None:
         super().__init__(runner, ssl_context=ssl_context, backlog=backlog)
         self._host, self._port = host, port
