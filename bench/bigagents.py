@@ -59,7 +59,7 @@ _ROUND = re.compile(r'"round":(\d+)')  # an assigned's round: the first "round" 
 class Node:
     __slots__ = (
         *("node_id", "join", "ws", "secret", "hb_s", "beat_gen", "round", "t_round", "dropped", "joined"),
-        *("running", "stopping", "refused", "link", "t_drop", "t_back", "run"),
+        *("running", "stopping", "refused", "link", "t_drop", "t_back", "run", "join_text"),
     )
 
     def __init__(self, node_id: str, join: dict) -> None:
@@ -80,6 +80,7 @@ class Node:
         self.t_drop: float | None = None  # --follow: when its connection last dropped
         self.t_back: float | None = None  # ... and when an assignment came on a new one after that
         self.run: int | None = None  # the job's run, from its first joined
+        self.join_text: tuple[str | None, int | None, str] | None = None  # (secret, run, its join's JSON)
 
 
 def _live(node: Node) -> bool:
@@ -117,12 +118,23 @@ class BigClient:
         self.beats = Beats()
 
     def _send_join(self, node: Node, **extra: Any) -> bool:
-        fields = dict(node.join, **extra)
-        if node.secret is not None:
-            fields["node_secret"] = node.secret
-        if node.run is not None:
-            fields["run"] = node.run
-        return node.ws is not None and node.ws.send_text(json.dumps(fields))
+        """Its join (with ``extra`` fields); the same join again is serialized once (a round
+        change rejoins every node)."""
+        if node.ws is None:
+            return False
+        made = node.join_text
+        if extra or made is None or made[:2] != (node.secret, node.run):
+            fields = dict(node.join, **extra)
+            if node.secret is not None:
+                fields["node_secret"] = node.secret
+            if node.run is not None:
+                fields["run"] = node.run
+            text = json.dumps(fields)
+            if not extra:
+                node.join_text = (node.secret, node.run, text)
+        else:
+            text = made[2]
+        return node.ws.send_text(text)
 
     def _on_text(self, conn: WsConn, data: str) -> None:
         """A message from the server, taken where it is read (bench.rawws)."""
@@ -146,8 +158,8 @@ class BigClient:
             if why == "evicted":  # as a new node (session.evicted)
                 node.secret = None
             self._send_join(node)
-        elif '"op":"joined"' in data:
-            msg = json.loads(data)
+        elif '"op":"joined"' in data and (node.hb_s is None or node.run is None or '"node_secret":"' in data):
+            msg = json.loads(data)  # (a joined again tells nothing new here: not parsed)
             node.secret = msg.get("node_secret") or node.secret
             if node.run is None:  # the job's run: named in every later join, as the agent does
                 node.run = msg.get("run")
