@@ -358,7 +358,8 @@ class JoinedMsg(Strict):
     """The server took the join; ``round`` forms. Heartbeat every ``heartbeat_s``.
 
     ``node_secret`` is set only when this join created the node: keep it, and
-    send it on every later join or resume of ``node_id``."""
+    send it on every later join or resume of ``node_id``. Not sent again for a
+    join after ``restart`` that names ``run``: the round's ``assigned`` answers it."""
 
     op: Literal["joined"] = "joined"
     round: RoundNo
@@ -370,7 +371,7 @@ class JoinedMsg(Strict):
 
 
 class PaceMsg(Strict):
-    """Heartbeat every ``heartbeat_s`` from now: the server grew since ``joined`` said."""
+    """Heartbeat every ``heartbeat_s`` from now: the server grew (or shrank) since ``joined`` said."""
 
     op: Literal["pace"] = "pace"
     heartbeat_s: Seconds

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from rdzv_common.protocol import JoinedMsg, PaceMsg
 
 from .rounds.model import RUNNING, Effects, Job
-from .rounds.pace import SILENCE_MIN_S, Arrivals, heartbeat_s, unanswered
+from .rounds.pace import SILENCE_MIN_S, Arrivals, heartbeat_s, told_interval, unanswered
 
 if TYPE_CHECKING:
     from .store import Store
@@ -65,20 +65,27 @@ class Pacing:
         have = max(self.nodes, len(self.store.channels))
         return heartbeat_s(job.spec, have + max(0, job.spec.min_nodes - len(job.nodes)))
 
-    def told(self, job_id: str, node_id: str, fx: Effects) -> None:
+    def told(self, job: Job, node_id: str, fx: Effects) -> None:
         """``node_id``'s join had effects ``fx``: the interval its ``joined`` tells.
-        A reconnect (``assigned`` again, no ``joined``) is judged anew from its next heartbeat."""
-        arr = self.arrivals.get((job_id, node_id))
+        A reconnect (``assigned`` again, no ``joined``) is judged anew from its next heartbeat.
+        A join told no ``joined`` (a previous member's rejoin after ``restart``, a reconnect)
+        of a node told an interval over REPACE_GROWTH times faster or slower than a join is
+        told now gets a ``pace`` with that one (a smaller change is not worth a message)."""
+        key = (job.job_id, node_id)
+        arr = self.arrivals.get(key)
         if arr is not None:
             arr.rejoined()
         for to, msg in fx.sends:
             if to == node_id and isinstance(msg, JoinedMsg):
-                key = (job_id, node_id)
-                arr = self.arrivals.get(key)
                 if arr is not None:
                     arr.tell(msg.heartbeat_s)
                 elif len(self.arrivals) < MAX_TRACKED:
                     self.arrivals[key] = Arrivals(msg.heartbeat_s)
+                return
+        interval = told_interval(job)
+        if arr is not None and max(arr.next / interval, interval / arr.next) > REPACE_GROWTH:
+            fx.sends.insert(0, (node_id, PaceMsg(heartbeat_s=interval)))  # before what the join caused
+            arr.tell(interval)
 
     def heard(self, job_id: str, node_id: str) -> None:
         """A heartbeat of ``node_id`` (the hot path: one lookup, a few flops)."""

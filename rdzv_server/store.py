@@ -371,7 +371,7 @@ class Store:
         job.heartbeat_s = self.pacing.interval(job)
         # raises before changing anything; peers probe the node where its connection came from
         fx = rounds.join(job, msg, now, node_secret=issued, seen_addr=seen_addr(chan, msg))
-        self.pacing.told(job.job_id, msg.node_id, fx)
+        self.pacing.told(job, msg.node_id, fx)
         if rerun:
             self.active.add(job.job_id)
         if created:

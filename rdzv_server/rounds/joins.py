@@ -194,9 +194,12 @@ def join(job: Job, msg: JoinMsg, now: float, node_secret: str | None = None, see
         node = _new_node(job, msg, now, node_secret)
         _probed_at(node, msg, seen_addr)
         return _enter(job, node, now, issued=node_secret, new=True)
+    # a previous member back for the round its `restart` opened, whose agent holds this run's
+    # `joined` (its join names the run): it knows the round, and is told nothing until `assigned`
+    known = node.state == REJOINING and msg.run == job.run
     _rejoin(node, msg, now)
     _probed_at(node, msg, seen_addr)
-    return _enter(job, node, now, issued=None, new=False)
+    return _enter(job, node, now, issued=None, new=False, known=known)
 
 
 def _probed_at(node: Node, msg: JoinMsg, seen_addr: str | None) -> None:
@@ -266,11 +269,14 @@ def _rejoin(node: Node, msg: JoinMsg, now: float) -> None:
     _heard(node, now)
 
 
-def _enter(job: Job, node: Node, now: float, issued: str | None, new: bool) -> Effects:
+def _enter(job: Job, node: Node, now: float, issued: str | None, new: bool, known: bool = False) -> Effects:
     """Place a joining node: in the forming round; or, while a round runs, in
     the queue of a scale-up below max_nodes, else as a spare. ``issued``: the
     node secret to send in ``joined`` (only to the join that created the node);
-    ``new``: the node's first join (a node_joined event)."""
+    ``new``: the node's first join (a node_joined event); ``known``: a previous
+    member's rejoin after ``restart``: placed in the forming round without a
+    ``joined`` (a round change of N nodes writes N fewer messages; its
+    ``assigned``, or ``status`` while the round waits, is what it hears next)."""
     spec = job.spec
     fx = Effects()
     why = blocked(job, node, now)
@@ -294,6 +300,8 @@ def _enter(job: Job, node: Node, now: float, issued: str | None, new: bool) -> E
                 )
             )
         done = _check_complete(job, now)
+        if known:
+            return fx.merge(done)
         fx.send(
             node.node_id,
             JoinedMsg(

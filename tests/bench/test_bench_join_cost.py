@@ -1,6 +1,6 @@
 """bench/join_cost.py must not rot: 32 nodes, two re-formations, the table and the JSON.
 No timing assertions: only that it ran every phase (it checks each re-formation
-completed and told every survivor restart, joined and assigned) and measured them."""
+completed and told every survivor restart and assigned, no joined again) and measured them."""
 
 from __future__ import annotations
 

@@ -272,6 +272,23 @@ def test_lost_member_opens_a_round_that_completes_when_survivors_are_back(how):
     assert sent(fx, AssignedMsg)["c"].assignment.round == 1
 
 
+def test_a_member_back_after_restart_naming_its_run_is_told_nothing_until_assigned():
+    """A previous member's rejoin that names the job's run (its agent holds this
+    run's `joined`) gets no `joined` again: it knows the round from `restart`.
+    A join without the run (a fresh agent process) and a new node still do."""
+    job = form(["a", "b", "c", "d"])
+    rounds.leave(job, "d", "sigterm", 2.0)
+    assert job.forming and job.round == 1
+    run = job.run
+    fx = rounds.join(job, join_msg("a", sp=job.spec).model_copy(update={"run": run}), 2.1)
+    assert not fx.sends and job.nodes["a"].state == rounds.WAITING
+    fx = rounds.join(job, join_msg("b", sp=job.spec), 2.2)  # no run: told as before
+    assert sent(fx, JoinedMsg)["b"].round == 1 and not sent(fx, AssignedMsg)
+    fx = rounds.join(job, join_msg("c", sp=job.spec).model_copy(update={"run": run}), 2.3)
+    assert set(sent(fx, AssignedMsg)) == {"a", "b", "c"} and not sent(fx, JoinedMsg)
+    assert job.order == ["a", "b", "c"] and sent(fx, AssignedMsg)["a"].assignment.round == 1
+
+
 def test_reformed_round_waits_for_a_live_member_even_when_max_nodes_wait():
     """Promoted spares reaching max do not complete a re-formed round before a live member is back."""
     job = form(["a", "b"], spec(min_nodes=1, max_nodes=2))

@@ -3,6 +3,7 @@ the loop and what the tick visits. (Channels are recorders: this is a unit.)"""
 
 from __future__ import annotations
 
+import json
 import time
 
 from rdzv_common.protocol import SERVER_MESSAGE, JobSpec, JobState, JoinMsg
@@ -217,3 +218,32 @@ def test_after_a_failover_grace_a_node_back_and_silent_is_judged_by_its_heartbea
     clock[0] = 1007.5
     plain_tick(store)
     assert "a" not in job.nodes, "a node silent for 6.5 s after its rejoin was kept until the failover grace's end"
+
+
+def test_a_member_back_after_restart_is_told_no_joined_but_a_pace_when_its_interval_moved():
+    """A previous member's rejoin after `restart` that names the run gets no `joined`
+    (the round's `assigned` is what it hears next); if the interval it was told is
+    over REPACE_GROWTH away from the one a join is told now, it gets a `pace` with it."""
+    from rdzv_server.pacing import REPACE_GROWTH
+
+    clock = [1000.0]
+    store = make_store(clock)
+    spec = JobSpec(min_nodes=2, max_nodes=3, heartbeat_timeout_s=30.0)
+    chans = {n: Recorder() for n in "abc"}
+    secrets: dict[str, str] = {}
+    for n in "abc":
+        chans[n].deliver = lambda text, r=chans[n], n=n: (  # type: ignore[method-assign]
+            r.ops.append(op := SERVER_MESSAGE.validate_json(text).op),
+            op == "joined" and secrets.setdefault(n, json.loads(text)["node_secret"]),
+        )
+        store.join(join("j", n, spec), chans[n])
+    job = store.jobs["j"]
+    assert not job.forming and all(c.ops == ["joined", "assigned"] for c in chans.values())
+    store.pacing.arrivals[("j", "b")].tell(job.heartbeat_s * REPACE_GROWTH * 2)  # b was told a slower one
+    store.leave("j", "c", "sigterm", chans["c"])
+    assert chans["a"].ops[-1] == chans["b"].ops[-1] == "restart" and job.forming
+    for n in "ab":
+        store.join(join("j", n, spec).model_copy(update={"run": job.run, "node_secret": secrets[n]}), chans[n])
+    assert chans["a"].ops[2:] == ["restart", "assigned"]  # no joined
+    assert chans["b"].ops[2:] == ["restart", "pace", "assigned"]
+    assert store.pacing.arrivals[("j", "b")].next == job.heartbeat_s
