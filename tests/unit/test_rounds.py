@@ -289,6 +289,25 @@ def test_a_member_back_after_restart_naming_its_run_is_told_nothing_until_assign
     assert job.order == ["a", "b", "c"] and sent(fx, AssignedMsg)["a"].assignment.round == 1
 
 
+def test_a_member_back_after_restart_in_a_round_that_waits_hears_its_status():
+    """Told no `joined`, a member back in a round that waits (below min here) still
+    hears an answer to its join within the status push interval: its agent's
+    --server-timeout clock runs from its join until the server answers it."""
+    from rdzv_common.protocol import StatusMsg
+    from rdzv_server.rounds.machine import STATUS_PUSH_INTERVAL_S
+
+    job = form(["a", "b", "c"], spec(min_nodes=3, max_nodes=3, join_timeout_s=600.0))
+    rounds.leave(job, "c", "sigterm", 2.0)
+    rounds.tick(job, 2.0)  # the round's first status (nobody back yet)
+    for nid in ("a", "b"):
+        fx = rounds.join(job, join_msg(nid, sp=job.spec).model_copy(update={"run": job.run}), 2.1)
+        assert not fx.sends
+    assert job.forming and rounds.next_due(job) <= 2.0 + STATUS_PUSH_INTERVAL_S
+    fx = rounds.tick(job, 2.0 + STATUS_PUSH_INTERVAL_S)
+    told = sent(fx, StatusMsg)
+    assert set(told) == {"a", "b"} and "1 more node(s) to reach min 3" in told["a"].waiting_for.text
+
+
 def test_reformed_round_waits_for_a_live_member_even_when_max_nodes_wait():
     """Promoted spares reaching max do not complete a re-formed round before a live member is back."""
     job = form(["a", "b"], spec(min_nodes=1, max_nodes=2))
