@@ -144,7 +144,12 @@ class AgentLink:
         it), and say it now."""
         self.intent = msg
         if msg is not None and send:
-            if msg.get("op") == "join" and self.connected.is_set():
+            # a join that names the run, on a connection being served (the join again after
+            # `restart`): the server answers it with the round's `assigned`, or `status` while it
+            # waits, not another `joined` (rdzv_server.rounds.joins), which may take a 16,384-node
+            # round N / 1,000 s; the server is there meanwhile, and a frozen one fails the pings
+            again = msg.get("run") is not None and self.service.serving
+            if msg.get("op") == "join" and self.connected.is_set() and not again:
                 self.service.unserved()  # served again once the server answers this join
             self.send_nowait(_dump(msg))
 

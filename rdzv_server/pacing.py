@@ -70,7 +70,9 @@ class Pacing:
         A reconnect (``assigned`` again, no ``joined``) is judged anew from its next heartbeat.
         A join told no ``joined`` (a previous member's rejoin after ``restart``, a reconnect)
         of a node told an interval over REPACE_GROWTH times faster or slower than a join is
-        told now gets a ``pace`` with that one (a smaller change is not worth a message)."""
+        told now gets a ``pace`` with that one (a smaller change is not worth a message); one
+        this server never told (it restarted, or leads since a failover) gets a ``pace`` at its
+        rejoin into a forming round, and is tracked from then on, as a ``joined`` did."""
         key = (job.job_id, node_id)
         arr = self.arrivals.get(key)
         if arr is not None:
@@ -83,9 +85,15 @@ class Pacing:
                     self.arrivals[key] = Arrivals(msg.heartbeat_s)
                 return
         interval = told_interval(job)
-        if arr is not None and max(arr.next / interval, interval / arr.next) > REPACE_GROWTH:
-            fx.sends.insert(0, (node_id, PaceMsg(heartbeat_s=interval)))  # before what the join caused
+        if arr is None:
+            if not job.forming or node_id not in job.nodes or len(self.arrivals) >= MAX_TRACKED:
+                return  # a reconnect into a running round: tracked from its next round change
+            self.arrivals[key] = Arrivals(interval)
+        elif max(arr.next / interval, interval / arr.next) <= REPACE_GROWTH:
+            return
+        else:
             arr.tell(interval)
+        fx.sends.insert(0, (node_id, PaceMsg(heartbeat_s=interval)))  # before what the join caused
 
     def heard(self, job_id: str, node_id: str) -> None:
         """A heartbeat of ``node_id`` (the hot path: one lookup, a few flops)."""

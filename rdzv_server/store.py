@@ -234,6 +234,7 @@ class Store:
         self.events.close_all()
         self.suspicion.forget()
         self.pacing.forget()
+        self.gc_hold.release()  # a follower does not tick: nothing else would put it back
 
     def _write_failed(self, job_id: str, err: BaseException, requester: Channel | None = None) -> None:
         """The one put-back path: a write of ``job_id`` failed (at once, SQLite; or
@@ -292,6 +293,7 @@ class Store:
 
     async def stop(self) -> None:
         await cancel_and_wait(self._tick_task)
+        self.gc_hold.release()
         for chan in list(self.channels.values()):
             chan.drop()
         self.channels.clear()
@@ -312,6 +314,7 @@ class Store:
         After a stall of the loop every node heard from since its last stall
         grace gets a full heartbeat timeout (rounds.grace): a silent node gets
         one such grace, not one per stall."""
+        self.gc_hold.tick()  # first: whatever fails below, the hold still ends
         mono = time.monotonic()
         stalled = mono - self._last_tick > STALL_S
         self._last_tick = mono
@@ -325,7 +328,6 @@ class Store:
             )
         self.host_side.tick(now)  # a cool-down or a cordon's ttl ended: its spares may be admitted
         self.pacing.tick()  # silent running members: probed (rdzv_server.pacing)
-        self.gc_hold.tick()
         for job_id in self.due.pop(now):
             job = self.jobs.get(job_id)
             if job is None or job_id not in self.active:

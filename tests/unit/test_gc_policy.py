@@ -114,3 +114,14 @@ def test_the_store_holds_while_joins_arrive_and_its_tick_releases() -> None:
         fx.send(node_id, StatusMsg(round=0, waiting_for=WaitingInfo(text="2 of 3", joined=2, min_nodes=3, max_nodes=3)))
     store._apply(store.jobs["j"], fx, 1000.0)
     assert store.gc_hold.held and store.gc_hold.holds == 2
+
+
+def test_a_replica_that_steps_down_puts_the_collector_back() -> None:
+    """A follower does not tick: stepping down (and stopping) ends a hold at once."""
+    gc.set_threshold(*GC_THRESHOLD)
+    store = make_store([1000.0])
+    store.gc_hold = GcHold(on=True, clock=lambda: 1.0)
+    store.join(join("j", "a", JobSpec(min_nodes=2, max_nodes=2)), Recorder())
+    assert store.gc_hold.held
+    store.step_down("lost the lease", quiet=True)
+    assert not store.gc_hold.held and gc.get_threshold() == GC_THRESHOLD

@@ -89,3 +89,22 @@ async def test_a_connect_that_succeeds_as_close_is_called_sends_nothing(monkeypa
     assert closing in done, "close() still waiting"
     assert sockets and sockets[0].sent == [] and sockets[0].closed, [s.sent for s in sockets]
     assert not link.connected.is_set()
+
+
+def test_a_join_again_after_restart_on_a_served_connection_keeps_the_service_clock_stopped() -> None:
+    """The server answers a join that names the run after `restart` with the round's
+    `assigned` (or `status` while it waits), not another `joined`: the --server-timeout
+    clock stays stopped for it; a first join (no run yet), or one on a connection not
+    served, starts it until the server answers."""
+    link = AgentLink("127.0.0.1:9")
+    link.connected.set()
+    link.service.served()
+    link.send_nowait = lambda text: None  # type: ignore[method-assign]
+    link.set_intent({"op": "join", "node_id": "n1", "run": 1})
+    assert link.service.serving
+    link.set_intent({"op": "join", "node_id": "n1"})  # no run: a joined will answer it
+    assert not link.service.serving
+    link.service.served()
+    link.connected.clear()
+    link.set_intent({"op": "join", "node_id": "n1", "run": 1})  # not connected: the clock is the link's
+    assert link.service.serving

@@ -247,3 +247,9 @@ def test_a_member_back_after_restart_is_told_no_joined_but_a_pace_when_its_inter
     assert chans["a"].ops[2:] == ["restart", "assigned"]  # no joined
     assert chans["b"].ops[2:] == ["restart", "pace", "assigned"]
     assert store.pacing.arrivals[("j", "b")].next == job.heartbeat_s
+    # a server that never told them (restarted, or leading since a failover): the next round
+    # change's rejoin is paced and tracked, as a joined did
+    store.pacing.arrivals.clear()
+    store.leave("j", "b", "sigterm", chans["b"])
+    store.join(join("j", "a", spec).model_copy(update={"run": job.run, "node_secret": secrets["a"]}), chans["a"])
+    assert chans["a"].ops[4:] == ["restart", "pace"] and ("j", "a") in store.pacing.arrivals
