@@ -31,7 +31,9 @@ it spent in garbage collections (``gc.callbacks``). Below, one
 (``AssignedMsg``: the assignment and its watch list, validated), serializing
 (``model_dump_json``) and framing (``text_frame``). The first formation (N
 new nodes) is shown for comparison, measured once. The server's garbage
-collector settings apply (``rdzv_server.gc_policy.tune_gc``), and logging at
+collector thresholds apply (``rdzv_server.gc_policy.tune_gc``; the hold of
+round changes, ``GcHold``, stays off, as in any store rdzv-server does not
+run, so the collections it would defer are counted here), and logging at
 INFO to nowhere, as a server's log at its default level costs.
 """
 

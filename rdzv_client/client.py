@@ -145,9 +145,9 @@ class AgentLink:
         self.intent = msg
         if msg is not None and send:
             # a join that names the run, on a connection being served (the join again after
-            # `restart`): the server answers it with the round's `assigned`, or `status` while it
-            # waits, not another `joined` (rdzv_server.rounds.joins), which may take a 16,384-node
-            # round N / 1,000 s; the server is there meanwhile, and a frozen one fails the pings
+            # `restart`): the server answers it with the round's `assigned`, or `status` while the
+            # round waits (up to N / 1,000 s apart in a round of N nodes), not another `joined`
+            # (rdzv_server.rounds.joins); the server is there meanwhile, and a frozen one fails the pings
             again = msg.get("run") is not None and self.service.serving
             if msg.get("op") == "join" and self.connected.is_set() and not again:
                 self.service.unserved()  # served again once the server answers this join

@@ -82,8 +82,9 @@ class GcHold:
                 self.release()
 
     def release(self) -> None:
-        """Collect as usual again (the next allocation pays what was held); also
-        when turned off (``on = False``)."""
+        """Collect as usual again (the next allocation pays what was held): from
+        :meth:`tick`, and at once when the store stops ticking (a replica stepping
+        down, a store stopping)."""
         if self.held:
             self.held = False
             gc.set_threshold(*GC_THRESHOLD)
