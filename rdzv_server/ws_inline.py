@@ -41,21 +41,24 @@ Inline = Callable[[Any], bool]  # a parsed WSMessage -> taken
 
 
 class _InlineQueue(WebSocketDataQueue):
-    """aiohttp's message queue, which first offers each message to its socket's ``inline``."""
+    """aiohttp's message queue, which first offers each message to ``take``
+    (its socket's ``inline``; the queue holds no reference to the socket: a
+    cycle would leave each closed connection to the garbage collector, ~45
+    objects a connection, which rdzv_server.gc_policy may have frozen)."""
 
-    def __init__(self, sock: AgentSocket, protocol: Any, limit: int, *, loop: Any) -> None:
+    def __init__(self, take: Inline | None, protocol: Any, limit: int, *, loop: Any) -> None:
         super().__init__(protocol, limit, loop=loop)
-        self.sock = sock
+        self.take = take
 
     def feed_data(self, data: Any, size: int) -> None:
-        take = self.sock.inline
+        take = self.take
         if take is not None and not self._buffer:
             try:
                 if take(data):
                     return
             except Exception:  # a bug here must not cut the connection: the message is dropped, said once
                 log.exception("an incoming frame failed")
-                self.sock.inline = None
+                self.take = None
                 return
         super().feed_data(data, size)
 
@@ -66,8 +69,19 @@ class AgentSocket(web.WebSocketResponse):
 
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
-        self.inline: Inline | None = None
+        self._inline: Inline | None = None
+        self._inline_queue: _InlineQueue | None = None
         self.inlined = False  # whether frames pass inline on this connection (the reader was swapped)
+
+    @property
+    def inline(self) -> Inline | None:
+        return self._inline if self._inline_queue is None else self._inline_queue.take
+
+    @inline.setter
+    def inline(self, take: Inline | None) -> None:
+        self._inline = take
+        if self._inline_queue is not None:
+            self._inline_queue.take = take
 
     def _post_start(self, request: web.BaseRequest, protocol: str | None, writer: Any) -> None:
         proto = request.protocol
@@ -79,13 +93,13 @@ class AgentSocket(web.WebSocketResponse):
             old = self._reader
             if proto._payload_parser is not self._parser or old is None or old._buffer:
                 return
-            queue = _InlineQueue(self, request._protocol, _CHUNK, loop=self._loop)
+            queue = _InlineQueue(self._inline, request._protocol, _CHUNK, loop=self._loop)
             parser = WebSocketReader(
                 queue, self._max_msg_size, compress=bool(self._compress), decode_text=self._decode_text
             )
             cb = proto._data_received_cb
             proto._payload_parser = None
-            self._reader, self._parser = queue, parser
+            self._reader, self._parser, self._inline_queue = queue, parser, queue
             proto.set_parser(parser, data_received_cb=cb)
             self.inlined = True
         except (AttributeError, TypeError) as e:  # pragma: no cover: another aiohttp's internals

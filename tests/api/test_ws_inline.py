@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import os
 import struct
+import weakref
 
 from aiohttp import WSMsgType, web
 from aiohttp.test_utils import TestClient, TestServer
@@ -81,6 +83,31 @@ async def test_taken_frames_skip_the_queue_and_declined_ones_arrive_in_order() -
         assert got.empty()
         await ws.close()
     finally:
+        await client.close()
+
+
+async def test_a_closed_connections_socket_is_freed_by_reference_counting_alone() -> None:
+    """No cycle through the swapped reader: rdzv_server.gc_policy freezes what a reconnect
+    storm made, and a cycle frozen with it would wait for the valve (~45 objects a connection)."""
+    client, _, sockets = await _serve(_taking_hb([]))
+    gc.disable()
+    try:
+        ws = await client.ws_connect("/ws")
+        await ws.send_str("hb1")
+        await ws.close()
+        for _ in range(200):
+            if sockets and sockets[0].closed:
+                break
+            await asyncio.sleep(0.01)
+        assert sockets[0].inlined
+        probe = weakref.ref(sockets.pop())
+        for _ in range(200):  # the handler returns and aiohttp lets go of the request
+            if probe() is None:
+                break
+            await asyncio.sleep(0.01)
+        assert probe() is None, gc.get_referrers(probe())
+    finally:
+        gc.enable()
         await client.close()
 
 
@@ -218,3 +245,4 @@ async def test_a_joined_nodes_wrong_messages_are_refused_as_by_the_loop(client, 
     last = await agent.expect("error")
     assert "too many invalid messages" in last.message, last
     await agent.wait_closed()
+
