@@ -117,7 +117,7 @@ async def _measure(n: int, rounds: int) -> dict:
                     for i, chan in enumerate(channels):
                         chan.deliver(broadcast if kind == "broadcast" else per_node[i])
                     for _ in range(100_000):  # the writers' turn (queued), a bounded wait
-                        if not any(c.queue.qsize() for c in channels):
+                        if not any(c.queued() for c in channels):
                             break
                         await asyncio.sleep(0)
                     await asyncio.sleep(0)

@@ -371,8 +371,7 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
         if bound is not None:
             store.disconnected(*bound, chan)
         chan.drop()
-        done, _ = await asyncio.wait([chan.writer], timeout=1.0)
-        if not done:  # the close did not go through (an agent that does not read): cut it
+        if not await chan.closed(1.0):  # the close did not go through (an agent that does not read): cut it
             chan.abort()
     return ws
 

@@ -91,7 +91,11 @@ class WsChannel:
         self.ws = ws
         self.transport = transport
         self.peer = peer
-        self.queue: asyncio.Queue[str | None] = asyncio.Queue()
+        # the queue and its writer task are made when a message first has to wait (most
+        # connections never need them: at 16,384 nodes a task per connection was a tenth of
+        # a reconnect storm's upgrade)
+        self.queue: asyncio.Queue[str | None] | None = None
+        self.writer: asyncio.Task[None] | None = None
         self.queued_bytes = 0
         self.killed = False
         self.closing = False  # drop() queued the close: nothing goes around it
@@ -101,7 +105,6 @@ class WsChannel:
         self.errors_since = time.monotonic()
         self.close_code = WSCloseCode.OK
         self.close_reason = ""
-        self.writer = asyncio.create_task(self._write())
 
     def deliver(self, text: str) -> None:
         if self.killed:
@@ -109,13 +112,21 @@ class WsChannel:
         if self._direct_now():
             self.transport.write(_LastFrame.of(text))  # type: ignore[union-attr]
             return
-        if self.queue.qsize() >= MAX_QUEUED_MESSAGES or self.queued_bytes + len(text) > MAX_QUEUED_BYTES:
-            self.kill(
-                f"send queue full ({self.queue.qsize()} messages, {self.queued_bytes} bytes): the agent does not read"
-            )
+        if self.queued() >= MAX_QUEUED_MESSAGES or self.queued_bytes + len(text) > MAX_QUEUED_BYTES:
+            self.kill(f"send queue full ({self.queued()} messages, {self.queued_bytes} bytes): the agent does not read")
             return
         self.queued_bytes += len(text)
-        self.queue.put_nowait(text)
+        self._enqueue(text)
+
+    def queued(self) -> int:
+        """Messages waiting for the writer task."""
+        return 0 if self.queue is None else self.queue.qsize()
+
+    def _enqueue(self, item: str | None) -> None:
+        if self.queue is None:
+            self.queue = asyncio.Queue()
+            self.writer = asyncio.create_task(self._write(self.queue))
+        self.queue.put_nowait(item)
 
     def pong(self, payload: bytes) -> bool:
         """Answer a ping at once, as aiohttp's autoping would (ws_inline); False
@@ -136,7 +147,7 @@ class WsChannel:
             self.direct
             and t is not None
             and not self.closing
-            and self.queue.empty()  # nothing earlier waits (the writer takes an item only when it runs)
+            and (self.queue is None or self.queue.empty())  # nothing earlier waits (the writer takes one as it runs)
             and t.get_write_buffer_size() < DIRECT_MAX_BUFFERED
             and not t.is_closing()
             and not self.ws.closed
@@ -161,7 +172,7 @@ class WsChannel:
         """Close the connection after what is queued (the agent reconnects)."""
         if not self.killed:
             self.closing = True
-            self.queue.put_nowait(None)
+            self._enqueue(None)
 
     def kill(self, why: str) -> None:
         """Disconnect at once, dropping what is queued."""
@@ -171,21 +182,28 @@ class WsChannel:
 
     def abort(self) -> None:
         self.killed = True
-        while not self.queue.empty():
+        while self.queue is not None and not self.queue.empty():
             self.queue.get_nowait()
         self.queued_bytes = 0
         if self.transport is not None:
             self.transport.abort()
-        if self.writer is not asyncio.current_task():
+        if self.writer is not None and self.writer is not asyncio.current_task():
             self.writer.cancel()
 
-    async def _write(self) -> None:
+    async def closed(self, timeout: float) -> bool:
+        """After :meth:`drop`: whether what was queued and the close went out within ``timeout``."""
+        if self.writer is None:
+            return True
+        done, _ = await asyncio.wait([self.writer], timeout=timeout)
+        return bool(done)
+
+    async def _write(self, queue: asyncio.Queue[str | None]) -> None:
         # The send deadline is a timer, not asyncio.wait_for: on Python < 3.12
         # wait_for runs every send in a task of its own, which doubled the
         # time to tell 256 nodes their assignment.
         loop = asyncio.get_running_loop()
         try:
-            while (text := await self.queue.get()) is not None:
+            while (text := await queue.get()) is not None:
                 self.queued_bytes -= len(text)
                 timer = loop.call_later(SEND_TIMEOUT_S, self._send_expired)
                 try:

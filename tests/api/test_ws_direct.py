@@ -29,7 +29,7 @@ async def _serve() -> tuple[TestClient, asyncio.Queue[WsChannel]]:
         async for _ in ws:  # until the client closes
             pass
         chan.drop()
-        await asyncio.wait([chan.writer], timeout=TIMEOUT)
+        await chan.closed(TIMEOUT)
         return ws
 
     app = web.Application()
@@ -70,14 +70,14 @@ async def test_messages_to_an_idle_connection_go_out_at_once_and_arrive_in_order
         msgs = _messages()
         for text in msgs:
             chan.deliver(text)
-        # nothing waits for the writer task: the idle connection took them at once
-        assert chan.queue.qsize() == 0 and chan.queued_bytes == 0
+        # nothing waits for a writer task: the idle connection took them at once, and none was made
+        assert chan.queued() == 0 and chan.queued_bytes == 0 and chan.writer is None
         assert await _read(ws, len(msgs)) == msgs
         # a queued message keeps its place: what comes after it queues behind it
-        chan.queue.put_nowait("first")  # as deliver queues one (the writer has not run yet)
+        chan._enqueue("first")  # as deliver queues one (the writer has not run yet)
         chan.queued_bytes += len("first")
         chan.deliver("second")
-        assert chan.queue.qsize() == 2
+        assert chan.queued() == 2 and chan.writer is not None
         assert await _read(ws, 2) == ["first", "second"]
         assert chan.queued_bytes == 0
         chan.deliver("third")
@@ -120,7 +120,7 @@ async def test_a_peer_that_never_reads_is_disconnected_and_the_transport_stays_b
         assert chan.killed, f"{sent} bytes delivered to a peer that reads nothing, and it is still connected"
         # written straight to the transport only below the bound: beyond, the queue took them
         assert peak < DIRECT_MAX_BUFFERED + frame + MAX_QUEUED_BYTES, peak
-        assert chan.queue.qsize() == 0 and chan.queued_bytes == 0  # what was queued is dropped
+        assert chan.queued() == 0 and chan.queued_bytes == 0  # what was queued is dropped
         ws._response.connection.transport.abort()  # type: ignore[union-attr]
     finally:
         await client.close()
