@@ -53,13 +53,23 @@ def keep_alive(sock: socket.socket | None) -> bool:
     interval = getattr(socket, "TCP_KEEPINTVL", None)
     if sock is None or user_timeout is None or idle is None or interval is None:
         return False
+    # uvloop's transports give a stand-in (PseudoSocket) that builds a socket object for each
+    # call: one here for the four options (its descriptor is not ours to close: detached)
+    own = sock if isinstance(sock, socket.socket) else None
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, idle, KEEPALIVE_IDLE_S)
-        sock.setsockopt(socket.IPPROTO_TCP, interval, KEEPALIVE_IDLE_S)
-        sock.setsockopt(socket.IPPROTO_TCP, user_timeout, int(TCP_USER_TIMEOUT_S * 1000))
+        real = own or socket.socket(sock.family, sock.type, sock.proto, sock.fileno())
+    except OSError:
+        return False
+    try:
+        real.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        real.setsockopt(socket.IPPROTO_TCP, idle, KEEPALIVE_IDLE_S)
+        real.setsockopt(socket.IPPROTO_TCP, interval, KEEPALIVE_IDLE_S)
+        real.setsockopt(socket.IPPROTO_TCP, user_timeout, int(TCP_USER_TIMEOUT_S * 1000))
     except OSError:  # not a TCP socket (a Unix socket, a test's pipe)
         return False
+    finally:
+        if own is None:
+            real.detach()
     return True
 
 

@@ -35,6 +35,7 @@ In order, on every request:
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -101,6 +102,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=64)  # an agent's every connection names the same Host (bounded: a client may vary it)
 def loopback_host_header(value: str) -> bool:
     """A Host header naming loopback: ``localhost``, ``127.0.0.1``, ``[::1]``, each with any port."""
     v = value.strip()

@@ -255,6 +255,7 @@ class Listener(web.BaseSite):
         self._host, self._port = host, port
         self._handler_kwargs: dict[str, Any] = {
             "keepalive_timeout": header_timeout_s,
+            "tcp_keepalive": False,  # Protocol.connection_made sets it with the rest (liveness.keep_alive)
             "access_log": None,
             "max_connections": max_connections,
             "per_address": per_address_limit(per_address, max_connections),

@@ -30,6 +30,23 @@ def test_keep_alive_sets_the_user_timeout_and_keepalive() -> None:
         assert server.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == liveness.KEEPALIVE_IDLE_S
 
 
+def test_keep_alive_through_a_transports_stand_in_sets_the_options_and_leaves_the_socket_open() -> None:
+    # what asyncio's (and uvloop's) transports hand out for get_extra_info("socket") is not a
+    # socket.socket: keep_alive works on a socket object of its own for the same descriptor
+    from asyncio.trsock import TransportSocket
+
+    client, server = _pair()
+    with client, server:
+        stand_in = TransportSocket(server)
+        assert not isinstance(stand_in, socket.socket)
+        assert liveness.keep_alive(stand_in)  # type: ignore[arg-type]
+        assert server.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert server.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == int(liveness.TCP_USER_TIMEOUT_S * 1000)
+        assert server.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == liveness.KEEPALIVE_IDLE_S
+        server.sendall(b"still open")  # the descriptor was not closed with the stand-in's socket object
+        assert client.recv(10) == b"still open"
+
+
 def test_keep_alive_on_what_is_not_tcp_is_false_and_harmless() -> None:
     a, b = socket.socketpair()
     with a, b:
