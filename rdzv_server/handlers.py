@@ -247,6 +247,7 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
     guesses = request.app[GUESSES]
     counted = request.app[METRICS].agent_message
     join_deadline, idle_s = request.app[JOIN_DEADLINE], request.app[IDLE_TIMEOUT]
+    store.gc_hold.busy()  # a reconnect storm (a failover, a restart) is a round change's too
     ws = AgentSocket(max_msg_size=MAX_BODY_BYTES, autoping=True, heartbeat=None)
     await ws.prepare(request)
     chan = WsChannel(ws, request.transport, printable(request.remote, limit=64))

@@ -246,3 +246,29 @@ async def test_a_joined_nodes_wrong_messages_are_refused_as_by_the_loop(client, 
     assert "too many invalid messages" in last.message, last
     await agent.wait_closed()
 
+
+async def test_an_agents_connection_holds_young_collections_and_makes_no_writer_task(client, connect) -> None:
+    """A reconnect storm (a failover, a server restart) is 16,384 upgrades: each one holds the
+    young collections as a join does (rdzv_server.gc_policy), and an idle channel has no
+    queue or writer task of its own until a message must wait."""
+    import gc
+
+    store = client.server.app[STORE]
+    was = gc.get_threshold()
+    store.gc_hold.on = True
+    try:
+        tasks_before = len(asyncio.all_tasks())
+        agent = await connect()
+        await asyncio.sleep(0.05)  # the handler runs up to its first receive()
+        assert store.gc_hold.held and store.gc_hold.holds == 1  # held from the upgrade, before any join
+        # the test's own and the connection's handler task: no writer task for an idle channel
+        assert len(asyncio.all_tasks()) - tasks_before <= 2, asyncio.all_tasks()
+        await agent.send(join_msg("j", "n0", (1, 1)))
+        await agent.expect("joined")
+        await agent.expect("assigned")  # written straight to the transport: still no writer task
+        assert len(asyncio.all_tasks()) - tasks_before <= 2, asyncio.all_tasks()
+    finally:
+        store.gc_hold.release()
+        store.gc_hold.on = False
+        gc.set_threshold(*was)
+        gc.unfreeze()  # what the hold froze (this process is pytest's)

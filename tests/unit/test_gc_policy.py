@@ -5,23 +5,34 @@ process's collector back as it found it."""
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Iterator
 
 import pytest
 
 from rdzv_common.protocol import JobSpec, StatusMsg, WaitingInfo
-from rdzv_server.gc_policy import GC_THRESHOLD, HOLD_THRESHOLD0, MAX_HOLD_S, QUIET_S, GcHold, tune_gc
+from rdzv_server.gc_policy import (
+    FREEZE_AT,
+    GC_THRESHOLD,
+    HOLD_THRESHOLD0,
+    MAX_HOLD_S,
+    QUIET_S,
+    GcHold,
+    tune_gc,
+)
 from rdzv_server.rounds import Effects
 from tests.unit.test_store_ticks import Recorder, join, make_store, plain_tick
 
 
 @pytest.fixture(autouse=True)
 def collector_restored() -> Iterator[None]:
-    was = gc.get_threshold()
+    was, frozen = gc.get_threshold(), gc.get_freeze_count()
     try:
         yield
     finally:
         gc.set_threshold(*was)
+        if gc.get_freeze_count() > frozen:  # what a test's hold froze (this process is pytest's)
+            gc.unfreeze()
 
 
 def test_tune_gc_freezes_startup_and_collects_old_generations_rarely() -> None:
@@ -125,3 +136,72 @@ def test_a_replica_that_steps_down_puts_the_collector_back() -> None:
     assert store.gc_hold.held
     store.step_down("lost the lease", quiet=True)
     assert not store.gc_hold.held and gc.get_threshold() == GC_THRESHOLD
+
+
+class _Cycle:
+    """Garbage only the collector frees (it refers to itself)."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_what_a_hold_made_is_frozen_when_it_ends_not_scanned() -> None:
+    gc.set_threshold(*GC_THRESHOLD)
+    now = [10.0]
+    hold = GcHold(on=True, clock=lambda: now[0])
+    hold.busy()
+    made = [[i] for i in range(1000)]  # what a round change keeps: its nodes' assignments
+    frozen = gc.get_freeze_count()
+    now[0] += QUIET_S
+    hold.tick()
+    assert not hold.held and hold.freezes == 1
+    assert gc.get_freeze_count() >= frozen + len(made)  # out of every later collection
+    assert gc.get_count()[0] < 100  # the young generation is left (nearly) empty: nothing to scan
+    assert gc.get_threshold() == GC_THRESHOLD
+
+
+def test_a_long_hold_freezes_what_waits_past_freeze_at_before_cpython_scans_it() -> None:
+    gc.set_threshold(*GC_THRESHOLD)
+    now = [10.0]
+    hold = GcHold(on=True, clock=lambda: now[0])
+    hold.busy()
+    made = [[i] for i in range(FREEZE_AT + 10_000)]  # a reconnect storm's connections, so far
+    assert gc.get_count()[0] >= FREEZE_AT
+    now[0] += QUIET_S / 4
+    hold.busy()
+    hold.tick()
+    assert hold.held and hold.freezes == 1  # still holding, what it made so far frozen
+    assert gc.get_count()[0] < FREEZE_AT
+    del made
+
+
+def test_the_valve_collects_frozen_garbage_once_the_frozen_heap_grew_and_not_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # this test's heap is pytest's, not a server's: a floor of nothing, a growth of 1.5
+    monkeypatch.setattr("rdzv_server.gc_policy.VALVE_FLOOR", 1)
+    monkeypatch.setattr("rdzv_server.gc_policy.VALVE_GROWTH", 1.5)
+    gc.set_threshold(*GC_THRESHOLD)
+    gc.freeze()  # as tune_gc at startup: the heap so far
+    now = [1000.0]
+    hold = GcHold(on=True, clock=lambda: now[0])
+    hold.busy()  # the first hold: the valve counts from the frozen heap now
+    base = hold.valve_base
+    assert base == gc.get_freeze_count()
+    garbage = _Cycle()
+    probe = weakref.ref(garbage)
+    del garbage  # a cycle: only a collection frees it, and the hold's freeze puts it out of reach
+    some = [[i] for i in range(base // 8)]  # grown, not yet 1.5-fold
+    now[0] += QUIET_S
+    hold.tick()
+    assert hold.valves == 0 and probe() is not None  # frozen with the rest
+    hold.busy()
+    grown = [[i] for i in range(base // 2)]  # now it is
+    now[0] += QUIET_S
+    hold.tick()
+    assert hold.valves == 1 and probe() is None  # unfrozen, collected, the living frozen again
+    assert gc.get_freeze_count() >= len(grown) + len(some) and hold.valve_base == gc.get_freeze_count()
+    hold.busy()  # nothing grew since: no second valve, however often holds end
+    now[0] += QUIET_S
+    hold.tick()
+    assert hold.valves == 1
