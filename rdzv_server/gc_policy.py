@@ -25,12 +25,15 @@ freed nothing: reference counting frees what a round change drops. So:
   and freed nothing: a full collection after a 4,096-node formation and a
   node loss of half of it freed 0 objects.
 - The valve: garbage cycles frozen with them would never be freed, so at the
-  end of a hold, once the frozen heap reached ``VALVE_GROWTH`` times what
-  lived after the last valve (at least ``VALVE_FLOOR`` objects), everything
-  is unfrozen and collected once, and what lives is frozen again (a pause of
-  ~1 us per object with the GIL held, said in the log: ~2 s at 2,000,000,
-  which may cost an HA leader with a short ``--etcd-lease-ttl`` its lease). Frozen garbage is so bounded by what
-  the server holds, not by time: a client that connects and closes in a loop
+  end of a hold, once the interpreter's heap (``sys.getallocatedblocks``:
+  every object and small allocation, read in ~0.5 ms; counting the frozen
+  objects walks them all, ~100 ms at 16,384 nodes) is ``VALVE_GROWTH`` times
+  what it was after the last valve (at least ``VALVE_FLOOR`` blocks),
+  everything is unfrozen and collected once, and what lives is frozen again
+  (a pause of ~1 us per tracked object with the GIL held, said in the log:
+  ~2 s at 16,384 nodes, which may cost an HA leader with a short
+  ``--etcd-lease-ttl`` its lease). Frozen garbage is so bounded by what the
+  server holds, not by time: a client that connects and closes in a loop
   makes none (measured: 1,000 such connections, 0 objects freed by a full
   collection; before ws_inline's queue let go of its socket, ~45 each).
 
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 import time
 from collections.abc import Callable
 
@@ -58,11 +62,12 @@ HOLD_THRESHOLD0 = 1_000_000  # the young threshold while held: a 16,384-node for
 FREEZE_AT = HOLD_THRESHOLD0 // 2  # while held, the tick freezes what waits past this (before CPython scans it)
 QUIET_S = 0.5  # no join or fan-out for this long: the round change is over
 MAX_HOLD_S = 5.0  # a hold ends this long after it began, however busy the server stays
-VALVE_GROWTH = 2  # the valve: a full collection once the frozen heap is this many times ...
-# ... what lived after the last one, or this many objects if more: one job of 16,384 nodes holds
-# ~1,950,000 (measured after its formation), so it never pays the valve's pause (~1 us an object,
-# the GIL held: ~2 s at 2,000,000, long enough to starve an HA leader's lease thread)
-VALVE_FLOOR = 2_000_000
+VALVE_GROWTH = 2  # the valve: a full collection once the heap is this many times ...
+# ... what it was after the last one, or this many allocated blocks if more: one job of 16,384
+# nodes takes ~3,600,000 (~1,950,000 tracked objects, measured after its formation and round
+# changes), so it never pays the valve's pause (~1 us a tracked object, the GIL held: ~2 s at
+# 16,384 nodes, long enough to starve an HA leader's lease thread)
+VALVE_FLOOR = 4_000_000
 
 
 def tune_gc() -> None:
@@ -90,7 +95,7 @@ class GcHold:
         self.last = 0.0  # the last busy()
         self.holds = 0  # holds begun (tests, and what a reader of a profile may ask)
         self.freezes = 0  # gc.freeze() calls made
-        self.valve_base = 0  # objects frozen after the last valve (0: before the first hold)
+        self.valve_base = 0  # allocated blocks after the last valve (0: before the first hold)
         self.valves = 0
 
     def busy(self) -> None:
@@ -103,7 +108,7 @@ class GcHold:
             self.held, self.since = True, now
             self.holds += 1
             if not self.valve_base:  # the first hold: the valve counts from here
-                self.valve_base = gc.get_freeze_count()
+                self.valve_base = sys.getallocatedblocks()
             gc.set_threshold(HOLD_THRESHOLD0, *GC_THRESHOLD[1:])
 
     def tick(self) -> None:
@@ -132,18 +137,18 @@ class GcHold:
 
     def _valve(self) -> None:
         """At the end of a hold: the full collection the module's doc calls the valve, when due."""
-        frozen = gc.get_freeze_count()
-        if frozen < VALVE_GROWTH * max(self.valve_base, VALVE_FLOOR):
+        if sys.getallocatedblocks() < VALVE_GROWTH * max(self.valve_base, VALVE_FLOOR):
             return
+        frozen = gc.get_freeze_count()
         began = time.perf_counter()
         gc.unfreeze()
         freed = gc.collect()
         gc.freeze()
-        self.valve_base = gc.get_freeze_count()
+        self.valve_base = sys.getallocatedblocks()
         self.valves += 1
         log.info(
             "garbage collector: a full collection of %d objects took %.0f ms and freed %d (what round "
-            "changes made is frozen out of collections; this runs once that grew %dx)",
+            "changes made is frozen out of collections; this runs once the heap grew %gx since the last)",
             frozen,
             (time.perf_counter() - began) * 1000,
             freed,

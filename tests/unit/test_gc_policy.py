@@ -5,6 +5,7 @@ process's collector back as it found it."""
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 from collections.abc import Iterator
 
@@ -175,7 +176,7 @@ def test_a_long_hold_freezes_what_waits_past_freeze_at_before_cpython_scans_it()
     del made
 
 
-def test_the_valve_collects_frozen_garbage_once_the_frozen_heap_grew_and_not_before(
+def test_the_valve_collects_frozen_garbage_once_the_heap_grew_and_not_before(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # this test's heap is pytest's, not a server's: a floor of nothing, a growth of 1.5
@@ -185,22 +186,23 @@ def test_the_valve_collects_frozen_garbage_once_the_frozen_heap_grew_and_not_bef
     gc.freeze()  # as tune_gc at startup: the heap so far
     now = [1000.0]
     hold = GcHold(on=True, clock=lambda: now[0])
-    hold.busy()  # the first hold: the valve counts from the frozen heap now
+    hold.busy()  # the first hold: the valve counts from the heap now
     base = hold.valve_base
-    assert base == gc.get_freeze_count()
+    assert abs(base - sys.getallocatedblocks()) < base // 100
     garbage = _Cycle()
     probe = weakref.ref(garbage)
     del garbage  # a cycle: only a collection frees it, and the hold's freeze puts it out of reach
-    some = [[i] for i in range(base // 8)]  # grown, not yet 1.5-fold
+    some = [[i + 1000] for i in range(base // 16)]  # ~2 blocks each: grown, not yet 1.5-fold
     now[0] += QUIET_S
     hold.tick()
     assert hold.valves == 0 and probe() is not None  # frozen with the rest
     hold.busy()
-    grown = [[i] for i in range(base // 2)]  # now it is
+    grown = [[i + 1000] for i in range(base // 4)]  # now it is
     now[0] += QUIET_S
     hold.tick()
     assert hold.valves == 1 and probe() is None  # unfrozen, collected, the living frozen again
-    assert gc.get_freeze_count() >= len(grown) + len(some) and hold.valve_base == gc.get_freeze_count()
+    assert gc.get_freeze_count() >= len(grown) + len(some)
+    assert hold.valve_base >= base + 2 * (len(grown) + len(some)) * 9 // 10  # counts from the heap after it
     hold.busy()  # nothing grew since: no second valve, however often holds end
     now[0] += QUIET_S
     hold.tick()
