@@ -9,8 +9,13 @@ separate processes; the job is ``N-1:N`` (``last_call_s`` 1 s,
 2 s as by default, but no false evictions on a loaded machine), so that it re-forms without the lost node and
 a node added later is a scale-up. Measured, in order, on one job:
 
+connect
+    every node opens its agent WebSocket, none joins (the upgrades a reconnect
+    storm makes): the server's CPU from the first connect to
+    ``CONNECT_SETTLE_S`` after the last (what it defers past them counts), per
+    upgrade;
 formation
-    every node connected first (not timed); then every node sends its join:
+    then every node sends its join:
     first join sent -> every node holds its round-0 assignment;
 heartbeats
     every node heartbeating (``heartbeat_s`` from the server: it sizes it to
@@ -60,6 +65,7 @@ from .server_scale import Server
 from .simagents import Clients
 
 TIMEOUT_S = 120.0  # any one step: formation, a re-formation
+CONNECT_SETTLE_S = 1.0  # after the connect phase, before the joins: the server's CPU counted to here
 # Nodes still heartbeat every 2 s (as with the default 6 s); the longer timeout keeps a server
 # that reads late on a loaded shared machine from evicting nodes that did send.
 SPEC = {"heartbeat_timeout_s": 30.0}
@@ -173,11 +179,14 @@ def run(
         else:  # every replica: the nodes follow the leader (bench/big_job_etcd.py)
             clients = BigClients(n_clients, server.endpoint, follow=True)
         ids = [[f"n{i}", i] for i in range(n)]
-        t0 = time.time()
+        t0, cpu, ccpu = time.time(), C.cpu_ticks(server.pid), clients.cpu()
         clients.all(
             [{"cmd": "connect", "job": job, "spec": spec, "nodes": ids[i::n_clients]} for i in range(n_clients)]
         )
         out["connect_s"] = time.time() - t0
+        out["connect_client_cpu_s"] = (clients.cpu() - ccpu) / C.CLK_TCK
+        time.sleep(CONNECT_SETTLE_S)  # what the server defers past the storm (its GC) counts too
+        out["connect_cpu_s"] = (C.cpu_ticks(server.pid) - cpu) / C.CLK_TCK
         # formation
         cpu, ccpu = C.cpu_ticks(server.pid), clients.cpu()
         sent = [s for a in clients.same({"cmd": "join", "nodes": None}) for s in a["sent"]]
@@ -270,6 +279,11 @@ def table(results: list[dict]) -> str:
     for r in results:
         n = r["nodes"]
         rows += [
+            [
+                f"N={n} connect: N agent WebSockets opened, none joined (the upgrades of a reconnect storm)",
+                _cpu(r, "connect") + f", {r['connect_cpu_s'] / n * 1e6:.0f} us of server CPU per upgrade"
+                f" (incl. {CONNECT_SETTLE_S:g} s after)",
+            ],
             [
                 f"N={n} formation: first join -> all assigned",
                 _cpu(r, "formation")

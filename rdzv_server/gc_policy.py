@@ -54,9 +54,9 @@ log = logging.getLogger("rdzv_server")
 # A young collection once 200,000 more tracked objects live than at the last one: a steady
 # server (heartbeats) then runs none at all, as what it allocates dies by reference counting
 # first; at 50,000 it ran one every ~0.3 s at 16,384 nodes, each scanning whatever was in
-# flight. Garbage cycles wait for up to that many objects (~30 MB; HOLD_THRESHOLD0 while
-# held, for at most MAX_HOLD_S); the middle generation is scanned every 5 young collections,
-# so it holds no more than at (50,000, 20): 1,000,000 objects.
+# flight. Garbage cycles wait for up to that many objects (~30 MB) between holds (what a hold
+# made is frozen: its cycles wait for the valve, below); the middle generation is scanned
+# every 5 young collections, so it holds no more than at (50,000, 20): 1,000,000 objects.
 GC_THRESHOLD = (200_000, 5, 100)  # young, middle, old (CPython's: 700 / 10 / 10)
 HOLD_THRESHOLD0 = 1_000_000  # the young threshold while held: a 16,384-node formation makes ~600,000
 FREEZE_AT = HOLD_THRESHOLD0 // 2  # while held, the tick freezes what waits past this (before CPython scans it)
