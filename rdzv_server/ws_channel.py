@@ -147,7 +147,7 @@ class WsChannel:
             self.direct
             and t is not None
             and not self.closing
-            and (self.queue is None or self.queue.empty())  # nothing earlier waits (the writer takes one as it runs)
+            and not self.queued()  # nothing earlier waits (the writer takes one as it runs)
             and t.get_write_buffer_size() < DIRECT_MAX_BUFFERED
             and not t.is_closing()
             and not self.ws.closed
