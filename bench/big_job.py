@@ -74,9 +74,9 @@ SPEC = {"heartbeat_timeout_s": 30.0}
 class BigClients(Clients):
     """bench/bigagents.py processes, driven like bench/simagents.py's."""
 
-    def __init__(self, n: int, url: str, follow: bool = False) -> None:
-        argv = [sys.executable, "-m", "bench.bigagents", url]
-        self.procs = C.start_clients(n, [*argv, "--follow"] if follow else argv)
+    def __init__(self, n: int, url: str, follow: bool = False, classic: bool = False) -> None:
+        argv = [sys.executable, "-m", "bench.bigagents", url, *(["--follow"] if follow else [])]
+        self.procs = C.start_clients(n, [*argv, "--classic"] if classic else argv)
 
     def one(self, i: int, cmd: dict) -> dict:
         p = self.procs[i]
@@ -155,6 +155,7 @@ def run(
     profile: str | None = None,
     etcd: int | None = None,
     lease_ttl: int | None = None,
+    classic: bool = False,
 ) -> dict:
     """One job of ``n`` nodes; ``etcd``: on that many ``--etcd`` replicas (bench/big_job_etcd.py,
     ``--etcd-lease-ttl lease_ttl``), else SQLite."""
@@ -162,7 +163,7 @@ def run(
     tmp = Path(tempfile.mkdtemp(prefix="rdzv-bench-big-"))
     job = f"big{n}-{os.getpid()}"
     spec = {"min_nodes": n - 1, "max_nodes": n, "last_call_s": 1.0, "scale_up_window_s": 0.1, **SPEC}
-    out: dict = {"nodes": n, "clients": n_clients, "load_before": C.loadavg()}
+    out: dict = {"nodes": n, "clients": n_clients, "load_before": C.loadavg(), "classic": classic}
     # every node connects before any joins: a long join deadline keeps the first ones open meanwhile
     python = _profiled(tmp, profile, per_pid=bool(etcd)) if profile else sys.executable
     if etcd:
@@ -175,9 +176,9 @@ def run(
     clients = None
     try:
         if isinstance(server, BigServer):
-            clients = BigClients(n_clients, server.url + "/v1/agent")
+            clients = BigClients(n_clients, server.url + "/v1/agent", classic=classic)
         else:  # every replica: the nodes follow the leader (bench/big_job_etcd.py)
-            clients = BigClients(n_clients, server.endpoint, follow=True)
+            clients = BigClients(n_clients, server.endpoint, follow=True, classic=classic)
         ids = [[f"n{i}", i] for i in range(n)]
         t0, cpu, ccpu = time.time(), C.cpu_ticks(server.pid), clients.cpu()
         clients.all(
@@ -304,7 +305,8 @@ def table(results: list[dict]) -> str:
             from .big_job_etcd import rows as etcd_rows
 
             rows += etcd_rows(r)
-    return C.md_table([f"big job ({results[0]['storage']})", "result"], rows)
+    how = ", classic round changes" if results[0].get("classic") else ""
+    return C.md_table([f"big job ({results[0]['storage']}{how})", "result"], rows)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -323,6 +325,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--lease-ttl", type=int, default=None, help="with --etcd: the replicas' --etcd-lease-ttl (default: bench.ha's)"
     )
+    p.add_argument(
+        "--classic",
+        action="store_true",
+        help="nodes offer no direct ports: every round change is restart, join again, assigned (as before)",
+    )
     a = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the server and clients are stopped on the way out
     ns = [int(x) for x in a.nodes.split(",") if x.strip()]
@@ -331,7 +338,9 @@ def main(argv: list[str] | None = None) -> None:
     log = lambda s: print(s, file=sys.stderr)  # noqa: E731
     if a.profile and len(ns) > 1:
         p.error("--profile: one N at a time")
-    results = [run(n, a.clients, a.live_s, log, a.profile, a.replicas if a.etcd else None, a.lease_ttl) for n in ns]
+    results = [
+        run(n, a.clients, a.live_s, log, a.profile, a.replicas if a.etcd else None, a.lease_ttl, a.classic) for n in ns
+    ]
     print(table(results))
     print(f"\nload average before/after: {results[0]['load_before']} / {results[-1]['load_after']}")
     if a.out:

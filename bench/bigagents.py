@@ -2,7 +2,9 @@
 (WebSocket clients on ``/v1/agent``, in client processes driven over pipes),
 but each node also follows its job through round changes as the agent does:
 on ``restart`` it joins again at once (its node secret, no workers to stop),
-and every ``assigned`` is recorded with its round and time. Its connections
+and every ``assigned`` is recorded with its round and time (or a ``restart``
+that carries the node's place: its joins offer direct ports, as the agent's;
+``--classic``: they offer none, and every ``restart`` is answered with a join). Its connections
 are bench/rawws.py's (each message taken where it is read, no task per node)
 and its heartbeats and pings bench/beats.py's (one task per process): the
 server sees what agents send, at the rates they send it, and the clients,
@@ -96,7 +98,8 @@ def _refused(frame: str) -> str | None:
     return "stale" if '"op":"error"' in frame and '"code":"stale_round"' in frame else None
 
 
-def join_fields(job: str, node_id: str, index: int, spec: dict) -> dict:
+def join_fields(job: str, node_id: str, index: int, spec: dict, classic: bool = False) -> dict:
+    port = 20000 + index % 40000
     return {
         "op": "join",
         "job_id": job,
@@ -104,16 +107,19 @@ def join_fields(job: str, node_id: str, index: int, spec: dict) -> dict:
         "host": f"sim{index}",
         "addr": "127.0.0.1",
         "local_world_size": 1,
-        "master_port": 20000 + index % 40000,
-        "probe_port": 20000 + index % 40000,  # as the agent's peer probes announce it (nobody probes here)
+        "master_port": port,
+        "probe_port": port,  # as the agent's peer probes announce it (nobody probes here)
         "spec": spec,
+        # as rdzv-agent's (session.DIRECT_PORTS): a round change's restart may carry its place
+        "direct_ports": [] if classic else [port + 1, port + 2, port + 3, port + 4],
     }
 
 
 class BigClient:
-    def __init__(self, url: str, follow: bool = False) -> None:
+    def __init__(self, url: str, follow: bool = False, classic: bool = False) -> None:
         self.url = url
         self.follow = follow
+        self.classic = classic  # offer no direct ports: join again after every restart
         self.nodes: dict[str, Node] = {}
         self.beats = Beats()
 
@@ -141,7 +147,8 @@ class BigClient:
         node: Node = conn.tag
         if conn is not node.ws:
             return  # an older connection's
-        if '"op":"assigned"' in data:
+        if '"op":"assigned"' in data or ('"op":"restart"' in data and '"assignment":{' in data):
+            # (a restart that carries the node's place: its round is the restart's, the first "round")
             m = _ROUND.search(data)
             node.round = int(m.group(1)) if m else json.loads(data)["assignment"]["round"]
             node.t_round = time.time()
@@ -200,7 +207,7 @@ class BigClient:
         sem = asyncio.Semaphore(256)
 
         async def one(node_id: str, index: int) -> None:
-            node = Node(node_id, join_fields(job, node_id, index, spec))
+            node = Node(node_id, join_fields(job, node_id, index, spec, self.classic))
             if self.follow:
                 from .follow import keep_linked
 
@@ -340,7 +347,8 @@ def main() -> None:
     # default thresholds, 0.1-0.2 s of each round change at 16,384 nodes), so these collect
     # as the server does
     tune_gc()
-    asyncio.run(BigClient(sys.argv[1], follow="--follow" in sys.argv[2:]).serve())
+    flags = sys.argv[2:]
+    asyncio.run(BigClient(sys.argv[1], follow="--follow" in flags, classic="--classic" in flags).serve())
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """What the server's CPU pays per node for a re-formation of one big job, in process.
 
-    python -m bench.join_cost [--nodes 16384] [--reps 5] [--backend sqlite|memory] [--profile FILE]
+    python -m bench.join_cost [--nodes 16384] [--reps 5] [--backend sqlite|memory] [--profile FILE] [--direct]
 
 One job of N nodes is formed through the real Store (its Metrics and EventLog
 as the app makes them, SQLite in a temporary data dir by default, as
@@ -23,6 +23,12 @@ rejoin
 complete
     the last join: the round completes, each member's ``assigned`` is built,
     serialized and framed, the round written to storage.
+
+``--direct``: the joins offer direct ports (as rdzv-agent's), so each
+re-formation is one step, the leave: the round opens and is formed at once,
+each survivor's ``restart`` carrying its place (design.md "Direct
+re-formation"); only its total is shown (at most 4 reps: rank 0 offered 4
+ports, and the formation took one as the next).
 
 Each phase in CPU microseconds (``time.process_time``) per survivor, the best
 of ``--reps``; "total" is the best re-formation as a whole, and the part of
@@ -123,8 +129,9 @@ def ip_of(i: int) -> str:
     return f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}"
 
 
-def frame_of(i: int, spec: JobSpec, secret: str | None = None, run: int | None = None) -> str:
-    """Node ``i``'s join as its agent sends it (after ``restart``: its secret and run)."""
+def frame_of(i: int, spec: JobSpec, secret: str | None = None, run: int | None = None, direct: bool = False) -> str:
+    """Node ``i``'s join as its agent sends it (after ``restart``: its secret and run;
+    ``direct``: offering direct ports, as rdzv-agent's)."""
     msg = JoinMsg(
         job_id=JOB,
         node_id=f"node{i:06d}",
@@ -136,11 +143,12 @@ def frame_of(i: int, spec: JobSpec, secret: str | None = None, run: int | None =
         node_secret=secret,
         run=run,
         probe_port=29400,
+        direct_ports=[29501, 29502, 29503, 29504] if direct else [],
     )
     return msg.model_dump_json(exclude_none=True)
 
 
-async def _run(n: int, reps: int, backend: str, profile: cProfile.Profile | None) -> dict[str, Any]:
+async def _run(n: int, reps: int, backend: str, profile: cProfile.Profile | None, direct: bool) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="rdzv-bench-join-"))
     clock = [1000.0]
     metrics = Metrics()
@@ -155,10 +163,10 @@ async def _run(n: int, reps: int, backend: str, profile: cProfile.Profile | None
     spec = JobSpec(min_nodes=max(1, n - reps - 1), max_nodes=n, heartbeat_timeout_s=3600, join_timeout_s=3600)
     transports = [Transport(ip_of(i)) for i in range(n)]
     chans = [WsChannel(Ws(), t, t.peer[0]) for t in transports]  # type: ignore[arg-type]
-    out: dict[str, Any] = {"nodes": n, "reps": reps, "backend": backend, "load_before": C.loadavg()}
+    out: dict[str, Any] = {"nodes": n, "reps": reps, "backend": backend, "direct": direct, "load_before": C.loadavg()}
     try:
         # formation: N new nodes (measured once)
-        frames = [frame_of(i, spec) for i in range(n)]
+        frames = [frame_of(i, spec, direct=direct) for i in range(n)]
         t = time.process_time()
         for i, text in enumerate(frames):
             msg = AGENT_MESSAGE.validate_json(text)
@@ -191,25 +199,28 @@ async def _run(n: int, reps: int, backend: str, profile: cProfile.Profile | None
                 t0 = time.process_time()
                 store.leave(JOB, f"node{lost:06d}", "bench", chans[lost])
                 t1 = time.process_time()
-                for k in range(last):  # each frame as the agent channel takes it: parsed, counted, joined
+                # each frame as the agent channel takes it: parsed, counted, joined (direct: none)
+                for k in range(0 if direct else last):
                     msg = AGENT_MESSAGE.validate_json(frames[k])
                     counted(msg.op)
                     _dispatch(store, msg, None, chans[live[k]])  # type: ignore[arg-type]
                 t2 = time.process_time()
-                msg = AGENT_MESSAGE.validate_json(frames[last])
-                counted(msg.op)
-                _dispatch(store, msg, None, chans[live[last]])  # type: ignore[arg-type]
+                if not direct:
+                    msg = AGENT_MESSAGE.validate_json(frames[last])
+                    counted(msg.op)
+                    _dispatch(store, msg, None, chans[live[last]])  # type: ignore[arg-type]
                 t3 = time.process_time()
                 if profile is not None:
                     profile.disable()
-            spent = {"restart": t1 - t0, "rejoin": t2 - t1, "complete": t3 - t2, "parse": parse}
+            spent = {"restart": t1 - t0, "rejoin": t2 - t1, "complete": t3 - t2, "parse": 0.0 if direct else parse}
             spent |= {"gc": gc_time.spent, "total": t3 - t0}
             for phase, sec in spent.items():
                 best[phase] = min(best[phase], sec / len(live) * 1e6)
             job = store.jobs[JOB]
             assert job.state.value == "running" and job.round == rep + 1 and len(job.order) == len(live)
             told = sum(len(transports[i].frames) for i in live)
-            assert told == 2 * len(live), f"{told} frames for {len(live)} survivors: restart and assigned each"
+            each = 1 if direct else 2
+            assert told == each * len(live), f"{told} frames for {len(live)} survivors: restart (and assigned) each"
             for i in live:
                 transports[i].frames.clear()
         out.update({f"{k}_us": v for k, v in best.items()})
@@ -261,11 +272,15 @@ def _assigned_parts(store: Store, job: Any) -> dict[str, float]:
     return {f"assigned_{k}_us": v for k, v in best.items()} | {"assigned_bytes": len(out[len(out) // 2])}
 
 
-def run(n: int, reps: int = 5, backend: str = "sqlite", profile: cProfile.Profile | None = None) -> dict[str, Any]:
-    return asyncio.run(_run(n, reps, backend, profile))
+def run(
+    n: int, reps: int = 5, backend: str = "sqlite", profile: cProfile.Profile | None = None, direct: bool = False
+) -> dict[str, Any]:
+    return asyncio.run(_run(n, reps, backend, profile, direct))
 
 
 def table(r: dict[str, Any]) -> str:
+    if r.get("direct"):
+        return _direct_table(r)
     rows = [
         ["restart (a member leaves: the round opens, restart to every survivor)", f"{r['restart_us']:.1f}"],
         ["rejoin (each survivor's join frame parsed, counted and joined; no joined reply)", f"{r['rejoin_us']:.1f}"],
@@ -283,6 +298,17 @@ def table(r: dict[str, Any]) -> str:
     )
 
 
+def _direct_table(r: dict[str, Any]) -> str:
+    rows = [
+        ["a member leaves: the round opens and is formed, each survivor's restart carries its place", ""],
+        ["total", f"{r['total_us']:.1f}"],
+        ["- of which in garbage collections", f"{r['gc_us']:.1f}"],
+        ["formation (the first joins, once)", f"{r['formation_us']:.1f}"],
+    ]
+    head = f"{r['nodes']:,} nodes, {r['backend']}, direct re-formation, best of {r['reps']}: CPU µs per survivor"
+    return C.md_table([head, "µs"], rows) + f"\n\nload average {r['load_before']} -> {r['load_after']}"
+
+
 def main() -> None:
     from rdzv_server.gc_policy import tune_gc
 
@@ -292,12 +318,13 @@ def main() -> None:
     p.add_argument("--backend", choices=("sqlite", "memory"), default="sqlite")
     p.add_argument("--profile", metavar="FILE", help="cProfile the re-formations; stats to FILE, top 40 printed")
     p.add_argument("--out", default=None)
+    p.add_argument("--direct", action="store_true", help="joins offer direct ports (as rdzv-agent's): one phase")
     a = p.parse_args()
     with open(os.devnull, "w") as null:
         logging.basicConfig(level=logging.INFO, stream=null)  # the server's default level, written nowhere
         tune_gc()
         prof = cProfile.Profile() if a.profile else None
-        r = run(a.nodes, a.reps, a.backend, prof)
+        r = run(a.nodes, min(a.reps, 4) if a.direct else a.reps, a.backend, prof, a.direct)
         print(table(r))
         if prof is not None:
             prof.dump_stats(a.profile)

@@ -85,6 +85,7 @@ class Agent(ServerReactions):
             job_secret=cfg.job_secret,
             requested_rank=cfg.node_rank,
             new_run=cfg.new_run,
+            direct=cfg.health_check is None,  # a health check runs between rounds: it joins again after each
         )
         self.phase = Phase.JOINING
         self._link: AgentLink | None = None  # set once run() connects

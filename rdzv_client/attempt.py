@@ -152,6 +152,22 @@ def cannot_start(cfg: AgentConfig, a: Assignment, e: OSError) -> ExitRecord:
     )
 
 
+def store_port_taken(a: Assignment) -> ExitRecord:
+    """The failure to report when rank 0's store port of round ``a`` is taken
+    before its workers start (``reason`` "store_port": not charged)."""
+    from rdzv_common.protocol import ExitRecord
+
+    return ExitRecord(
+        local_rank=0,
+        rank=a.rank_offset,
+        pid=0,
+        exit_code=STORE_PORT_EXIT,
+        message=f"the store port {a.master_port} of round {a.round} is taken by another process",
+        timestamp=time.time(),
+        reason="store_port",
+    )
+
+
 def note_failures(
     cfg: AgentConfig,
     a: Assignment,

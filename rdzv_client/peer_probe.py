@@ -263,7 +263,7 @@ def attach(session: Any, link: Any) -> PeerProbe | None:
         if heard is not None:
             heard(msg)
         op = getattr(msg, "op", None)
-        if op == "assigned":
+        if op in ("assigned", "restart") and msg.assignment is not None:  # (a restart may carry the place)
             a = msg.assignment
             key = bytes.fromhex(a.probe_key) if a.probe_key is not None else None
             probe.watch(a.round, [(p.node_id, p.addr, p.port) for p in a.watch], key)

@@ -16,12 +16,15 @@ from typing import TYPE_CHECKING
 from rdzv_common.errors import ErrorCode, RdzvError
 from rdzv_common.wire import printable
 
+from .attempt import store_port_taken
 from .quiet import Quiet
-from .session import Heard, Meaning, classify
+from .session import Heard, Meaning, classify, port_taken
 from .status import first_line
 
 if TYPE_CHECKING:
-    from rdzv_common.protocol import Assignment, ServerMessage, WaitingInfo
+    import asyncio
+
+    from rdzv_common.protocol import Assignment, RestartMsg, ServerMessage, WaitingInfo
 
     from .client import AgentLink
     from .config import AgentConfig
@@ -72,6 +75,7 @@ class ServerReactions:
     _held_for: str | None
     _quiet: Quiet  # what a server can make this agent repeat at each join, said at most every 30 s
     failure_summary: tuple[int, str] | None  # (round, torchrun's block) of this node's last failure
+    signals: asyncio.Queue[int]  # signals the loop has yet to handle
 
     if TYPE_CHECKING:  # the agent's own, used here
 
@@ -146,17 +150,7 @@ class ServerReactions:
                 return None
             await self._start_workers(a)
         elif isinstance(msg, RestartMsg):
-            self.link.clear_reports()
-            if self.assignment is not None and msg.round <= self.assignment.round:
-                return None
-            if self._keep_workers(msg.round):
-                self._say(
-                    "round %d: %s; workers stay in place; rejoining", msg.round, printable(first_line(msg.reason))
-                )
-            else:
-                self._say("round %d: %s; stopping workers and rejoining", msg.round, printable(first_line(msg.reason)))
-                await self._stop_workers()
-            await self._join_when_healthy(rejoining=True)  # after a signal: the loop handles it next
+            await self._on_restart(msg)
         elif isinstance(msg, DoneMsg):
             self.link.clear_reports()
             await self._stop_workers()
@@ -179,6 +173,39 @@ class ServerReactions:
                 self._say("workers succeeded; done")
                 return 0
         return None
+
+    async def _on_restart(self, msg: RestartMsg) -> None:
+        """A round change: stop the workers (in place: keep them), then join
+        again; or, when the restart carries this node's place (the server
+        formed the round itself, design.md "Direct re-formation"), start it."""
+        self.link.clear_reports()
+        if self.assignment is not None and msg.round <= self.assignment.round:
+            return
+        a = msg.assignment
+        problem = self.session.check_assignment(a) if a is not None else None
+        if a is not None and problem is None and a.round != msg.round:
+            problem = f"the assignment of round {a.round} came with the restart of round {msg.round}"
+        if problem is not None:
+            self.link.protocol_error(f"round {msg.round}: {problem}")
+            return
+        why, then = printable(first_line(msg.reason)), "rejoining" if a is None else "taking its place"
+        if self._keep_workers(msg.round):
+            self._say("round %d: %s; workers stay in place; %s", msg.round, why, then)
+        else:
+            self._say("round %d: %s; stopping workers and %s", msg.round, why, then)
+            await self._stop_workers()
+        if a is None:
+            await self._join_when_healthy(rejoining=True)  # after a signal: the loop handles it next
+        elif not self.signals.empty():  # the loop handles it first (it leaves the round)
+            return
+        elif a.group_rank == 0 and self.group is None and port_taken(a.master_port):
+            # offered at its join and taken since by another process: a new round, charged to no one
+            self._say("round %d: its store port %d is taken; reporting it (not charged)", a.round, a.master_port)
+            self.session.resume(a)
+            self.phase = Phase.REPORTED
+            self.session.report_failed(a.round, [store_port_taken(a)])
+        else:
+            await self._start_workers(a)
 
     async def _on_new_node(self, heard: Heard) -> int | None:
         """The server has no node of ours under this id (evicted, or its node of
@@ -206,8 +233,10 @@ class ServerReactions:
         if code == ErrorCode.STALE_ROUND:
             if self.phase is Phase.SUCCEEDED:
                 return 0  # our success was recorded before the connection dropped
-            if self.group is not None and self.phase is Phase.RUNNING:
-                # we resumed a round that is over: stop and join the next one
+            if self.group is not None and self.phase is Phase.RUNNING and not self.session.direct:
+                # we resumed a round that is over: stop and join the next one (a server tells a
+                # session that offers direct ports that with the next round's restart, so its
+                # stale round is a report's, sent before that restart: harmless, below)
                 self._say("%s; stopping workers and rejoining", printable(message))
                 await self._stop_workers()
                 self._join()

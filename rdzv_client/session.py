@@ -128,6 +128,11 @@ def _ascii_label(host: str) -> str:
     return "".join(c if (c.isascii() and c.isalnum()) or c in "._-" else "-" for c in host)
 
 
+# ports each join offers for the rounds this node holds rank 0 in without a join again
+# (JoinMsg.direct_ports; at most wire.MAX_DIRECT_PORTS): the next join brings fresh ones
+DIRECT_PORTS = 4
+
+
 def new_node_id(host: str) -> str:
     """host, pid and a random suffix: IP addresses make poor ids (reused)."""
     clean = _ascii_label(host)[:80].lstrip("-._") or "node"
@@ -140,14 +145,42 @@ def host_label(host: str) -> str:
 
 def free_port(addr: str) -> int:
     """A port free on this node now: MASTER_PORT, fresh for every round."""
+    return free_ports(addr, 1)[0]
+
+
+def free_ports(addr: str, n: int, besides: int | None = None) -> list[int]:
+    """``n`` distinct ports free on this node now (bound together, so the
+    kernel cannot hand one out twice), none of them ``besides``."""
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < n:
+            s = socket.socket(family, socket.SOCK_STREAM)
+            held.append(s)
+            try:
+                s.bind((addr, 0))
+            except OSError:
+                s.bind(("", 0))
+            port: int = s.getsockname()[1]
+            if port != besides:
+                ports.append(port)
+    finally:
+        for s in held:
+            s.close()
+    return ports
+
+
+def port_taken(port: int) -> bool:
+    """Whether a store could not listen on ``port`` now (bound as torch's
+    TCPStore binds: every address, SO_REUSEADDR): another process took it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((addr, 0))
+            s.bind(("", port))
         except OSError:
-            s.bind(("", 0))
-        port: int = s.getsockname()[1]
-        return port
+            return True
+    return False
 
 
 def route_addr(host: str, port: int) -> str:
@@ -181,8 +214,11 @@ class NodeSession:
         job_secret: str | None = None,
         requested_rank: int | None = None,
         new_run: bool = True,
+        direct: bool = False,
     ) -> None:
         self.job_id = job_id
+        # its joins offer DIRECT_PORTS: a round change's restart may carry its place (no join again)
+        self.direct = direct
         self.host = host
         self.nproc = nproc
         self.spec: dict[str, Any] = spec if isinstance(spec, dict) else spec.model_dump()
@@ -245,13 +281,14 @@ class NodeSession:
         addr = self.addr
         if addr is None:
             raise RuntimeError("NodeSession.addr is set before the node joins")
+        master_port = resume.master_port if resume is not None else free_port(addr)
         return join_fields(
             job_id=self.job_id,
             node_id=self.node_id,
             host=host_label(self.host),
             addr=addr,
             local_world_size=self.nproc,
-            master_port=resume.master_port if resume is not None else free_port(addr),
+            master_port=master_port,
             spec=self.spec,
             requested_rank=self.requested_rank,
             resume_round=resume.round if resume is not None else None,
@@ -260,6 +297,7 @@ class NodeSession:
             run=self.run,
             new_run=self.new_run,
             probe_port=self.probe_port,
+            direct_ports=free_ports(addr, DIRECT_PORTS, besides=master_port) if self.direct else None,
         )
 
     def join(self) -> None:

@@ -30,7 +30,6 @@ error tree.
 
 from __future__ import annotations
 
-import re
 from itertools import pairwise
 from typing import Annotated, Literal
 
@@ -77,6 +76,7 @@ from .fields import (  # noqa: F401  (re-exported: the wire contract is one impo
     Secret,
     Strict,
 )
+from .host_requests import MAX_HOST_REASON, CordonRequest, HealthReport, is_valid_host  # noqa: F401  (re-exported)
 from .job_spec import JobSpec, heartbeat_interval  # noqa: F401  (re-exported)
 from .rest_models import (  # noqa: F401  (re-exported: the wire contract is one import)
     DEFAULT_PAGE,
@@ -118,6 +118,7 @@ from .wire import (  # noqa: F401  (re-exported: the wire contract is one import
     HOST_PATTERN,
     ID_PATTERN,
     MAX_BODY_BYTES,
+    MAX_DIRECT_PORTS,
     MAX_FAILURES_PER_REPORT,
     MAX_ID_LEN,
     MAX_NODES,
@@ -154,7 +155,8 @@ class ExitRecord(Strict):
     # hang timeout), "timer" (a torch elastic FileTimer expired); None: it ended by itself;
     # "collective": in-place mode, the worker lives, parked after a collective failed
     # (an echo: it only loses a member whose connection dropped, see rounds.fail);
-    # "store_port": in-place rank 0 found the round's store port taken (not charged, see rounds.fail)
+    # "store_port": rank 0's store port was taken by another process: in-place rank 0 found it, or the
+    # agent before starting its workers (not charged, see rounds.fail)
     reason: Literal["hang", "timer", "collective", "store_port"] | None = None
     last_step: int | None = Field(default=None, ge=0, le=2**53)  # its last progress() step, if any
     # its last stderr lines, the first failure's only (left out of the frame when None)
@@ -218,6 +220,17 @@ class JoinMsg(Strict):
     # the UDP port at ``addr`` where this node's agent answers its peers' probes
     # (rdzv_client.peer_probe); None: it does not (its peers never suspect it)
     probe_port: Port | None = None
+    # ports free on ``addr`` at this join besides ``master_port``: this agent takes a round
+    # change's place with its ``restart`` (no join again), and these are its MASTER_PORTs for
+    # the rounds it holds rank 0 in that way (design.md "Direct re-formation"). Empty: it joins
+    # again after every ``restart``
+    direct_ports: list[Port] = Field(default_factory=list, max_length=MAX_DIRECT_PORTS)
+
+    @model_validator(mode="after")
+    def _fresh_ports(self) -> JoinMsg:
+        if len(set(self.direct_ports)) != len(self.direct_ports) or self.master_port in self.direct_ports:
+            raise ValueError(f"direct_ports {self.direct_ports} must differ from each other and from master_port")
+        return self
 
 
 TimingSeconds = Annotated[float, Field(ge=0, le=MAX_TIMING_WINDOW_S, allow_inf_nan=False)]
@@ -447,11 +460,15 @@ class SpareMsg(Strict):
 
 
 class RestartMsg(Strict):
-    """Round ``round`` is forming: stop your workers, then join it."""
+    """Round ``round`` is forming: stop your workers, then join it. With
+    ``assignment`` (only to a node whose join offered ``direct_ports``): the
+    round is formed already and this is the node's place in it; stop (or, in
+    place, keep) the workers and start it, without a join."""
 
     op: Literal["restart"] = "restart"
     round: RoundNo
     reason: str
+    assignment: Assignment | None = None
 
 
 class EvictedMsg(Strict):
@@ -524,29 +541,3 @@ class JobView(BaseModel):
     )
     culprit: CulpritView | None = Field(default=None, description="this run's latest failure and its stderr tail")
     departed: list[DepartedView] = Field(default_factory=list, description="nodes that left, oldest first")
-
-
-MAX_HOST_REASON = 300
-HOST_RE = re.compile(HOST_PATTERN)
-
-
-def is_valid_host(value: str) -> bool:
-    return 0 < len(value) <= 255 and bool(HOST_RE.fullmatch(value))
-
-
-class CordonRequest(Strict):
-    """``POST /v1/hosts/{host}/cordon``: no new admissions from the host (for
-    ``ttl_s`` seconds, or until uncordoned); ``drain``: replace its running
-    nodes at once."""
-
-    reason: str = Field(min_length=1, max_length=MAX_HOST_REASON)
-    ttl_s: Seconds | None = None
-    drain: bool = False
-
-
-class HealthReport(Strict):
-    """``POST /v1/hosts/{host}/health``: an agent's health check failed on the
-    host (``reason``: the check's last line); counted against the host."""
-
-    job_id: Id | None = None
-    reason: str = Field(min_length=1, max_length=MAX_HOST_REASON)

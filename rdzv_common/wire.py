@@ -52,6 +52,9 @@ MAX_ID_LEN = 128
 MAX_NPROC = 1024
 MAX_BODY_BYTES = 64 * 1024
 MAX_FAILURES_PER_REPORT = MAX_NPROC
+# Ports a join may offer for rounds formed without a join again (JoinMsg.direct_ports): the
+# agent offers DIRECT_PORTS (rdzv_client.session); a server takes at most this many.
+MAX_DIRECT_PORTS = 8
 # A progress heartbeat's per-rank timings (HeartbeatMsg.timings, rdzv_client.steptime): one entry
 # per local rank, at most MAX_TIMINGS (the first local ranks: ~100 bytes each, a frame stays far
 # below MAX_BODY_BYTES); a window, and the compute and wait in it, of at most MAX_TIMING_WINDOW_S.
@@ -138,6 +141,7 @@ def join_fields(
     run: int | None = None,
     new_run: bool = True,
     probe_port: int | None = None,
+    direct_ports: list[int] | None = None,
 ) -> dict[str, Any]:
     """A join as the plain JSON object ``JoinMsg`` serializes to (field for
     field, in its order). The values are the agent's own, checked where they
@@ -158,6 +162,7 @@ def join_fields(
         "run": run,
         "new_run": new_run,
         "probe_port": probe_port,
+        "direct_ports": list(direct_ports or ()),
     }
 
 

@@ -132,6 +132,16 @@ class Hosts:
         rec = self.records.get(host)
         return rec is not None and rec.cordon_active(now)
 
+    def cools_down(self, host: str, now: float) -> bool:
+        rules, rec = self.rules, self.records.get(host)
+        if rules.failures <= 0 or (rec is not None and rec.cooling(now)):
+            return False
+        return (len(self._recent(rec, now)) if rec is not None else 0) + 1 >= rules.failures
+
+    def _recent(self, rec: HostRecord, now: float) -> list[Failure]:
+        """The failures of ``rec`` that count towards its next cool-down."""
+        return [f for f in rec.failures if f.at > now - self.rules.window_s and f.at >= rec.counted_from]
+
     def draining(self, host: str, now: float) -> bool:
         rec = self.records.get(host)
         return rec is not None and rec.drain and rec.cordon_active(now)
@@ -170,7 +180,7 @@ class Hosts:
         rules = self.rules
         if rules.failures <= 0 or rec.cooling(now):
             return rec, False, evicted
-        recent = [f for f in rec.failures if f.at > now - rules.window_s and f.at >= rec.counted_from]
+        recent = self._recent(rec, now)
         if len(recent) < rules.failures:
             return rec, False, evicted
         span = rules.cooldown(rec.cooldowns)

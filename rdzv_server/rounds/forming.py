@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rdzv_common.protocol import AssignedMsg, Assignment, JobState, SpareMsg, WatchPeer
+from rdzv_common.protocol import AssignedMsg, Assignment, JobState, RestartMsg, SpareMsg, WatchPeer
 
 from . import events
 from .model import REJOINING, RUNNING, SPARE, WAITING, Effects, Job, Node, blocked, count, move, natural_key
@@ -34,6 +34,36 @@ def _check_complete(job: Job, now: float) -> Effects:
     else:
         job.last_call_deadline = None
     return Effects()
+
+
+def reform_directly(job: Job, rejoining: list[Node], reason: str, now: float) -> Effects | None:
+    """A round just opened (``reason``) completes at once when every member
+    left (``rejoining``) offered direct ports, none is a replaced straggler, no
+    host of a node to place is blocked, and ``min_nodes`` are there: the server
+    knows who lives, and a member's join again would tell it nothing. Each
+    member's ``restart`` carries its place (one message where three were:
+    restart, join, assigned); newcomers and promoted spares get ``assigned``.
+    None: the round forms as before (members told to join again)."""
+    if not rejoining or any(n.direct_ports is None or n.replaced is not None for n in rejoining):
+        return None
+    if count(job, WAITING) + len(rejoining) < job.spec.min_nodes:
+        return None
+    if job.gate is not None and any(
+        blocked(job, n, now) is not None for n in job.nodes.values() if n.state in (WAITING, REJOINING)
+    ):
+        return None
+    for node in rejoining:
+        move(job, node, WAITING)
+    fx = _complete(job, now)
+    assert not job.forming  # every candidate admissible, min_nodes of them
+    carried = {n.node_id for n in rejoining}
+    fx.sends = [
+        (nid, RestartMsg(round=job.round, reason=reason, assignment=msg.assignment))
+        if nid in carried and isinstance(msg, AssignedMsg)
+        else (nid, msg)
+        for nid, msg in fx.sends
+    ]
+    return fx
 
 
 def assign_ranks(prev_order: list[str], candidates: list[Node], world: int) -> tuple[list[Node], list[Node]]:
@@ -85,7 +115,13 @@ def _complete(job: Job, now: float) -> Effects:
     job.order = [n.node_id for n in members]
     job.state = JobState.RUNNING
     job.world_size = sum(n.local_world_size for n in members)
-    job.master_addr, job.master_port = members[0].addr, members[0].master_port
+    head = members[0]
+    job.master_addr, job.master_port = head.addr, head.master_port
+    # the next round it holds rank 0 in without a join needs a port no store of this one listens on
+    if head.direct_ports:
+        head.master_port = head.direct_ports.pop(0)
+    else:
+        head.direct_ports = None  # none left: it joins again (a fresh master_port) first
     job.last_call_deadline = job.join_deadline = job.scale_up_deadline = None
     rec = job.history[-1]
     rec.completed_at, rec.world_size, rec.nodes = now, job.world_size, len(members)

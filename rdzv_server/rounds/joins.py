@@ -182,6 +182,7 @@ def join(job: Job, msg: JoinMsg, now: float, node_secret: str | None = None, see
         _check_node_secret(job, node, msg)
     if node is not None and node.state == RUNNING and not job.forming and msg.resume_round in (None, job.round):
         _probed_at(node, msg, seen_addr)  # (its peers hear of a new one with the next round)
+        _offered(job, node, msg)
         return _reconnect(job, node, now)
     if msg.resume_round is not None:
         fx = _resume(job, node, msg, now)
@@ -232,6 +233,14 @@ def _resume(job: Job, node: Node | None, msg: JoinMsg, now: float) -> Effects | 
         raise EvictedError(f"node {msg.node_id!r} is not part of job {job.job_id!r} any more (evicted)")
     if node.state == SUCCEEDED:
         raise StaleRoundError(f"node {msg.node_id!r} already reported success in round {job.round}")
+    if node.state == RUNNING and msg.direct_ports and msg.resume_round is not None and msg.resume_round < job.round:
+        # placed in this round by its restart (reform_directly), which it missed: that restart again
+        _heard(node, now)
+        _offered(job, node, msg)
+        fx = Effects()
+        reason = job.history[-1].reason
+        fx.send(node.node_id, RestartMsg(round=job.round, reason=reason, assignment=_assignment(job, node)))
+        return fx
     if node.state == RUNNING:  # running in the current round but resuming an older one
         raise StaleRoundError(f"round {msg.resume_round} is over; job {job.job_id!r} runs round {job.round}")
     if node.state == REJOINING:
@@ -254,6 +263,7 @@ def _new_node(job: Job, msg: JoinMsg, now: float, node_secret: str | None) -> No
         requested_rank=msg.requested_rank,
         last_seen=now,
         joined_at=now,
+        direct_ports=list(msg.direct_ports) or None,
         secret_hash=node_secret_hash(node_secret) if node_secret is not None else None,
     )
     job.nodes[node.node_id] = node
@@ -265,8 +275,21 @@ def _rejoin(node: Node, msg: JoinMsg, now: float) -> None:
     it may come back with a new address, port or size."""
     node.host, node.addr = msg.host, msg.addr
     node.local_world_size, node.master_port = msg.local_world_size, msg.master_port
+    node.direct_ports = list(msg.direct_ports) or None
     node.requested_rank = msg.requested_rank
     _heard(node, now)
+
+
+def _offered(job: Job, node: Node, msg: JoinMsg) -> None:
+    """A member's resume offers fresh direct ports (a new leader does not keep
+    them): they replace its unused ones; and as the running round's rank 0 its
+    ``master_port`` may still be the port that round's store listens on (a
+    record saved before direct ports existed): then it takes a fresh one."""
+    if not msg.direct_ports:
+        return
+    node.direct_ports = list(msg.direct_ports)
+    if node.group_rank == 0 and node.master_port == job.master_port:
+        node.master_port = node.direct_ports.pop(0)
 
 
 def _enter(job: Job, node: Node, now: float, issued: str | None, new: bool, known: bool = False) -> Effects:

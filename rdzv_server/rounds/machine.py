@@ -48,7 +48,7 @@ from rdzv_common.sizes import MAX_CAUSE_BYTES, MAX_REASON_BYTES, clip
 
 from . import departed, events
 from .culprit import culprit
-from .forming import _check_complete, _complete
+from .forming import _check_complete, _complete, reform_directly
 from .model import (
     REJOINING,
     RUNNING,
@@ -207,7 +207,11 @@ def fail(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], now:
     if port_taken:
         return fx.merge(_open_round(job, f"store port taken, not charged: {cause}", now))
     job.restarts += 1
-    opened = _open_round(job, f"worker failure: {cause} (restart {job.restarts}/{job.spec.max_restarts})", now)
+    # a failure that cools its host down holds its node out of the next round at its join: it must join
+    cools = job.gate is not None and not port_taken and job.gate.cools_down(node.host, now)
+    opened = _open_round(
+        job, f"worker failure: {cause} (restart {job.restarts}/{job.spec.max_restarts})", now, direct=not cools
+    )
     fx.event(events.restart_charged(job))  # (the round it opened, that round's reason)
     return fx.merge(opened)
 
@@ -446,8 +450,10 @@ def _lose(job: Job, node_id: str, why: str, now: float, *, evict: bool, lost: bo
     return fx
 
 
-def _open_round(job: Job, reason: str, now: float) -> Effects:
-    """Round r+1 opens: running members must stop their workers and rejoin."""
+def _open_round(job: Job, reason: str, now: float, direct: bool = True) -> Effects:
+    """Round r+1 opens: running members must stop their workers and rejoin; or,
+    when the server can place them itself, it is formed at once and each
+    member's ``restart`` carries its place (:func:`.forming.reform_directly`)."""
     fx = Effects(persist=True)
     previous = job.state.value
     job.prev_order = [n for n in job.order if n in job.nodes and job.nodes[n].state == RUNNING]
@@ -463,12 +469,12 @@ def _open_round(job: Job, reason: str, now: float) -> Effects:
     reason = clip(reason, MAX_REASON_BYTES)
     rec = RoundRecord(round=job.round, reason=reason, started_at=now)
     add_round(job, rec, MAX_HISTORY)
-    restart = RestartMsg(round=job.round, reason=reason)  # one message for all members
+    rejoining: list[Node] = []
     for node in list(job.nodes.values()):
         node.group_rank, node.rank_offset = None, 0  # ranks are the next round's to give
         if node.state == RUNNING:
             move(job, node, REJOINING)
-            fx.send(node.node_id, restart)
+            rejoining.append(node)
         elif node.state == SUCCEEDED:
             move(job, node, None)  # it exited; it will not come back
             departed.note(job.departed, node.node_id, node.host, job.round - 1, "succeeded", now)
@@ -478,6 +484,12 @@ def _open_round(job: Job, reason: str, now: float) -> Effects:
     fx.event(events.round_opened(job, rec, job.prev_order))
     if previous != job.state.value:
         fx.event(events.job_state(job, previous))
+    formed = reform_directly(job, rejoining, reason, now) if direct else None
+    if formed is not None:
+        return fx.merge(formed)
+    restart = RestartMsg(round=job.round, reason=reason)  # one message for all members
+    for node in rejoining:
+        fx.send(node.node_id, restart)
     return fx.merge(_check_complete(job, now))
 
 

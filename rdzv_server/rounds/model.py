@@ -83,6 +83,10 @@ class Node:
     probe_port: int | None = None  # where its agent answers peers' probes (rdzv_client.peer_probe)
     # the address its peers probe: the one its connection came from, not its join's word (rounds.probe_addr)
     probe_addr: str | None = None
+    # the ports its agent offered for rounds it is placed in without a join (JoinMsg.direct_ports),
+    # not yet used; ``master_port`` is always one its workers never listened on (forming._complete).
+    # None: its agent joins again after every restart (an old one, a health check, or no port left)
+    direct_ports: list[int] | None = None
     # straggler_policy "replace": why this straggler was replaced; its next join makes it
     # a spare, told this (see progress.check_stragglers); None: not replaced
     replaced: str | None = None
@@ -131,6 +135,9 @@ class HostGate(Protocol):
 
     def cordoned(self, host: str, now: float) -> bool:
         """Whether an operator's cordon (not only a cool-down) blocks ``host``."""
+
+    def cools_down(self, host: str, now: float) -> bool:
+        """Whether one more failure counted against ``host`` now cools it down."""
 
 
 @dataclass

@@ -32,6 +32,7 @@ _NOT_SAVED_NODE = frozenset(
         "nccl_lag_at",
         "probe_port",  # the node's next join (a resume too) brings it back
         "probe_addr",  # ... and its connection this one
+        "direct_ports",  # ... and fresh ones (those of a node that does not come back are of no use)
         "lost_why",
     }
 )

@@ -16,10 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 
 
-def test_join_cost_bench_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "join_cost.json"
+def _bench(*argv: str) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.join_cost", "--nodes", "32", "--reps", "2", "--out", str(out)],
+        [sys.executable, "-m", "bench.join_cost", *argv],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -27,6 +26,12 @@ def test_join_cost_bench_smoke(tmp_path: Path) -> None:
         start_new_session=True,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_join_cost_bench_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "join_cost.json"
+    proc = _bench("--nodes", "32", "--reps", "2", "--out", str(out))
     assert "| 32 nodes, sqlite, best of 2: CPU µs per survivor | µs |" in proc.stdout, proc.stdout
     rows = ("| restart (", "| rejoin (", "| - of which the parse", "| complete (", "| total |", "| one assigned: build")
     for row in rows:
@@ -36,3 +41,12 @@ def test_join_cost_bench_smoke(tmp_path: Path) -> None:
     for key in ("restart_us", "rejoin_us", "parse_us", "complete_us", "total_us", "formation_us", "assigned_build_us"):
         assert r[key] > 0, r
     assert r["gc_us"] >= 0 and r["total_us"] >= r["rejoin_us"] and r["assigned_bytes"] > 100
+
+
+def test_join_cost_bench_direct_smoke(tmp_path: Path) -> None:
+    """``--direct``: each re-formation is the leave alone, one restart (with its place) per survivor."""
+    out = tmp_path / "join_cost.json"
+    proc = _bench("--nodes", "32", "--reps", "9", "--direct", "--out", str(out))
+    assert "| 32 nodes, sqlite, direct re-formation, best of 4: CPU µs per survivor | µs |" in proc.stdout, proc.stdout
+    r = json.loads(out.read_text())
+    assert r["direct"] is True and r["reps"] == 4 and r["total_us"] > 0 and r["rejoin_us"] < r["total_us"], r

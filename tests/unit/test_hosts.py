@@ -21,6 +21,22 @@ def test_three_failures_in_the_window_cool_a_host_down() -> None:
     assert h.blocked("b", 21.0) is None
 
 
+def test_cools_down_says_whether_the_next_failure_would_cool_the_host_down() -> None:
+    h = Hosts(RULES)
+    for t in (0.0, 10.0):
+        assert h.cools_down("a", t) is False
+        assert h.record_failure("a", "j", "x", t)[1] is False
+    assert h.cools_down("a", 20.0) is True and h.cools_down("a", 700.0) is False  # (out of the window by then)
+    assert h.record_failure("a", "j", "x", 20.0)[1] is True
+    assert h.cools_down("a", 21.0) is False  # cooling already: blocked, not cooled again
+    assert Hosts(HostRules(failures=1, window_s=1.0, cooldown_s=1.0, cooldown_max_s=1.0, max_hosts=4)).cools_down(
+        "new", 0.0
+    )
+    assert not Hosts(HostRules(failures=0, window_s=1.0, cooldown_s=1.0, cooldown_max_s=1.0, max_hosts=4)).cools_down(
+        "new", 0.0
+    )
+
+
 def test_failures_outside_the_window_do_not_count() -> None:
     h = Hosts(RULES)
     h.record_failure("a", "j", "x", 0.0)

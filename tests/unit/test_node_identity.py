@@ -215,6 +215,8 @@ def test_the_agent_fences_then_joins_as_a_new_node(agent: Agent, msg: object) ->
 
 
 def test_stale_round_while_running_stops_the_workers_and_rejoins_as_the_same_node(agent: Agent) -> None:
+    """(An agent that offers no direct ports: with them, tests/unit/test_agent_restart.py.)"""
+    agent.session.direct = False
     group = running(agent)
     link: FakeLink = agent.link  # type: ignore[assignment]
     old = agent.node_id

@@ -9,7 +9,16 @@ import json
 
 import pytest
 
-from rdzv_client.session import OUTAGE_LOG_EVERY_S, NodeSession, OutageWatch, host_label, new_node_id
+from rdzv_client.session import (
+    DIRECT_PORTS,
+    OUTAGE_LOG_EVERY_S,
+    NodeSession,
+    OutageWatch,
+    free_ports,
+    host_label,
+    new_node_id,
+    port_taken,
+)
 from rdzv_common.protocol import Assignment, ExitRecord, FailedMsg, JobSpec, JoinMsg, LeaveMsg, SucceededMsg
 
 A = Assignment(
@@ -80,6 +89,31 @@ def test_resume_keeps_the_round_and_its_master_port_without_sending(session: Nod
     ((msg, send),) = session.link.intents
     assert send is False and session.assignment is A
     assert (msg.resume_round, msg.master_port) == (3, 29555)
+
+
+def test_a_direct_session_offers_fresh_distinct_ports_on_every_join_and_resume(session: NodeSession) -> None:
+    assert session.direct is False
+    session.join()
+    assert session.link.intents[-1][0].direct_ports == []  # (the plugin's: it joins again after each restart)
+    session.direct = True
+    session.join()
+    session.resume(A)
+    for msg, _ in session.link.intents[1:]:
+        ports = msg.direct_ports
+        assert len(ports) == DIRECT_PORTS and len(set(ports)) == DIRECT_PORTS and msg.master_port not in ports
+        assert not any(port_taken(p) for p in ports)
+
+
+def test_port_taken_is_true_while_another_socket_listens_on_it() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert port_taken(port)
+    assert not port_taken(port)
+    assert free_ports("127.0.0.1", 3, besides=port) and port not in free_ports("127.0.0.1", 3, besides=port)
 
 
 def test_eviction_is_a_new_node_whose_old_reports_are_dropped(session: NodeSession) -> None:
