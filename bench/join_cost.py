@@ -61,11 +61,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rdzv_common.protocol import AGENT_MESSAGE, JobSpec, JoinMsg
+from rdzv_common.protocol import AGENT_MESSAGE, AssignedMsg, JobSpec, JoinMsg
 from rdzv_server.events import EventLog
 from rdzv_server.handlers import _dispatch
 from rdzv_server.metrics import Metrics
-from rdzv_server.rounds.forming import assigned
+from rdzv_server.rounds.forming import assignments
 from rdzv_server.store import Store, StoreSettings
 from rdzv_server.ws_channel import WsChannel, text_frame
 
@@ -255,12 +255,12 @@ class _GcTime:
 
 def _assigned_parts(store: Store, job: Any) -> dict[str, float]:
     """One ``assigned`` per member of the running round, as its completion builds them
-    (rounds.forming.assigned), taken apart: build, serialize, frame (µs each)."""
+    (rounds.forming.assignments, each in its AssignedMsg), taken apart: build, serialize, frame (µs each)."""
     members = [job.nodes[nid] for nid in job.order]
     best = {"build": float("inf"), "serialize": float("inf"), "frame": float("inf")}
     for _ in range(3):
         t0 = time.process_time()
-        msgs = assigned(job, members)
+        msgs = [AssignedMsg(assignment=a) for a in assignments(job, members)]
         t1 = time.process_time()
         out = [m.model_dump_json() for m in msgs]
         t2 = time.process_time()

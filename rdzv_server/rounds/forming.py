@@ -54,15 +54,8 @@ def reform_directly(job: Job, rejoining: list[Node], reason: str, now: float) ->
         return None
     for node in rejoining:
         move(job, node, WAITING)
-    fx = _complete(job, now)
+    fx = _complete(job, now, restart=reason, carried={n.node_id for n in rejoining})
     assert not job.forming  # every candidate admissible, min_nodes of them
-    carried = {n.node_id for n in rejoining}
-    fx.sends = [
-        (nid, RestartMsg(round=job.round, reason=reason, assignment=msg.assignment))
-        if nid in carried and isinstance(msg, AssignedMsg)
-        else (nid, msg)
-        for nid, msg in fx.sends
-    ]
     return fx
 
 
@@ -95,9 +88,11 @@ def assign_ranks(prev_order: list[str], candidates: list[Node], world: int) -> t
     return result, spares
 
 
-def _complete(job: Job, now: float) -> Effects:
+def _complete(job: Job, now: float, restart: str = "", carried: set[str] | None = None) -> Effects:
     """Freeze the membership: ranks, master, everyone told. A waiting node
-    whose host was blocked meanwhile becomes a spare, told why."""
+    whose host was blocked meanwhile becomes a spare, told why. ``carried``:
+    the members placed without a join (:func:`reform_directly`), told with
+    the ``restart`` of this round (its reason), not ``assigned``."""
     candidates = [n for n in job.nodes.values() if n.state == WAITING]
     held = Effects()
     if job.gate is not None:
@@ -134,8 +129,12 @@ def _complete(job: Job, now: float) -> Effects:
         offset += node.local_world_size
     for node in spares:
         move(job, node, SPARE)
-    for node, msg in zip(members, assigned(job, members), strict=True):
-        fx.send(node.node_id, msg)
+    carried = carried or set()
+    for node, a in zip(members, assignments(job, members), strict=True):
+        if node.node_id in carried:
+            fx.send(node.node_id, RestartMsg(round=job.round, reason=restart, assignment=a))
+        else:
+            fx.send(node.node_id, AssignedMsg(assignment=a))
     spare = SpareMsg(round=job.round)  # one message for all spares
     for node in spares:
         fx.send(node.node_id, spare)
@@ -144,8 +143,8 @@ def _complete(job: Job, now: float) -> Effects:
     return fx
 
 
-def assigned(job: Job, members: list[Node]) -> list[AssignedMsg]:
-    """Each member's ``assigned``, in the order of ``members`` (the running round's).
+def assignments(job: Job, members: list[Node]) -> list[Assignment]:
+    """Each member's assignment, in the order of ``members`` (the running round's).
 
     What every member is told alike (the job, round, world, master, restart
     budget) is validated once, in the first member's assignment; each other one
@@ -157,9 +156,9 @@ def assigned(job: Job, members: list[Node]) -> list[AssignedMsg]:
         return []
     peers = watch_peers(job)  # each member's WatchPeer, made once for its MAX_WATCH watchers
     first = _assignment(job, members[0], peers)
-    out = [AssignedMsg(assignment=first)]
+    out = [first]
     for node in members[1:]:
-        out.append(AssignedMsg(assignment=first.model_copy(update=_own(job, node, peers))))
+        out.append(first.model_copy(update=_own(job, node, peers)))
     return out
 
 
