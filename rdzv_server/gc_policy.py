@@ -31,8 +31,10 @@ freed nothing: reference counting frees what a round change drops. So:
   what it was after the last valve (at least ``VALVE_FLOOR`` blocks),
   everything is unfrozen and collected once, and what lives is frozen again
   (a pause of ~1 us per tracked object with the GIL held, said in the log:
-  ~2 s at 16,384 nodes, which may cost an HA leader with a short
-  ``--etcd-lease-ttl`` its lease). Frozen garbage is so bounded by what the
+  ~2 s at 16,384 nodes). An HA leader takes that pause only while its lease
+  surely outlives it (:attr:`GcHold.may_pause`, estimated from the heap): its
+  keep-alive thread cannot renew the lease meanwhile; otherwise the valve is
+  put off to a later hold's end, and said. Frozen garbage is so bounded by what the
   server holds, not by time: a client that connects and closes in a loop
   makes none (measured: 1,000 such connections, 0 objects freed by a full
   collection; before ws_inline's queue let go of its socket, ~45 each).
@@ -68,6 +70,10 @@ VALVE_GROWTH = 2  # the valve: a full collection once the heap is this many time
 # changes), so it never pays the valve's pause (~1 us a tracked object, the GIL held: ~2 s at
 # 16,384 nodes, long enough to starve an HA leader's lease thread)
 VALVE_FLOOR = 4_000_000
+# The valve's pause, estimated from the heap before it runs: ~1 us a tracked object, and ~0.54
+# tracked objects an allocated block (16,384 nodes: 1,950,000 of 3,600,000, a 2.2 s pause in py-spy)
+PAUSE_PER_BLOCK_S = 0.6e-6
+DEFERRED_LOG_EVERY_S = 600.0  # a valve put off (may_pause) is said at most this often
 
 
 def tune_gc() -> None:
@@ -84,7 +90,10 @@ class GcHold:
     """Young collections held off while a round change runs, and what it made
     frozen (the module's doc)."""
 
-    __slots__ = ("on", "held", "since", "last", "holds", "freezes", "valve_base", "valves", "_clock")
+    __slots__ = (
+        *("on", "held", "since", "last", "holds", "freezes", "valve_base", "valves", "_clock"),
+        *("may_pause", "deferred", "_said_at"),
+    )
 
     def __init__(self, on: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
         """``on``: hold at all (the store's is off until rdzv-server turns it on)."""
@@ -97,6 +106,11 @@ class GcHold:
         self.freezes = 0  # gc.freeze() calls made
         self.valve_base = 0  # allocated blocks after the last valve (0: before the first hold)
         self.valves = 0
+        # whether the process may stop this many seconds now (an HA leader: only while its lease
+        # surely outlives the pause, ha.Replica.may_pause); None: always
+        self.may_pause: Callable[[float], bool] | None = None
+        self.deferred = 0  # valves put off because the pause may not be taken now
+        self._said_at: float | None = None
 
     def busy(self) -> None:
         """A join arrived, an agent's connection opened, or a round's messages went out:
@@ -137,7 +151,12 @@ class GcHold:
 
     def _valve(self) -> None:
         """At the end of a hold: the full collection the module's doc calls the valve, when due."""
-        if sys.getallocatedblocks() < VALVE_GROWTH * max(self.valve_base, VALVE_FLOOR):
+        blocks = sys.getallocatedblocks()
+        if blocks < VALVE_GROWTH * max(self.valve_base, VALVE_FLOOR):
+            return
+        pause = blocks * PAUSE_PER_BLOCK_S
+        if self.may_pause is not None and not self.may_pause(pause):
+            self._defer(pause, blocks)
             return
         frozen = gc.get_freeze_count()
         began = time.perf_counter()
@@ -153,4 +172,21 @@ class GcHold:
             (time.perf_counter() - began) * 1000,
             freed,
             VALVE_GROWTH,
+        )
+
+    def _defer(self, pause: float, blocks: int) -> None:
+        """The valve is due but its pause may not be taken now: tried again at the end of the
+        next hold (a leader's lease is renewed every TTL/4); said at most every DEFERRED_LOG_EVERY_S."""
+        self.deferred += 1
+        now = self._clock()
+        if self._said_at is not None and now - self._said_at < DEFERRED_LOG_EVERY_S:
+            return
+        self._said_at = now
+        log.warning(
+            "garbage collector: the full collection due (the heap grew %gx, %d blocks) is put off: "
+            "its pause, ~%.1f s with every thread stopped, would outlast this leader's lease; what "
+            "round changes froze is not freed meanwhile (a longer --etcd-lease-ttl lets it run)",
+            VALVE_GROWTH,
+            blocks,
+            pause,
         )

@@ -234,6 +234,15 @@ class Replica:
                     f"--etcd-lease-ttl {self._ttl:g}s)"
                 )
 
+    def may_pause(self, seconds: float) -> bool:
+        """Whether this process may stop ``seconds`` with the GIL held (the
+        collector's valve, rdzv_server.gc_policy) and still lead after it: a
+        follower may; a leader while its lease surely lives that long past now,
+        with the margin (the keep-alive thread cannot renew it meanwhile)."""
+        if self.role != "leader":
+            return True
+        return time.monotonic() + seconds < self._lease_until - _margin(self._ttl)
+
     def _keepalive(self, loop: asyncio.AbstractEventLoop) -> None:
         """The lease's keep-alive, in a thread of its own (blocking HTTP): an
         event loop busy with a reconnect storm, or starved of CPU, must not cost

@@ -196,6 +196,7 @@ class Store:
         self.backend = EtcdBackend(replica, self._write_failed)
         replica.on_elected = self.become_leader
         replica.on_deposed = self.step_down
+        self.gc_hold.may_pause = replica.may_pause  # the collector's valve never outlasts the lease
 
     async def become_leader(self) -> None:
         """Elected: load every job and host from etcd and serve them as a restarted server does."""

@@ -207,3 +207,44 @@ def test_the_valve_collects_frozen_garbage_once_the_heap_grew_and_not_before(
     now[0] += QUIET_S
     hold.tick()
     assert hold.valves == 1
+
+
+def test_the_valve_waits_while_its_pause_may_not_be_taken_and_says_so_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An HA leader's lease must outlive the valve's pause (its keep-alive thread
+    cannot run meanwhile): put off, said once, and run at a later hold's end."""
+    monkeypatch.setattr("rdzv_server.gc_policy.VALVE_FLOOR", 1)
+    monkeypatch.setattr("rdzv_server.gc_policy.VALVE_GROWTH", 1.5)
+    gc.set_threshold(*GC_THRESHOLD)
+    gc.freeze()
+    now = [1000.0]
+    asked: list[float] = []
+    allow = [False]
+
+    def may_pause(seconds: float) -> bool:
+        asked.append(seconds)
+        return allow[0]
+
+    hold = GcHold(on=True, clock=lambda: now[0])
+    hold.may_pause = may_pause
+    hold.busy()
+    garbage = _Cycle()
+    probe = weakref.ref(garbage)
+    del garbage
+    grown = [[i + 1000] for i in range(hold.valve_base // 3)]  # the heap grew past 1.5-fold
+    for _ in range(3):
+        now[0] += QUIET_S
+        with caplog.at_level("WARNING", logger="rdzv_server"):
+            hold.tick()
+        hold.busy()
+    assert hold.valves == 0 and hold.deferred == 3 and probe() is not None
+    said = [r for r in caplog.records if "put off" in r.getMessage()]
+    assert len(said) == 1 and "--etcd-lease-ttl" in said[0].getMessage()
+    blocks = sys.getallocatedblocks()
+    assert 0.3e-6 * blocks < asked[-1] < 1.2e-6 * blocks  # the pause, estimated from the heap
+    allow[0] = True
+    now[0] += QUIET_S
+    hold.tick()
+    assert hold.valves == 1 and probe() is None
+    del grown

@@ -45,3 +45,13 @@ async def test_under_the_default_lease_a_write_waits_the_clients_timeout() -> No
     replica, client = leading(2)
     await replica.write([etcd.put(b"/t/jobs/j", b"{}")] * 150)  # two transactions (100 ops at most each)
     assert client.timeouts == [etcd.DEFAULT_TIMEOUT_S] * 2, client.timeouts
+
+
+def test_a_leader_may_pause_only_while_its_lease_surely_outlives_the_pause() -> None:
+    """(the collector's valve, rdzv_server.gc_policy: the keep-alive thread cannot renew meanwhile)"""
+    replica, _ = leading(2)
+    assert replica.may_pause(0.5) and not replica.may_pause(1.9)  # 2 s lease, 0.3 s margin
+    replica._lease_until = time.monotonic() + 0.5
+    assert not replica.may_pause(0.5)
+    replica.role = "follower"
+    assert replica.may_pause(60.0)
