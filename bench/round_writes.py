@@ -1,6 +1,6 @@
 """What a node-loss round change writes to storage, by job size (issue 24).
 
-    python -m bench.round_writes [--nodes 1024,4096,16384] [--changes 20] [--out results.json]
+    python -m bench.round_writes [--nodes 1024,4096,16384] [--changes 20] [--out results.json] [--direct]
 
 One job of N nodes is formed in process through the real Store (nodes are
 channels that record what they are told; no network), then ``--changes``
@@ -17,6 +17,10 @@ etcd
     in-memory stand-in for etcd's transactions (bench.round_writes.MemEtcd).
     bytes: keys and values as etcd counts them; requests: transactions;
     largest: the largest transaction (etcd refuses one over 1.5 MiB by default).
+
+``--direct``: the joins offer direct ports, as rdzv-agent's, so each change
+is the leave alone, the round formed as it opens (docs/design.md "Direct
+re-formation"; at most 4 changes: rank 0 offered 4 ports, the formation took one).
 
 "first" is the first change after formation; "mean" is over all changes,
 compactions of the chain into a new base included; "write s": seconds spent in
@@ -69,7 +73,7 @@ class MemEtcd:
         return etcd.TxnResult(True, len(self.sizes), [])
 
 
-def join(node_id: str, spec: JobSpec, secret: str | None = None) -> JoinMsg:
+def join(node_id: str, spec: JobSpec, secret: str | None = None, direct: bool = False) -> JoinMsg:
     return JoinMsg(
         job_id="big",
         node_id=node_id,
@@ -79,6 +83,7 @@ def join(node_id: str, spec: JobSpec, secret: str | None = None) -> JoinMsg:
         master_port=29500,
         spec=spec,
         node_secret=secret,
+        direct_ports=[29501, 29502, 29503, 29504] if direct else [],
     )
 
 
@@ -142,7 +147,7 @@ class Meter:
         }
 
 
-async def run(backend: str, n: int, changes: int) -> dict[str, Any]:
+async def run(backend: str, n: int, changes: int, direct: bool = False) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="rdzv-bench-"))
     clock = [1000.0]
     meter = Meter()
@@ -176,7 +181,7 @@ async def run(backend: str, n: int, changes: int) -> dict[str, Any]:
     spec = JobSpec(min_nodes=max(1, n - changes), max_nodes=n, heartbeat_timeout_s=3600, join_timeout_s=3600)
     chans = {f"node{i:06d}": Chan() for i in range(n)}
     for node_id, chan in chans.items():
-        store.join(join(node_id, spec), chan)
+        store.join(join(node_id, spec, direct=direct), chan)
     await store.flushed("big")
     live = list(chans)
     for c in range(changes):
@@ -185,7 +190,7 @@ async def run(backend: str, n: int, changes: int) -> dict[str, Any]:
         clock[0] += 1.0
         lost = live.pop(len(live) // 2)
         store.leave("big", lost, "bench", chans[lost])  # type: ignore[arg-type]
-        for node_id in live:
+        for node_id in live if not direct else ():  # (direct: the round formed as it opened)
             store.join(join(node_id, spec, chans[node_id].secret), chans[node_id])  # type: ignore[arg-type]
         await store.flushed("big")
         job = store.jobs["big"]
@@ -200,7 +205,12 @@ def main() -> None:
     ap.add_argument("--nodes", default="1024,4096,16384")
     ap.add_argument("--changes", type=int, default=20)
     ap.add_argument("--out")
+    ap.add_argument(
+        "--direct", action="store_true", help="the joins offer direct ports (as rdzv-agent's): at most 4 changes"
+    )
     args = ap.parse_args()
+    if args.direct:
+        args.changes = min(args.changes, 4)
     rows = []
     print(
         f"{'backend':8} {'nodes':>6} {'first: bytes':>13} {'requests':>9} {'mean: bytes':>12} "
@@ -208,7 +218,7 @@ def main() -> None:
     )
     for n in [int(x) for x in args.nodes.split(",")]:
         for backend in ("sqlite", "etcd"):
-            r = asyncio.run(run(backend, n, args.changes))
+            r = asyncio.run(run(backend, n, args.changes, args.direct))
             rows.append(r)
             print(
                 f"{r['backend']:8} {n:6d} {r['first_bytes']:13,d} {r['first_requests']:9d} "

@@ -4,28 +4,18 @@ No timing assertions: only that it ran and measured all four cases."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.bench_run import run_bench
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 
 
 def test_fanout_bench_smoke(tmp_path: Path) -> None:
     out = tmp_path / "fanout.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.fanout", "--nodes", "8", "--rounds", "1", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=50,
-        start_new_session=True,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_bench("bench.fanout", "--nodes", "8", "--rounds", "1", "--out", str(out))
     assert "| 8 | broadcast |" in proc.stdout and "| 8 | per node |" in proc.stdout, proc.stdout
     (r,) = json.loads(out.read_text())
     for key in ("direct broadcast us", "direct per node us", "queued broadcast us", "queued per node us"):

@@ -5,33 +5,18 @@ completed and told every survivor restart and assigned, no joined again) and mea
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.bench_run import run_bench
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 
 
-def _bench(*argv: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.join_cost", *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=50,
-        start_new_session=True,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
 def test_join_cost_bench_smoke(tmp_path: Path) -> None:
     out = tmp_path / "join_cost.json"
-    proc = _bench("--nodes", "32", "--reps", "2", "--out", str(out))
+    proc = run_bench("bench.join_cost", "--nodes", "32", "--reps", "2", "--out", str(out))
     assert "| 32 nodes, sqlite, best of 2: CPU µs per survivor | µs |" in proc.stdout, proc.stdout
     rows = ("| restart (", "| rejoin (", "| - of which the parse", "| complete (", "| total |", "| one assigned: build")
     for row in rows:
@@ -46,7 +31,7 @@ def test_join_cost_bench_smoke(tmp_path: Path) -> None:
 def test_join_cost_bench_direct_smoke(tmp_path: Path) -> None:
     """``--direct``: each re-formation is the leave alone, one restart (with its place) per survivor."""
     out = tmp_path / "join_cost.json"
-    proc = _bench("--nodes", "32", "--reps", "9", "--direct", "--out", str(out))
+    proc = run_bench("bench.join_cost", "--nodes", "32", "--reps", "9", "--direct", "--out", str(out))
     assert "| 32 nodes, sqlite, direct re-formation, best of 4: CPU µs per survivor | µs |" in proc.stdout, proc.stdout
     r = json.loads(out.read_text())
     assert r["direct"] is True and r["reps"] == 4 and r["total_us"] > 0 and r["rejoin_us"] < r["total_us"], r
