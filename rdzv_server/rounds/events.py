@@ -107,19 +107,19 @@ def restart_charged(job: Job) -> Event:
     )
 
 
-def round_opened(job: Job, rec: RoundRecord, waiting_for: list[str]) -> Event:
-    text = (
-        f"job {job.job_id} round {job.round} opened: {rec.reason}; "
-        f"waiting for {len(waiting_for)} node(s) {', '.join(waiting_for[:16]) or 'nobody'}"
-        f"{' ...' if len(waiting_for) > 16 else ''}"
-    )
+def round_opened(job: Job, rec: RoundRecord, waiting_for: list[str], placed: bool = False) -> Event:
+    """``placed``: the server places those members itself, in this step (forming.reform_directly):
+    the round waits for nobody."""
+    named = f"{', '.join(waiting_for[:16]) or 'nobody'}{' ...' if len(waiting_for) > 16 else ''}"
+    what = f"placing its {len(waiting_for)} member(s) at once" if placed else f"waiting for {len(waiting_for)} node(s)"
+    text = f"job {job.job_id} round {job.round} opened: {rec.reason}; {what} {named}"
     return _event(
         job,
         "round_opened",
         text,
         reason=rec.reason,
         started_at=rec.started_at,
-        waiting_for=len(waiting_for),
+        waiting_for=0 if placed else len(waiting_for),
         restarts=job.restarts,
     )
 

@@ -36,22 +36,24 @@ def _check_complete(job: Job, now: float) -> Effects:
     return Effects()
 
 
-def reform_directly(job: Job, rejoining: list[Node], reason: str, now: float) -> Effects | None:
-    """A round just opened (``reason``) completes at once when every member
-    left (``rejoining``) offered direct ports, none is a replaced straggler, no
-    host of a node to place is blocked, and ``min_nodes`` are there: the server
-    knows who lives, and a member's join again would tell it nothing. Each
-    member's ``restart`` carries its place (one message where three were:
-    restart, join, assigned); newcomers and promoted spares get ``assigned``.
-    None: the round forms as before (members told to join again)."""
+def direct(job: Job, rejoining: list[Node], now: float) -> bool:
+    """Whether a round just opened can complete at once (:func:`reform_directly`):
+    every member left (``rejoining``) offered direct ports, none is a replaced
+    straggler, no host of a node to place is blocked, and ``min_nodes`` are
+    there. The server knows who lives: a member's join again would tell it nothing."""
     if not rejoining or any(n.direct_ports is None or n.replaced is not None for n in rejoining):
-        return None
+        return False
     if count(job, WAITING) + len(rejoining) < job.spec.min_nodes:
-        return None
-    if job.gate is not None and any(
-        blocked(job, n, now) is not None for n in job.nodes.values() if n.state in (WAITING, REJOINING)
-    ):
-        return None
+        return False
+    return job.gate is None or all(
+        blocked(job, n, now) is None for n in job.nodes.values() if n.state in (WAITING, REJOINING)
+    )
+
+
+def reform_directly(job: Job, rejoining: list[Node], reason: str, now: float) -> Effects:
+    """Complete a round just opened (``reason``) at once, :func:`direct` said it can:
+    each member's ``restart`` carries its place (one message where three were:
+    restart, join, assigned); newcomers and promoted spares get ``assigned``."""
     for node in rejoining:
         move(job, node, WAITING)
     fx = _complete(job, now, restart=reason, carried={n.node_id for n in rejoining})

@@ -48,7 +48,7 @@ from rdzv_common.sizes import MAX_CAUSE_BYTES, MAX_REASON_BYTES, clip
 
 from . import departed, events
 from .culprit import culprit
-from .forming import _check_complete, _complete, reform_directly
+from .forming import _check_complete, _complete, direct, reform_directly
 from .model import (
     REJOINING,
     RUNNING,
@@ -210,7 +210,7 @@ def fail(job: Job, node_id: str, round_no: int, failures: list[ExitRecord], now:
     # a failure that cools its host down holds its node out of the next round at its join: it must join
     cools = job.gate is not None and not port_taken and job.gate.cools_down(node.host, now)
     opened = _open_round(
-        job, f"worker failure: {cause} (restart {job.restarts}/{job.spec.max_restarts})", now, direct=not cools
+        job, f"worker failure: {cause} (restart {job.restarts}/{job.spec.max_restarts})", now, may_place=not cools
     )
     fx.event(events.restart_charged(job))  # (the round it opened, that round's reason)
     return fx.merge(opened)
@@ -450,7 +450,7 @@ def _lose(job: Job, node_id: str, why: str, now: float, *, evict: bool, lost: bo
     return fx
 
 
-def _open_round(job: Job, reason: str, now: float, direct: bool = True) -> Effects:
+def _open_round(job: Job, reason: str, now: float, may_place: bool = True) -> Effects:
     """Round r+1 opens: running members must stop their workers and rejoin; or,
     when the server can place them itself, it is formed at once and each
     member's ``restart`` carries its place (:func:`.forming.reform_directly`)."""
@@ -481,12 +481,12 @@ def _open_round(job: Job, reason: str, now: float, direct: bool = True) -> Effec
         elif node.state == SPARE and blocked(job, node, now) is None:
             node.note = None
             move(job, node, WAITING)
-    fx.event(events.round_opened(job, rec, job.prev_order))
+    placed = may_place and direct(job, rejoining, now)
+    fx.event(events.round_opened(job, rec, job.prev_order, placed))
     if previous != job.state.value:
         fx.event(events.job_state(job, previous))
-    formed = reform_directly(job, rejoining, reason, now) if direct else None
-    if formed is not None:
-        return fx.merge(formed)
+    if placed:
+        return fx.merge(reform_directly(job, rejoining, reason, now))
     restart = RestartMsg(round=job.round, reason=reason)  # one message for all members
     for node in rejoining:
         fx.send(node.node_id, restart)

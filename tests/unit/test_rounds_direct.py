@@ -49,6 +49,9 @@ def test_a_node_loss_forms_the_next_round_at_once_and_each_restart_carries_the_p
     # rank 0's store listened on 20000 in round 0: round 1's is one it offered and never used
     assert a.master_port == c.master_port == job.master_port == 20001
     assert fx.rounds_opened == 1 and fx.rounds_completed == 1 and fx.persist
+    (opened,) = [ev for ev in fx.events if ev.kind == "round_opened"]
+    assert opened.fields["waiting_for"] == 0 and "placing its 2 member(s) at once a, c" in opened.text
+    assert [ev.fields.get("state") for ev in fx.events if ev.kind == "job_state"] == ["waiting", "running"]
     # what goes on the wire, validated as the agent reads it
     assert RestartMsg.model_validate_json(restarts["c"].model_dump_json()) == restarts["c"]
 
@@ -106,6 +109,8 @@ def test_a_round_the_server_cannot_form_itself_asks_its_members_to_join_again(wh
     fx = lose(job, "b", 5.0)
     assert job.forming and job.round == 1
     assert {nid: m.assignment for nid, m in sent(fx, RestartMsg).items()} == {"a": None, "c": None}
+    (opened,) = [ev for ev in fx.events if ev.kind == "round_opened"]
+    assert opened.fields["waiting_for"] == 2 and "waiting for 2 node(s) a, c" in opened.text
     assert not sent(fx, AssignedMsg)
 
 
