@@ -46,6 +46,7 @@ from .config import (  # noqa: F401 - build_parser, config_from_args, UsageError
 )
 from .endpoints import resolve
 from .health import wait_healthy
+from .inplace_steps import InPlaceSteps
 from .launch import WORKER_EXIT_RESTART, in_place_env_note
 from .preflight import command_problem
 from .quiet import Quiet
@@ -57,7 +58,7 @@ from .reactions import (  # noqa: F401 - Phase and the exit codes: the agent's p
     Phase,
     ServerReactions,
 )
-from .reform import PLAIN_REPORT_AFTER_S, InPlace
+from .reform import InPlace
 from .service import never_reached_text, outage_word
 from .session import NodeSession, OutageWatch, route_addr
 from .status import StatusLine, setup_logging
@@ -71,7 +72,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("rdzv_agent")
 
 
-class Agent(ServerReactions):
+class Agent(InPlaceSteps, ServerReactions):
     """One node of one job. ``run()`` returns the process exit status."""
 
     def __init__(self, cfg: AgentConfig) -> None:
@@ -358,70 +359,6 @@ class Agent(ServerReactions):
             self._say("%s", notice)
         self.status.show(f"[rdzv-agent] {notice}", tty_only=True)  # off a terminal: the notice, every 30 s
         return None
-
-    # -- in-place re-formation (design.md "In-place re-formation"; the steps: reform.InPlace)
-
-    def _keep_workers(self, new_round: int) -> bool:
-        """In-place mode, on a round change: keep the workers (they leave their
-        step). False: stop them the process way."""
-        a, group = self.assignment, self.group
-        if self.cfg.restart_mode != "in-place" or a is None or group is None or self.phase is not Phase.RUNNING:
-            return False
-        return self.in_place.keep(a.round, new_round, group)
-
-    def _end_reform(self) -> None:
-        """Kept workers are not moving to a next round any more (they are stopped)."""
-        self.in_place.end()
-
-    async def _assign_in_place(self, a: Assignment) -> bool:
-        """Hand kept workers round ``a``; False: they must be restarted."""
-        if not await self.in_place.assign(a, self.group):
-            return False
-        self.session.assignment = a
-        self._say(
-            "round %d: group rank %d of %d, ranks %d-%d of world %d, master %s:%d: workers kept in place",
-            a.round,
-            a.group_rank,
-            a.group_world_size,
-            a.rank_offset,
-            a.rank_offset + a.local_world_size - 1,
-            a.world_size,
-            a.master_addr,
-            a.master_port,
-        )
-        self.watch.new_round(a.round)
-        self.phase = Phase.RUNNING
-        self.session.resume(a)
-        return True
-
-    async def _check_reform(self) -> None:
-        """Every kept worker parked: done. Past --in-place-timeout: restart them."""
-        if not await self.in_place.check(self.group, self.phase is Phase.RUNNING):
-            return
-        a, running = self.assignment, self.phase is Phase.RUNNING
-        await self._stop_workers()
-        if running and a is not None:
-            await self._start_workers(a)
-
-    def _on_parked(self, local_rank: int, round_no: int) -> None:
-        """A worker reached its safe point. Unasked (no round change under way),
-        a collective of the round it runs failed: say so now as an echo (the
-        round re-forms at once if a member's connection dropped), and as a
-        plain failure PLAIN_REPORT_AFTER_S later if the round is still the same."""
-        if self._report_parked(local_rank, round_no, echo=True):
-            asyncio.get_running_loop().call_later(
-                PLAIN_REPORT_AFTER_S, self._report_parked, local_rank, round_no, False
-            )
-
-    def _report_parked(self, local_rank: int, round_no: int, echo: bool) -> bool:
-        a, group = self.assignment, self.group
-        if a is None or group is None or self.phase is not Phase.RUNNING:
-            return False  # the round changed meanwhile: the server knew
-        rec = self.in_place.parked_failure(a, group, local_rank, round_no, echo)
-        if rec is None:
-            return False
-        self.session.report_failed(a.round, [rec])
-        return True
 
     async def _start_workers(self, a: Assignment) -> None:
         if self.group is not None:  # kept in place through a round change
