@@ -196,6 +196,4 @@ def test_a_join_offering_repeated_or_too_many_ports_is_refused(ports, words):
     from pydantic import ValidationError
 
     with pytest.raises(ValidationError, match=words):
-        direct_join("a", 20000, ports=ports).model_validate(
-            {**direct_join("a", 20000).model_dump(), "direct_ports": ports}
-        )
+        JoinMsg.model_validate({**direct_join("a", 20000).model_dump(), "direct_ports": ports})
