@@ -185,7 +185,7 @@ def join(job: Job, msg: JoinMsg, now: float, node_secret: str | None = None, see
         _offered(job, node, msg)
         return _reconnect(job, node, now)
     if msg.resume_round is not None:
-        fx = _resume(job, node, msg, now)
+        fx = _resume(job, node, msg, now, seen_addr)
         if fx is not None:
             return fx
         # a waiting/spare node that resumes: treat as a join
@@ -226,7 +226,7 @@ def _reconnect(job: Job, node: Node, now: float) -> Effects:
     return fx
 
 
-def _resume(job: Job, node: Node | None, msg: JoinMsg, now: float) -> Effects | None:
+def _resume(job: Job, node: Node | None, msg: JoinMsg, now: float, seen_addr: str | None) -> Effects | None:
     """A node resumes a round that is not (or no longer) its running one:
     refused, or told to restart; None: it is waiting or a spare, and joins."""
     if node is None:
@@ -236,6 +236,7 @@ def _resume(job: Job, node: Node | None, msg: JoinMsg, now: float) -> Effects | 
     if node.state == RUNNING and msg.direct_ports and msg.resume_round is not None and msg.resume_round < job.round:
         # placed in this round by its restart (reform_directly), which it missed: that restart again
         _heard(node, now)
+        _probed_at(node, msg, seen_addr)  # (as a reconnect: its peers hear of it with the next round)
         _offered(job, node, msg)
         fx = Effects()
         reason = job.history[-1].reason

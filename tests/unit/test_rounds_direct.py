@@ -168,6 +168,15 @@ def test_a_member_that_missed_its_restart_hears_it_again_when_it_resumes():
     assert job.nodes["b"].direct_ports == [50001, 50002]  # its fresh offer replaces the old one
 
 
+def test_a_missed_restart_resumed_from_a_new_address_is_probed_there():
+    """As a plain reconnect: the address its connection came from this time, and its join's probe port."""
+    job = formed(["a", "b", "c"])
+    lose(job, "c", 5.0)
+    resumed = direct_join("b", 20100, sp=job.spec, resume=0).model_copy(update={"probe_port": 41000})
+    rounds.join(job, resumed, 6.0, seen_addr="10.0.0.7")
+    assert (job.nodes["b"].probe_addr, job.nodes["b"].probe_port) == ("10.0.0.7", 41000)
+
+
 def test_the_running_rank0s_resume_never_leaves_its_in_use_port_for_the_next_round():
     """A record saved before direct ports existed: rank 0's master_port is its
     store's. Its resume's offer gives the next round a fresh one."""
