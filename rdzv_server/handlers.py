@@ -290,13 +290,14 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
     def inline(frame: WSMessage) -> bool:
         """The hot path, taken where the frame is parsed (rdzv_server.ws_inline): a joined
         node's frames (its heartbeats, a ping, its join again after ``restart``: at 16,384
-        nodes a round change is 16,384 joins). False: the loop below takes the frame, as any
-        other: one that does not parse (it says why), a guess to slow, any frame before the join."""
+        nodes a round change is 16,384 joins), and a new connection's join (a formation, or a
+        failover's 16,384 resumes). False: the loop below takes the frame, as any other: one
+        that does not parse (it says why), a guess to slow, any other frame before the join."""
         nonlocal close_next
-        if bound is None or not store.serving or not frames.take():
+        if not store.serving or not frames.take():
             return False
         if frame.type is WSMsgType.TEXT:
-            if frame.data == HEARTBEAT_FRAME:
+            if frame.data == HEARTBEAT_FRAME and bound is not None:
                 silence.heard()
                 store.heartbeat(*bound)
                 return True
@@ -304,14 +305,17 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
                 msg = AGENT_MESSAGE.validate_json(frame.data)
             except ValidationError:
                 return False
+            if bound is None and not isinstance(msg, JoinMsg):
+                return False
             if isinstance(msg, JoinMsg) and msg.job_secret and guesses.hold(msg.job_id, chan.peer):
                 return False
-            silence.heard()
+            if bound is not None:  # (before the join, its deadline is fixed: frames do not move it)
+                silence.heard()
             if not handle(msg, 0.0):
                 close_next = True  # queued: the loop reads it next (nothing is taken behind it) and closes
                 return False
             return True
-        if frame.type is WSMsgType.PING and chan.pong(frame.data):
+        if frame.type is WSMsgType.PING and bound is not None and chan.pong(frame.data):
             silence.heard()
             return True
         return False

@@ -9,7 +9,8 @@ aiohttp's ``WebSocketResponse`` whose parsed frames are first offered to
 :attr:`AgentSocket.inline` (the handler's, synchronous, called from the
 protocol's ``data_received``): a frame it takes (a joined node's plain
 heartbeat, its join again after ``restart`` or any other valid message, a
-ping answered straight on the transport) never reaches the queue. Anything
+ping answered straight on the transport, a new connection's join) never
+reaches the queue. Anything
 else, and any frame it declines (a flooding peer, a closing connection, a
 replica no longer serving), takes aiohttp's path to the
 handler's ``receive()`` loop as before, which keeps every rule. A frame is
