@@ -228,10 +228,13 @@ def in_private_netns() -> bool:
     return os.environ.get(NETNS_VAR) == "1"
 
 
-def reexec_in_netns(module: str, argv: list[str]) -> None:
+def reexec_in_netns(module: str, argv: list[str], backlog: int | None = None) -> None:
     """Run ``python -m module argv`` again inside a private network namespace
     with only loopback (torch's TCPStore listens on every interface). Returns
-    only when that is impossible (not root, no unshare): then we stay here."""
+    only when that is impossible (not root, no unshare): then we stay here.
+    ``backlog``: the namespace's accept and SYN queues raised to it
+    (``net.core.somaxconn``, ``net.ipv4.tcp_max_syn_backlog``, as deploy/README.md
+    tells operators of big jobs to set them; the host's stay as they are)."""
     if in_private_netns() or os.environ.get("RDZV_BENCH_NO_NETNS"):
         return
     probe = subprocess.run(["unshare", "-n", "sh", "-c", "ip link set lo up"], capture_output=True)
@@ -239,7 +242,13 @@ def reexec_in_netns(module: str, argv: list[str]) -> None:
         print("[bench] no private network namespace (unshare -n failed); using plain loopback", file=sys.stderr)
         return
     env = dict(os.environ, **{NETNS_VAR: "1"})
-    cmd = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", sys.executable, "-m", module, *argv]
+    setup = "ip link set lo up"
+    if backlog is not None:  # (a kernel that refuses says so on stderr; the run goes on)
+        setup += "".join(
+            f" && {{ echo {int(backlog)} > /proc/sys/net/{name} || true; }}"
+            for name in ("core/somaxconn", "ipv4/tcp_max_syn_backlog")
+        )
+    cmd = ["unshare", "-n", "sh", "-c", f'{setup} && exec "$@"', "sh", sys.executable, "-m", module, *argv]
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvpe("unshare", cmd, env)

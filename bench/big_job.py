@@ -59,6 +59,7 @@ import time
 from pathlib import Path
 
 from rdzv_client.client import WS_PING_S
+from rdzv_server.conns import LISTEN_BACKLOG
 
 from . import _common as C
 from .server_scale import Server
@@ -331,6 +332,10 @@ def main(argv: list[str] | None = None) -> None:
         help="nodes offer no direct ports: every round change is restart, join again, assigned (as before)",
     )
     a = p.parse_args(argv)
+    # a network namespace of its own, with the accept queue deploy/README.md asks of big jobs' hosts
+    # (else a reconnect storm of more than the host's somaxconn, 4096 by default, is turned away
+    # in part and waits out SYN retries of 1 s, 3 s: the kernel's queue measured, not the server)
+    C.reexec_in_netns("bench.big_job", sys.argv[1:] if argv is None else argv, backlog=LISTEN_BACKLOG)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the server and clients are stopped on the way out
     ns = [int(x) for x in a.nodes.split(",") if x.strip()]
     if any(n < 2 for n in ns):
