@@ -35,7 +35,16 @@ from typing import TYPE_CHECKING, TextIO
 from rdzv_common.wire import DEFAULT_MAX_RESTARTS, heartbeat_every, printable
 
 from . import attempt, peer_probe
-from .attempt import announce, cannot_start, exit_records, note_failures, run_log_dir, worker_envs, worker_group
+from .attempt import (
+    announce,
+    cannot_start,
+    exit_records,
+    note_failures,
+    run_log_dir,
+    store_port_taken,
+    worker_envs,
+    worker_group,
+)
 from .client import AgentLink
 from .config import (  # noqa: F401 - build_parser, config_from_args, UsageError: the agent's public names
     DEFAULT_SERVER_TIMEOUT_S,
@@ -60,7 +69,7 @@ from .reactions import (  # noqa: F401 - Phase and the exit codes: the agent's p
 )
 from .reform import InPlace
 from .service import never_reached_text, outage_word
-from .session import NodeSession, OutageWatch, route_addr
+from .session import NodeSession, OutageWatch, port_taken, route_addr
 from .status import StatusLine, setup_logging
 from .tmpdirs import open_agent_dir
 from .watch import WorkerWatch
@@ -366,6 +375,14 @@ class Agent(InPlaceSteps, ServerReactions):
                 return
             self.in_place.end()
             await self._stop_workers()
+        if a.group_rank == 0 and port_taken(a.master_port):
+            # offered at its join and taken since by another process: a new round, charged to no one
+            # (its workers' store could not listen: a worker failure, counted against the budget)
+            self._say("round %d: its store port %d is taken; reporting it (not charged)", a.round, a.master_port)
+            self.session.resume(a)
+            self.phase = Phase.REPORTED
+            self.session.report_failed(a.round, [store_port_taken(a)])
+            return
         cfg = self.cfg
         self.session.assignment = a
         announce(cfg, a, self._say)

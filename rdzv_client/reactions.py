@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING
 from rdzv_common.errors import ErrorCode, RdzvError
 from rdzv_common.wire import printable
 
-from .attempt import store_port_taken
 from .quiet import Quiet
-from .session import Heard, Meaning, classify, port_taken
+from .session import Heard, Meaning, classify
 from .status import first_line
 
 if TYPE_CHECKING:
@@ -198,12 +197,6 @@ class ServerReactions:
             await self._join_when_healthy(rejoining=True)  # after a signal: the loop handles it next
         elif not self.signals.empty():  # the loop handles it first (it leaves the round)
             return
-        elif a.group_rank == 0 and self.group is None and port_taken(a.master_port):
-            # offered at its join and taken since by another process: a new round, charged to no one
-            self._say("round %d: its store port %d is taken; reporting it (not charged)", a.round, a.master_port)
-            self.session.resume(a)
-            self.phase = Phase.REPORTED
-            self.session.report_failed(a.round, [store_port_taken(a)])
         else:
             await self._start_workers(a)
 

@@ -1,7 +1,8 @@
 """The agent's answer to ``restart`` (in process, as tests/unit/test_node_identity.py):
 without an assignment it stops its workers and joins again; with one (design.md
-"Direct re-formation") it starts that place without a join, unless, as rank 0,
-its store port is taken, which it reports as not charged."""
+"Direct re-formation") it starts that place without a join. Rank 0 whose store
+port is taken when its place comes (with a restart or with ``assigned``) reports
+that, not charged, and starts nothing."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from test_node_identity import A, FakeLink, _error, agent, react, running  # noq
 
 from rdzv_client.agent import Agent, Phase
 from rdzv_common.errors import ErrorCode
-from rdzv_common.protocol import FailedMsg, RestartMsg
+from rdzv_common.protocol import AssignedMsg, FailedMsg, RestartMsg
 
 
 @pytest.fixture
@@ -57,15 +58,25 @@ def test_a_place_for_another_round_or_job_is_a_protocol_error(agent: Agent, star
     assert started == [] and len(link.protocol_errors) == 2, link.protocol_errors
 
 
-def test_rank0_whose_store_port_was_taken_reports_it_instead_of_starting(agent: Agent, started: list) -> None:
-    running(agent)
+@pytest.mark.parametrize("how", ["restart", "assigned"])
+def test_rank0_whose_store_port_was_taken_reports_it_instead_of_starting(agent: Agent, how: str) -> None:
+    """Its place came with a direct restart, or with ``assigned`` after its join: either
+    way the port its join offered was free then and is taken now (the workers' store
+    could not listen: a charged worker failure). No workers start; the report costs nothing."""
+    group = running(agent)
     link: FakeLink = agent.link  # type: ignore[assignment]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         place = A.model_copy(update={"round": 3, "master_port": s.getsockname()[1]})
-        assert react(agent, RestartMsg(round=3, reason="node x lost", assignment=place)) is None
-    assert started == [] and agent.phase is Phase.REPORTED and agent.assignment == place
+        if how == "restart":
+            assert react(agent, RestartMsg(round=3, reason="node x lost", assignment=place)) is None
+        else:
+            assert react(agent, RestartMsg(round=3, reason="node x lost")) is None  # stops, joins again
+            link.pending.clear()
+            assert react(agent, AssignedMsg(assignment=place)) is None
+    assert group.calls == [f"stop {agent.cfg.stop_timeout_s:g}"] and agent.group is None  # none started
+    assert agent.phase is Phase.REPORTED and agent.assignment == place
     (report,) = link.pending
     assert isinstance(report, FailedMsg) and report.round == 3
     assert [f.reason for f in report.failures] == ["store_port"]
