@@ -10,7 +10,8 @@ second and the largest part of a heartbeat's cost (issue 24, item 5).
 :class:`Silence` keeps one timer per connection instead. A frame only notes
 the time it arrived (:meth:`heard`); the timer, when it fires, re-arms itself
 for the last frame's time plus the limit, so it fires about once per limit,
-not once per frame. When the limit has really passed it cancels the reading
+not once per frame; a new limit that ends later (a join's idle timeout after
+its join deadline) is left to that too. When the limit has really passed it cancels the reading
 task; the channel catches that cancellation (:meth:`expired` says it was
 this, not a server shutdown) and closes the connection saying why.
 """
@@ -24,7 +25,7 @@ class Silence:
     """One connection's read deadline: ``limit_s`` after the last frame heard
     (or after :meth:`restart` when frames are not :meth:`heard`: a fixed deadline)."""
 
-    __slots__ = ("_loop", "_task", "_last", "_limit", "_handle", "_expired")
+    __slots__ = ("_loop", "_task", "_last", "_limit", "_handle", "_at", "_expired")
 
     def __init__(self, limit_s: float) -> None:
         self._loop = asyncio.get_running_loop()
@@ -34,18 +35,25 @@ class Silence:
         self._expired = False
         self._last = self._loop.time()
         self._limit = limit_s
-        self._handle = self._loop.call_at(self._last + limit_s, self._check)
+        self._at = self._last + limit_s  # when the timer fires
+        self._handle = self._loop.call_at(self._at, self._check)
 
     def heard(self) -> None:
         """A frame arrived: the deadline moves to now + the limit (no timer is touched)."""
         self._last = self._loop.time()
 
     def restart(self, limit_s: float) -> None:
-        """A new limit, counted from now."""
+        """A new limit, counted from now. The timer moves only when that is sooner than it
+        fires: a later deadline (a join's idle timeout, 60 s, after its 10 s join deadline)
+        is re-armed by the timer itself when it fires, not by the join (a join storm's
+        16,384 joins cancelled and armed a timer each)."""
         self._limit = limit_s
         self._last = self._loop.time()
-        self._handle.cancel()
-        self._handle = self._loop.call_at(self._last + limit_s, self._check)
+        due = self._last + limit_s
+        if due < self._at:
+            self._handle.cancel()
+            self._at = due
+            self._handle = self._loop.call_at(due, self._check)
 
     def caught(self) -> bool:
         """Whether a CancelledError the task caught is this one's (the limit passed), not a
@@ -63,6 +71,7 @@ class Silence:
     def _check(self) -> None:
         due = self._last + self._limit
         if self._loop.time() < due:
+            self._at = due
             self._handle = self._loop.call_at(due, self._check)
             return
         self._expired = True
