@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from rdzv_common.protocol import JoinedMsg, PaceMsg
 
 from .rounds.model import RUNNING, Effects, Job
-from .rounds.pace import SILENCE_MIN_S, Arrivals, heartbeat_s, told_interval, unanswered
+from .rounds.pace import Arrivals, heartbeat_s, told_interval, unanswered
 
 if TYPE_CHECKING:
     from .store import Store
@@ -151,13 +151,15 @@ class Pacing:
             self._paced_nodes = self.nodes
             self.repace()
         started, gone = 0, []
-        # the common case, skipped at the cost of one comparison: heard lately, or never since told;
-        # every CLEAN_S all are looked at (a node or job gone)
-        heard_after = now - SILENCE_MIN_S if now - self._cleaned < CLEAN_S else float("inf")
-        if heard_after == float("inf"):
+        # the common case, skipped at the cost of a comparison: never heard since told, or heard
+        # within the least silence it could be judged on (at 16,384 nodes heartbeating every 2 s,
+        # half of them were over 1 s quiet at any sweep, and each had its limit worked out, 4
+        # times a second); every CLEAN_S all are looked at (a node or job gone)
+        cleaning = now - self._cleaned >= CLEAN_S
+        if cleaning:
             self._cleaned = now
         for key, arr in self.arrivals.items():
-            if (arr.last or now) > heard_after:
+            if not cleaning and (arr.last is None or now - arr.last < arr.floor()):
                 continue
             job = store.jobs.get(key[0])
             node = job.nodes.get(key[1]) if job is not None and not job.finished else None

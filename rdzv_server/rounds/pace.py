@@ -116,6 +116,12 @@ class Arrivals:
         self.last = now
         self.told = self.next
 
+    def floor(self) -> float:
+        """How long a silence it takes at the least to be judged silent (what :meth:`limit`
+        never goes below, without its square root): a node heard more lately than this
+        is not silent, whatever its gaps were."""
+        return max(SILENCE_MIN_S, MISSED * self.told)
+
     def limit(self) -> float:
         """How long a silence it takes to be judged silent."""
         expected = max(self.told, self.mean or 0.0)

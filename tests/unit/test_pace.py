@@ -6,6 +6,8 @@ its own reason)."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rdzv_common.protocol import JobSpec, JoinedMsg, JoinMsg, heartbeat_interval
 from rdzv_server import rounds
@@ -140,3 +142,23 @@ def test_an_unanswered_silence_is_a_lost_connection_with_its_own_reason() -> Non
     )  # fmt: skip
     rounds.join(kept, back, 1.2)
     assert kept.nodes["n2"].lost_why is None and rounds.tick(kept, 2.0).events == [] and kept.round == 0
+
+
+@given(
+    told=st.sampled_from([0.25, 0.5, 1.0, 2.0, 3.3]),
+    gaps=st.lists(st.floats(min_value=0.01, max_value=20.0), max_size=30),
+    quiet=st.floats(min_value=0.0, max_value=60.0),
+)
+@settings(max_examples=300, deadline=None)
+def test_a_node_heard_within_its_floor_is_never_judged_silent(told, gaps, quiet) -> None:
+    """The sweep skips a node heard more lately than ``floor()`` without working out its
+    limit (rdzv_server.pacing): that must never skip one ``silent`` would judge."""
+    arr = Arrivals(told)
+    t = 100.0
+    arr.heard(t)
+    for gap in gaps:
+        t += gap
+        arr.heard(t)
+    assert arr.floor() <= arr.limit()
+    if quiet < arr.floor():
+        assert arr.silent(t + quiet, 0.0, timeout=3600.0) is None
