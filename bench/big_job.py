@@ -67,6 +67,10 @@ from .simagents import Clients
 
 TIMEOUT_S = 120.0  # any one step: formation, a re-formation
 CONNECT_SETTLE_S = 1.0  # after the connect phase, before the joins: the server's CPU counted to here
+# Every node connects before any joins: the join deadline outlasts the connect phase (3-10 s at
+# 16,384 nodes), and is no longer than the idle timeout (60 s by default), as with the server's
+# defaults (10 s, 60 s): a join then moves no timer (rdzv_server.silence), as in a deployment.
+JOIN_DEADLINE_S = 60
 # Nodes still heartbeat every 2 s (as with the default 6 s); the longer timeout keeps a server
 # that reads late on a loaded shared machine from evicting nodes that did send.
 SPEC = {"heartbeat_timeout_s": 30.0}
@@ -165,14 +169,13 @@ def run(
     job = f"big{n}-{os.getpid()}"
     spec = {"min_nodes": n - 1, "max_nodes": n, "last_call_s": 1.0, "scale_up_window_s": 0.1, **SPEC}
     out: dict = {"nodes": n, "clients": n_clients, "load_before": C.loadavg(), "classic": classic}
-    # every node connects before any joins: a long join deadline keeps the first ones open meanwhile
     python = _profiled(tmp, profile, per_pid=bool(etcd)) if profile else sys.executable
     if etcd:
         from .big_job_etcd import EtcdServer
 
         server: BigServer | EtcdServer = EtcdServer(tmp, etcd, python, lease_ttl)
     else:
-        server = BigServer(tmp, python=python, extra=["--join-deadline", "600"])
+        server = BigServer(tmp, python=python, extra=["--join-deadline", str(JOIN_DEADLINE_S)])
     out["storage"] = f"etcd, {etcd} replica(s)" if etcd else "SQLite"
     clients = None
     try:

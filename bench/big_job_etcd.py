@@ -60,7 +60,9 @@ class EtcdServer:
         try:
             prefix = f"/bench-big-{os.getpid()}/"
             ttl = str(lease_ttl or ha.LEASE_TTL_S)
-            flags = ("--join-deadline", "600", "--etcd-lease-ttl", ttl)  # (the last --etcd-lease-ttl counts)
+            from .big_job import JOIN_DEADLINE_S
+
+            flags = ("--join-deadline", str(JOIN_DEADLINE_S), "--etcd-lease-ttl", ttl)  # (the last ttl counts)
             self.replicas = ha.Replicas(replicas, tmp, self.etcd.endpoints, prefix, flags, python)
         except BaseException:
             ha._stop_etcd(self.etcd)

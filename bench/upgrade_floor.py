@@ -34,7 +34,7 @@ from pathlib import Path
 from rdzv_server.conns import LISTEN_BACKLOG
 
 from . import _common as C
-from .big_job import BigClients, BigServer
+from .big_job import JOIN_DEADLINE_S, BigClients, BigServer
 
 SETTLE_S = 1.0  # after the last connect: what the server defers past the storm counts too
 _GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
@@ -138,7 +138,8 @@ def run(n: int, n_clients: int, reps: int, log=print) -> list[dict]:
     for rep in range(reps):
         for kind in ("rdzv-server", "floor"):
             tmp = Path(tempfile.mkdtemp(prefix="rdzv-bench-floor-"))
-            server = BigServer(tmp, extra=["--join-deadline", "600"]) if kind == "rdzv-server" else FloorServer()
+            rdzv = kind == "rdzv-server"
+            server = BigServer(tmp, extra=["--join-deadline", str(JOIN_DEADLINE_S)]) if rdzv else FloorServer()
             try:
                 r = {"kind": kind, "rep": rep, "nodes": n, **measure(server, n, n_clients)}
             finally:
