@@ -118,12 +118,14 @@ class Pacing:
         """Every tracked node told an interval over REPACE_GROWTH times faster than
         the one it would be told now is told that one (the total rate: near the budget)."""
         texts: dict[float, str] = {}
+        wants: dict[str, float | None] = {}  # per job (a join storm's growth repaces every node so far, ~40 times)
         for (job_id, node_id), arr in self.arrivals.items():
-            job = self.store.jobs.get(job_id)
-            if job is None or job.finished:
-                continue
-            want = heartbeat_s(job.spec, self.nodes)
-            if arr.next * REPACE_GROWTH >= want:
+            if job_id in wants:
+                want = wants[job_id]
+            else:
+                job = self.store.jobs.get(job_id)
+                want = wants[job_id] = None if job is None or job.finished else heartbeat_s(job.spec, self.nodes)
+            if want is None or arr.next * REPACE_GROWTH >= want:
                 continue
             chan = self.store.channels.get((job_id, node_id))
             if chan is not None:
