@@ -73,6 +73,20 @@ def keep_alive(sock: socket.socket | None) -> bool:
     return True
 
 
+def has_keep_alive(sock: socket.socket | None) -> bool:
+    """Whether ``sock`` has what :func:`keep_alive` sets (on a socket accepted from a
+    listening one that has them: whether the kernel copied them, as Linux does)."""
+    user_timeout = getattr(socket, "TCP_USER_TIMEOUT", None)
+    if sock is None or user_timeout is None:
+        return False
+    try:
+        return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)) and sock.getsockopt(
+            socket.IPPROTO_TCP, user_timeout
+        ) == int(TCP_USER_TIMEOUT_S * 1000)
+    except OSError:
+        return False
+
+
 def _info(sock: socket.socket | None) -> tuple[int, ...] | None:
     option = getattr(socket, "TCP_INFO", None)
     if sock is None or option is None:

@@ -51,7 +51,7 @@ from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from rdzv_common.liveness import keep_alive
+from rdzv_common.liveness import has_keep_alive, keep_alive
 from rdzv_common.protocol import MAX_BODY_BYTES, ErrorBody, ErrorCode, printable
 
 log = logging.getLogger("rdzv_server")
@@ -149,6 +149,30 @@ class OpenCount:
         self.n = 0
 
 
+class InheritedKeepAlive:
+    """Whether a site's accepted sockets have keep-alive from its listening socket
+    (``on``: set by :meth:`Listener.start` where the listening socket took them). The
+    first socket accepted is checked: a kernel that does not copy them turns this off,
+    and every socket gets them itself, as elsewhere."""
+
+    __slots__ = ("on", "checked")
+
+    def __init__(self) -> None:
+        self.on = False
+        self.checked = False
+
+    def holds(self, sock: Any) -> bool:
+        """Whether ``sock`` needs nothing more (the first one is looked at)."""
+        if not self.on:
+            return False
+        if not self.checked:
+            self.checked = True
+            if not has_keep_alive(sock):
+                self.on = False
+                log.info("accepted sockets do not inherit keep-alive here; each one is set as it is accepted")
+        return self.on
+
+
 class Protocol(RequestHandler):
     """aiohttp's per-connection HTTP protocol: refuses a connection over the
     limits, and answers what its parser refuses in the server's own terms."""
@@ -161,13 +185,13 @@ class Protocol(RequestHandler):
         per_address: int,
         by_address: dict[str, int],
         open_count: OpenCount,
-        inherits_keep_alive: bool = False,
+        inherited: InheritedKeepAlive | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(manager, **kwargs)
         self.max_connections, self.per_address, self.by_address = max_connections, per_address, by_address
         self.open_count = open_count
-        self.inherits_keep_alive = inherits_keep_alive  # its socket has them from the listening one
+        self.inherited = inherited  # its site's: whether its socket has keep-alive from the listening one
         self.refused = False
         self.server = manager
         self.address: str | None = None
@@ -201,8 +225,9 @@ class Protocol(RequestHandler):
         if address is not None:
             self.address = address
             self.by_address[address] = held + 1
-        if not self.inherits_keep_alive:  # a vanished agent host fails the connection
-            keep_alive(transport.get_extra_info("socket"))
+        sock = transport.get_extra_info("socket")
+        if self.inherited is None or not self.inherited.holds(sock):  # a vanished agent host fails the connection
+            keep_alive(sock)
         self.open_count.n += 1
         super().connection_made(transport)
 
@@ -265,6 +290,7 @@ class Listener(web.BaseSite):
             "per_address": per_address_limit(per_address, max_connections),
             "by_address": {},  # open connections per client address, shared by this site's connections
             "open_count": OpenCount(),  # and in all
+            "inherited": InheritedKeepAlive(),
         }
 
     @property
@@ -280,15 +306,23 @@ class Listener(web.BaseSite):
     async def start(self) -> None:
         await super().start()
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            self._protocol, self._host, self._port, ssl=self._ssl_context, backlog=self._backlog, reuse_address=True
+        server = await loop.create_server(
+            self._protocol,
+            self._host,
+            self._port,
+            ssl=self._ssl_context,
+            backlog=self._backlog,
+            reuse_address=True,
+            start_serving=False,  # (a connection made before the options below would have none)
         )
+        self._server = server
         # Linux copies a listening socket's keep-alive and user timeout to every socket it
         # accepts: set once here, they cost an accepted connection nothing (set on each, ~4
         # system calls and a socket object: ~3% of an upgrade's CPU at 16,384 nodes)
         sockets = self.sockets
         if sys.platform == "linux" and sockets and all(keep_alive(s) for s in sockets):
-            self._handler_kwargs["inherits_keep_alive"] = True
+            self._handler_kwargs["inherited"].on = True
+        await server.start_serving()
 
     def _protocol(self) -> Protocol:
         manager = self._runner.server

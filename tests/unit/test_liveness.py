@@ -70,3 +70,11 @@ def test_an_acknowledged_send_is_seen_and_ages() -> None:
         age = liveness.ack_age_s(server)
         assert age is not None and age >= 0.25
         assert not liveness.acked_within(server, 0.1)
+
+
+def test_has_keep_alive_tells_a_socket_with_them_from_one_without() -> None:
+    with socket.socket() as plain, socket.socket() as set_:
+        assert not liveness.has_keep_alive(plain)
+        assert liveness.keep_alive(set_)
+        assert liveness.has_keep_alive(set_)
+    assert not liveness.has_keep_alive(None)
