@@ -27,8 +27,8 @@ from rdzv_common.wire import HEARTBEAT_FRAME
 MAX_NAP_S = 0.05
 # Each pass sleeps at least this long, and takes what is due by its end: thousands of nodes'
 # beats are due every fraction of a millisecond, and a pass per beat (a sleep of ~0 between
-# them) spun the loop (uvloop's 1 ms timers: 1.5 cores at 16,384 nodes). A beat is at most
-# this late; the agent's heartbeat is every 2 s or more.
+# them) spun the loop (uvloop's 1 ms timers: 1.5 cores at 16,384 nodes). A beat goes at most
+# this much early or late; the agent's heartbeat is every 2 s or more.
 MIN_NAP_S = 0.01
 _HB, _PING = 0, 1
 

@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import base64
 import hashlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -101,6 +102,7 @@ class FloorServer:
         )
         assert self.proc.stdout is not None
         if self.proc.stdout.readline().strip() != "ready":
+            self.stop()
             raise RuntimeError("the floor server did not start")
         self.pid = self.proc.pid
 
@@ -138,12 +140,15 @@ def run(n: int, n_clients: int, reps: int, log=print) -> list[dict]:
     for rep in range(reps):
         for kind in ("rdzv-server", "floor"):
             tmp = Path(tempfile.mkdtemp(prefix="rdzv-bench-floor-"))
-            rdzv = kind == "rdzv-server"
-            server = BigServer(tmp, extra=["--join-deadline", str(JOIN_DEADLINE_S)]) if rdzv else FloorServer()
             try:
-                r = {"kind": kind, "rep": rep, "nodes": n, **measure(server, n, n_clients)}
+                rdzv = kind == "rdzv-server"
+                server = BigServer(tmp, extra=["--join-deadline", str(JOIN_DEADLINE_S)]) if rdzv else FloorServer()
+                try:
+                    r = {"kind": kind, "rep": rep, "nodes": n, **measure(server, n, n_clients)}
+                finally:
+                    server.stop()
             finally:
-                server.stop()
+                shutil.rmtree(tmp, ignore_errors=True)
             log(f"[upgrade_floor] {kind}: {r['us_per_upgrade']:.0f} us of server CPU per upgrade")
             out.append(r)
     return out
