@@ -45,6 +45,8 @@ from typing import TYPE_CHECKING, Any
 from rdzv_common.errors import ErrorCode, RdzvError
 from rdzv_common.wire import join_fields, printable
 
+from .ports import PortHold
+
 if TYPE_CHECKING:
     from rdzv_common.protocol import Assignment, ExitRecord, JobSpec
 
@@ -143,34 +145,6 @@ def host_label(host: str) -> str:
     return _ascii_label(host)[:255] or "node"
 
 
-def free_port(addr: str) -> int:
-    """A port free on this node now: MASTER_PORT, fresh for every round."""
-    return free_ports(addr, 1)[0]
-
-
-def free_ports(addr: str, n: int, besides: int | None = None) -> list[int]:
-    """``n`` distinct ports free on this node now (bound together, so the
-    kernel cannot hand one out twice), none of them ``besides``."""
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    held: list[socket.socket] = []
-    ports: list[int] = []
-    try:
-        while len(ports) < n:
-            s = socket.socket(family, socket.SOCK_STREAM)
-            held.append(s)
-            try:
-                s.bind((addr, 0))
-            except OSError:
-                s.bind(("", 0))
-            port: int = s.getsockname()[1]
-            if port != besides:
-                ports.append(port)
-    finally:
-        for s in held:
-            s.close()
-    return ports
-
-
 def port_taken(port: int) -> bool:
     """Whether a store could not listen on ``port`` now (bound as torch's
     TCPStore binds: every address, SO_REUSEADDR): another process took it."""
@@ -232,6 +206,7 @@ class NodeSession:
         self.assignment: Assignment | None = None  # the round this node runs (or ran and reported)
         self.probe_port: int | None = None  # where its agent answers peers' probes (rdzv_client.peer_probe)
         self._link: AgentLink | None = None
+        self.ports = PortHold()  # what its latest join offered, held (rdzv_client.ports)
 
     @property
     def node_secret(self) -> str | None:
@@ -281,7 +256,11 @@ class NodeSession:
         addr = self.addr
         if addr is None:
             raise RuntimeError("NodeSession.addr is set before the node joins")
-        master_port = resume.master_port if resume is not None else free_port(addr)
+        # the ports this join offers (its store's, the direct rounds'), held until the next offer
+        # (rdzv_client.ports); a resume keeps its master_port, where its store may run
+        keep = resume.master_port if resume is not None else None
+        fresh = self.ports.offer(addr, (0 if keep is not None else 1) + (DIRECT_PORTS if self.direct else 0), keep)
+        master_port = keep if keep is not None else fresh.pop(0)
         return join_fields(
             job_id=self.job_id,
             node_id=self.node_id,
@@ -297,7 +276,7 @@ class NodeSession:
             run=self.run,
             new_run=self.new_run,
             probe_port=self.probe_port,
-            direct_ports=free_ports(addr, DIRECT_PORTS, besides=master_port) if self.direct else None,
+            direct_ports=fresh if self.direct else None,
         )
 
     def join(self) -> None:

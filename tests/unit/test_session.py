@@ -14,7 +14,6 @@ from rdzv_client.session import (
     OUTAGE_LOG_EVERY_S,
     NodeSession,
     OutageWatch,
-    free_ports,
     host_label,
     new_node_id,
     port_taken,
@@ -113,7 +112,27 @@ def test_port_taken_is_true_while_another_socket_listens_on_it() -> None:
         port = s.getsockname()[1]
         assert port_taken(port)
     assert not port_taken(port)
-    assert free_ports("127.0.0.1", 3, besides=port) and port not in free_ports("127.0.0.1", 3, besides=port)
+
+
+def test_the_ports_a_join_offers_are_held_until_the_next_offer(session: NodeSession) -> None:
+    """rdzv_client.ports: a plain bind of them is refused while they are offered; the
+    next join's offer lets them go (a resume keeps its master_port)."""
+    import socket
+
+    def plain_bind(port: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                return False
+            return True
+
+    session.join()
+    first = session.link.intents[-1][0]
+    offered = [first.master_port, *first.direct_ports]
+    assert sorted(session.ports.ports) == sorted(offered) and not any(plain_bind(p) for p in offered)
+    session.join()
+    assert all(plain_bind(p) for p in offered)
 
 
 def test_eviction_is_a_new_node_whose_old_reports_are_dropped(session: NodeSession) -> None:

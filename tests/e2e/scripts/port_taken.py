@@ -13,6 +13,9 @@ from rdzv_client import inplace, worker
 for world in worker.rounds():
     if world.round == 0 and world.rank == 0:
         holder = socket.socket()
+        # (SO_REUSEADDR: the agent holds the port it offered, rdzv_client.ports, and a plain
+        # bind is refused; a process that binds it so and listens still takes it)
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         holder.bind((world.master_addr, world.master_port))
         holder.listen()
     pg = inplace.process_group(world)  # round 0, rank 0: StorePortTaken (exit 76, its agent's word)
