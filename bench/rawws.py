@@ -42,6 +42,11 @@ class Refused(Exception):
         self.headers = headers  # lower-case names
 
 
+def accept_key(key: bytes) -> bytes:
+    """The Sec-WebSocket-Accept a server answers ``key`` with (RFC 6455 4.2.2)."""
+    return base64.b64encode(hashlib.sha1(key + _GUID).digest())
+
+
 def client_frame(opcode: int, payload: bytes, mask: bytes | None = None) -> bytes:
     """One final frame as a client sends it: masked (RFC 6455 5.3: a fresh random key unless
     ``mask`` is given, for tests)."""
@@ -218,7 +223,7 @@ async def connect(
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     key = base64.b64encode(os.urandom(16)).decode()
-    accept = base64.b64encode(hashlib.sha1(key.encode() + _GUID).digest()).decode()
+    accept = accept_key(key.encode()).decode()
     request = (
         f"GET {parts.path or '/'} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
         f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import hashlib
 import shutil
 import subprocess
 import sys
@@ -36,9 +34,9 @@ from rdzv_server.conns import LISTEN_BACKLOG
 
 from . import _common as C
 from .big_job import JOIN_DEADLINE_S, BigClients, BigServer
+from .rawws import accept_key
 
 SETTLE_S = 1.0  # after the last connect: what the server defers past the storm counts too
-_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 _HEAD_MAX = 8192
 
 
@@ -67,7 +65,7 @@ class Floor(asyncio.Protocol):
             name, _, value = line.partition(b":")
             if name.strip().lower() == b"sec-websocket-key":
                 key = value.strip()
-        accept = base64.b64encode(hashlib.sha1(key + _GUID).digest())
+        accept = accept_key(key)
         self.transport.write(  # type: ignore[attr-defined]
             b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
             b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n"

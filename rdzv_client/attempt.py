@@ -63,22 +63,19 @@ def _streams_to_files(cfg: AgentConfig) -> bool:
     return any(v for s in (cfg.redirects, cfg.tee) for v in (s.values() if isinstance(s, dict) else [s]))
 
 
+def place_text(a: Assignment) -> str:
+    """A node's place in round ``a``, as the agent's lines say it."""
+    last = a.rank_offset + a.local_world_size - 1
+    return (
+        f"group rank {a.group_rank} of {a.group_world_size}, ranks {a.rank_offset}-{last} of world "
+        f"{a.world_size}, master {a.master_addr}:{a.master_port}"
+    )
+
+
 def announce(cfg: AgentConfig, a: Assignment, say: Callable[..., None]) -> None:
     """The agent's line for a round its workers start (and why the node rank
     asked for is not the one given)."""
-    say(
-        "round %d: group rank %d of %d, ranks %d-%d of world %d, master %s:%d, restart %d/%d",
-        a.round,
-        a.group_rank,
-        a.group_world_size,
-        a.rank_offset,
-        a.rank_offset + a.local_world_size - 1,
-        a.world_size,
-        a.master_addr,
-        a.master_port,
-        a.restarts,
-        a.max_restarts,
-    )
+    say("round %d: %s, restart %d/%d", a.round, place_text(a), a.restarts, a.max_restarts)
     if cfg.node_rank is not None and a.group_rank != cfg.node_rank:
         why = (
             f"this round has {a.group_world_size} node(s)"

@@ -12,6 +12,7 @@ import asyncio
 import signal
 from typing import TYPE_CHECKING
 
+from .attempt import place_text
 from .reactions import Phase
 from .reform import PLAIN_REPORT_AFTER_S
 
@@ -63,17 +64,7 @@ class InPlaceSteps:
         if not await self.in_place.assign(a, self.group):
             return False
         self.session.assignment = a
-        self._say(
-            "round %d: group rank %d of %d, ranks %d-%d of world %d, master %s:%d: workers kept in place",
-            a.round,
-            a.group_rank,
-            a.group_world_size,
-            a.rank_offset,
-            a.rank_offset + a.local_world_size - 1,
-            a.world_size,
-            a.master_addr,
-            a.master_port,
-        )
+        self._say("round %d: %s: workers kept in place", a.round, place_text(a))
         self.watch.new_round(a.round)
         self.phase = Phase.RUNNING
         self.session.resume(a)

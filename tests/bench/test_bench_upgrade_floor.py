@@ -5,27 +5,15 @@ rows completed, with the CPU counted."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.bench_run import run_bench
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 
 def test_upgrade_floor_bench_smoke():
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.upgrade_floor", "--nodes", "16", "--reps", "1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=110,
-        start_new_session=True,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_bench("bench.upgrade_floor", "--nodes", "16", "--reps", "1", timeout=110)
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| rdzv-server") or ln.startswith("| floor")]
     assert [r.split("|")[1].strip() for r in rows] == ["rdzv-server (rep 1)", "floor (rep 1)"], proc.stdout
     for r in rows:

@@ -24,7 +24,8 @@ def _store_listens(port: int) -> bool:
         return True
 
 
-def _plain_bind(port: int) -> bool:
+def plain_bind(port: int) -> bool:
+    """Whether a plain bind (no SO_REUSEADDR) of ``port`` succeeds now."""
     with socket.socket() as s:
         try:
             s.bind(("", port))
@@ -45,7 +46,7 @@ def test_held_ports_are_the_stores_and_nobody_elses(hold: PortHold) -> None:
     assert len(set(ports)) == 5 and hold.ports == ports
     for port in ports:
         assert _store_listens(port)
-        assert not _plain_bind(port)
+        assert not plain_bind(port)
     handed = set()
     for _ in range(2000):  # other binds of port 0 (another agent, a worker's gloo listener)
         with socket.socket() as s:
@@ -58,7 +59,7 @@ def test_the_next_offer_lets_the_old_ports_go_but_a_resumes_own(hold: PortHold) 
     first = hold.offer("127.0.0.1", 3)
     second = hold.offer("127.0.0.1", 2, keep=first[0])
     assert first[0] not in second and set(hold.ports) == {first[0], *second}
-    assert not _plain_bind(first[0])  # kept
-    assert all(_plain_bind(p) for p in first[1:])  # let go
+    assert not plain_bind(first[0])  # kept
+    assert all(plain_bind(p) for p in first[1:])  # let go
     hold.close()
-    assert hold.ports == [] and all(_plain_bind(p) for p in [first[0], *second])
+    assert hold.ports == [] and all(plain_bind(p) for p in [first[0], *second])

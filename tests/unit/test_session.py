@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_ports import plain_bind
 
 from rdzv_client.session import (
     DIRECT_PORTS,
@@ -117,16 +118,6 @@ def test_port_taken_is_true_while_another_socket_listens_on_it() -> None:
 def test_the_ports_a_join_offers_are_held_until_the_next_offer(session: NodeSession) -> None:
     """rdzv_client.ports: a plain bind of them is refused while they are offered; the
     next join's offer lets them go (a resume keeps its master_port)."""
-    import socket
-
-    def plain_bind(port: int) -> bool:
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                return False
-            return True
-
     session.join()
     first = session.link.intents[-1][0]
     offered = [first.master_port, *first.direct_ports]
