@@ -87,6 +87,8 @@ class RoundsMachine(RuleBasedStateMachine):
         """Run one event; a refusal must leave the job exactly as it was."""
         before = record(self.job)
         ids_before = set(self.job.nodes)
+        # the ranks nodes asked for, kept for those an event removes after completing their round
+        self.asked = {nid: n.requested_rank for nid, n in self.job.nodes.items()}
         run_before = self.job.run
         try:
             fx = op(self.job, *args)
@@ -100,6 +102,7 @@ class RoundsMachine(RuleBasedStateMachine):
             event("started the next run")
             self.completed, self.assignments = None, {}
         if fx is not None:  # before counting removals: a round may complete, then lose nodes, in one tick
+            self.asked.update((nid, n.requested_rank) for nid, n in self.job.nodes.items())
             self._check_effects(fx, ids_before)
         for nid in ids_before - set(self.job.nodes):
             self.incarnation[nid] += 1
@@ -257,7 +260,7 @@ class RoundsMachine(RuleBasedStateMachine):
             event(f"completed a later round with {min(len(survivors), 2)}{'+' * (len(survivors) >= 2)} survivors")
             if survivors and survivors[0] == prev[0]:
                 assert order[0] == prev[0], f"rank 0 {prev[0]} survived but moved: {order}"
-            keep = [x for x in survivors if getattr(job.nodes.get(x[0]), "requested_rank", None) is None]
+            keep = [x for x in survivors if self.asked.get(x[0]) is None]
             assert [x for x in order if x in keep] == keep, f"survivors reordered: {prev} -> {order}"
         self.completed = (round_no, order)
         self.assignments = {nid: a for nid, a in got}
