@@ -19,7 +19,7 @@ def test_a_real_agent_keeps_its_connection_under_a_short_idle_timeout(cluster: C
         "calm",
         "progress_loop.py",
         "--steps",
-        "100",
+        "70",  # 14 s: longer than the idle timeout
         "--interval",
         "0.2",
         nnodes="1:1",

@@ -16,7 +16,7 @@ at least once:
   (``--scale-up-window 3``), as in tests/faults/test_chaos.py.
 
 Event k fires once the checkpoint has reached step ``(k - 1/2) * STRIDE`` and at
-least ``SPACING_S`` after the previous one ended (about a minute of chaos in
+least ``SPACING_S`` after the previous one ended (about 40 s of chaos in
 all), so every event happens while training still has work left. Checked
 throughout (the job's REST view from whichever replica leads, and the
 checkpoint, sampled every poll) and at the end, the invariants of
@@ -28,7 +28,8 @@ etcd kills open no round (at most two rounds per node killed), and etcd's
 history shows no replica writing job or host state outside its leadership.
 
 Reproduce a run with ``RDZV_CHAOS_SEED=<seed>`` (printed at the start and in
-every assertion message); ``RDZV_CHAOS_EVENTS`` changes the number of events.
+every assertion message); ``RDZV_CHAOS_EVENTS`` changes the number of events (4 by default: the suite's time
+bound; every run draws a new seed, so runs cover the mixes between them).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 SEED = int(os.environ.get("RDZV_CHAOS_SEED", str(random.SystemRandom().randrange(1 << 16))))
-N_EVENTS = int(os.environ.get("RDZV_CHAOS_EVENTS", "6"))
+N_EVENTS = int(os.environ.get("RDZV_CHAOS_EVENTS", "4"))
 KINDS = ("kill_leader", "kill_etcd", "kill_node")
 STRIDE = 20  # checkpoint steps between two events (a leader kill and restart lasts about that long)
 SPACING_S = 2.0  # and at least this long after the previous one ended (things settle)
