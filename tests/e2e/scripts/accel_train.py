@@ -30,10 +30,8 @@ def main() -> None:
     line = f"accel rank {acc.process_index} world {acc.num_processes} gathered {gathered.tolist()} role {role}\n"
     os.write(1, line.encode())  # one write: the node's workers share one stdout
     acc.wait_for_everyone()
-    # Out without tearing the gloo process group down (acc.end_training destroys it): four ranks
-    # destroying theirs at once can abort one in torch's C++ ("terminate called without an active
-    # exception", SIGABRT, once in a CI run of 3 December 2026) after every rank gathered; this
-    # script checks the launch and the rendezvous, and every rank is past the barrier here.
+    # Out without finalizing, every rank past the barrier: accelerate's DDP on gloo may otherwise
+    # abort after the run (docs/torchrun.md, "A DDP script that aborts as it exits").
     os._exit(0)
 
 
