@@ -14,6 +14,7 @@ from aiohttp import web
 
 from rdzv_common import logs
 
+from . import early
 from .app import Settings, create_app
 from .auth import is_loopback
 from .conns import (
@@ -82,6 +83,7 @@ async def serve(
         max_connections=max_connections,
         header_timeout_s=header_timeout_s,
         per_address=per_address,
+        refuse=early.refuser(app),
     )
     try:
         await site.start()

@@ -41,6 +41,7 @@ import socket
 import ssl
 import sys
 import time
+from collections.abc import Callable
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any, cast
@@ -186,9 +187,11 @@ class Protocol(RequestHandler):
         by_address: dict[str, int],
         open_count: OpenCount,
         inherited: InheritedKeepAlive | None = None,
+        refuse: Callable[[bytes], bytes | None] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(manager, **kwargs)
+        self.refuse = refuse  # its site's: an answer to the connection's first bytes, sent before aiohttp parses them
         self.max_connections, self.per_address, self.by_address = max_connections, per_address, by_address
         self.open_count = open_count
         self.inherited = inherited  # its site's: whether its socket has keep-alive from the listening one
@@ -230,6 +233,16 @@ class Protocol(RequestHandler):
             keep_alive(sock)
         self.open_count.n += 1
         super().connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        refuse, self.refuse = self.refuse, None  # a connection's first bytes only
+        if refuse is not None and (answer := refuse(data)) is not None:
+            transport = self.transport
+            if transport is not None:
+                transport.write(answer)
+                transport.close()  # after the answer is written
+            return
+        super().data_received(data)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self.refused:
@@ -279,6 +292,7 @@ class Listener(web.BaseSite):
         header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
         per_address: int | None = None,
         backlog: int = LISTEN_BACKLOG,
+        refuse: Callable[[bytes], bytes | None] | None = None,
     ) -> None:
         super().__init__(runner, ssl_context=ssl_context, backlog=backlog)
         self._host, self._port = host, port
@@ -291,6 +305,7 @@ class Listener(web.BaseSite):
             "by_address": {},  # open connections per client address, shared by this site's connections
             "open_count": OpenCount(),  # and in all
             "inherited": InheritedKeepAlive(),
+            "refuse": refuse,  # rdzv_server.early: what a replica that does not serve answers before aiohttp
         }
 
     @property

@@ -1,0 +1,73 @@
+"""The agent's upgrade on an HA replica that does not serve, refused before
+aiohttp parses it.
+
+In a failover every agent walks its endpoint list (rdzv_client.endpoints):
+the dead leader refuses the connection, and a follower, or the new leader
+while it loads the state, answers 503 ``not_leader`` naming the leader
+(``app.leader_middleware``). At 16,384 nodes that is 16,384 such answers per
+replica it reaches first, and through aiohttp (its request, the middlewares,
+the response) each cost the replica ~170 us of CPU (py-spy, bench.big_job
+``--etcd``): seconds of a leader kill, on the replicas whose cores the
+storm needs. :func:`refuser` makes :class:`conns.Protocol`'s answer to a
+connection's first bytes when they are exactly that upgrade's request head
+(``GET /v1/agent HTTP/1.1``, the head whole, nothing after it): the same
+status, error body and ``X-Rdzv-Leader`` as the middleware's, then the
+connection closes (``Connection: close``). Anything else takes aiohttp's
+path: other requests, a head split over reads, bytes after it (a body never
+read would turn the close into a reset), and every request while the replica
+serves. The refusal is sent before the token is checked, as /healthz, which
+needs none, names the leader too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from http import HTTPStatus
+
+from aiohttp import web
+
+from rdzv_common.errors import LEADER_HEADER
+from rdzv_common.protocol import AGENT_PATH, MAX_ERROR_MESSAGE, ErrorBody
+
+from .keys import STORE
+
+_HEAD = f"GET {AGENT_PATH} HTTP/1.1\r\n".encode()
+_END = b"\r\n\r\n"
+
+Refuser = Callable[[bytes], "bytes | None"]  # a connection's first bytes -> the answer, or None: aiohttp's path
+
+
+def response(status: int, body: str, leader: str | None) -> bytes:
+    """The whole HTTP response: ``body`` (JSON), closing the connection, naming ``leader``."""
+    data = body.encode()
+    lines = [
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
+        "Content-Type: application/json; charset=utf-8",
+        f"Content-Length: {len(data)}",
+        "Connection: close",
+    ]
+    if leader:
+        lines.append(f"{LEADER_HEADER}: {leader}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + data
+
+
+def refuser(app: web.Application) -> Refuser:
+    """For conns.Listener: ``app``'s answer to an agent's upgrade while its replica does not serve."""
+    store = app[STORE]
+    last: tuple[str, str | None, bytes] | None = None  # (message, leader, response): one per state, not per node
+
+    def refuse(data: bytes) -> bytes | None:
+        nonlocal last
+        replica = store.replica
+        if replica is None or store.serving or not data.startswith(_HEAD) or data.find(_END) != len(data) - 4:
+            return None
+        e = replica.refusal()
+        leader = e.leader
+        if leader is not None and not leader.isprintable():  # never a header built of a control character
+            return None
+        if last is None or last[:2] != (e.message, leader):
+            body = ErrorBody(code=e.code, message=e.message[:MAX_ERROR_MESSAGE]).model_dump_json()
+            last = (e.message, leader, response(e.status, body, leader))
+        return last[2]
+
+    return refuse
