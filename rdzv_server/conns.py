@@ -101,6 +101,7 @@ _bad_http_log = LogLimiter(log, logging.WARNING, burst=10, rate=1.0)
 _refused_log = LogLimiter(log, logging.WARNING, burst=1, rate=0.1)
 _refused_addr_log = LogLimiter(log, logging.WARNING, burst=1, rate=0.1)
 _body_log = LogLimiter(log, logging.WARNING, burst=5, rate=0.2)
+_early_log = LogLimiter(log, logging.ERROR, burst=1, rate=0.01)
 
 
 def raise_fd_limit() -> tuple[int, int]:
@@ -236,12 +237,18 @@ class Protocol(RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         refuse, self.refuse = self.refuse, None  # a connection's first bytes only
-        if refuse is not None and (answer := refuse(data)) is not None:
-            transport = self.transport
-            if transport is not None:
-                transport.write(answer)
-                transport.close()  # after the answer is written
-            return
+        if refuse is not None:
+            try:
+                answer = refuse(data)
+            except Exception as e:  # a bug there: aiohttp's path answers, as before the early one
+                _early_log("the early answer to a request failed (%s); aiohttp answers it", printable(repr(e), 300))
+                answer = None
+            if answer is not None:
+                transport = self.transport
+                if transport is not None:
+                    transport.write(answer)
+                    transport.close()  # after the answer is written
+                return
         super().data_received(data)
 
     def connection_lost(self, exc: BaseException | None) -> None:

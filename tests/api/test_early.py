@@ -121,3 +121,20 @@ async def test_the_agents_client_gets_what_aiohttps_path_answers() -> None:
         async with http.get(base + "/healthz") as resp:  # any replica answers it
             assert resp.status == 200
         assert replica.asked >= 3
+
+
+async def test_a_failing_early_answer_leaves_the_request_to_aiohttp(caplog) -> None:
+    """A bug in the early answer costs one log line, not the request: aiohttp's path answers."""
+    replica = FakeReplica()
+
+    def broken() -> NotLeaderError:
+        raise RuntimeError("a bug")
+
+    replica.refusal = broken  # type: ignore[method-assign]
+    async with _replica(replica) as port, aiohttp.ClientSession() as http:
+        try:
+            await http.ws_connect(f"http://127.0.0.1:{port}{AGENT_PATH}")
+            raise AssertionError("the upgrade was accepted")
+        except aiohttp.WSServerHandshakeError as e:
+            assert e.status == 500, e  # leader_middleware met the same bug, through aiohttp's error path
+    assert any("the early answer to a request failed (RuntimeError('a bug'))" in r.getMessage() for r in caplog.records)
