@@ -83,7 +83,7 @@ async def serve(
         max_connections=max_connections,
         header_timeout_s=header_timeout_s,
         per_address=per_address,
-        refuse=early.refuser(app),
+        refuse=early.Refuser(app) if settings.ha is not None else None,  # an HA replica's: it may not serve
     )
     try:
         await site.start()

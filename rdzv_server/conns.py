@@ -41,7 +41,7 @@ import socket
 import ssl
 import sys
 import time
-from collections.abc import Callable
+import typing
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any, cast
@@ -188,11 +188,9 @@ class Protocol(RequestHandler):
         by_address: dict[str, int],
         open_count: OpenCount,
         inherited: InheritedKeepAlive | None = None,
-        refuse: Callable[[bytes], bytes | None] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(manager, **kwargs)
-        self.refuse = refuse  # its site's: an answer to the connection's first bytes, sent before aiohttp parses them
         self.max_connections, self.per_address, self.by_address = max_connections, per_address, by_address
         self.open_count = open_count
         self.inherited = inherited  # its site's: whether its socket has keep-alive from the listening one
@@ -235,22 +233,6 @@ class Protocol(RequestHandler):
         self.open_count.n += 1
         super().connection_made(transport)
 
-    def data_received(self, data: bytes) -> None:
-        refuse, self.refuse = self.refuse, None  # a connection's first bytes only
-        if refuse is not None:
-            try:
-                answer = refuse(data)
-            except Exception as e:  # a bug there: aiohttp's path answers, as before the early one
-                _early_log("the early answer to a request failed (%s); aiohttp answers it", printable(repr(e), 300))
-                answer = None
-            if answer is not None:
-                transport = self.transport
-                if transport is not None:
-                    transport.write(answer)
-                    transport.close()  # after the answer is written
-                return
-        super().data_received(data)
-
     def connection_lost(self, exc: BaseException | None) -> None:
         if self.refused:
             return
@@ -285,6 +267,45 @@ class Protocol(RequestHandler):
         return resp
 
 
+class EarlyProtocol(Protocol):
+    """A :class:`Protocol` whose connection's first bytes ``refuse`` may answer itself, before
+    aiohttp parses them (rdzv_server.early). Made only for a connection accepted while its
+    site's refuser is active: the extra call on every read costs a serving replica nothing
+    (uvloop binds ``data_received`` once, when the connection opens)."""
+
+    def __init__(self, manager: web.Server, *, refuse: Refuser, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self.refuse: Refuser | None = refuse
+
+    def data_received(self, data: bytes) -> None:
+        refuse, self.refuse = self.refuse, None  # a connection's first bytes only
+        if refuse is not None:
+            try:
+                answer = refuse(data)
+            except Exception as e:  # a bug there: aiohttp's path answers, as before the early one
+                _early_log("the early answer to a request failed (%s); aiohttp answers it", printable(repr(e), 300))
+                answer = None
+            if answer is not None:
+                transport = self.transport
+                if transport is not None:
+                    transport.write(answer)
+                    transport.close()  # after the answer is written
+                return
+        super().data_received(data)
+
+
+class Refuser(typing.Protocol):
+    """What a site may answer before aiohttp (rdzv_server.early.refuser makes one)."""
+
+    def active(self) -> bool:
+        """Whether a connection accepted now may be answered early (checked again on its bytes)."""
+        ...
+
+    def __call__(self, data: bytes) -> bytes | None:
+        """A connection's first bytes -> the whole answer, or None: aiohttp's path."""
+        ...
+
+
 class Listener(web.BaseSite):
     """A TCP site like aiohttp's TCPSite, whose connections are :class:`Protocol`."""
 
@@ -299,7 +320,7 @@ class Listener(web.BaseSite):
         header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
         per_address: int | None = None,
         backlog: int = LISTEN_BACKLOG,
-        refuse: Callable[[bytes], bytes | None] | None = None,
+        refuse: Refuser | None = None,
     ) -> None:
         super().__init__(runner, ssl_context=ssl_context, backlog=backlog)
         self._host, self._port = host, port
@@ -312,8 +333,8 @@ class Listener(web.BaseSite):
             "by_address": {},  # open connections per client address, shared by this site's connections
             "open_count": OpenCount(),  # and in all
             "inherited": InheritedKeepAlive(),
-            "refuse": refuse,  # rdzv_server.early: what a replica that does not serve answers before aiohttp
         }
+        self._refuse = refuse  # rdzv_server.early: what a replica that does not serve answers before aiohttp
 
     @property
     def name(self) -> str:
@@ -349,6 +370,9 @@ class Listener(web.BaseSite):
     def _protocol(self) -> Protocol:
         manager = self._runner.server
         assert manager is not None
+        refuse = self._refuse
+        if refuse is not None and refuse.active():
+            return EarlyProtocol(manager, refuse=refuse, loop=asyncio.get_running_loop(), **self._handler_kwargs)
         return Protocol(manager, loop=asyncio.get_running_loop(), **self._handler_kwargs)
 
 

@@ -8,20 +8,26 @@ while it loads the state, answers 503 ``not_leader`` naming the leader
 replica it reaches first, and through aiohttp (its request, the middlewares,
 the response) each cost the replica ~170 us of CPU (py-spy, bench.big_job
 ``--etcd``): seconds of a leader kill, on the replicas whose cores the
-storm needs. :func:`refuser` makes :class:`conns.Protocol`'s answer to a
+storm needs. :class:`Refuser` makes :class:`conns.EarlyProtocol`'s answer to a
 connection's first bytes when they are exactly that upgrade's request head
 (``GET /v1/agent HTTP/1.1``, the head whole, nothing after it): the same
 status, error body and ``X-Rdzv-Leader`` as the middleware's, then the
 connection closes (``Connection: close``). Anything else takes aiohttp's
 path: other requests, a head split over reads, bytes after it (a body never
-read would turn the close into a reset), and every request while the replica
-serves. The refusal is sent before the token is checked, as /healthz, which
-needs none, names the leader too.
+read would turn the close into a reset), and every connection accepted while
+the replica serves (those are plain ``conns.Protocol``: no call more per read).
+
+The refusal comes before every check of rdzv_server/auth.py: the token (and
+the wrong-token throttle and its audit line), the Host check against DNS
+rebinding, the Origin check. It tells what /healthz, which needs none of them,
+tells too (this replica does not serve; who leads), and a web page cannot read
+a refused WebSocket handshake. What a client sees differently: an agent with a
+wrong token is told ``not_leader`` by a replica that does not serve, and learns
+that its token is wrong from the leader, as before from any replica.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from http import HTTPStatus
 
 from aiohttp import web
@@ -33,8 +39,6 @@ from .keys import STORE
 
 _HEAD = f"GET {AGENT_PATH} HTTP/1.1\r\n".encode()
 _END = b"\r\n\r\n"
-
-Refuser = Callable[[bytes], "bytes | None"]  # a connection's first bytes -> the answer, or None: aiohttp's path
 
 
 def response(status: int, body: str, leader: str | None) -> bytes:
@@ -51,23 +55,27 @@ def response(status: int, body: str, leader: str | None) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + data
 
 
-def refuser(app: web.Application) -> Refuser:
-    """For conns.Listener: ``app``'s answer to an agent's upgrade while its replica does not serve."""
-    store = app[STORE]
-    last: tuple[str, str | None, bytes] | None = None  # (message, leader, response): one per state, not per node
+class Refuser:
+    """For conns.Listener (a ``conns.Refuser``): ``app``'s answer to an agent's upgrade while its
+    replica does not serve."""
 
-    def refuse(data: bytes) -> bytes | None:
-        nonlocal last
-        replica = store.replica
-        if replica is None or store.serving or not data.startswith(_HEAD) or data.find(_END) != len(data) - 4:
+    def __init__(self, app: web.Application) -> None:
+        self.store = app[STORE]
+        self.last: tuple[str, str | None, bytes] | None = None  # (message, leader, response): one per state
+
+    def active(self) -> bool:
+        return self.store.replica is not None and not self.store.serving
+
+    def __call__(self, data: bytes) -> bytes | None:
+        replica = self.store.replica
+        if replica is None or self.store.serving or not data.startswith(_HEAD) or data.find(_END) != len(data) - 4:
             return None
         e = replica.refusal()
         leader = e.leader
         if leader is not None and not leader.isprintable():  # never a header built of a control character
             return None
+        last = self.last
         if last is None or last[:2] != (e.message, leader):
             body = ErrorBody(code=e.code, message=e.message[:MAX_ERROR_MESSAGE]).model_dump_json()
-            last = (e.message, leader, response(e.status, body, leader))
+            last = self.last = (e.message, leader, response(e.status, body, leader))
         return last[2]
-
-    return refuse

@@ -19,7 +19,7 @@ from rdzv_common.errors import LEADER_HEADER, NotLeaderError
 from rdzv_common.protocol import AGENT_PATH
 from rdzv_server import early
 from rdzv_server.app import Settings, create_app
-from rdzv_server.conns import Listener
+from rdzv_server.conns import EarlyProtocol, Listener, Protocol
 from rdzv_server.keys import STORE
 
 LEADER = "http://10.0.0.7:29400"
@@ -56,7 +56,7 @@ def _parse(answer: bytes) -> tuple[str, dict[str, str], dict]:
 
 def test_the_upgrade_on_a_replica_that_does_not_serve_is_answered() -> None:
     replica = FakeReplica()
-    refuse = early.refuser(_app(replica))
+    refuse = early.Refuser(_app(replica))
     status, headers, body = _parse(refuse(HEAD) or b"")
     assert status == "HTTP/1.1 503 Service Unavailable"
     assert headers[LEADER_HEADER] == LEADER and headers["Connection"] == "close", headers
@@ -68,7 +68,7 @@ def test_the_upgrade_on_a_replica_that_does_not_serve_is_answered() -> None:
 
 
 def test_anything_else_takes_aiohttps_path() -> None:
-    refuse = early.refuser(_app(FakeReplica()))
+    refuse = early.Refuser(_app(FakeReplica()))
     for data in (
         HEAD[:-2],  # the head split over reads
         HEAD + b"\x81\x80abcd",  # bytes after it
@@ -78,49 +78,91 @@ def test_anything_else_takes_aiohttps_path() -> None:
         HEAD.replace(b"HTTP/1.1", b"HTTP/1.0", 1),
     ):
         assert refuse(data) is None, data
-    assert early.refuser(_app(FakeReplica(serving=True)))(HEAD) is None  # it leads
-    assert early.refuser(_app(None))(HEAD) is None  # no HA
-    assert early.refuser(_app(FakeReplica(leader="http://a\r\nSet-Cookie: x=1")))(HEAD) is None
+    assert early.Refuser(_app(FakeReplica(serving=True)))(HEAD) is None  # it leads
+    assert early.Refuser(_app(None))(HEAD) is None  # no HA
+    assert early.Refuser(_app(FakeReplica(leader="http://a\r\nSet-Cookie: x=1")))(HEAD) is None
 
 
 @contextlib.asynccontextmanager
-async def _replica(replica: FakeReplica) -> AsyncIterator[int]:
-    """A server (its app, the Listener with early.refuser) whose store is ``replica``'s."""
+async def _replica(replica: FakeReplica) -> AsyncIterator[tuple[int, Listener]]:
+    """A server (its app, the Listener with an early.Refuser) whose store is ``replica``'s."""
     app = create_app(Settings())
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
         app[STORE].replica = replica  # type: ignore[assignment]  # (after the store opened: as a follower's)
-        site = Listener(runner, "127.0.0.1", 0, refuse=early.refuser(app))
+        site = Listener(runner, "127.0.0.1", 0, refuse=early.Refuser(app))
         await site.start()
-        yield site.sockets[0].getsockname()[1]
+        yield site.sockets[0].getsockname()[1], site
     finally:
         app[STORE].replica = None
         await runner.cleanup()
+
+
+async def _raw(port: int, data: bytes) -> bytes:
+    """``data`` sent on a new connection; what came back until the server closed it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        return await asyncio.wait_for(reader.read(), 5.0)  # to EOF: the server closed it
+    finally:
+        writer.close()
 
 
 async def test_the_agents_client_gets_what_aiohttps_path_answers() -> None:
     """The agent's client (aiohttp's ws_connect) is refused with the leader named, as a REST call
     through the middlewares is, and that answer came from the early path (the connection closed)."""
     replica = FakeReplica()
-    async with _replica(replica) as port, aiohttp.ClientSession() as http:
+    async with _replica(replica) as (port, site), aiohttp.ClientSession() as http:
         base = f"http://127.0.0.1:{port}"
         try:
             await http.ws_connect(base + AGENT_PATH)
             raise AssertionError("the upgrade was accepted")
         except aiohttp.WSServerHandshakeError as e:
-            assert e.status == 503 and (e.headers or {}).get(LEADER_HEADER) == LEADER, e
+            headers = e.headers or {}
+            assert e.status == 503 and headers.get(LEADER_HEADER) == LEADER, e
+            assert "Server" not in headers, headers  # the early answer's, not aiohttp's (which names itself)
         async with http.get(base + "/v1/jobs") as resp:  # aiohttp's path: leader_middleware
-            assert resp.status == 503 and resp.headers[LEADER_HEADER] == LEADER
+            assert resp.status == 503 and resp.headers[LEADER_HEADER] == LEADER and "Server" in resp.headers
             rest = await resp.json()
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(HEAD)
-        answer = await asyncio.wait_for(reader.read(), 5.0)  # to EOF: the server closed it
-        writer.close()
-        assert _parse(answer)[2] == rest
+        assert _parse(await _raw(port, HEAD))[2] == rest
         async with http.get(base + "/healthz") as resp:  # any replica answers it
             assert resp.status == 200
-        assert replica.asked >= 3
+        # the connections it answered are counted out as they close
+        kw = site._handler_kwargs
+        await http.close()
+        for _ in range(100):
+            if kw["open_count"].n == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert kw["open_count"].n == 0 and kw["by_address"] == {}, (kw["open_count"].n, kw["by_address"])
+
+
+async def test_it_comes_before_the_host_and_origin_checks_and_says_only_what_healthz_says() -> None:
+    """A foreign Origin and a Host no loopback server answers (403 through the middlewares, while
+    the replica serves) get the same not_leader, which /healthz tells anyone: who leads."""
+    replica = FakeReplica()
+    async with _replica(replica) as (port, _):
+        foreign = HEAD.replace(b"Host: x\r\n", b"Host: evil.example\r\nOrigin: https://evil.example\r\n")
+        assert foreign != HEAD
+        status, headers, body = _parse(await _raw(port, foreign))
+        assert status.startswith("HTTP/1.1 503") and headers[LEADER_HEADER] == LEADER and body["code"] == "not_leader"
+        async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/healthz") as resp:
+            assert (await resp.json())["leader"] == LEADER
+
+
+async def test_a_connection_accepted_while_the_replica_serves_is_aiohttps() -> None:
+    """Accepted while serving: a plain conns.Protocol (no extra call per read), and the upgrade is
+    aiohttp's: accepted (101)."""
+    replica = FakeReplica(serving=True)
+    async with _replica(replica) as (port, site), aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(f"http://127.0.0.1:{port}{AGENT_PATH}")
+        await ws.close()
+        assert replica.asked == 0
+        made = site._protocol()
+        assert type(made) is Protocol, type(made)
+        replica.serving = False
+        assert type(site._protocol()) is EarlyProtocol
 
 
 async def test_a_failing_early_answer_leaves_the_request_to_aiohttp(caplog) -> None:
@@ -131,7 +173,7 @@ async def test_a_failing_early_answer_leaves_the_request_to_aiohttp(caplog) -> N
         raise RuntimeError("a bug")
 
     replica.refusal = broken  # type: ignore[method-assign]
-    async with _replica(replica) as port, aiohttp.ClientSession() as http:
+    async with _replica(replica) as (port, _), aiohttp.ClientSession() as http:
         try:
             await http.ws_connect(f"http://127.0.0.1:{port}{AGENT_PATH}")
             raise AssertionError("the upgrade was accepted")
