@@ -252,10 +252,13 @@ class Auth:
         )
 
 
+def error_text(code: ErrorCode, message: str) -> str:
+    """An error's JSON body, its message cut to MAX_ERROR_MESSAGE."""
+    return ErrorBody(code=code, message=message[:MAX_ERROR_MESSAGE]).model_dump_json()
+
+
 def error(code: ErrorCode, message: str, status: int, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(
-        text=ErrorBody(code=code, message=message[:MAX_ERROR_MESSAGE]).model_dump_json(), status=status, headers=headers
-    )
+    return web.json_response(text=error_text(code, message), status=status, headers=headers)
 
 
 def _bearer(request: web.Request) -> str | None:

@@ -295,7 +295,7 @@ class EarlyProtocol(Protocol):
 
 
 class Refuser(typing.Protocol):
-    """What a site may answer before aiohttp (rdzv_server.early.refuser makes one)."""
+    """What a site may answer before aiohttp (rdzv_server.early.Refuser is one)."""
 
     def active(self) -> bool:
         """Whether a connection accepted now may be answered early (checked again on its bytes)."""

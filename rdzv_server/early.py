@@ -33,8 +33,9 @@ from http import HTTPStatus
 from aiohttp import web
 
 from rdzv_common.errors import LEADER_HEADER
-from rdzv_common.protocol import AGENT_PATH, MAX_ERROR_MESSAGE, ErrorBody
+from rdzv_common.protocol import AGENT_PATH
 
+from .auth import error_text
 from .keys import STORE
 
 _HEAD = f"GET {AGENT_PATH} HTTP/1.1\r\n".encode()
@@ -76,6 +77,5 @@ class Refuser:
             return None
         last = self.last
         if last is None or last[:2] != (e.message, leader):
-            body = ErrorBody(code=e.code, message=e.message[:MAX_ERROR_MESSAGE]).model_dump_json()
-            last = self.last = (e.message, leader, response(e.status, body, leader))
+            last = self.last = (e.message, leader, response(e.status, error_text(e.code, e.message), leader))
         return last[2]
