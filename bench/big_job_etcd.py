@@ -14,9 +14,12 @@ After the scale-up, one more row:
 leader kill
     kill -9 of the leader replica (with more than one). From the kill: a new
     leader elected and serving (its log's "elected leader" and "loaded"
-    lines); every node's resume taken by it (its log's "node N reconnected",
-    the server's clock) and every node holding its assignment again on its
-    new connection (the node's own clock); then the new leader's job view:
+    lines); the first resume taken by it (its log's first "node N
+    reconnected", the server's clock: the job's first 64 such lines are
+    logged, then one every 5 s, rdzv_server.rounds.events.comeback) and
+    every node holding its assignment again on its new connection (the
+    node's own clock, which reads it after the server took the resume);
+    then the new leader's job view:
     the round the nodes resumed, complete, with every node. "Everything
     back" is the last of these. A re-formation (nodes lost meanwhile) shows
     as a later round, and everything back waits for it.
@@ -157,16 +160,12 @@ def leader_kill(server: EtcdServer, clients: Any, job: str, n: int, log=print) -
     srv = sorted(
         ha._iso_to_unix(ln["time"]) - t_kill
         for ln in ha._json_lines(new.proc.text())
-        if ln.get("job") == job and ln.get("message", "").endswith(" reconnected")
+        if ln.get("job") == job and " reconnected" in ln.get("message", "")
     )
-    out["srv_count"] = len(srv)
-    out["srv_first_s"] = srv[0] if srv else None
-    out["srv_p50_s"], out["srv_p99_s"] = _pct(srv, 50), _pct(srv, 99)
-    out["srv_max_s"] = srv[-1] if srv else None
+    out["srv_first_s"] = srv[0] if srv else None  # (the job's first resumes are logged, not each one)
     out["nodes_p50_s"], out["nodes_p99_s"] = _pct(times, 50), _pct(times, 99)
     out["nodes_max_s"] = last_back
-    parts = [out["nodes_max_s"], out["srv_max_s"]]
-    out["all_s"] = max(parts) if out["round_complete"] and all(v is not None for v in parts) else None  # type: ignore[type-var]
+    out["all_s"] = last_back if out["round_complete"] else None
     out["cpu_s"] = (C.cpu_ticks(new.pid) - cpu0[new.pid]) / C.CLK_TCK  # type: ignore[operator]
     out["follower_cpu_s"] = sum((C.cpu_ticks(r.pid) or 0) - cpu0[r.pid] for r in others if r is not new) / C.CLK_TCK
     out["client_cpu_s"] = (clients.cpu() - ccpu) / C.CLK_TCK
@@ -231,10 +230,8 @@ def rows(r: dict) -> list[list[str]]:
                 f"{_s(lk['elected_s'])} / {_s(lk['loaded_s'])} / {_s(lk['serving_s'])}",
             ],
             [
-                f"N={n} ... kill -> resumes taken by the new leader (its log, first / p50 / p99 / last)",
-                f"{_s(lk.get('srv_first_s'))} / {_s(lk['srv_p50_s'])} / {_s(lk['srv_p99_s'])} / "
-                f"{_s(lk['srv_max_s'])} ({lk['srv_count']} of "
-                f"{n} nodes; {lk['refused']} connection attempts refused on the way; "
+                f"N={n} ... kill -> the first resume taken by the new leader (its log)",
+                f"{_s(lk.get('srv_first_s'))} ({lk['refused']} connection attempts refused on the way; "
                 f"{lk.get('listen_overflows', 0)} connections turned away by a full accept queue, any process)",
             ],
             [

@@ -25,11 +25,32 @@ MAX_EVENT_TAIL_BYTES = 2048  # bytes (as JSON) of the first failure's stderr lin
 # node_joined events of one forming round: the first this many nodes waiting; a 16,384-node
 # formation is not 16,384 events (the ring holds 10,000): round_completed counts them (new_nodes)
 MAX_JOIN_EVENTS = 64
+# "node N reconnected" (and "... is a spare" again) lines of one job: a failover's 16,384 resumes
+# are not 16,384 lines, and a node that reconnects in a loop (its secret is all it takes) does not
+# write the server's log: the first COMEBACK_BURST, then one every 1/COMEBACK_RATE s; the next line
+# let through says how many were held back (its field ``held``)
+COMEBACK_BURST = 64
+COMEBACK_RATE = 0.2  # lines a second, once the burst is spent
 
 
 def note(job: Job, text: str, node: str | None = None, **fields: Any) -> Line:
     """A log line about ``job`` in its current round that is no event."""
     return event_line(job, None, text, node, **fields)
+
+
+def comeback(job: Job, now: float, text: str, node: Node, **fields: Any) -> Line | None:
+    """A note that ``node`` is back (it reconnected, or rejoined while a round runs), or None
+    when the job's budget of them is spent (:data:`COMEBACK_BURST`, :data:`COMEBACK_RATE`)."""
+    b = job.comebacks
+    tokens = COMEBACK_BURST if b.tokens < 0 else min(COMEBACK_BURST, b.tokens + max(0.0, now - b.at) * COMEBACK_RATE)
+    b.at = now
+    if tokens < 1:
+        b.tokens, b.held = tokens, b.held + 1
+        return None
+    b.tokens = tokens - 1
+    if b.held:
+        text, fields["held"], b.held = f"{text} ({b.held} more like it not logged)", b.held, 0
+    return note(job, text, node.node_id, **fields)
 
 
 def _event(job: Job, kind: str, text: str, node: str | None = None, **fields: Any) -> Event:

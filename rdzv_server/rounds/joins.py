@@ -222,7 +222,9 @@ def _reconnect(job: Job, node: Node, now: float) -> Effects:
     _heard(node, now)
     fx = Effects()
     fx.send(node.node_id, AssignedMsg(assignment=_assignment(job, node)))
-    fx.logs.append(note(job, f"job {job.job_id} round {job.round}: node {node.node_id} reconnected", node.node_id))
+    text = f"job {job.job_id} round {job.round}: node {node.node_id} reconnected"
+    if line := events.comeback(job, now, text, node):
+        fx.logs.append(line)
     return fx
 
 
@@ -357,21 +359,22 @@ def _enter(job: Job, node: Node, now: float, issued: str | None, new: bool, know
             f"job {job.job_id} round {job.round}: node {node.node_id} ({node.host}) arrived; "
             f"scale-up in {spec.scale_up_window_s:g}s"
         )
-        _arrived(fx, job, node, text, new)
+        _arrived(fx, job, node, text, new, now)
     else:
         move(job, node, SPARE)
         fx.send(node.node_id, SpareMsg(round=job.round))
         text = f"job {job.job_id} round {job.round}: node {node.node_id} ({node.host}) is a spare"
-        _arrived(fx, job, node, text, new)
+        _arrived(fx, job, node, text, new, now)
     return fx
 
 
-def _arrived(fx: Effects, job: Job, node: Node, text: str, new: bool) -> None:
-    """A node placed while a round runs: its first join is an event, a later one a note."""
+def _arrived(fx: Effects, job: Job, node: Node, text: str, new: bool, now: float) -> None:
+    """A node placed while a round runs: its first join is an event, a later one a note
+    (within the job's budget of them, events.comeback)."""
     if new:
         fx.event(events.node_joined(job, node, text))
-    else:
-        fx.logs.append(note(job, text, node.node_id, host=node.host))
+    elif line := events.comeback(job, now, text, node, host=node.host):
+        fx.logs.append(line)
 
 
 def _hold(job: Job, node: Node, now: float, why: str, issued: str | None, new: bool) -> Effects:

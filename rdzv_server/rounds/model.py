@@ -164,6 +164,16 @@ class RunRecord:
     restarts: int
 
 
+@dataclass(slots=True)
+class NoteBudget:
+    """A token bucket for one kind of a job's log lines (see events.comeback): ``tokens``
+    left as of ``at`` (the machine's clock), and how many lines it held back since the last."""
+
+    tokens: float = -1.0  # < 0: full (a fresh job, or one loaded: the budget is not saved)
+    at: float = 0.0
+    held: int = 0
+
+
 @dataclass
 class Job:
     job_id: str
@@ -209,6 +219,8 @@ class Job:
     probe_seed: bytes | None = field(default=None, repr=False, compare=False)
     # the heartbeat interval a join is told (rdzv_server.pacing); None: heartbeat_interval(spec). Not saved
     heartbeat_s: float | None = field(default=None, repr=False, compare=False)
+    # what is left of its budget of "node N is back" notes (events.comeback); not saved
+    comebacks: NoteBudget = field(default_factory=lambda: NoteBudget(), repr=False, compare=False)
 
     @property
     def forming(self) -> bool:

@@ -49,6 +49,7 @@ _NOT_SAVED_JOB = frozenset(
         "departed",
         "probe_seed",
         "heartbeat_s",
+        "comebacks",
     }
 )
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from rdzv_common.protocol import ExitRecord, JobSpec, JoinMsg
+from rdzv_common.protocol import AssignedMsg, ExitRecord, JobSpec, JoinMsg
 from rdzv_common.sizes import (
     MAX_OLD_REASON_BYTES,
     MAX_REASON_BYTES,
@@ -18,6 +18,9 @@ from rdzv_common.sizes import (
 )
 from rdzv_server import rounds
 from rdzv_server.events import MAX_EVENT_BYTES, MAX_FAILURES, EventLog, Subscriber, failure_fields
+from rdzv_server.rounds import events as round_events
+from rdzv_server.rounds.records import to_record
+from tests.unit.test_rounds import form, join_msg, sent
 
 WIDE = "\U0001f600"  # 4 bytes of UTF-8, 12 of JSON (\ud83d\ude00)
 
@@ -125,3 +128,22 @@ def test_a_failure_loop_keeps_the_job_record_bounded() -> None:
     assert job.finished and job.root_cause is not None and job.end_reason is not None
     assert json_len(job.root_cause) <= MAX_REASON_BYTES and json_len(job.end_reason) <= MAX_REASON_BYTES
     assert job.end_reason.endswith(TRUNCATED) or len(job.end_reason) < len(WIDE * 4096)
+
+
+def test_a_node_that_reconnects_in_a_loop_does_not_write_the_log() -> None:
+    """Issue 24 / hostile clients: "node N reconnected" is a note per resume. One node with its
+    secret reconnecting 1,000 times (or a failover's 16,384 resumes) writes the first
+    COMEBACK_BURST lines, then one every 1/COMEBACK_RATE s, which counts the lines held back."""
+    job = form(["a", "b"])
+    lines = []
+    for i in range(1000):
+        lines += rounds.join(job, join_msg("a", sp=job.spec), 2.0 + i * 1e-4).logs
+    assert [ln.endswith("node a reconnected") for ln in lines] == [True] * round_events.COMEBACK_BURST
+    quiet = 2.1 + 0.9 / round_events.COMEBACK_RATE  # not yet one line's worth of budget back
+    assert rounds.join(job, join_msg("a", sp=job.spec), quiet).logs == []
+    (line,) = rounds.join(job, join_msg("a", sp=job.spec), 2.1 + 1.1 / round_events.COMEBACK_RATE).logs
+    held = 1000 - round_events.COMEBACK_BURST + 1
+    assert line.endswith(f"node a reconnected ({held} more like it not logged)") and line.fields["held"] == held
+    assert "comebacks" not in to_record(job)  # the budget is the process's, never saved
+    # every resume still gets its assignment, logged or not
+    assert sent(rounds.join(job, join_msg("a", sp=job.spec), 100.0), AssignedMsg)
