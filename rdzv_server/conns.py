@@ -82,7 +82,8 @@ class LogLimiter:
         self.stamp = time.monotonic()
         self.dropped = 0
 
-    def __call__(self, fmt: str, *args: object) -> bool:
+    def __call__(self, fmt: str, *args: object, exc_info: bool = False) -> bool:
+        """Log the line (``exc_info``: with the exception being handled) unless over the limit."""
         now = time.monotonic()
         self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
         self.stamp = now
@@ -93,7 +94,7 @@ class LogLimiter:
         if self.dropped:
             fmt, args = fmt + " (%d more like it not logged)", (*args, self.dropped)
             self.dropped = 0
-        self.logger.log(self.level, fmt, *args)
+        self.logger.log(self.level, fmt, *args, exc_info=exc_info)
         return True
 
 

@@ -56,7 +56,7 @@ from .silence import Silence
 from .storage import HOSTS_KEY
 from .store import Store
 from .ws_channel import MAX_ERRORS as MAX_ERRORS  # re-exported (tests read it here)
-from .ws_channel import WsChannel, close_log
+from .ws_channel import WsChannel, bug_log, close_log
 from .ws_inline import AgentSocket
 
 log = logging.getLogger(__name__)
@@ -287,6 +287,15 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
         bound = now_bound
         return True
 
+    def handled(msg: AgentMessage, held: float) -> bool:
+        """:func:`handle`, where a bug (anything but the RdzvError it answers) closes the connection,
+        as on either path, saying so once in a while with its traceback; the agent reconnects."""
+        try:
+            return handle(msg, held)
+        except Exception:
+            bug_log("an agent message (op %s) from %s failed: closing its connection", msg.op, chan.peer, exc_info=True)
+            return False
+
     def inline(frame: WSMessage) -> bool:
         """The hot path, taken where the frame is parsed (rdzv_server.ws_inline): a joined
         node's frames (its heartbeats, a ping, its join again after ``restart``: at 16,384
@@ -311,7 +320,7 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
                 return False
             if bound is not None:  # (before the join, its deadline is fixed: frames do not move it)
                 silence.heard()
-            if not handle(msg, 0.0):
+            if not handled(msg, 0.0):
                 close_next = True  # queued: the loop reads it next (nothing is taken behind it) and closes
                 return False
             return True
@@ -358,7 +367,7 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
                 await asyncio.sleep(held)
                 if not store.serving:
                     break
-            if not handle(msg, held):
+            if not handled(msg, held):
                 break
     except asyncio.CancelledError:
         if not silence.caught():

@@ -48,6 +48,7 @@ MAX_ERRORS = 20
 ERROR_WINDOW_S = 10.0
 
 close_log = LogLimiter(log, logging.WARNING, burst=10, rate=1.0)
+bug_log = LogLimiter(log, logging.ERROR, burst=3, rate=0.1)  # a message that failed (a bug), with its traceback
 
 _LEN1, _LEN2, _LEN3 = struct.Struct("!BB").pack, struct.Struct("!BBH").pack, struct.Struct("!BBQ").pack
 _FIN_TEXT = 0x81  # FIN, opcode 1 (text); a server's frames are never masked (RFC 6455 5.1)

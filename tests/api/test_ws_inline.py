@@ -297,3 +297,35 @@ async def test_an_agents_connection_holds_young_collections_and_makes_no_writer_
         store.gc_hold.on = False
         gc.set_threshold(*was)
         gc.unfreeze()  # what the hold froze (this process is pytest's)
+
+
+async def test_a_message_that_fails_with_a_bug_closes_the_connection(client, connect, monkeypatch, caplog) -> None:
+    """A join taken inline that raises something other than an RdzvError (a bug) closes the
+    connection at once, as a message through the loop does (before, the frame was dropped and
+    the connection waited out its join deadline, 10 s); the line says so, with the traceback.
+    Both paths go through the handler's ``handled``."""
+    store = client.server.app[STORE]
+    plain = store.join
+    calls = []
+
+    def failing_join(msg, chan):
+        calls.append(msg.node_id)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in the join")
+        return plain(msg, chan)
+
+    monkeypatch.setattr(store, "join", failing_join)
+    agent = await connect()
+    await agent.send(join_msg("j", "n0", (1, 1)))
+    await agent.wait_closed(TIMEOUT)  # well within the join deadline
+    assert "a bug in the join" in caplog.text and "closing its connection" in caplog.text
+    again = await connect()  # the agent reconnects: its join goes through
+    await again.send(join_msg("j", "n0", (1, 1)))
+    await again.expect("joined")
+    await again.expect("assigned")
+    # a joined node's message that fails (a report: store.fail) closes it too
+    monkeypatch.setattr(store, "fail", lambda *a, **kw: 1 / 0)
+    failure = {"local_rank": 0, "rank": 0, "pid": 1, "exit_code": 1}
+    await again.send({"op": "failed", "round": 0, "failures": [failure]})
+    await again.wait_closed(TIMEOUT)
+    assert "ZeroDivisionError" in caplog.text
