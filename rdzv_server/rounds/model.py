@@ -306,8 +306,9 @@ _DIGITS = re.compile(r"(\d+)")
 
 def natural_key(node: Node) -> tuple[tuple[int | str, ...], str]:
     """``node2`` before ``node10``; then node id. re.split alternates str/int."""
-    parts = _DIGITS.split(node.host)
-    return tuple(int(p) if i % 2 else p.lower() for i, p in enumerate(parts)), node.node_id
+    parts: list[Any] = _DIGITS.split(node.host.lower())  # (a digit has no case)
+    parts[1::2] = map(int, parts[1::2])
+    return tuple(parts), node.node_id
 
 
 def node_secret_hash(secret: str) -> str:

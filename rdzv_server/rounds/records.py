@@ -5,6 +5,7 @@ always was: records saved before states were an enum load unchanged."""
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from rdzv_common.protocol import JobSpec, JobState
@@ -101,8 +102,13 @@ def to_record(job: Job) -> dict[str, Any]:
     return d
 
 
+_SAVED_NODE = tuple(f for f in Node.__dataclass_fields__ if f not in _NOT_SAVED_NODE)  # in the record's order
+_saved_values = operator.attrgetter(*_SAVED_NODE)
+
+
 def _node_record(node: Node) -> dict[str, Any]:
-    d = {**{k: v for k, v in vars(node).items() if k not in _NOT_SAVED_NODE}, "state": _known(node.state).value}
+    d = dict(zip(_SAVED_NODE, _saved_values(node), strict=True))
+    d["state"] = _known(node.state).value
     if d["note"] is None:  # only spares held off by their host have one: records stay as they were
         del d["note"]
     if d["replaced"] is None:  # only a straggler replaced under straggler_policy "replace"

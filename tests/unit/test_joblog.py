@@ -340,3 +340,19 @@ def test_a_node_gone_and_back_between_two_writes_keeps_its_new_place() -> None:
     assert again.drop_below is not None  # a base
     got = joblog.to_job(joblog.assemble(again.pointer, {(g, c): t for g, c, t in again.blobs}).snap)
     assert list(got.nodes) == ["b", "c", "a"]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"node_id": "n1", "host": "gpu-07", "at": 1733300000.123456, "r": None, "ok": True, "ports": [1, 2]},
+        {"host": "h\u00f6st-\u4e2d", "quote": 'a"b\\c\n\x00', "tiny": 5e-324, "big": 2**70, "neg": -0.0},
+        [1e16, 1e15, 0.1, 1.7976931348623157e308, float("inf"), "\U0001f600"],
+    ],
+)
+def test_storage_json_is_jsons_own_text_and_all_ascii(value: Any) -> None:
+    """joblog._dumps writes what ``json.dumps(separators=(",", ":"))`` writes, character for
+    character (the rows a store wrote before read back the same), and only ASCII: a blob is cut
+    in characters into chunks whose size bounds an etcd request, so a character is a byte."""
+    text = joblog._dumps(value)
+    assert text == json.dumps(value, separators=(",", ":")) and text.isascii()
