@@ -9,6 +9,9 @@ import heapq
 from . import rounds
 from .rounds import Job
 
+DUE_MIN_S = 0.01
+DUE_SLACK_S = 0.001
+
 
 class Due:
     """Entries ``(due, seq, job_id)``; one is stale when :attr:`at` says otherwise
@@ -46,6 +49,18 @@ class Due:
         self._seq += 1
         self.at[job.job_id] = at
         heapq.heappush(self.heap, (at, self._seq, job.job_id))
+
+    def wait_s(self, full_in: float, now: float) -> float:
+        """Seconds to sleep before the store's next tick: ``full_in`` (its next full one), or
+        until the earliest deadline queued when that comes first, so that a lost node's grace, a
+        last call or a scale-up window ends on time, not up to a tick late. Never under
+        DUE_MIN_S (deadlines a few ms apart are not a tick each), and DUE_SLACK_S past the
+        deadline (a clock read as the tick wakes is past it). An entry already past is the full
+        tick's (one that stays past, or a stale one's, never makes the ticks come faster); the
+        earliest entry may be a stale one, earlier than its job's live deadline: a tick early."""
+        if self.heap and (at := self.heap[0][0]) > now:
+            full_in = min(full_in, max(DUE_MIN_S, at - now + DUE_SLACK_S))
+        return max(0.0, full_in)
 
     def pop(self, now: float) -> list[str]:
         """The jobs whose deadline passed by ``now`` (taken out: schedule them again)."""

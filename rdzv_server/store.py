@@ -79,7 +79,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TICK_S = 0.1
+TICK_S = 0.1  # a full tick's period; a job's deadline that comes first gets a tick of its own (Due.wait_s)
 STALL_S = 1.5  # a loop that slept this long was stopped or starved: be lenient
 
 
@@ -301,16 +301,22 @@ class Store:
         self.backend.close()
 
     async def _run_ticks(self) -> None:
+        loop = asyncio.get_running_loop()
+        full_at = loop.time() + TICK_S
         while True:
-            await asyncio.sleep(TICK_S)
+            await asyncio.sleep(self.due.wait_s(full_at - loop.time(), self.clock()))
+            full = loop.time() >= full_at
+            if full:
+                full_at = loop.time() + TICK_S
             try:
-                self.tick()
+                self.tick(full)
             except Exception:  # a bug here must not stop the clock for every job
                 log.exception("tick failed")
 
-    def tick(self) -> None:
+    def tick(self, full: bool = True) -> None:
         """Visit only the jobs whose next deadline passed (a heap), so the cost
         does not grow with idle jobs; then remove finished jobs past retention.
+        Not ``full`` (a deadline's tick between two full ones): the due jobs only.
 
         After a stall of the loop every node heard from since its last stall
         grace gets a full heartbeat timeout (rounds.grace): a silent node gets
@@ -327,8 +333,9 @@ class Store:
                 "the server did not run for a while (stopped or starved); "
                 "every node heard from since gets a full heartbeat timeout"
             )
-        self.host_side.tick(now)  # a cool-down or a cordon's ttl ended: its spares may be admitted
-        self.pacing.tick()  # silent running members: probed (rdzv_server.pacing)
+        if full:
+            self.host_side.tick(now)  # a cool-down or a cordon's ttl ended: its spares may be admitted
+            self.pacing.tick()  # silent running members: probed (rdzv_server.pacing)
         for job_id in self.due.pop(now):
             job = self.jobs.get(job_id)
             if job is None or job_id not in self.active:
@@ -340,7 +347,8 @@ class Store:
             except Exception:  # a bug here must not stop the clock for this job
                 log.exception("tick of job %s failed", job_id)
                 self.due.schedule(job)
-        self.retention.expire(now)
+        if full:
+            self.retention.expire(now)
 
     # ------------------------------------------------------------ agent side
 

@@ -3,6 +3,7 @@ the loop and what the tick visits. (Channels are recorders: this is a unit.)"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -253,3 +254,48 @@ def test_a_member_back_after_restart_is_told_no_joined_but_a_pace_when_its_inter
     store.leave("j", "b", "sigterm", chans["b"])
     store.join(join("j", "a", spec).model_copy(update={"run": job.run, "node_secret": secrets["a"]}), chans["a"])
     assert chans["a"].ops[4:] == ["restart", "pace"] and ("j", "a") in store.pacing.arrivals
+
+
+def test_the_next_tick_comes_at_a_deadline_that_is_due_before_it():
+    """Due.wait_s: the full tick's wait, or a queued deadline's when it comes first (a bit past
+    it, never under DUE_MIN_S); a deadline later than the full tick changes nothing, and one
+    already past is the full tick's (a job whose deadline stays past never makes ticks faster)."""
+    from rdzv_server.due import DUE_MIN_S, DUE_SLACK_S, Due
+
+    clock, store, spec, a, b = two_node_job(6.0)
+    due: Due = store.due
+    plain_tick(store)  # (what the joins queued: the job's next deadline is its heartbeat timeout)
+    assert due.wait_s(0.1, clock[0]) == 0.1
+    store.disconnected("j", "b", b)  # its grace ends 0.5 s from now
+    assert due.wait_s(1.0, clock[0]) == 0.5 + DUE_SLACK_S
+    assert due.wait_s(0.1, clock[0]) == 0.1
+    assert due.wait_s(1.0, clock[0] + 0.4995) == DUE_MIN_S  # due in 0.5 ms: not under DUE_MIN_S
+    assert due.wait_s(1.0, clock[0] + 0.6) == 1.0  # past: the full tick's
+    assert due.wait_s(-0.2, clock[0]) == 0.0  # a full tick already late
+
+
+async def test_a_lost_nodes_grace_ends_with_a_tick_of_its_own(monkeypatch):
+    """The store's tick loop, real time: with full ticks 60 s apart, the lost node's 0.3 s
+    grace still ends within seconds (a tick for its deadline), and that tick is not a full one
+    (hosts, silences and retention keep their own pace)."""
+    monkeypatch.setattr(store_mod, "TICK_S", 60.0)
+    store = Store(StoreSettings(disconnect_grace_s=0.3))
+    spec = JobSpec(min_nodes=2, max_nodes=2, heartbeat_timeout_s=60.0)
+    a, b = Recorder(), Recorder()
+    store.join(join("j", "a", spec), a)
+    store.join(join("j", "b", spec), b)
+    store.tick()  # (what the joins queued: the job's next deadline is its heartbeat timeout)
+    ticks: list[bool] = []
+    plain = store.tick
+    monkeypatch.setattr(store, "tick", lambda full=True: (ticks.append(full), plain(full)))
+    await store.start()
+    try:
+        store.disconnected("j", "b", b)
+        for _ in range(100):
+            if "b" not in store.jobs["j"].nodes:
+                break
+            await asyncio.sleep(0.05)
+        assert "b" not in store.jobs["j"].nodes and a.ops[-1] == "restart", a.ops
+        assert ticks and not any(ticks), ticks
+    finally:
+        await store.stop()
