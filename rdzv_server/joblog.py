@@ -190,7 +190,9 @@ def snapshot(job: Job, at: float, memo: Snapshot | None = None) -> Snapshot:
 
 def to_job(snap: Snapshot) -> Job:
     """The job a snapshot holds (raises on a record that is not one)."""
-    rows = [json.loads(text) for text in snap.nodes.values()]
+    rows = json.loads("[" + ",".join(snap.nodes.values()) + "]")  # one parse, not one a row
+    if not isinstance(rows, list) or len(rows) != len(snap.nodes):  # (rows that were no JSON object each)
+        raise ValueError("node rows that do not parse one by one")
     implied = _implied(snap.head, {r["node_id"]: r["local_world_size"] for r in rows})
     for r in rows:
         state, rank, offset = implied.get(r["node_id"], _OUTSIDE)

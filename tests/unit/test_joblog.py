@@ -356,3 +356,27 @@ def test_storage_json_is_jsons_own_text_and_all_ascii(value: Any) -> None:
     in characters into chunks whose size bounds an etcd request, so a character is a byte."""
     text = joblog._dumps(value)
     assert text == json.dumps(value, separators=(",", ":")) and text.isascii()
+
+
+def test_a_loaded_job_is_the_job_written_and_a_damaged_row_is_refused(tmp_path: Path) -> None:
+    """A load parses the node rows in one go and takes each saved state by lookup: the job comes
+    back as written; a row that is no JSON object, or a state that is none, is an error (the
+    store then refuses the data dir), never a job half read."""
+    store = Store(StoreSettings(data_dir=tmp_path))
+    store.open()
+    form(store, 5)
+    store.backend.close()
+    db = Database(tmp_path)
+    loaded = db.load()["j"]
+    snap = db.written["j"].snap
+    again = joblog.snapshot(loaded, snap.at)  # what storage keeps of the job loaded: the same
+    assert (again.head, again.nodes) == (snap.head, snap.nodes) and len(snap.nodes) == 5
+    db.close()
+    damaged = [dict(snap.nodes, n00001='{"node_id":"n00001"},{"x":1}'), dict(snap.nodes, n00001="7")]
+    for nodes in damaged:
+        with pytest.raises((ValueError, TypeError, KeyError)):
+            joblog.to_job(joblog.Snapshot(snap.head, nodes, snap.at))
+    row = json.loads(snap.nodes["n00002"])
+    bad = dict(snap.nodes, n00002=json.dumps({**row, "state": "dancing"}, separators=(",", ":")))
+    with pytest.raises(ValueError, match="dancing"):
+        joblog.to_job(joblog.Snapshot(snap.head, bad, snap.at))
