@@ -4,6 +4,7 @@ jobs whose deadline passed and its cost does not grow with idle jobs."""
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 
 from . import rounds
@@ -21,6 +22,8 @@ class Due:
         self.heap: list[tuple[float, int, str]] = []
         self.at: dict[str, float] = {}  # each queued job's live entry
         self._seq = 0
+        self._wake_at = float("inf")  # while the tick loop sleeps (sleep): when it wakes, on the heap's clock
+        self._woken: asyncio.Future[None] | None = None
 
     def __contains__(self, job_id: str) -> bool:
         return job_id in self.at
@@ -49,6 +52,9 @@ class Due:
         self._seq += 1
         self.at[job.job_id] = at
         heapq.heappush(self.heap, (at, self._seq, job.job_id))
+        woken = self._woken
+        if woken is not None and at + DUE_SLACK_S < self._wake_at and not woken.done():
+            woken.set_result(None)  # queued while the tick loop sleeps, and due before it wakes
 
     def wait_s(self, full_in: float, now: float) -> float:
         """Seconds to sleep before the store's next tick: ``full_in`` (its next full one), or
@@ -62,6 +68,20 @@ class Due:
             full_in = min(full_in, max(DUE_MIN_S, at - now + DUE_SLACK_S))
         return max(0.0, full_in)
 
+    async def sleep(self, full_in: float, now: float) -> None:
+        """The tick loop's sleep (:meth:`wait_s`), cut short when a deadline queued meanwhile
+        comes before its end (a lost node's grace shorter than a tick, a scale-up window)."""
+        loop = asyncio.get_running_loop()
+        wait = self.wait_s(full_in, now)
+        woken = self._woken = loop.create_future()
+        self._wake_at = now + wait
+        timer = loop.call_later(wait, _wake, woken)
+        try:
+            await woken
+        finally:
+            timer.cancel()
+            self._woken, self._wake_at = None, float("inf")
+
     def pop(self, now: float) -> list[str]:
         """The jobs whose deadline passed by ``now`` (taken out: schedule them again)."""
         due: list[str] = []
@@ -74,3 +94,8 @@ class Due:
             self.heap = [(at, i, j) for i, (j, at) in enumerate(self.at.items())]
             heapq.heapify(self.heap)
         return due
+
+
+def _wake(woken: asyncio.Future[None]) -> None:
+    if not woken.done():
+        woken.set_result(None)

@@ -290,10 +290,14 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
     def handled(msg: AgentMessage, held: float) -> bool:
         """:func:`handle`, where a bug (anything but the RdzvError it answers) closes the connection,
         as on either path, saying so once in a while with its traceback; the agent reconnects."""
+        nonlocal bound
         try:
             return handle(msg, held)
         except Exception:
             bug_log("an agent message (op %s) from %s failed: closing its connection", msg.op, chan.peer, exc_info=True)
+            chan.close_code, chan.close_reason = WSCloseCode.INTERNAL_ERROR, f"the server failed on {msg.op!r}"
+            if isinstance(msg, JoinMsg) and store.channels.get((msg.job_id, msg.node_id)) is chan:
+                bound = (msg.job_id, msg.node_id)  # a join that failed once its channel was in: let it go below
             return False
 
     def inline(frame: WSMessage) -> bool:

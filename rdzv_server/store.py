@@ -53,7 +53,7 @@ from rdzv_common.tasks import cancel_and_wait
 
 from . import rounds
 from .database import Database, DataDirError  # noqa: F401  (DataDirError: re-exported)
-from .due import Due
+from .due import DUE_SLACK_S, Due
 from .events import EventLog
 from .gc_policy import GcHold
 from .hosts import HostRecord, Hosts
@@ -304,8 +304,8 @@ class Store:
         loop = asyncio.get_running_loop()
         full_at = loop.time() + TICK_S
         while True:
-            await asyncio.sleep(self.due.wait_s(full_at - loop.time(), self.clock()))
-            full = loop.time() >= full_at
+            await self.due.sleep(full_at - loop.time(), self.clock())
+            full = loop.time() >= full_at - DUE_SLACK_S  # (uvloop's timers round to the ms: early by a hair)
             if full:
                 full_at = loop.time() + TICK_S
             try:

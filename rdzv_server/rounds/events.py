@@ -49,8 +49,22 @@ def comeback(job: Job, now: float, text: str, node: Node, **fields: Any) -> Line
         return None
     b.tokens = tokens - 1
     if b.held:
-        text, fields["held"], b.held = f"{text} ({b.held} more like it not logged)", b.held, 0
+        text, fields["held"], b.held = f"{text} ({b.held} more nodes back, not logged one by one)", b.held, 0
     return note(job, text, node.node_id, **fields)
+
+
+def comebacks_held(job: Job, now: float) -> Line | None:
+    """From the job's tick: the count of "node back" notes held back since the last one let
+    through, once the budget allows a line (a failover's burst is told whole, no later
+    reconnect needed); None: none held, or no budget yet."""
+    b = job.comebacks
+    if not b.held:
+        return None
+    tokens = min(COMEBACK_BURST, b.tokens + max(0.0, now - b.at) * COMEBACK_RATE)
+    if tokens < 1:
+        return None
+    b.tokens, b.at, held, b.held = tokens - 1, now, b.held, 0
+    return note(job, f"job {job.job_id} round {job.round}: {held} more nodes back, not logged one by one", held=held)
 
 
 def _event(job: Job, kind: str, text: str, node: str | None = None, **fields: Any) -> Event:

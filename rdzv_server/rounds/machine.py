@@ -356,6 +356,8 @@ def tick(job: Job, now: float) -> Effects:
     fx = Effects()
     if job.finished:
         return fx
+    if line := events.comebacks_held(job, now):
+        fx.logs.append(line)
     timeout = job.spec.heartbeat_timeout_s
     for node in list(job.nodes.values()):
         if node.state == SUCCEEDED:

@@ -25,6 +25,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from rdzv_common.protocol import HEARTBEAT_FRAME
 from rdzv_server.handlers import MAX_ERRORS
 from rdzv_server.keys import STORE
+from rdzv_server.ws_channel import bug_log
 from rdzv_server.ws_inline import AgentSocket
 
 from .conftest import join_msg
@@ -302,8 +303,9 @@ async def test_an_agents_connection_holds_young_collections_and_makes_no_writer_
 async def test_a_message_that_fails_with_a_bug_closes_the_connection(client, connect, monkeypatch, caplog) -> None:
     """A join taken inline that raises something other than an RdzvError (a bug) closes the
     connection at once, as a message through the loop does (before, the frame was dropped and
-    the connection waited out its join deadline, 10 s); the line says so, with the traceback.
-    Both paths go through the handler's ``handled``."""
+    the connection waited out its join deadline, 10 s); the line says so, with the traceback, and
+    the close frame says why. (The loop's path goes through the same ``handled``.)"""
+    monkeypatch.setattr(bug_log, "tokens", float(bug_log.burst))  # (the limit is the process's)
     store = client.server.app[STORE]
     plain = store.join
     calls = []
@@ -317,7 +319,9 @@ async def test_a_message_that_fails_with_a_bug_closes_the_connection(client, con
     monkeypatch.setattr(store, "join", failing_join)
     agent = await connect()
     await agent.send(join_msg("j", "n0", (1, 1)))
-    await agent.wait_closed(TIMEOUT)  # well within the join deadline
+    closing = await asyncio.wait_for(agent.ws.receive(), TIMEOUT)  # well within the join deadline
+    assert closing.type is WSMsgType.CLOSE and closing.data == 1011, closing  # (internal error)
+    assert "the server failed on 'join'" in closing.extra, closing
     assert "a bug in the join" in caplog.text and "closing its connection" in caplog.text
     again = await connect()  # the agent reconnects: its join goes through
     await again.send(join_msg("j", "n0", (1, 1)))

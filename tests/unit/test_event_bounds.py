@@ -20,7 +20,7 @@ from rdzv_server import rounds
 from rdzv_server.events import MAX_EVENT_BYTES, MAX_FAILURES, EventLog, Subscriber, failure_fields
 from rdzv_server.rounds import events as round_events
 from rdzv_server.rounds.records import to_record
-from tests.unit.test_rounds import form, join_msg, sent
+from tests.unit.test_rounds import form, join_msg, sent, spec
 
 WIDE = "\U0001f600"  # 4 bytes of UTF-8, 12 of JSON (\ud83d\ude00)
 
@@ -134,7 +134,7 @@ def test_a_node_that_reconnects_in_a_loop_does_not_write_the_log() -> None:
     """Issue 24 / hostile clients: "node N reconnected" is a note per resume. One node with its
     secret reconnecting 1,000 times (or a failover's 16,384 resumes) writes the first
     COMEBACK_BURST lines, then one every 1/COMEBACK_RATE s, which counts the lines held back."""
-    job = form(["a", "b"])
+    job = form(["a", "b"], spec(heartbeat_timeout_s=3600.0))  # (the ticks below evict nobody)
     lines = []
     for i in range(1000):
         lines += rounds.join(job, join_msg("a", sp=job.spec), 2.0 + i * 1e-4).logs
@@ -143,7 +143,16 @@ def test_a_node_that_reconnects_in_a_loop_does_not_write_the_log() -> None:
     assert rounds.join(job, join_msg("a", sp=job.spec), quiet).logs == []
     (line,) = rounds.join(job, join_msg("a", sp=job.spec), 2.1 + 1.1 / round_events.COMEBACK_RATE).logs
     held = 1000 - round_events.COMEBACK_BURST + 1
-    assert line.endswith(f"node a reconnected ({held} more like it not logged)") and line.fields["held"] == held
+    assert line.endswith(f"node a reconnected ({held} more nodes back, not logged one by one)")
+    assert line.fields["held"] == held
+    # a burst held back with no reconnect after it: the job's tick tells the count once budget allows
+    t = 2.1 + 1.1 / round_events.COMEBACK_RATE
+    for i in range(10):
+        assert rounds.join(job, join_msg("a", sp=job.spec), t + i * 1e-4).logs == []
+    assert not [ln for ln in rounds.tick(job, t + 0.1).logs if "nodes back" in ln]  # no budget yet
+    (told,) = [ln for ln in rounds.tick(job, t + 1.1 / round_events.COMEBACK_RATE).logs if "nodes back" in ln]
+    assert told.endswith("10 more nodes back, not logged one by one") and told.fields["held"] == 10
+    assert not [ln for ln in rounds.tick(job, t + 100).logs if "nodes back" in ln]  # told once
     assert "comebacks" not in to_record(job)  # the budget is the process's, never saved
     # every resume still gets its assignment, logged or not
-    assert sent(rounds.join(job, join_msg("a", sp=job.spec), 100.0), AssignedMsg)
+    assert sent(rounds.join(job, join_msg("a", sp=job.spec), t + 200), AssignedMsg)

@@ -276,8 +276,9 @@ def test_the_next_tick_comes_at_a_deadline_that_is_due_before_it():
 
 async def test_a_lost_nodes_grace_ends_with_a_tick_of_its_own(monkeypatch):
     """The store's tick loop, real time: with full ticks 60 s apart, the lost node's 0.3 s
-    grace still ends within seconds (a tick for its deadline), and that tick is not a full one
-    (hosts, silences and retention keep their own pace)."""
+    grace, queued while the loop sleeps, still ends within seconds (the sleep is cut short, a
+    tick for its deadline), and those ticks are not full ones (hosts, silences and retention
+    keep their own pace)."""
     monkeypatch.setattr(store_mod, "TICK_S", 60.0)
     store = Store(StoreSettings(disconnect_grace_s=0.3))
     spec = JobSpec(min_nodes=2, max_nodes=2, heartbeat_timeout_s=60.0)
@@ -290,7 +291,8 @@ async def test_a_lost_nodes_grace_ends_with_a_tick_of_its_own(monkeypatch):
     monkeypatch.setattr(store, "tick", lambda full=True: (ticks.append(full), plain(full)))
     await store.start()
     try:
-        store.disconnected("j", "b", b)
+        await asyncio.sleep(0.05)  # the tick loop asleep for its next full tick, 60 s away
+        store.disconnected("j", "b", b)  # a deadline queued meanwhile wakes it
         for _ in range(100):
             if "b" not in store.jobs["j"].nodes:
                 break
