@@ -78,8 +78,9 @@ def _dumps(value: Any) -> str:
     """Compact JSON, all ASCII (a blob is cut into chunks of characters, each one byte; the
     chunks bound etcd's requests), through pydantic_core's writer: a fifth of ``json``'s time (a
     16,384-node base is 16,384 rows), the same values back, and the same text for what rows hold
-    but for a float under 1e-4 (``1e-7``, not ``1e-07``: a row written before is written again
-    once). Text that is not all ASCII, or that it refuses (a lone surrogate), takes ``json``'s."""
+    but for a float under 1e-4 (``1e-7``, not ``1e-07``) and DEL, written raw (a row written
+    before is written again once). Text that is not all ASCII, or that it refuses (a lone
+    surrogate), takes ``json``'s."""
     try:
         data = to_json(value)
     except Exception:  # (json writes what it can, and raises as before on what it cannot)
@@ -195,7 +196,7 @@ def snapshot(job: Job, at: float, memo: Snapshot | None = None) -> Snapshot:
 def to_job(snap: Snapshot) -> Job:
     """The job a snapshot holds (raises on a record that is not one)."""
     rows = json.loads("[" + ",".join(snap.nodes.values()) + "]")  # one parse, not one a row
-    if not isinstance(rows, list) or len(rows) != len(snap.nodes):  # (rows that were no JSON object each)
+    if len(rows) != len(snap.nodes):  # (a damaged row that parsed as two)
         raise ValueError("node rows that do not parse one by one")
     implied = _implied(snap.head, {r["node_id"]: r["local_world_size"] for r in rows})
     for r in rows:

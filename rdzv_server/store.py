@@ -27,7 +27,6 @@ bytes free (:mod:`rdzv_server.quotas`). Running jobs are never refused for space
 
 from __future__ import annotations
 
-import asyncio
 import bisect
 import functools
 import logging
@@ -49,11 +48,10 @@ from rdzv_common.protocol import (
     UnavailableError,
     printable,
 )
-from rdzv_common.tasks import cancel_and_wait
 
 from . import rounds
 from .database import Database, DataDirError  # noqa: F401  (DataDirError: re-exported)
-from .due import DUE_SLACK_S, Due
+from .due import Due
 from .events import EventLog
 from .gc_policy import GcHold
 from .hosts import HostRecord, Hosts
@@ -69,6 +67,8 @@ from .store_settings import DEFAULT_DISCONNECT_GRACE_S as DEFAULT_DISCONNECT_GRA
 from .store_settings import DEFAULT_MAX_WAITING_JOBS as DEFAULT_MAX_WAITING_JOBS  # re-exported
 from .store_settings import FAILOVER_GRACE_S, reconnect_grace_s
 from .store_settings import StoreSettings as StoreSettings  # re-exported
+from .store_ticks import STALL_S as STALL_S  # re-exported
+from .store_ticks import TICK_S, StoreTicks
 from .suspicion import Suspicion
 
 if TYPE_CHECKING:
@@ -78,9 +78,6 @@ if TYPE_CHECKING:
     from .metrics import Metrics
 
 log = logging.getLogger(__name__)
-
-TICK_S = 0.1  # a full tick's period; a job's deadline that comes first gets a tick of its own (Due.wait_s)
-STALL_S = 1.5  # a loop that slept this long was stopped or starved: be lenient
 
 
 class Channel(Protocol):
@@ -119,8 +116,6 @@ class Store:
         # where jobs and host records outlive this process (rdzv_server.storage): memory
         # until open() (SQLite) or use_replica() (etcd) says otherwise
         self.backend: Backend = MemoryBackend()
-        self._tick_task: asyncio.Task[None] | None = None
-        self._last_tick = time.monotonic()
         self.due = Due()  # active jobs by the next time a tick could change them (rdzv_server.due)
         self.order: list[tuple[float, str]] = []  # every job by (created_at, job_id): listing pages
         self.room = Room()  # the waiting-jobs cap, per address and in total (rdzv_server.quotas)
@@ -130,6 +125,7 @@ class Store:
         self.retention = StoreRetention(self)  # finished jobs by end time, removed past --retain-finished
         self.reads = StoreReads(self)  # what REST and /metrics read
         self.suspicion = Suspicion(self)  # peers' suspicions and the probes they cause (issue 23)
+        self.ticks = StoreTicks(self)  # the tick loop (rdzv_server.store_ticks)
         self.pacing = Pacing(self, TICK_S)  # heartbeat intervals told, silences judged (rdzv_server.pacing)
         self.gc_hold = GcHold()  # young collections held in round changes (rdzv-server turns it on)
 
@@ -185,8 +181,7 @@ class Store:
             )
 
     async def start(self) -> None:
-        self._last_tick = time.monotonic()
-        self._tick_task = asyncio.create_task(self._run_ticks(), name="rdzv-tick")
+        self.ticks.start()
 
     # ------------------------------------------------------- HA (--etcd)
 
@@ -212,9 +207,7 @@ class Store:
     def step_down(self, reason: str, quiet: bool = False) -> None:
         """Not the leader any more: forget every job (the next leader has them in etcd),
         drop every agent connection (agents reconnect and find the leader)."""
-        if self._tick_task is not None:
-            self._tick_task.cancel()
-            self._tick_task = None
+        self.ticks.cancel()
         self.backend.drop_all()
         for chan in list(self.channels.values()):
             chan.drop()
@@ -293,62 +286,16 @@ class Store:
         await self.backend.flushed(key)
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._tick_task)
+        await self.ticks.stop()
         self.gc_hold.release()
         for chan in list(self.channels.values()):
             chan.drop()
         self.channels.clear()
         self.backend.close()
 
-    async def _run_ticks(self) -> None:
-        loop = asyncio.get_running_loop()
-        full_at = loop.time() + TICK_S
-        while True:
-            await self.due.sleep(full_at - loop.time(), self.clock())
-            full = loop.time() >= full_at - DUE_SLACK_S  # (uvloop's timers round to the ms: early by a hair)
-            if full:
-                full_at = loop.time() + TICK_S
-            try:
-                self.tick(full)
-            except Exception:  # a bug here must not stop the clock for every job
-                log.exception("tick failed")
-
     def tick(self, full: bool = True) -> None:
-        """Visit only the jobs whose next deadline passed (a heap), so the cost
-        does not grow with idle jobs; then remove finished jobs past retention.
-        Not ``full`` (a deadline's tick between two full ones): the due jobs only.
-
-        After a stall of the loop every node heard from since its last stall
-        grace gets a full heartbeat timeout (rounds.grace): a silent node gets
-        one such grace, not one per stall."""
-        self.gc_hold.tick()  # first: whatever fails below, the hold still ends
-        mono = time.monotonic()
-        stalled = mono - self._last_tick > STALL_S
-        self._last_tick = mono
-        now = self.clock()
-        if stalled:
-            for job_id in self.active:  # deadlines only move later: the heap stays valid
-                rounds.grace(self.jobs[job_id], now, stall=True)
-            log.warning(
-                "the server did not run for a while (stopped or starved); "
-                "every node heard from since gets a full heartbeat timeout"
-            )
-        if full:
-            self.host_side.tick(now)  # a cool-down or a cordon's ttl ended: its spares may be admitted
-            self.pacing.tick()  # silent running members: probed (rdzv_server.pacing)
-        for job_id in self.due.pop(now):
-            job = self.jobs.get(job_id)
-            if job is None or job_id not in self.active:
-                continue
-            try:
-                self._apply(job, rounds.tick(job, now), now)  # reschedules it
-            except UnavailableError:
-                pass  # a write failed: the job was put back as saved, and rescheduled
-            except Exception:  # a bug here must not stop the clock for this job
-                log.exception("tick of job %s failed", job_id)
-                self.due.schedule(job)
-        if full:
-            self.retention.expire(now)
+        """One tick now (rdzv_server.store_ticks: what the loop runs every TICK_S, or at a deadline)."""
+        self.ticks.tick(full)
 
     # ------------------------------------------------------------ agent side
 

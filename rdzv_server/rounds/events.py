@@ -17,7 +17,7 @@ from rdzv_common.logs import Line, event_line
 from rdzv_common.protocol import ExitRecord, printable
 from rdzv_common.sizes import TRUNCATED, clip, tail_lines
 
-from .model import Effects, Event, Job, Node, RoundRecord, SlowRank
+from .model import Effects, Event, Job, Node, NoteBudget, RoundRecord, SlowRank
 
 MAX_FAILURES = 8  # exit records a node_failed event carries (a node may report one per local rank)
 MAX_FAILURE_TEXT = 1024  # bytes (as JSON) of a text field of one exit record in an event
@@ -42,14 +42,11 @@ def comeback(job: Job, now: float, text: str, node: Node, **fields: Any) -> Line
     """A note that ``node`` is back (it reconnected, or rejoined while a round runs), or None
     when the job's budget of them is spent (:data:`COMEBACK_BURST`, :data:`COMEBACK_RATE`)."""
     b = job.comebacks
-    tokens = COMEBACK_BURST if b.tokens < 0 else min(COMEBACK_BURST, b.tokens + max(0.0, now - b.at) * COMEBACK_RATE)
-    b.at = now
-    if tokens < 1:
-        b.tokens, b.held = tokens, b.held + 1
+    if not _spend(b, now):
+        b.held += 1
         return None
-    b.tokens = tokens - 1
     if b.held:
-        text, fields["held"], b.held = f"{text} ({b.held} more nodes back, not logged one by one)", b.held, 0
+        text, fields["held"], b.held = f"{text} ({_held(b.held)})", b.held, 0
     return note(job, text, node.node_id, **fields)
 
 
@@ -58,13 +55,25 @@ def comebacks_held(job: Job, now: float) -> Line | None:
     through, once the budget allows a line (a failover's burst is told whole, no later
     reconnect needed); None: none held, or no budget yet."""
     b = job.comebacks
-    if not b.held:
+    if not b.held or not _spend(b, now):
         return None
-    tokens = min(COMEBACK_BURST, b.tokens + max(0.0, now - b.at) * COMEBACK_RATE)
+    held, b.held = b.held, 0
+    return note(job, f"job {job.job_id} round {job.round}: {_held(held)}", held=held)
+
+
+def _spend(b: NoteBudget, now: float) -> bool:
+    """One line of the budget at ``now``; False: none left (a clock that went back refills nothing)."""
+    tokens = COMEBACK_BURST if b.tokens < 0 else min(COMEBACK_BURST, b.tokens + max(0.0, now - b.at) * COMEBACK_RATE)
+    b.at = now
     if tokens < 1:
-        return None
-    b.tokens, b.at, held, b.held = tokens - 1, now, b.held, 0
-    return note(job, f"job {job.job_id} round {job.round}: {held} more nodes back, not logged one by one", held=held)
+        b.tokens = tokens
+        return False
+    b.tokens = tokens - 1
+    return True
+
+
+def _held(n: int) -> str:
+    return f"{n} more nodes back, not logged one by one"
 
 
 def _event(job: Job, kind: str, text: str, node: str | None = None, **fields: Any) -> Event:

@@ -80,9 +80,8 @@ _STATES = {s.value: s for s in NodeState}  # (a lookup: NodeState(value) is ~5 u
 
 
 def _state(value: str) -> NodeState:
-    """A node's saved state (raises ValueError on one that is none, as NodeState(value))."""
-    state = _STATES.get(value) if isinstance(value, str) else None
-    return state if state is not None else NodeState(value)
+    """A node's saved state (raises on one that is none, as NodeState(value))."""
+    return _STATES.get(value) or NodeState(value)
 
 
 def _known(state: NodeState | None) -> NodeState:

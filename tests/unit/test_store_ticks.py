@@ -8,7 +8,7 @@ import json
 import time
 
 from rdzv_common.protocol import SERVER_MESSAGE, JobSpec, JobState, JoinMsg
-from rdzv_server import rounds
+from rdzv_server import rounds, store_ticks
 from rdzv_server import store as store_mod
 from rdzv_server.store import STALL_S, Store, StoreSettings
 
@@ -51,12 +51,12 @@ def two_node_job(heartbeat_timeout_s: float, a: str = "a", b: str = "b"):
 
 def stalled_tick(store: Store) -> None:
     """A tick that comes after the loop did not run for longer than STALL_S."""
-    store._last_tick = time.monotonic() - 2 * STALL_S
+    store.ticks.last = time.monotonic() - 2 * STALL_S
     store.tick()
 
 
 def plain_tick(store: Store) -> None:
-    store._last_tick = time.monotonic()
+    store.ticks.last = time.monotonic()
     store.tick()
 
 
@@ -279,7 +279,7 @@ async def test_a_lost_nodes_grace_ends_with_a_tick_of_its_own(monkeypatch):
     grace, queued while the loop sleeps, still ends within seconds (the sleep is cut short, a
     tick for its deadline), and those ticks are not full ones (hosts, silences and retention
     keep their own pace)."""
-    monkeypatch.setattr(store_mod, "TICK_S", 60.0)
+    monkeypatch.setattr(store_ticks, "TICK_S", 60.0)
     store = Store(StoreSettings(disconnect_grace_s=0.3))
     spec = JobSpec(min_nodes=2, max_nodes=2, heartbeat_timeout_s=60.0)
     a, b = Recorder(), Recorder()
@@ -287,8 +287,8 @@ async def test_a_lost_nodes_grace_ends_with_a_tick_of_its_own(monkeypatch):
     store.join(join("j", "b", spec), b)
     store.tick()  # (what the joins queued: the job's next deadline is its heartbeat timeout)
     ticks: list[bool] = []
-    plain = store.tick
-    monkeypatch.setattr(store, "tick", lambda full=True: (ticks.append(full), plain(full)))
+    plain = store.ticks.tick
+    monkeypatch.setattr(store.ticks, "tick", lambda full=True: (ticks.append(full), plain(full)))
     await store.start()
     try:
         await asyncio.sleep(0.05)  # the tick loop asleep for its next full tick, 60 s away
