@@ -1,4 +1,4 @@
-"""bench/hostile.py (issue 19's probes) must not rot: ``--quick`` once, every
+"""bench/hostile.py (issue 19's probes) must not rot: ``--quick --seconds 1`` once, every
 probe against its own real server. No met / not-met assertions (machines are
 noisy, and the fixes land separately): only that it runs, prints a row per
 probe with numbers in it, and that no probe broke (an attack the server
@@ -34,7 +34,7 @@ ROWS = {
 def test_hostile_quick(tmp_path: Path) -> None:
     out = tmp_path / "hostile.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.hostile", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "bench.hostile", "--quick", "--seconds", "1", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
