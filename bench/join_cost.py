@@ -33,9 +33,10 @@ ports, and the formation took one as the next).
 Each phase in CPU microseconds (``time.process_time``) per survivor, the best
 of ``--reps``; "total" is the best re-formation as a whole, and the part of
 it spent in garbage collections (``gc.callbacks``). Below, one
-``assigned`` taken apart, per message over the job's members: building
-(``AssignedMsg``: the assignment and its watch list, validated), serializing
-(``model_dump_json``) and framing (``text_frame``). The first formation (N
+``assigned`` taken apart, per message over the job's members: building its
+text (``rounds.forming.messages``: the round's part validated and written
+once, each member's own fields and watch list from the template) and framing
+(``text_frame``). The first formation (N
 new nodes) is shown for comparison, measured once. The server's garbage
 collector thresholds apply (``rdzv_server.gc_policy.tune_gc``; the hold of
 round changes, ``GcHold``, stays off, as in any store rdzv-server does not
@@ -61,11 +62,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rdzv_common.protocol import AGENT_MESSAGE, AssignedMsg, JobSpec, JoinMsg
+from rdzv_common.protocol import AGENT_MESSAGE, JobSpec, JoinMsg
 from rdzv_server.events import EventLog
 from rdzv_server.handlers import _dispatch
 from rdzv_server.metrics import Metrics
-from rdzv_server.rounds.forming import assignments
+from rdzv_server.rounds.forming import messages
 from rdzv_server.store import Store, StoreSettings
 from rdzv_server.ws_channel import WsChannel, text_frame
 
@@ -254,20 +255,18 @@ class _GcTime:
 
 
 def _assigned_parts(store: Store, job: Any) -> dict[str, float]:
-    """One ``assigned`` per member of the running round, as its completion builds them
-    (rounds.forming.assignments, each in its AssignedMsg), taken apart: build, serialize, frame (µs each)."""
+    """One ``assigned`` per member of the running round, as its completion writes them
+    (rounds.forming.messages), taken apart: build (the text), frame (µs each)."""
     members = [job.nodes[nid] for nid in job.order]
-    best = {"build": float("inf"), "serialize": float("inf"), "frame": float("inf")}
+    best = {"build": float("inf"), "frame": float("inf")}
     for _ in range(3):
         t0 = time.process_time()
-        msgs = [AssignedMsg(assignment=a) for a in assignments(job, members)]
+        out = [m.text for m in messages(job, members)]
         t1 = time.process_time()
-        out = [m.model_dump_json() for m in msgs]
-        t2 = time.process_time()
         for text in out:
             text_frame(text)
-        t3 = time.process_time()
-        for k, s in (("build", t1 - t0), ("serialize", t2 - t1), ("frame", t3 - t2)):
+        t2 = time.process_time()
+        for k, s in (("build", t1 - t0), ("frame", t2 - t1)):
             best[k] = min(best[k], s / len(members) * 1e6)
     return {f"assigned_{k}_us": v for k, v in best.items()} | {"assigned_bytes": len(out[len(out) // 2])}
 
@@ -289,7 +288,7 @@ def table(r: dict[str, Any]) -> str:
         ["total", f"{r['total_us']:.1f}"],
         ["- of which in garbage collections", f"{r['gc_us']:.1f}"],
     ]
-    rows += [[f"one assigned: {k}", f"{r[f'assigned_{k}_us']:.1f}"] for k in ("build", "serialize", "frame")]
+    rows += [[f"one assigned: {k}", f"{r[f'assigned_{k}_us']:.1f}"] for k in ("build", "frame")]
     rows.append(["formation (the first joins, once)", f"{r['formation_us']:.1f}"])
     head = f"{r['nodes']:,} nodes, {r['backend']}, best of {r['reps']}: CPU µs per survivor"
     return (

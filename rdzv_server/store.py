@@ -58,6 +58,7 @@ from .hosts import HostRecord, Hosts
 from .pacing import Pacing
 from .quotas import Room
 from .rounds import Effects, Job
+from .rounds.templates import Prepared
 from .seen_addr import seen_addr
 from .storage import Backend, EtcdBackend, MemoryBackend, SqliteBackend, WriteError
 from .store_hosts import StoreHosts
@@ -449,6 +450,9 @@ class Store:
         for node_id, msg in fx.sends:
             chan = self.channels.get((job.job_id, node_id))
             if chan is not None:
+                if isinstance(msg, Prepared):
+                    chan.deliver(msg.text)
+                    continue
                 text = texts.get(id(msg))
                 if text is None:
                     text = texts[id(msg)] = msg.model_dump_json()

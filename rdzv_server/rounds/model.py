@@ -20,6 +20,7 @@ from rdzv_common.rest_models import StragglerRule
 
 from .culprit import Culprit
 from .departed import Departure
+from .templates import Prepared
 
 
 class NodeState(str, Enum):
@@ -260,15 +261,19 @@ class Effects:
     ``events``: what happened (typed, see :class:`Event`); ``logs``: every log
     line in order, an event's line (:meth:`event`) or a note that is no event."""
 
-    sends: list[tuple[str, ServerMessage]] = field(default_factory=list)
+    sends: list[tuple[str, ServerMessage | Prepared]] = field(default_factory=list)  # Prepared: a round's fan-out
     persist: bool = False
     logs: list[str] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     evicted: list[str] = field(default_factory=list)
     host_failures: list[tuple[str, str]] = field(default_factory=list)  # (host, reason): counted against it
 
-    def send(self, node_id: str, msg: ServerMessage) -> None:
+    def send(self, node_id: str, msg: ServerMessage | Prepared) -> None:
         self.sends.append((node_id, msg))
+
+    def messages(self) -> list[tuple[str, ServerMessage]]:
+        """``sends``, each :class:`~.templates.Prepared` text read back as its model."""
+        return [(to, m.model() if isinstance(m, Prepared) else m) for to, m in self.sends]
 
     def event(self, ev: Event) -> None:
         """Something happened: the event, and its line in the log."""

@@ -22,11 +22,15 @@ The false-positive rules (design.md "A vanished host"):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from rdzv_common.protocol import MAX_WATCH, WatchPeer
 
 from .model import RUNNING, Effects, Job, Node
+
+T = TypeVar("T")
 
 PROBE_RTTS = 4.0  # the wait for the suspect's kernel to acknowledge the probe: this many smoothed RTTs ...
 # ... plus one retransmission: a lost probe segment is sent again after the kernel's timeout (200 ms at least)
@@ -49,15 +53,23 @@ def watch_list(job: Job, node: Node, peers: list[WatchPeer | None] | None = None
     chose for it (``Node.probe_addr``: its connection's, rounds.probe_addr).
     Every member is watched by up to MAX_WATCH others, whatever the job's size.
     ``peers``: :func:`watch_peers` of the job, where every member's list is made at once."""
+    if peers is not None:
+        return watched(job, node, peers.__getitem__)
+    return watched(job, node, lambda i: _watch_peer(job, job.order[i]))
+
+
+def watched(job: Job, node: Node, peer: Callable[[int], T | None]) -> list[T]:
+    """:func:`watch_list`'s rule, over any form of the members: ``peer(i)``
+    is the member of group rank ``i`` as the list holds it (None: it answers
+    no probes)."""
     n = len(job.order)
     if node.group_rank is None or n < 2:
         return []
     out = []
     for k in range(1, min(MAX_WATCH, n - 1) + 1):
-        i = (node.group_rank + k) % n
-        peer = peers[i] if peers is not None else _watch_peer(job, job.order[i])
-        if peer is not None:
-            out.append(peer)
+        p = peer((node.group_rank + k) % n)
+        if p is not None:
+            out.append(p)
     return out
 
 

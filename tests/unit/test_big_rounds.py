@@ -81,7 +81,7 @@ def test_each_members_assignment_is_what_validating_it_whole_makes():
     for i in range(n):
         msg = join_msg(f"n{i}", f"h{i}", sp=sp, lws=(1, 2, 4, 8)[i % 4], rank=(n - 1 if i == 2 else None))
         msg = msg.model_copy(update={"probe_port": 40000 + i if i % 3 else None})
-        sends += rounds.join(job, msg, 1.0, seen_addr=f"10.0.0.{i + 1}").sends
+        sends += rounds.join(job, msg, 1.0, seen_addr=f"10.0.0.{i + 1}").messages()
     got = {node: m.assignment for node, m in sends if isinstance(m, AssignedMsg)}
     members = [job.nodes[node_id] for node_id in job.order]
     whole = {node.node_id: _assignment(job, node) for node in members}

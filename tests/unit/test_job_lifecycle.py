@@ -43,7 +43,7 @@ def join_msg(node_id: str, sp: JobSpec, **kw) -> JoinMsg:
 
 
 def sent(fx: rounds.Effects, kind: type) -> dict:
-    return {nid: m for nid, m in fx.sends if isinstance(m, kind)}
+    return {nid: m for nid, m in fx.messages() if isinstance(m, kind)}
 
 
 def record(job: rounds.Job) -> dict:

@@ -62,7 +62,7 @@ def join_msg(
 
 def sent(fx: rounds.Effects, kind: type) -> dict:
     """The messages of one kind in an Effects, by node id."""
-    return {nid: m for nid, m in fx.sends if isinstance(m, kind)}
+    return {nid: m for nid, m in fx.messages() if isinstance(m, kind)}
 
 
 def record(job: rounds.Job) -> dict:

@@ -33,7 +33,7 @@ def job_with(hosts: Hosts, spec: JobSpec = SPEC) -> rounds.Job:
 
 
 def sent(fx: rounds.Effects, node_id: str, kind: type) -> list:
-    return [m for n, m in fx.sends if n == node_id and isinstance(m, kind)]
+    return [m for n, m in fx.messages() if n == node_id and isinstance(m, kind)]
 
 
 def test_a_cordoned_host_joins_as_a_spare_with_the_reason_and_is_admitted_after_uncordon() -> None:
@@ -49,7 +49,7 @@ def test_a_cordoned_host_joins_as_a_spare_with_the_reason_and_is_admitted_after_
     assert view.spares[0].host_blocked is not None and "bad DIMM" in view.spares[0].host_blocked
     hosts.uncordon("b", 1.0)
     fx = rounds.hosts_changed(job, 1.0, set())
-    assert not job.forming and {n for n, m in fx.sends if isinstance(m, AssignedMsg)} == {"a", "b"}
+    assert not job.forming and {n for n, m in fx.messages() if isinstance(m, AssignedMsg)} == {"a", "b"}
 
 
 def test_drain_opens_a_round_without_the_host_and_a_spare_takes_its_place() -> None:

@@ -61,7 +61,7 @@ def test_resume_of_the_running_round_resends_the_same_assignment():
     first = rounds.join(job, join_msg("a", sp=sp), 0.0).merge(rounds.join(job, join_msg("b", sp=sp), 0.0))
     rounds.disconnect(job, "a", 1.0, grace_s=2.0)
     fx = rounds.join(job, join_msg("a", sp=sp, resume=0), 2.0)
-    assert fx.sends == [("a", sent(first, AssignedMsg)["a"])]
+    assert fx.messages() == [("a", sent(first, AssignedMsg)["a"])]
     assert not fx.persist and not fx.rounds_opened
     rounds.heartbeat(job, "b", 3.5)
     assert not rounds.tick(job, 3.5).sends  # the old lost deadline is gone
@@ -74,7 +74,7 @@ def test_resume_after_a_missed_restart_is_told_to_restart():
     rounds.fail(job, "b", 0, [EXIT], 2.0)
     rounds.disconnect(job, "a", 2.0, grace_s=5.0)
     fx = rounds.join(job, join_msg("a", sp=job.spec, resume=0), 3.0)
-    assert fx.sends == [("a", RestartMsg(round=1, reason=job.history[-1].reason))]
+    assert fx.messages() == [("a", RestartMsg(round=1, reason=job.history[-1].reason))]
     assert job.nodes["a"].connected and job.nodes["a"].lost_deadline is None
     assert job.nodes["a"].state == rounds.REJOINING
 

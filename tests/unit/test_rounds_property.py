@@ -221,11 +221,12 @@ class RoundsMachine(RuleBasedStateMachine):
 
     def _check_effects(self, fx: rounds.Effects, ids_before: set[str]) -> None:
         job = self.job
-        for nid, msg in fx.sends:
+        msgs = fx.messages()
+        for nid, msg in msgs:
             if isinstance(msg, EvictedMsg):
                 assert nid in ids_before and nid not in job.nodes, f"evicted {nid} is still in the job"
         by_round: dict[int, list] = {}
-        for nid, msg in fx.sends:
+        for nid, msg in msgs:
             if isinstance(msg, AssignedMsg):
                 by_round.setdefault(msg.assignment.round, []).append((nid, msg.assignment))
         for round_no, got in sorted(by_round.items()):

@@ -106,7 +106,7 @@ def test_reconnect_of_a_running_member_resends_its_assignment_and_changes_nothin
     rounds.disconnect(job, "a", 2.0, grace_s=0.5)
     rec = record(job)
     fx = rounds.join(job, join_msg("a", sp=job.spec, resume=0), 2.1)
-    assert [m for _, m in fx.sends] == [AssignedMsg(assignment=rounds.forming._assignment(job, job.nodes["a"]))]
+    assert [m for _, m in fx.messages()] == [AssignedMsg(assignment=rounds.forming._assignment(job, job.nodes["a"]))]
     assert job.nodes["a"].connected and job.nodes["a"].lost_deadline is None
     after = record(job)
     for d in (rec, after):

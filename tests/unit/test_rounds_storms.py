@@ -35,17 +35,17 @@ def fail_and_rejoin(job: rounds.Job, now: float) -> rounds.Effects:
     """Node a's workers fail; if the round restarts, both rejoin at once."""
     fx = rounds.fail(job, "a", job.round, EXIT, now)
     if not job.finished:
-        assert any(isinstance(m, RestartMsg) for _, m in fx.sends)
+        assert any(isinstance(m, RestartMsg) for _, m in fx.messages())
         for n in ("a", "b"):
             fx.merge(rounds.join(job, join(n, job.spec), now))
         assert not job.forming
-        assert any(isinstance(m, AssignedMsg) for _, m in fx.sends)
+        assert any(isinstance(m, AssignedMsg) for _, m in fx.messages())
     return fx
 
 
 def done(fx: rounds.Effects) -> DoneMsg:
-    msgs = [m for _, m in fx.sends if isinstance(m, DoneMsg)]
-    assert {n for n, m in fx.sends if isinstance(m, DoneMsg)} == {"a", "b"}
+    msgs = [m for _, m in fx.messages() if isinstance(m, DoneMsg)]
+    assert {n for n, m in fx.messages() if isinstance(m, DoneMsg)} == {"a", "b"}
     return msgs[0]
 
 

@@ -56,7 +56,7 @@ def test_the_assignment_carries_the_watch_list() -> None:
             spec=job.spec,
             probe_port=41000 + i,
         )
-        sends += rounds.join(job, msg, 0.0).sends
+        sends += rounds.join(job, msg, 0.0).messages()
     assigned = {node: m.assignment for node, m in sends if m.op == "assigned"}
     assert assigned["n0"].watch[0].node_id == "n1" and assigned["n0"].watch[0].port == 41001
     assert assigned["n1"].watch[0].node_id == "n0" and assigned["n1"].watch[0].port == 41000
@@ -125,16 +125,14 @@ def test_the_tables_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(t.budgets) <= 2
 
 
-def test_a_completing_round_makes_each_members_watch_peer_once() -> None:
+def test_a_completing_round_makes_each_members_watch_peer_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 24's 16,384-node re-formation: every member is in MAX_WATCH watch lists; its
-    WatchPeer is one validated model for all of them, made when the round completes."""
+    WatchPeer is one validated model (and one text) for all of them, made when the round completes."""
+    made: list[str] = []
+    real = sus._watch_peer
+    monkeypatch.setattr(sus, "_watch_peer", lambda job, node_id: made.append(node_id) or real(job, node_id))
     job, effects = running_job(4, probe=True)
-    watch = [m.assignment.watch for fx in effects for _, m in fx.sends if m.op == "assigned"]
+    assert sorted(made) == ["n0", "n1", "n2", "n3"], made  # once each, not once per watcher
+    watch = [m.assignment.watch for fx in effects for _, m in fx.messages() if m.op == "assigned"]
     assert len(watch) == 4 and all(len(w) == 2 for w in watch)
-    by_peer: dict[str, list[int]] = {}
-    for w in watch:
-        for peer in w:
-            by_peer.setdefault(peer.node_id, []).append(id(peer))
-    assert sorted(by_peer) == ["n0", "n1", "n2", "n3"]
-    assert all(len(ids) == 2 and len(set(ids)) == 1 for ids in by_peer.values()), by_peer
     assert watch == [sus.watch_list(job, job.nodes[n]) for n in job.order]  # what each one's own list says

@@ -1,0 +1,95 @@
+"""A round's fan-out as text: each member's ``assigned`` (or ``restart`` with
+its place) written from one template, not built and serialized as a model per
+member. Pure, no I/O.
+
+What every member is told alike (the job, round, world, master, restart
+budget, the probe key) is validated once, in the first member's
+:class:`~rdzv_common.protocol.Assignment`, and serialized once; each member's
+own fields (:data:`OWN`: its rank, size, offset, the peers it watches and
+whether it holds the probe key) are set within their bounds by the completion
+that placed it, as a copy of the first would have them. The template is
+checked against the first member's own serialization when it is made: a field
+added to the model, or a change in how pydantic writes one, fails there, not
+on the wire."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic_core import to_json
+
+from rdzv_common.protocol import SERVER_MESSAGE, AssignedMsg, Assignment, RestartMsg, ServerMessage
+
+# An Assignment's fields that are each member's own, in the model's order; the others are the round's.
+OWN = ("group_rank", "local_world_size", "rank_offset", "watch", "probe_key")
+_SLOT = "\x00"  # where an own field goes: never in pydantic's JSON (it writes \u0000)
+_NO_ASSIGNMENT = ',"assignment":null}'
+
+
+class Prepared:
+    """A server message as its JSON text, written from a template: ``text``
+    goes on the wire as it is; :meth:`model` reads it back, validated (for
+    whoever needs the model: the tests)."""
+
+    __slots__ = ("op", "text")
+
+    def __init__(self, op: Literal["assigned", "restart"], text: str) -> None:
+        self.op = op
+        self.text = text
+
+    def model(self) -> ServerMessage:
+        return SERVER_MESSAGE.validate_json(self.text)
+
+    def __repr__(self) -> str:
+        return f"Prepared({self.text})"
+
+
+class RoundTemplate:
+    """The members' messages of one round, from ``first`` (the first member's
+    assignment, validated). ``reason``: the round's, for the members whose
+    ``restart`` carries their place (:meth:`restart`); ``probe_key``: the
+    round's, given to the members that answer probes."""
+
+    def __init__(self, first: Assignment, probe_key: str | None, reason: str | None = None) -> None:
+        if first.probe_key != probe_key and probe_key is not None:  # the key validated once, as a member holds it
+            Assignment.model_validate({**first.model_dump(), "probe_key": probe_key})
+        shared = first.model_dump(mode="json")
+        own = tuple(name for name in shared if name in OWN)
+        _check(own == OWN, f"Assignment's own fields are {own}, templates.OWN says {OWN}")
+        items = [f'"{name}":' + (_SLOT if name in OWN else to_json(v).decode()) for name, v in shared.items()]
+        self._parts = ("{" + ",".join(items) + "}").split(_SLOT)
+        self._key = to_json(probe_key).decode()
+        body = self.assignment(first.group_rank, first.local_world_size, first.rank_offset, [
+            w.model_dump_json() for w in first.watch
+        ], first.probe_key is not None)  # fmt: skip
+        _check(body == first.model_dump_json(), f"the template wrote {body}, pydantic {first.model_dump_json()}")
+        whole = AssignedMsg(assignment=first).model_dump_json()
+        _check(whole.endswith(body + "}"), whole)
+        self._assigned = whole[: -len(body) - 1]  # '{"op":"assigned","assignment":'
+        self._restart = ""
+        if reason is not None:
+            head = RestartMsg(round=first.round, reason=reason).model_dump_json()
+            _check(head.endswith(_NO_ASSIGNMENT), head)
+            self._restart = head[: -len(_NO_ASSIGNMENT)] + ',"assignment":'
+
+    def assignment(self, group_rank: int, local_world_size: int, rank_offset: int, watch: list[str], key: bool) -> str:
+        """One member's assignment: its own fields (``watch``: each watched peer's JSON, written once for the round;
+        ``key``: whether it gets the round's probe key)."""
+        p = self._parts
+        return (
+            f"{p[0]}{group_rank}{p[1]}{local_world_size}{p[2]}{rank_offset}{p[3]}[{','.join(watch)}]"
+            f"{p[4]}{self._key if key else 'null'}{p[5]}"
+        )
+
+    def assigned(self, assignment: str) -> Prepared:
+        return Prepared("assigned", self._assigned + assignment + "}")
+
+    def restart(self, assignment: str) -> Prepared:
+        _check(bool(self._restart), "a restart needs the round's reason")
+        return Prepared("restart", self._restart + assignment + "}")
+
+
+def _check(ok: bool, what: str) -> None:
+    """A template that would not write what pydantic writes is a bug: never sent (also under -O)."""
+    if not ok:
+        raise AssertionError(f"rounds.templates: {what}")
