@@ -161,7 +161,7 @@ class Pacing:
         if cleaning:
             self._cleaned = now
         for key, arr in self.arrivals.items():
-            if not cleaning and (arr.last is None or now - arr.last < arr.floor()):
+            if not cleaning and now < arr.quiet_at:
                 continue
             job = store.jobs.get(key[0])
             node = job.nodes.get(key[1]) if job is not None and not job.finished else None

@@ -81,7 +81,7 @@ class Arrivals:
     """One node's heartbeats: the interval it was told, when the last came,
     and the running mean and variance of the gaps."""
 
-    __slots__ = ("told", "next", "last", "mean", "var")
+    __slots__ = ("told", "next", "last", "mean", "var", "quiet_at")
 
     def __init__(self, told: float) -> None:
         self.told = told  # the interval it is judged on now
@@ -89,6 +89,9 @@ class Arrivals:
         self.last: float | None = None  # its last heartbeat since it was told (None: none yet)
         self.mean: float | None = None
         self.var = 0.0
+        # last + floor(): before then it is not silent, whatever its gaps (the sweep's one
+        # comparison for most nodes); inf while it has not been heard
+        self.quiet_at = math.inf
 
     def tell(self, interval: float) -> None:
         """It was told ``interval``: a slower one counts at once, a faster one
@@ -96,11 +99,14 @@ class Arrivals:
         self.next = interval
         if interval > self.told:
             self.told = interval
+            if self.last is not None:
+                self.quiet_at = self.last + self.floor()
 
     def rejoined(self) -> None:
         """It joined again (a new connection): its silence so far was judged on
         the old one; on this one it is judged once heard there (rule 2)."""
         self.last = None
+        self.quiet_at = math.inf
 
     def heard(self, now: float, learn: bool = True) -> None:
         """A heartbeat at ``now``; ``learn``: the gap since the last one is a
@@ -115,6 +121,7 @@ class Arrivals:
                 self.var = (1.0 - WEIGHT) * (self.var + WEIGHT * d * d)
         self.last = now
         self.told = self.next
+        self.quiet_at = now + self.floor()
 
     def floor(self) -> float:
         """How long a silence it takes at the least to be judged silent (what :meth:`limit`

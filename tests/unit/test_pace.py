@@ -5,6 +5,8 @@ its own reason)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -146,19 +148,29 @@ def test_an_unanswered_silence_is_a_lost_connection_with_its_own_reason() -> Non
 
 @given(
     told=st.sampled_from([0.25, 0.5, 1.0, 2.0, 3.3]),
-    gaps=st.lists(st.floats(min_value=0.01, max_value=20.0), max_size=30),
+    steps=st.lists(
+        st.one_of(st.floats(min_value=0.01, max_value=20.0), st.sampled_from(["tell 0.5", "tell 4.0", "rejoined"])),
+        max_size=30,
+    ),
     quiet=st.floats(min_value=0.0, max_value=60.0),
 )
 @settings(max_examples=300, deadline=None)
-def test_a_node_heard_within_its_floor_is_never_judged_silent(told, gaps, quiet) -> None:
-    """The sweep skips a node heard more lately than ``floor()`` without working out its
-    limit (rdzv_server.pacing): that must never skip one ``silent`` would judge."""
+def test_a_node_heard_within_its_floor_is_never_judged_silent(told, steps, quiet) -> None:
+    """The sweep skips a node before its ``quiet_at`` (its last heartbeat plus ``floor()``,
+    kept as it is heard, told and rejoins) without working out its limit
+    (rdzv_server.pacing): that must never skip one ``silent`` would judge."""
     arr = Arrivals(told)
     t = 100.0
     arr.heard(t)
-    for gap in gaps:
-        t += gap
-        arr.heard(t)
+    for step in steps:
+        if step == "rejoined":
+            arr.rejoined()
+        elif isinstance(step, str):
+            arr.tell(float(step.split()[1]))
+        else:
+            t += step
+            arr.heard(t)
+        assert arr.quiet_at == (math.inf if arr.last is None else arr.last + arr.floor())
     assert arr.floor() <= arr.limit()
-    if quiet < arr.floor():
+    if t + quiet < arr.quiet_at:
         assert arr.silent(t + quiet, 0.0, timeout=3600.0) is None
