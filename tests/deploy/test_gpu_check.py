@@ -54,7 +54,7 @@ def test_gpu_check_rehearsal_on_cpu(tmp_path):
     help_text("rdzv_client.agent")
     workdir = tmp_path / "gpu-check"
     result = run(
-        [sys.executable, str(GPU_CHECK), "--rehearse-on-cpu", "2", "--drill-seconds", "3", "--workdir", str(workdir)],
+        [sys.executable, str(GPU_CHECK), "--rehearse-on-cpu", "2", "--drill-seconds", "4", "--workdir", str(workdir)],
         timeout=290,
     )
     assert result.returncode == 0, result.stdout + result.stderr
