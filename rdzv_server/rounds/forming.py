@@ -4,15 +4,18 @@ and what each member is told. Pure, no I/O, no clock (see :mod:`.machine`).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TypeVar
 
 from rdzv_common.protocol import Assignment, JobState, SpareMsg, WatchPeer
 
 from . import events
 from .model import REJOINING, RUNNING, SPARE, WAITING, Effects, Job, Node, blocked, count, move, natural_key
 from .probe_addr import round_key
-from .suspicion import watch_list, watch_peers, watched
-from .templates import Prepared, RoundTemplate
+from .suspicion import peer_at, watch_peers, watched
+from .templates import Prepared, RoundTemplate, peer_text
+
+T = TypeVar("T")
 
 
 def _check_complete(job: Job, now: float) -> Effects:
@@ -160,49 +163,45 @@ def messages(
     if not members:
         return []
     peers = watch_peers(job)  # each member's WatchPeer, made once for its MAX_WATCH watchers
-    write = WatchPeer.__pydantic_serializer__.to_json  # model_dump_json's writer, without its wrapper (~1 us)
-    texts = [None if p is None else write(p).decode() for p in peers]  # ... and written once
+    texts = [None if p is None else peer_text(p) for p in peers]  # ... and written once
     tpl = RoundTemplate(_assignment(job, members[0], peers), _round_key(job), reason if carried else None)
     out = []
     for node in members:
-        assert node.group_rank is not None
-        a = tpl.assignment(
-            node.group_rank,
-            node.local_world_size,
-            node.rank_offset,
-            watched(job, node, texts.__getitem__),
-            _keyed(node),
-        )
+        a = tpl.assignment(*_own(job, node, texts.__getitem__))
         out.append(tpl.restart(a) if node.node_id in carried else tpl.assigned(a))
     return out
 
 
 def _assignment(job: Job, node: Node, peers: list[WatchPeer | None] | None = None) -> Assignment:
+    """``node``'s assignment, validated whole. ``peers``: :func:`.suspicion.watch_peers` of the
+    job, where every member's is made at once (None: its watch peers are made here)."""
     # set when the round's membership froze, which is when assignments are made
     assert job.master_addr is not None and job.master_port is not None
+    rank, size, offset, watch, keyed = _own(job, node, peers.__getitem__ if peers is not None else peer_at(job))
     return Assignment(
         job_id=job.job_id,
         round=job.round,
+        group_rank=rank,
         group_world_size=len(job.order),
+        local_world_size=size,
+        rank_offset=offset,
         world_size=job.world_size,
         master_addr=job.master_addr,
         master_port=job.master_port,
         max_restarts=job.spec.max_restarts,
         restarts=job.restarts,
-        **_own(job, node, peers),
+        watch=watch,
+        probe_key=_round_key(job) if keyed else None,
     )
 
 
-def _own(job: Job, node: Node, peers: list[WatchPeer | None] | None) -> dict[str, Any]:
-    """The fields of ``node``'s assignment that are its own, not the round's."""
+def _own(job: Job, node: Node, peer: Callable[[int], T | None]) -> tuple[int, int, int, list[T], bool]:
+    """The fields of ``node``'s assignment that are its own, not the round's, in the
+    order of :data:`.templates.OWN`: its rank, size and offset, the peers it watches
+    (each as ``peer(group_rank)`` gives it: a WatchPeer, or its text) and whether it
+    holds the round's probe key."""
     assert node.group_rank is not None
-    return {
-        "group_rank": node.group_rank,
-        "local_world_size": node.local_world_size,
-        "rank_offset": node.rank_offset,
-        "watch": watch_list(job, node, peers),
-        "probe_key": _round_key(job) if _keyed(node) else None,
-    }
+    return node.group_rank, node.local_world_size, node.rank_offset, watched(job, node, peer), _keyed(node)
 
 
 def _keyed(node: Node) -> bool:

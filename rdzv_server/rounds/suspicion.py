@@ -53,9 +53,12 @@ def watch_list(job: Job, node: Node, peers: list[WatchPeer | None] | None = None
     chose for it (``Node.probe_addr``: its connection's, rounds.probe_addr).
     Every member is watched by up to MAX_WATCH others, whatever the job's size.
     ``peers``: :func:`watch_peers` of the job, where every member's list is made at once."""
-    if peers is not None:
-        return watched(job, node, peers.__getitem__)
-    return watched(job, node, lambda i: _watch_peer(job, job.order[i]))
+    return watched(job, node, peers.__getitem__ if peers is not None else peer_at(job))
+
+
+def peer_at(job: Job) -> Callable[[int], WatchPeer | None]:
+    """The member of each group rank as its watchers are told of it, made when asked."""
+    return lambda i: _watch_peer(job, job.order[i])
 
 
 def watched(job: Job, node: Node, peer: Callable[[int], T | None]) -> list[T]:

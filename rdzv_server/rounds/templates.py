@@ -3,7 +3,8 @@ its place) written from one template, not built and serialized as a model per
 member. Pure, no I/O.
 
 What every member is told alike (the job, round, world, master, restart
-budget, the probe key) is validated once, in the first member's
+budget; the round's probe key, to the members that answer probes) is
+validated once, in the first member's
 :class:`~rdzv_common.protocol.Assignment`, and serialized once; each member's
 own fields (:data:`OWN`: its rank, size, offset, the peers it watches and
 whether it holds the probe key) are set within their bounds by the completion
@@ -18,7 +19,7 @@ from typing import Literal
 
 from pydantic_core import to_json
 
-from rdzv_common.protocol import SERVER_MESSAGE, AssignedMsg, Assignment, RestartMsg, ServerMessage
+from rdzv_common.protocol import SERVER_MESSAGE, AssignedMsg, Assignment, RestartMsg, ServerMessage, WatchPeer
 
 # An Assignment's fields that are each member's own, in the model's order; the others are the round's.
 OWN = ("group_rank", "local_world_size", "rank_offset", "watch", "probe_key")
@@ -59,9 +60,10 @@ class RoundTemplate:
         items = [f'"{name}":' + (_SLOT if name in OWN else to_json(v).decode()) for name, v in shared.items()]
         self._parts = ("{" + ",".join(items) + "}").split(_SLOT)
         self._key = to_json(probe_key).decode()
-        body = self.assignment(first.group_rank, first.local_world_size, first.rank_offset, [
-            w.model_dump_json() for w in first.watch
-        ], first.probe_key is not None)  # fmt: skip
+        a = first
+        body = self.assignment(
+            a.group_rank, a.local_world_size, a.rank_offset, [peer_text(w) for w in a.watch], a.probe_key is not None
+        )
         _check(body == first.model_dump_json(), f"the template wrote {body}, pydantic {first.model_dump_json()}")
         whole = AssignedMsg(assignment=first).model_dump_json()
         _check(whole.endswith(body + "}"), whole)
@@ -87,6 +89,15 @@ class RoundTemplate:
     def restart(self, assignment: str) -> Prepared:
         _check(bool(self._restart), "a restart needs the round's reason")
         return Prepared("restart", self._restart + assignment + "}")
+
+
+def peer_text(peer: WatchPeer) -> str:
+    """A watched member as its watchers' assignments write it: ``model_dump_json``'s
+    writer without its wrapper (~1 us less; the template's check goes through it too)."""
+    return _write_peer(peer).decode()
+
+
+_write_peer = WatchPeer.__pydantic_serializer__.to_json
 
 
 def _check(ok: bool, what: str) -> None:
