@@ -60,11 +60,11 @@ class RoundTemplate:
         items = [f'"{name}":' + (_SLOT if name in OWN else to_json(v).decode()) for name, v in shared.items()]
         self._parts = ("{" + ",".join(items) + "}").split(_SLOT)
         self._key = to_json(probe_key).decode()
-        a = first
-        body = self.assignment(
-            a.group_rank, a.local_world_size, a.rank_offset, [peer_text(w) for w in a.watch], a.probe_key is not None
-        )
-        _check(body == first.model_dump_json(), f"the template wrote {body}, pydantic {first.model_dump_json()}")
+        watch = [peer_text(w) for w in first.watch]
+        keyed = first.probe_key is not None
+        body = self.assignment(first.group_rank, first.local_world_size, first.rank_offset, watch, keyed)
+        want = first.model_dump_json()
+        _check(body == want, f"the template wrote {body}, pydantic {want}")
         whole = AssignedMsg(assignment=first).model_dump_json()
         _check(whole.endswith(body + "}"), whole)
         self._assigned = whole[: -len(body) - 1]  # '{"op":"assigned","assignment":'
