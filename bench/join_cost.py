@@ -24,6 +24,12 @@ complete
     the last join: the round completes, each member's ``assigned`` is built,
     serialized and framed, the round written to storage.
 
+After the re-formations, ``resume``: every member's connection is lost, then
+each one's join with ``resume_round`` on a new connection (a failover's
+reconnects, or a dropped link's), parsed, counted and joined, told its
+``assigned`` again (written from the round's template, ``forming.told_again``);
+the best of 3 passes.
+
 ``--direct``: the joins offer direct ports (as rdzv-agent's), so each
 re-formation is one step, the leave: the round opens and is formed at once,
 each survivor's ``restart`` carrying its place (design.md "Direct
@@ -130,9 +136,17 @@ def ip_of(i: int) -> str:
     return f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}"
 
 
-def frame_of(i: int, spec: JobSpec, secret: str | None = None, run: int | None = None, direct: bool = False) -> str:
+def frame_of(
+    i: int,
+    spec: JobSpec,
+    secret: str | None = None,
+    run: int | None = None,
+    direct: bool = False,
+    resume: int | None = None,
+) -> str:
     """Node ``i``'s join as its agent sends it (after ``restart``: its secret and run;
-    ``direct``: offering direct ports, as rdzv-agent's)."""
+    ``direct``: offering direct ports, as rdzv-agent's; ``resume``: the round its workers
+    run, on a new connection)."""
     msg = JoinMsg(
         job_id=JOB,
         node_id=f"node{i:06d}",
@@ -145,6 +159,7 @@ def frame_of(i: int, spec: JobSpec, secret: str | None = None, run: int | None =
         run=run,
         probe_port=29400,
         direct_ports=[29501, 29502, 29503, 29504] if direct else [],
+        resume_round=resume,
     )
     return msg.model_dump_json(exclude_none=True)
 
@@ -225,6 +240,7 @@ async def _run(n: int, reps: int, backend: str, profile: cProfile.Profile | None
             for i in live:
                 transports[i].frames.clear()
         out.update({f"{k}_us": v for k, v in best.items()})
+        out["resume_us"] = _resumes(store, job, spec, secrets, live, transports, direct)
         out.update(_assigned_parts(store, job))
         out["load_after"] = C.loadavg()
         return out
@@ -254,6 +270,35 @@ class _GcTime:
             self.spent += time.process_time() - self._at
 
 
+def _resumes(
+    store: Store, job: Any, spec: JobSpec, secrets: dict[int, str], live: list[int], transports: list, direct: bool
+) -> float:
+    """Each member reconnects and resumes the running round (its join with ``resume_round``
+    on a new connection, as after a failover or a dropped link): parsed, counted, joined;
+    told its ``assigned`` again. CPU µs per member, the best of 3 passes; before each,
+    every member's connection is lost (not measured)."""
+    frames = [frame_of(i, spec, secrets[i], job.run, direct, resume=job.round) for i in live]
+    best = float("inf")
+    for _ in range(3):
+        for i in live:
+            nid = f"node{i:06d}"
+            store.disconnected(JOB, nid, store.channels[(JOB, nid)])
+        for i in live:
+            transports[i].frames.clear()  # (what the losses told the others: their heartbeat pace)
+        chans = [WsChannel(Ws(), transports[i], transports[i].peer[0]) for i in live]  # type: ignore[arg-type]
+        t = time.process_time()
+        for k, text in enumerate(frames):
+            msg = AGENT_MESSAGE.validate_json(text)
+            store.metrics.agent_message(msg.op)  # type: ignore[union-attr]
+            _dispatch(store, msg, None, chans[k])  # type: ignore[arg-type]
+        best = min(best, (time.process_time() - t) / len(live) * 1e6)
+        told = [texts(transports[i].frames) for i in live]
+        assert all(sum(x.startswith('{"op":"assigned"') for x in t) == 1 for t in told), told[0]
+        for i in live:
+            transports[i].frames.clear()
+    return best
+
+
 def _assigned_parts(store: Store, job: Any) -> dict[str, float]:
     """One ``assigned`` per member of the running round, as its completion writes them
     (rounds.forming.messages), taken apart: build (the text), frame (µs each)."""
@@ -277,6 +322,9 @@ def run(
     return asyncio.run(_run(n, reps, backend, profile, direct))
 
 
+_RESUME_ROW = "resume (each member's join with resume_round on a new connection: assigned again)"
+
+
 def table(r: dict[str, Any]) -> str:
     if r.get("direct"):
         return _direct_table(r)
@@ -290,6 +338,7 @@ def table(r: dict[str, Any]) -> str:
     ]
     rows += [[f"one assigned: {k}", f"{r[f'assigned_{k}_us']:.1f}"] for k in ("build", "frame")]
     rows.append(["formation (the first joins, once)", f"{r['formation_us']:.1f}"])
+    rows.append([_RESUME_ROW, f"{r['resume_us']:.1f}"])
     head = f"{r['nodes']:,} nodes, {r['backend']}, best of {r['reps']}: CPU µs per survivor"
     return (
         C.md_table([head, "µs"], rows)
@@ -303,6 +352,7 @@ def _direct_table(r: dict[str, Any]) -> str:
         ["total", f"{r['total_us']:.1f}"],
         ["- of which in garbage collections", f"{r['gc_us']:.1f}"],
         ["formation (the first joins, once)", f"{r['formation_us']:.1f}"],
+        [_RESUME_ROW, f"{r['resume_us']:.1f}"],
     ]
     head = f"{r['nodes']:,} nodes, {r['backend']}, direct re-formation, best of {r['reps']}: CPU µs per survivor"
     return C.md_table([head, "µs"], rows) + f"\n\nload average {r['load_before']} -> {r['load_after']}"

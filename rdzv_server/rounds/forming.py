@@ -5,14 +5,14 @@ and what each member is told. Pure, no I/O, no clock (see :mod:`.machine`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from rdzv_common.protocol import Assignment, JobState, SpareMsg, WatchPeer
 
 from . import events
 from .model import REJOINING, RUNNING, SPARE, WAITING, Effects, Job, Node, blocked, count, move, natural_key
 from .probe_addr import round_key
-from .suspicion import peer_at, watch_peers, watched
+from .suspicion import as_peer, peer_at, probed, watch_peers, watched
 from .templates import Prepared, RoundTemplate, peer_text
 
 T = TypeVar("T")
@@ -175,24 +175,76 @@ def messages(
 def _assignment(job: Job, node: Node, peers: list[WatchPeer | None] | None = None) -> Assignment:
     """``node``'s assignment, validated whole. ``peers``: :func:`.suspicion.watch_peers` of the
     job, where every member's is made at once (None: its watch peers are made here)."""
-    # set when the round's membership froze, which is when assignments are made
-    assert job.master_addr is not None and job.master_port is not None
     rank, size, offset, watch, keyed = _own(job, node, peers.__getitem__ if peers is not None else peer_at(job))
     return Assignment(
-        job_id=job.job_id,
-        round=job.round,
+        **_shared(job),
         group_rank=rank,
-        group_world_size=len(job.order),
         local_world_size=size,
         rank_offset=offset,
-        world_size=job.world_size,
-        master_addr=job.master_addr,
-        master_port=job.master_port,
-        max_restarts=job.spec.max_restarts,
-        restarts=job.restarts,
         watch=watch,
         probe_key=_round_key(job) if keyed else None,
     )
+
+
+def _shared(job: Job) -> dict[str, Any]:
+    """The fields of the running round's assignments that every member is told alike."""
+    # set when the round's membership froze, which is when assignments are made
+    assert job.master_addr is not None and job.master_port is not None
+    return {
+        "job_id": job.job_id,
+        "round": job.round,
+        "group_world_size": len(job.order),
+        "world_size": job.world_size,
+        "master_addr": job.master_addr,
+        "master_port": job.master_port,
+        "max_restarts": job.spec.max_restarts,
+        "restarts": job.restarts,
+    }
+
+
+def told_again(job: Job, node: Node, restart: bool = False) -> Prepared:
+    """A member's message of the running round, told once more (a reconnect, a resume): its
+    ``assigned``, or (``restart``) the ``restart`` that placed it, which it missed. Written from
+    the round's template (:class:`RoundTexts`), as the completion wrote them."""
+    reason = job.history[-1].reason if job.history else ""
+    key = (*_shared(job).values(), _round_key(job), reason)
+    texts = job.texts
+    if not isinstance(texts, RoundTexts) or texts.key != key:
+        texts = job.texts = RoundTexts(key, RoundTemplate(_assignment(job, node), _round_key(job), reason))
+    a = texts.tpl.assignment(*_own(job, node, texts.peer(job)))
+    return texts.tpl.restart(a) if restart else texts.tpl.assigned(a)
+
+
+class RoundTexts:
+    """What :func:`told_again` writes from, kept on the job (``Job.texts``, not saved) while
+    its ``key`` holds (the running round, what every member is told alike, the round's
+    probe key and reason): the round's template, and each watched member's text while its
+    probe address stays the one written (a new leader learns them from the resumes). A
+    failover's resumes built and validated an Assignment, its watch peers and the message
+    around it, each (16,384 at this size, ``bench.join_cost``'s resume row)."""
+
+    __slots__ = ("key", "tpl", "peers")
+
+    def __init__(self, key: tuple[Any, ...], tpl: RoundTemplate) -> None:
+        self.key = key
+        self.tpl = tpl
+        # by group rank: (node id, addr, port, text)
+        self.peers: dict[int, tuple[str, str | None, int | None, str]] = {}
+
+    def peer(self, job: Job) -> Callable[[int], str | None]:
+        def text(i: int) -> str | None:
+            node_id = job.order[i]
+            peer = probed(job, node_id)
+            if peer is None:
+                return None
+            held = self.peers.get(i)
+            if held is not None and held[0] == node_id and held[1] == peer.probe_addr and held[2] == peer.probe_port:
+                return held[3]
+            out = peer_text(as_peer(peer))
+            self.peers[i] = (node_id, peer.probe_addr, peer.probe_port, out)
+            return out
+
+        return text
 
 
 def _own(job: Job, node: Node, peer: Callable[[int], T | None]) -> tuple[int, int, int, list[T], bool]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hmac
 
 from rdzv_common.protocol import (
-    AssignedMsg,
     EvictedError,
     JobFinishedError,
     JobSecretMismatchError,
@@ -27,7 +26,7 @@ from rdzv_common.protocol import (
 
 from . import events
 from .events import note
-from .forming import _assignment, _check_complete
+from .forming import _check_complete, told_again
 from .machine import new_run
 from .model import (
     REJOINING,
@@ -221,7 +220,7 @@ def _reconnect(job: Job, node: Node, now: float) -> Effects:
     assignment again, nothing else changes."""
     _heard(node, now)
     fx = Effects()
-    fx.send(node.node_id, AssignedMsg(assignment=_assignment(job, node)))
+    fx.send(node.node_id, told_again(job, node))
     text = f"job {job.job_id} round {job.round}: node {node.node_id} reconnected"
     if line := events.comeback(job, now, text, node):
         fx.logs.append(line)
@@ -241,8 +240,7 @@ def _resume(job: Job, node: Node | None, msg: JoinMsg, now: float, seen_addr: st
         _probed_at(node, msg, seen_addr)  # (as a reconnect: its peers hear of it with the next round)
         _offered(job, node, msg)
         fx = Effects()
-        reason = job.history[-1].reason
-        fx.send(node.node_id, RestartMsg(round=job.round, reason=reason, assignment=_assignment(job, node)))
+        fx.send(node.node_id, told_again(job, node, restart=True))
         return fx
     if node.state == RUNNING:  # running in the current round but resuming an older one
         raise StaleRoundError(f"round {msg.resume_round} is over; job {job.job_id!r} runs round {job.round}")

@@ -222,6 +222,8 @@ class Job:
     heartbeat_s: float | None = field(default=None, repr=False, compare=False)
     # what is left of its budget of "node N is back" notes (events.comeback); not saved
     comebacks: NoteBudget = field(default_factory=lambda: NoteBudget(), repr=False, compare=False)
+    # the running round's template for one member at a time (forming.RoundTexts); not saved
+    texts: Any = field(default=None, repr=False, compare=False)
 
     @property
     def forming(self) -> bool:

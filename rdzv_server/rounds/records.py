@@ -51,6 +51,7 @@ _NOT_SAVED_JOB = frozenset(
         "probe_seed",
         "heartbeat_s",
         "comebacks",
+        "texts",
     }
 )
 

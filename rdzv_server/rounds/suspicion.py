@@ -84,10 +84,21 @@ def watch_peers(job: Job) -> list[WatchPeer | None]:
 
 
 def _watch_peer(job: Job, node_id: str) -> WatchPeer | None:
+    peer = probed(job, node_id)
+    return None if peer is None else as_peer(peer)
+
+
+def as_peer(node: Node) -> WatchPeer:
+    """A member that answers probes (:func:`probed`) as its watchers are told of it, validated."""
+    return WatchPeer(node_id=node.node_id, addr=node.probe_addr, port=node.probe_port)  # type: ignore[arg-type]
+
+
+def probed(job: Job, node_id: str) -> Node | None:
+    """The member ``node_id`` if it answers probes (its watchers are told of it), else None."""
     peer = job.nodes.get(node_id)
     if peer is None or peer.probe_port is None or peer.probe_addr is None:
         return None
-    return WatchPeer(node_id=peer.node_id, addr=peer.probe_addr, port=peer.probe_port)
+    return peer
 
 
 def probe_deadline(rtt_s: float | None) -> float:

@@ -62,9 +62,7 @@ def test_the_templates_own_fields_are_the_completions_and_every_other_field_is_t
     own = forming._own(job, node, lambda i: f"peer {i}")  # the values in OWN's order, as the template takes them
     a = forming._assignment(job, node)
     assert own[:3] == tuple(getattr(a, name) for name in templates.OWN[:3]) and len(own) == len(templates.OWN)
-    round_fields = {"job_id", "round", "group_world_size", "world_size", "master_addr", "master_port"}
-    round_fields |= {"max_restarts", "restarts"}
-    assert set(Assignment.model_fields) == round_fields | set(templates.OWN)
+    assert set(Assignment.model_fields) == set(forming._shared(job)) | set(templates.OWN)
 
 
 def test_a_template_that_would_not_write_what_pydantic_writes_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -88,3 +86,55 @@ def test_a_probe_key_the_first_member_does_not_hold_is_still_validated() -> None
     assert first.probe_key is None
     with pytest.raises(ValueError, match="probe_key"):
         templates.RoundTemplate(first, "not hex")
+
+
+def _whole(job: rounds.Job, node: rounds.Node, restart: bool = False) -> str:
+    a = forming._assignment(job, node)
+    if restart:
+        return RestartMsg(round=job.round, reason=job.history[-1].reason, assignment=a).model_dump_json()
+    return AssignedMsg(assignment=a).model_dump_json()
+
+
+def test_a_member_told_again_gets_what_pydantic_writes_from_one_template_per_round() -> None:
+    """A reconnect's ``assigned`` and a missed restart's place (rounds.joins) come from the
+    round's template kept on the job: byte for byte the whole model's text, for every member."""
+    job = _formed(9)
+    members = [job.nodes[x] for x in job.order]
+    got = [forming.told_again(job, node) for node in members]
+    assert [m.text for m in got] == [_whole(job, node) for node in members]
+    kept = job.texts
+    assert isinstance(kept, forming.RoundTexts)
+    again = [forming.told_again(job, node, restart=True) for node in members]
+    assert job.texts is kept  # one template for the round, both kinds of message
+    assert [m.text for m in again] == [_whole(job, node, restart=True) for node in members]
+    assert all(m.op == "restart" for m in again) and again[0].model().assignment is not None  # type: ignore[union-attr]
+
+
+def test_what_the_round_tells_alike_or_a_watched_address_changing_is_written_anew() -> None:
+    job = _formed(9)
+    node = job.nodes[job.order[4]]
+    first = forming.told_again(job, node).text
+    kept = job.texts
+    # its first watched member answers from a new address (a resume brings it): written anew
+    peer = job.nodes[job.order[5]]
+    assert peer.probe_port is not None and peer.probe_addr in first
+    peer.probe_addr, peer.probe_port = "10.9.9.9", 41999
+    moved = forming.told_again(job, node).text
+    assert '"addr":"10.9.9.9","port":41999' in moved and moved == _whole(job, node)
+    peer.probe_port = None  # it answers no probes any more: no longer watched
+    assert forming.told_again(job, node).text == _whole(job, node) and peer.node_id not in _whole(job, node)
+    assert job.texts is kept
+    # a restart charged (the round's own field): a new template
+    job.restarts += 1
+    assert forming.told_again(job, node).text == _whole(job, node) and '"restarts":1' in _whole(job, node)
+    assert job.texts is not kept
+
+
+def test_the_kept_template_is_never_saved_and_goes_when_the_job_ends() -> None:
+    job = _formed(3)
+    forming.told_again(job, job.nodes["n0"])
+    assert job.texts is not None
+    record = rounds.to_record(job)
+    assert "texts" not in record and rounds.from_record(json.loads(json.dumps(record))).texts is None
+    rounds.close(job, 2.0)
+    assert job.finished and job.texts is None
