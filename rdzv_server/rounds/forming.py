@@ -207,7 +207,7 @@ def told_again(job: Job, node: Node, restart: bool = False) -> Prepared:
     ``assigned``, or (``restart``) the ``restart`` that placed it, which it missed. Written from
     the round's template (:class:`RoundTexts`), as the completion wrote them."""
     reason = job.history[-1].reason if job.history else ""
-    key = (*_shared(job).values(), _round_key(job), reason)
+    key = (*_shared(job).values(), job.run, job.probe_seed, reason)  # (the round's probe key derives from these)
     texts = job.texts
     if not isinstance(texts, RoundTexts) or texts.key != key:
         texts = job.texts = RoundTexts(key, RoundTemplate(_assignment(job, node), _round_key(job), reason))
@@ -217,8 +217,8 @@ def told_again(job: Job, node: Node, restart: bool = False) -> Prepared:
 
 class RoundTexts:
     """What :func:`told_again` writes from, kept on the job (``Job.texts``, not saved) while
-    its ``key`` holds (the running round, what every member is told alike, the round's
-    probe key and reason): the round's template, and each watched member's text while its
+    its ``key`` holds (the running round, what every member is told alike, what the round's
+    probe key derives from, its reason): the round's template, and each watched member's text while its
     probe address stays the one written (a new leader learns them from the resumes). A
     failover's resumes built and validated an Assignment, its watch peers and the message
     around it, each (16,384 at this size, ``bench.join_cost``'s resume row)."""

@@ -128,6 +128,13 @@ def test_what_the_round_tells_alike_or_a_watched_address_changing_is_written_ane
     job.restarts += 1
     assert forming.told_again(job, node).text == _whole(job, node) and '"restarts":1' in _whole(job, node)
     assert job.texts is not kept
+    # a new seed for the round's probe key (a restarted server draws one): a new template
+    keyed = next(job.nodes[x] for x in job.order if job.nodes[x].probe_port is not None)
+    before = forming.told_again(job, keyed).text
+    kept = job.texts
+    job.probe_seed = bytes(16)
+    after = forming.told_again(job, keyed).text
+    assert after == _whole(job, keyed) and after != before and '"probe_key":"' in after and job.texts is not kept
 
 
 def test_the_kept_template_is_never_saved_and_goes_when_the_job_ends() -> None:
