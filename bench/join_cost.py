@@ -69,7 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from rdzv_common.protocol import AGENT_MESSAGE, JobSpec, JoinMsg
-from rdzv_server.agent_link import _dispatch
+from rdzv_server.agent_conn import _dispatch
 from rdzv_server.events import EventLog
 from rdzv_server.metrics import Metrics
 from rdzv_server.rounds.forming import messages

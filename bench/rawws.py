@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
 import os
 import struct
 from collections.abc import Callable
 from typing import Any, cast
 from urllib.parse import urlsplit
 
-_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+from rdzv_common.wire import accept_key as wire_accept_key
+
 MAX_HEAD_BYTES = 65536  # the upgrade's answer, headers and all
 MAX_MESSAGE_BYTES = 4 * 2**20  # what one message may grow to (the server's are far smaller)
 TEXT, CLOSE, PING, PONG = 0x1, 0x8, 0x9, 0xA
@@ -43,8 +43,8 @@ class Refused(Exception):
 
 
 def accept_key(key: bytes) -> bytes:
-    """The Sec-WebSocket-Accept a server answers ``key`` with (RFC 6455 4.2.2)."""
-    return base64.b64encode(hashlib.sha1(key + _GUID).digest())
+    """The Sec-WebSocket-Accept a server answers ``key`` with (rdzv_common.wire.accept_key, as bytes)."""
+    return wire_accept_key(key.decode("ascii")).encode("ascii")
 
 
 def client_frame(opcode: int, payload: bytes, mask: bytes | None = None) -> bytes:

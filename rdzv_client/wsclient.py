@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
 import os
 import socket
 import ssl as ssl_mod
 import struct
 import time
 
-GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+from rdzv_common.wire import accept_key
+
 MAX_HEADER_BYTES = 16 * 1024
 MAX_REFUSAL_BODY_BYTES = 4096
 
@@ -57,10 +57,6 @@ class HandshakeError(WSError):
         self.message = message
         self.headers = headers or {}
         self.body = body
-
-
-def accept_key(key: str) -> str:
-    return base64.b64encode(hashlib.sha1((key + GUID).encode()).digest()).decode()
 
 
 def mask(data: bytes, key: bytes) -> bytes:

@@ -16,6 +16,8 @@ This module imports nothing of ours but :mod:`rdzv_common.errors` and
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import re
 from typing import Any
 
@@ -43,6 +45,7 @@ from .spec_table import STRAGGLER_POLICIES as STRAGGLER_POLICIES
 from .spec_table import check_spec as check_spec
 
 AGENT_PATH = "/v1/agent"
+WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455 1.3: what every accept key is made with
 # The heartbeat frame, exactly: agents send this text and the server compares
 # frames to it before parsing anything (the hot path). HeartbeatMsg serializes to it.
 HEARTBEAT_FRAME = '{"op":"hb"}'
@@ -117,6 +120,11 @@ def printable(text: object, limit: int | None = None) -> str:
     if limit is not None and len(s) > limit:
         s = s[: max(0, limit - 3)] + "..."
     return s
+
+
+def accept_key(key: str) -> str:
+    """The ``Sec-WebSocket-Accept`` a server answers a client's ``Sec-WebSocket-Key`` with (RFC 6455 4.2.2)."""
+    return base64.b64encode(hashlib.sha1((key + WS_GUID).encode()).digest()).decode()
 
 
 def heartbeat_every(heartbeat_timeout_s: float) -> float:

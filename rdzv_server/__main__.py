@@ -14,14 +14,13 @@ from aiohttp import web
 
 from rdzv_common import logs
 
-from . import early
+from . import early, upgrade
 from .app import Settings, create_app
 from .auth import is_loopback
 from .conns import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,
     AcceptErrors,
-    Listener,
     connection_limit,
     raise_fd_limit,
 )
@@ -29,6 +28,7 @@ from .database import DataDirError, free_bytes
 from .flags import UsageError, bind_host, build_parser, ha_settings, loop_factory, settings_from_args
 from .gc_policy import tune_gc
 from .keys import STORE
+from .listener import Listener
 
 log = logging.getLogger("rdzv_server")
 
@@ -69,6 +69,7 @@ async def serve(
     """Run until SIGINT/SIGTERM. ``ready(port)`` is called once listening."""
     asyncio.get_running_loop().set_exception_handler(AcceptErrors())
     app = create_app(settings)
+    upgrades = upgrade.Upgrader(app)  # (before the runner freezes the app: it ends its connections on shutdown)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
     await runner.setup()  # opens the store: DataDirError stops us here
     if fd_note:
@@ -84,6 +85,7 @@ async def serve(
         header_timeout_s=header_timeout_s,
         per_address=per_address,
         refuse=early.Refuser(app) if settings.ha is not None else None,  # an HA replica's: it may not serve
+        take=upgrades,
     )
     try:
         await site.start()

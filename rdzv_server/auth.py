@@ -30,6 +30,11 @@ In order, on every request:
    (or a /ui session signed in with it): 403 ``forbidden`` for the ordinary
    token, which keeps agents, reads and health reports. Without one, the one
    token is every role.
+
+An agent's upgrade the server answers itself (rdzv_server.upgrade) passes the
+checks above that apply to it there (:func:`loopback_host_header`,
+:meth:`Auth.role_of`; it carries no ``Origin`` and no cookie); whatever fails
+one comes here.
 """
 
 from __future__ import annotations
@@ -261,8 +266,9 @@ def error(code: ErrorCode, message: str, status: int, headers: dict[str, str] | 
     return web.json_response(text=error_text(code, message), status=status, headers=headers)
 
 
-def _bearer(request: web.Request) -> str | None:
-    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+def bearer(authorization: str) -> str | None:
+    """The token of an ``Authorization`` header's value when it is a bearer token, else None."""
+    scheme, _, value = authorization.partition(" ")
     return value.strip() if scheme.lower() == "bearer" else None
 
 
@@ -297,7 +303,7 @@ def middleware(auth: Auth, public: Callable[[str], bool]) -> Middleware:
         if not auth.token or request.path == "/healthz" or public(request.path):
             return await handler(request)
         remote = request.remote or "?"
-        given = _bearer(request)
+        given = bearer(request.headers.get("Authorization", ""))
         role = auth.role_of(given) if given is not None else None
         by_cookie = False
         cookie = request.cookies.get(COOKIE, "")

@@ -1,7 +1,7 @@
 """Connections: how many, for how long, and what is logged about them.
 
 aiohttp's ``TCPSite`` hands every accepted socket to a plain
-``RequestHandler``. The server listens through :class:`Listener` instead,
+``RequestHandler``. The server listens through ``listener.Listener`` instead,
 whose protocol factory
 
 * builds :class:`Protocol`, a ``RequestHandler`` that closes a new
@@ -37,11 +37,7 @@ import asyncio
 import errno
 import logging
 import resource
-import socket
-import ssl
-import sys
 import time
-import typing
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any, cast
@@ -102,7 +98,6 @@ _bad_http_log = LogLimiter(log, logging.WARNING, burst=10, rate=1.0)
 _refused_log = LogLimiter(log, logging.WARNING, burst=1, rate=0.1)
 _refused_addr_log = LogLimiter(log, logging.WARNING, burst=1, rate=0.1)
 _body_log = LogLimiter(log, logging.WARNING, burst=5, rate=0.2)
-_early_log = LogLimiter(log, logging.ERROR, burst=1, rate=0.01)
 
 
 def raise_fd_limit() -> tuple[int, int]:
@@ -232,6 +227,10 @@ class Protocol(RequestHandler):
         if self.inherited is None or not self.inherited.holds(sock):  # a vanished agent host fails the connection
             keep_alive(sock)
         self.open_count.n += 1
+        self._start(transport)
+
+    def _start(self, transport: asyncio.BaseTransport) -> None:
+        """aiohttp's side of the connection: its task, its header timer."""
         super().connection_made(transport)
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -266,115 +265,6 @@ class Protocol(RequestHandler):
         )
         resp.force_close()
         return resp
-
-
-class EarlyProtocol(Protocol):
-    """A :class:`Protocol` whose connection's first bytes ``refuse`` may answer itself, before
-    aiohttp parses them (rdzv_server.early). Made only for a connection accepted while its
-    site's refuser is active: the extra call on every read costs a serving replica nothing
-    (uvloop binds ``data_received`` once, when the connection opens)."""
-
-    def __init__(self, manager: web.Server, *, refuse: Refuser, **kwargs: Any) -> None:
-        super().__init__(manager, **kwargs)
-        self.refuse: Refuser | None = refuse
-
-    def data_received(self, data: bytes) -> None:
-        refuse, self.refuse = self.refuse, None  # a connection's first bytes only
-        if refuse is not None:
-            try:
-                answer = refuse(data)
-            except Exception as e:  # a bug there: aiohttp's path answers, as before the early one
-                _early_log("the early answer to a request failed (%s); aiohttp answers it", printable(repr(e), 300))
-                answer = None
-            if answer is not None:
-                transport = self.transport
-                if transport is not None:
-                    transport.write(answer)
-                    transport.close()  # after the answer is written
-                return
-        super().data_received(data)
-
-
-class Refuser(typing.Protocol):
-    """What a site may answer before aiohttp (rdzv_server.early.Refuser is one)."""
-
-    def active(self) -> bool:
-        """Whether a connection accepted now may be answered early (checked again on its bytes)."""
-        ...
-
-    def __call__(self, data: bytes) -> bytes | None:
-        """A connection's first bytes -> the whole answer, or None: aiohttp's path."""
-        ...
-
-
-class Listener(web.BaseSite):
-    """A TCP site like aiohttp's TCPSite, whose connections are :class:`Protocol`."""
-
-    def __init__(
-        self,
-        runner: web.BaseRunner,
-        host: str,
-        port: int,
-        *,
-        ssl_context: ssl.SSLContext | None = None,
-        max_connections: int = DEFAULT_MAX_CONNECTIONS,
-        header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
-        per_address: int | None = None,
-        backlog: int = LISTEN_BACKLOG,
-        refuse: Refuser | None = None,
-    ) -> None:
-        super().__init__(runner, ssl_context=ssl_context, backlog=backlog)
-        self._host, self._port = host, port
-        self._handler_kwargs: dict[str, Any] = {
-            "keepalive_timeout": header_timeout_s,
-            "tcp_keepalive": False,  # Protocol.connection_made sets it with the rest (liveness.keep_alive)
-            "access_log": None,
-            "max_connections": max_connections,
-            "per_address": per_address_limit(per_address, max_connections),
-            "by_address": {},  # open connections per client address, shared by this site's connections
-            "open_count": OpenCount(),  # and in all
-            "inherited": InheritedKeepAlive(),
-        }
-        self._refuse = refuse  # rdzv_server.early: what a replica that does not serve answers before aiohttp
-
-    @property
-    def name(self) -> str:
-        scheme = "https" if self._ssl_context else "http"
-        return f"{scheme}://{self._host}:{self._port}"
-
-    @property
-    def sockets(self) -> list[socket.socket]:
-        # start() made it with loop.create_server: an asyncio.Server
-        return list(cast(asyncio.Server, self._server).sockets) if self._server is not None else []
-
-    async def start(self) -> None:
-        await super().start()
-        loop = asyncio.get_running_loop()
-        server = await loop.create_server(
-            self._protocol,
-            self._host,
-            self._port,
-            ssl=self._ssl_context,
-            backlog=self._backlog,
-            reuse_address=True,
-            start_serving=False,  # (a connection made before the options below would have none)
-        )
-        self._server = server
-        # Linux copies a listening socket's keep-alive and user timeout to every socket it
-        # accepts: set once here, they cost an accepted connection nothing (set on each, ~4
-        # system calls and a socket object: ~3% of an upgrade's CPU at 16,384 nodes)
-        sockets = self.sockets
-        if sys.platform == "linux" and sockets and all(keep_alive(s) for s in sockets):
-            self._handler_kwargs["inherited"].on = True
-        await server.start_serving()
-
-    def _protocol(self) -> Protocol:
-        manager = self._runner.server
-        assert manager is not None
-        refuse = self._refuse
-        if refuse is not None and refuse.active():
-            return EarlyProtocol(manager, refuse=refuse, loop=asyncio.get_running_loop(), **self._handler_kwargs)
-        return Protocol(manager, loop=asyncio.get_running_loop(), **self._handler_kwargs)
 
 
 class AcceptErrors:

@@ -8,7 +8,7 @@ while it loads the state, answers 503 ``not_leader`` naming the leader
 replica it reaches first, and through aiohttp (its request, the middlewares,
 the response) each cost the replica ~170 us of CPU (py-spy, bench.big_job
 ``--etcd``): seconds of a leader kill, on the replicas whose cores the
-storm needs. :class:`Refuser` makes :class:`conns.EarlyProtocol`'s answer to a
+storm needs. :class:`Refuser` makes :class:`listener.EarlyProtocol`'s answer to a
 connection's first bytes when they are exactly that upgrade's request head
 (``GET /v1/agent HTTP/1.1``, the head whole, nothing after it): the same
 status, error body and ``X-Rdzv-Leader`` as the middleware's, then the
@@ -57,7 +57,7 @@ def response(status: int, body: str, leader: str | None) -> bytes:
 
 
 class Refuser:
-    """For conns.Listener (a ``conns.Refuser``): ``app``'s answer to an agent's upgrade while its
+    """For listener.Listener (a ``listener.Refuser``): ``app``'s answer to an agent's upgrade while its
     replica does not serve."""
 
     def __init__(self, app: web.Application) -> None:

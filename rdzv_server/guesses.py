@@ -15,7 +15,7 @@ closed, it reconnects (issue 19 measured ~9,000 guesses/s). So:
 - Each table holds at most ``max_keys`` entries of a fixed size (the least
   recently failed go first), so many job ids or addresses cost memory once.
 
-The agent channel (``agent_link.AgentLink``) asks :meth:`GuessThrottle.hold`
+The agent channel (``agent_conn.AgentConn``) asks :meth:`GuessThrottle.hold`
 before a join and reports :meth:`GuessThrottle.wrong` after a refusal."""
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from rdzv_common.protocol import (
 )
 
 from . import rounds
-from .agent_link import AgentLink, short_error
+from .agent_conn import AgentConn, short_error
 from .cursors import node_page
 from .keys import AUDIT, HEALTH_REPORTS, METRICS, OPENAPI, STORE
 from .metrics import CONTENT_TYPE_LATEST
@@ -221,11 +221,11 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 async def agent_channel(request: web.Request) -> web.WebSocketResponse:
-    """The agent's WebSocket through aiohttp (rdzv_server.agent_link has its rules;
+    """The agent's WebSocket through aiohttp (rdzv_server.agent_conn has its rules;
     rdzv_server.upgrade takes most upgrades before aiohttp sees them)."""
     request.app[STORE].gc_hold.busy()  # a reconnect storm (a failover, a restart) is a round change's too
     ws = AgentSocket(max_msg_size=MAX_BODY_BYTES, autoping=True, heartbeat=None)
     await ws.prepare(request)
     chan = WsChannel(ws, request.transport, printable(request.remote, limit=64))
-    await AgentLink(request.app, chan, request.remote).run(ws)
+    await AgentConn(request.app, chan, request.remote).run(ws)
     return ws

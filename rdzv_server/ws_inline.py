@@ -31,17 +31,19 @@ from aiohttp import web
 
 log = logging.getLogger("rdzv_server.handlers")
 
+__all__ = ["CHUNK", "AgentSocket", "Inline", "InlineQueue", "WebSocketReader"]  # (rdzv_server.own_socket reads them)
+
 try:  # aiohttp's reader, as WebSocketResponse._post_start builds it (3.14)
     from aiohttp._websocket.reader import WebSocketDataQueue, WebSocketReader
-    from aiohttp.helpers import DEFAULT_CHUNK_SIZE as _CHUNK
+    from aiohttp.helpers import DEFAULT_CHUNK_SIZE as CHUNK
 except ImportError:  # pragma: no cover: another aiohttp; the plain path
     WebSocketDataQueue = WebSocketReader = None  # type: ignore[assignment]
-    _CHUNK = 0
+    CHUNK = 0
 
 Inline = Callable[[Any], bool]  # a parsed WSMessage -> taken
 
 
-class _InlineQueue(WebSocketDataQueue):
+class InlineQueue(WebSocketDataQueue):
     """aiohttp's message queue, which first offers each message to ``take``
     (its socket's ``inline``; the queue holds no reference to the socket: a
     cycle would leave each closed connection to the garbage collector, ~45
@@ -71,7 +73,7 @@ class AgentSocket(web.WebSocketResponse):
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
         self._inline: Inline | None = None
-        self._inline_queue: _InlineQueue | None = None
+        self._inline_queue: InlineQueue | None = None
         self.inlined = False  # whether frames pass inline on this connection (the reader was swapped)
 
     @property
@@ -94,7 +96,7 @@ class AgentSocket(web.WebSocketResponse):
             old = self._reader
             if proto._payload_parser is not self._parser or old is None or old._buffer:
                 return
-            queue = _InlineQueue(self._inline, request._protocol, _CHUNK, loop=self._loop)
+            queue = InlineQueue(self._inline, request._protocol, CHUNK, loop=self._loop)
             parser = WebSocketReader(
                 queue, self._max_msg_size, compress=bool(self._compress), decode_text=self._decode_text
             )

@@ -19,8 +19,9 @@ from rdzv_common.errors import LEADER_HEADER, NotLeaderError
 from rdzv_common.protocol import AGENT_PATH
 from rdzv_server import early
 from rdzv_server.app import Settings, create_app
-from rdzv_server.conns import EarlyProtocol, Listener, Protocol
+from rdzv_server.conns import Protocol
 from rdzv_server.keys import STORE
+from rdzv_server.listener import EarlyProtocol, Listener
 
 LEADER = "http://10.0.0.7:29400"
 HEAD = f"GET {AGENT_PATH} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n".encode()

@@ -13,7 +13,7 @@ import socket
 import pytest
 
 from rdzv_common import liveness
-from rdzv_server import conns
+from rdzv_server import conns, listener
 
 from .test_quotas import listening
 
@@ -29,7 +29,8 @@ def _watch(monkeypatch) -> tuple[list, list]:
         calls.append(sock)
         return real(sock)
 
-    monkeypatch.setattr(conns, "keep_alive", counted)
+    monkeypatch.setattr(conns, "keep_alive", counted)  # each accepted socket's
+    monkeypatch.setattr(listener, "keep_alive", counted)  # the listening socket's
     made = conns.Protocol.connection_made
 
     def seen(self, transport):

@@ -14,10 +14,10 @@ import aiohttp
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from rdzv_common.protocol import AGENT_PATH, HEARTBEAT_FRAME, JobSpec, LeaveMsg
-from rdzv_server import agent_link
+from rdzv_server import agent_conn
 from rdzv_server.app import Settings, create_app
-from rdzv_server.conns import Listener
 from rdzv_server.hosts import HostRules
+from rdzv_server.listener import Listener
 from rdzv_server.quotas import HEALTH_REPORT_BURST
 
 from .conftest import Agent, join_msg
@@ -104,8 +104,8 @@ async def test_a_joined_socket_that_sends_nothing_is_closed_whatever_its_heartbe
 
 
 async def test_a_heartbeat_flood_closes_the_connection(client, connect, monkeypatch):
-    monkeypatch.setattr(agent_link, "FRAME_BURST", 20)
-    monkeypatch.setattr(agent_link, "FRAME_RATE", 1.0)
+    monkeypatch.setattr(agent_conn, "FRAME_BURST", 20)
+    monkeypatch.setattr(agent_conn, "FRAME_RATE", 1.0)
     flood = await connect()
     await flood.send(join_msg("j", "n0", (2, 2)))
     await flood.expect("joined")

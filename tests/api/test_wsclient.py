@@ -8,8 +8,6 @@ error the agent reports."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import hashlib
 import json
 import struct
 
@@ -22,6 +20,7 @@ from rdzv_client.client import AgentLink
 from rdzv_client.session import NodeSession
 from rdzv_common.errors import ErrorCode, RdzvError
 from rdzv_common.protocol import AGENT_PATH, HEARTBEAT_FRAME, JobSpec
+from rdzv_common.wire import accept_key
 from rdzv_server.app import Settings
 
 from .conftest import join_msg
@@ -201,7 +200,7 @@ class RawPeer:
             key = next(
                 ln.split(":", 1)[1].strip() for ln in head.split("\r\n") if ln.lower().startswith("sec-websocket-key:")
             )
-            accept = self.accept or base64.b64encode(hashlib.sha1((key + wsclient.GUID).encode()).digest()).decode()
+            accept = self.accept or accept_key(key)
             writer.write(
                 f"HTTP/1.1 {self.status}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
                 f"Sec-WebSocket-Accept: {accept}\r\n\r\n".encode()

@@ -3,8 +3,8 @@ reports in; assignments out. The same rules whichever way the upgrade came:
 aiohttp's (``handlers.agent_channel``, an :class:`~.ws_inline.AgentSocket`)
 or the server's own (:mod:`.upgrade`, an :class:`~.own_socket.OwnSocket`).
 
-A frame is taken where it is parsed when it can be (:meth:`AgentLink.inline`,
-rdzv_server.ws_inline), else by the connection's loop (:meth:`AgentLink.run`),
+A frame is taken where it is parsed when it can be (:meth:`AgentConn.inline`,
+rdzv_server.ws_inline), else by the connection's loop (:meth:`AgentConn.run`),
 which keeps every rule. A connection that has not joined (yet, or since it
 left) within the join deadline is closed, and so is one silent for the idle
 timeout once joined (rdzv_server.silence)."""
@@ -56,7 +56,7 @@ class Socket(Protocol):
     def receive(self) -> Awaitable[WSMessage]: ...
 
 
-class AgentLink:
+class AgentConn:
     """The agent channel's rules for one connection (``chan``), from ``remote``."""
 
     def __init__(self, app: web.Application, chan: WsChannel, remote: str | None) -> None:
