@@ -150,6 +150,11 @@ class AgentConn:
             return True
         return False
 
+    @classmethod
+    async def serve(cls, app: web.Application, chan: WsChannel, remote: str | None, ws: Socket) -> None:
+        """A connection's loop from its start (in the task that runs it: its timer cancels it)."""
+        await cls(app, chan, remote).run(ws)
+
     async def run(self, ws: Socket) -> None:
         """The connection's loop, until it closes: the frames ``inline`` declines, in order."""
         chan, store, silence, frames = self.chan, self.store, self.silence, self.frames

@@ -78,8 +78,8 @@ class LogLimiter:
         self.stamp = time.monotonic()
         self.dropped = 0
 
-    def __call__(self, fmt: str, *args: object, exc_info: bool = False) -> bool:
-        """Log the line (``exc_info``: with the exception being handled) unless over the limit."""
+    def __call__(self, fmt: str, *args: object, exc_info: bool | BaseException = False) -> bool:
+        """Log the line (``exc_info``: with the exception being handled, or that one) unless over the limit."""
         now = time.monotonic()
         self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
         self.stamp = now

@@ -83,7 +83,8 @@ class TakingProtocol(Protocol):
         BaseProtocol.connection_made(self, transport)  # (the transport, TCP_NODELAY), as aiohttp's first step
         loop = self._loop
         self._deadline = loop.time() + self._keepalive_timeout
-        self._silent = loop.call_at(self._deadline, self._nothing_sent)
+        if self._keepalive_timeout > 0:  # (0: none, as aiohttp's)
+            self._silent = loop.call_at(self._deadline, self._nothing_sent)
 
     def _nothing_sent(self) -> None:
         """Nothing arrived within the header timeout: closed, as aiohttp's header timer closes it."""
@@ -101,6 +102,10 @@ class TakingProtocol(Protocol):
             if self._silent is not None:
                 self._silent.cancel()
                 self._silent = None
+            if take.stopping:  # the server stops: nothing starts on this connection
+                if self.transport is not None:
+                    self.transport.close()
+                return
             try:
                 owner = take(self, data)
             except Exception as e:  # a bug there: aiohttp's path answers, as before this one
@@ -140,6 +145,8 @@ class Owner(typing.Protocol):
 
 class Taker(typing.Protocol):
     """What a site may take before aiohttp (rdzv_server.upgrade.Upgrader is one)."""
+
+    stopping: bool  # the server stops: a connection's first read is neither taken nor aiohttp's
 
     def active(self) -> bool:
         """Whether a connection accepted now may be taken (asked again on its first read)."""

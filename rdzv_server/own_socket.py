@@ -7,10 +7,12 @@ RFC 6455 rules, the message size limit, fragments, control frames), whose
 messages are first offered to :attr:`OwnSocket.inline`, as on aiohttp's path
 (rdzv_server.ws_inline); the rest wait for :meth:`OwnSocket.receive`, which
 answers a ping and a close as aiohttp's does (``autoping``, ``autoclose``).
-Outgoing: ``send_str`` frames as rdzv_server.ws_channel does, waiting while
-the transport holds more than its high-water mark; ``close`` sends the close
-frame and closes the transport once what was written is out (it does not wait
-for the agent's answer: the agent reconnects either way)."""
+Outgoing: ``send_str`` (and each pong) frames as rdzv_server.ws_channel does,
+waiting while the transport holds more than aiohttp's write limit, so an agent
+that never reads stops being read; ``close`` sends the close frame, then reads
+on, dropping what comes, until the agent closes its end or
+:data:`LINGER_S` passed (closing with unread bytes would reset the connection,
+and the agent could lose what came before the close)."""
 
 from __future__ import annotations
 
@@ -26,8 +28,10 @@ from .ws_channel import DIRECT_MAX_BUFFERED, MAX_CONTROL_PAYLOAD, text_frame
 from .ws_inline import CHUNK, Inline, InlineQueue, WebSocketReader
 
 _FIN_CLOSE = 0x88  # FIN, opcode 8 (close), unmasked
+_FIN_PING = 0x89  # FIN, opcode 9 (ping)
 _FIN_PONG = 0x8A  # FIN, opcode 10 (pong)
 _CLOSE_HEAD = struct.Struct("!BBH").pack
+LINGER_S = 2.0  # after the close frame, how long the agent's end of the connection is awaited
 
 
 def available() -> bool:
@@ -44,10 +48,12 @@ class OwnSocket:
     def __init__(self, protocol: Any, transport: asyncio.Transport, max_msg_size: int) -> None:
         self.protocol = protocol
         self.transport = transport
-        self._queue = InlineQueue(None, protocol, CHUNK, loop=asyncio.get_running_loop())
+        self._loop = asyncio.get_running_loop()
+        self._queue = InlineQueue(None, protocol, CHUNK, loop=self._loop)
         # held here: a reader stalled on a full queue is parked there by a weak reference only
         self._parser = WebSocketReader(self._queue, max_msg_size, compress=False, decode_text=True)
-        self.closed = False  # a close frame went out, or the connection is gone
+        self.closed = False  # the close frame went out (or could not: the connection was gone)
+        self._linger: asyncio.TimerHandle | None = None  # after it: the agent's own close awaited
         self.task: asyncio.Task[None] | None = None  # the connection's loop (rdzv_server.upgrade)
 
     @property
@@ -61,19 +67,23 @@ class OwnSocket:
     # ------------------------------------------------------------ from the protocol
 
     def feed(self, data: bytes) -> None:
-        """A read: parsed now, its messages offered to ``inline`` or queued."""
-        self._parser.feed_data(data)  # (a frame against the rules: the queue raises it to receive())
+        """A read: parsed now, its messages offered to ``inline`` or queued; once the close frame
+        went out, dropped (the agent's close, then its end of the connection, are awaited)."""
+        if not self.closed:
+            self._parser.feed_data(data)  # (a frame against the rules: the queue raises it to receive())
 
     def lost(self) -> None:
-        """The connection is gone: a waiting :meth:`receive` returns CLOSED."""
-        self.closed = True
+        """The connection is gone: :meth:`receive` returns what was queued, then CLOSED."""
         self._parser.feed_eof()
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
 
     # ------------------------------------------------------------ for the agent channel
 
     async def receive(self) -> WSMessage:
-        """The next message ``inline`` did not take: a ping is answered and never
-        returned, a close answered with the same code; CLOSED once closed."""
+        """The next message ``inline`` did not take: a ping is answered (as the transport
+        drains, as aiohttp's) and never returned; a close is answered; CLOSED once closed."""
         while True:
             if self.closed:
                 return WS_CLOSED_MESSAGE
@@ -90,40 +100,64 @@ class OwnSocket:
                 return WSMessage(WSMsgType.ERROR, e, None)
             kind = msg.type
             if kind is WSMsgType.PING:
-                self._control(_FIN_PONG, msg.data)
+                if len(msg.data) <= MAX_CONTROL_PAYLOAD and not self.transport.is_closing():
+                    self.transport.write(bytes((_FIN_PONG, len(msg.data))) + msg.data)
+                    if not await self._drained():
+                        return WS_CLOSED_MESSAGE
                 continue
             if kind is WSMsgType.PONG:
                 continue
             if kind is WSMsgType.CLOSE:
-                code = msg.data if isinstance(msg.data, int) and 1000 <= msg.data < 5000 else WSCloseCode.OK
-                await self.close(code=code)
+                await self.close()  # (1000, as aiohttp answers any close)
             return cast(WSMessage, msg)
 
-    async def send_str(self, text: str) -> None:
+    async def send_str(self, data: str) -> None:
         t = self.transport
         if self.closed or t.is_closing():
             raise ConnectionResetError("the agent's connection is closed")
-        t.write(text_frame(text))
-        if t.get_write_buffer_size() > DIRECT_MAX_BUFFERED:
-            await self.protocol._drain_helper()
+        t.write(text_frame(data))
+        if not await self._drained():
+            raise ConnectionResetError("the agent's connection is closed")
+
+    async def ping(self, message: bytes = b"") -> None:
+        """A ping (rdzv_server.suspicion's probe: the agent's kernel acknowledges it even when
+        the process is frozen)."""
+        t = self.transport
+        if self.closed or t.is_closing() or len(message) > MAX_CONTROL_PAYLOAD:
+            raise ConnectionResetError("the agent's connection is closed")
+        t.write(bytes((_FIN_PING, len(message))) + message)
 
     async def close(self, *, code: int = WSCloseCode.OK, message: bytes = b"") -> bool:
-        """Send the close frame (``code``, ``message`` cut to fit) and close the transport; False:
-        closed already."""
+        """Send the close frame (``code``, ``message`` cut to fit), then wait up to
+        :data:`LINGER_S` for the agent to close its end, reading and dropping what it still
+        sends (a socket closed with unread bytes would reset, and the agent could lose the
+        last frames); False: closed already."""
         if self.closed:
             return False
         self.closed = True
         self._parser.feed_eof()  # (a receive() waiting returns CLOSED)
         t = self.transport
-        if not t.is_closing():
-            reason = message[: MAX_CONTROL_PAYLOAD - 2]
-            t.write(_CLOSE_HEAD(_FIN_CLOSE, 2 + len(reason), code) + reason)
-            if t.get_write_buffer_size() > DIRECT_MAX_BUFFERED:
-                await self.protocol._drain_helper()
-            t.close()
+        if t.is_closing():
+            return True
+        reason = message[: MAX_CONTROL_PAYLOAD - 2]
+        t.write(_CLOSE_HEAD(_FIN_CLOSE, 2 + len(reason), code) + reason)
+        if self.protocol._reading_paused:  # (its queue was full): read on, to the agent's end
+            self.protocol.resume_reading()
+        self._linger = self._loop.call_later(LINGER_S, self._give_up)
+        await self._drained()
         return True
 
-    def _control(self, head: int, payload: bytes) -> None:
-        t = self.transport
-        if not self.closed and not t.is_closing() and len(payload) <= MAX_CONTROL_PAYLOAD:
-            t.write(bytes((head, len(payload))) + payload)
+    def _give_up(self) -> None:
+        self._linger = None
+        self.transport.close()
+
+    async def _drained(self) -> bool:
+        """Wait while the transport holds more than aiohttp's write limit; False: the connection broke."""
+        if self.transport.get_write_buffer_size() <= DIRECT_MAX_BUFFERED:
+            return True
+        try:
+            await self.protocol._drain_helper()
+        except ConnectionError:
+            self.transport.abort()
+            return False
+        return True

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import functools
 import logging
 import re
 from typing import Any
@@ -47,7 +48,7 @@ from .agent_conn import AgentConn
 from .auth import Auth, bearer, loopback_host_header
 from .keys import AUTH, STORE
 from .own_socket import OwnSocket, available
-from .ws_channel import WsChannel
+from .ws_channel import WsChannel, bug_log
 
 log = logging.getLogger("rdzv_server.handlers")
 
@@ -120,7 +121,7 @@ def switching(key: str) -> bytes:
 
 class Upgrader:
     """For listener.Listener (a ``listener.Taker``): ``app``'s agent upgrades taken on a
-    connection's first read, while its replica serves."""
+    connection's first read, while its replica serves and the server is not stopping."""
 
     def __init__(self, app: web.Application) -> None:
         self.app = app
@@ -128,6 +129,7 @@ class Upgrader:
         self.auth: Auth = app[AUTH]
         self.open: set[OwnSocket] = set()  # the connections it took, until their loops end
         self.usable = available()
+        self.stopping = False  # the server stops: a first read is neither taken nor aiohttp's
         app.on_shutdown.append(self.shutdown)
 
     def active(self) -> bool:
@@ -145,25 +147,33 @@ class Upgrader:
         transport = protocol.transport
         if key is None or transport is None or transport.is_closing():
             return None
-        transport.write(switching(key))
-        self.store.gc_hold.busy()  # a reconnect storm (a failover, a restart) is a round change's too
+        answer = switching(key)
         sock = OwnSocket(protocol, transport, MAX_BODY_BYTES)
         remote = protocol.address
-        chan = WsChannel(sock, transport, printable(remote, limit=64))  # type: ignore[arg-type]
-        sock.task = asyncio.get_running_loop().create_task(self._serve(sock, chan, remote))
+        chan = WsChannel(sock, transport, printable(remote, limit=64))
+        task = asyncio.get_running_loop().create_task(AgentConn.serve(self.app, chan, remote, sock))
+        sock.task = task
         self.open.add(sock)
+        task.add_done_callback(functools.partial(self._ended, sock))
+        # nothing above wrote: had it raised, aiohttp would answer the request instead
+        self.store.gc_hold.busy()  # a reconnect storm (a failover, a restart) is a round change's too
+        transport.write(answer)
         if rest:  # frames sent before the 101 arrived: the WebSocket's
             sock.feed(rest)
         return sock
 
-    async def _serve(self, sock: OwnSocket, chan: WsChannel, remote: str | None) -> None:
-        try:
-            await AgentConn(self.app, chan, remote).run(sock)
-        finally:
-            self.open.discard(sock)
+    def _ended(self, sock: OwnSocket, task: asyncio.Task[None]) -> None:
+        """A connection's loop ended (or was cancelled before it began: its connection is cut)."""
+        self.open.discard(sock)
+        sock.task = None
+        if not task.cancelled() and (e := task.exception()) is not None:
+            bug_log("an agent connection from %s failed", printable(sock.protocol.address, 64), exc_info=e)
+        if not sock.closed:
+            sock.transport.abort()
 
     async def shutdown(self, app: web.Application) -> None:
         """The server stops: each connection's loop ends (its agent told, the connection closed)."""
+        self.stopping = True
         tasks = [sock.task for sock in self.open if sock.task is not None]
         for task in tasks:
             task.cancel()

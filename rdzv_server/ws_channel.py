@@ -22,8 +22,9 @@ import asyncio
 import logging
 import struct
 import time
+import typing
 
-from aiohttp import WSCloseCode, web
+from aiohttp import WSCloseCode
 from pydantic import BaseModel
 
 from rdzv_common.protocol import ErrorCode, ErrorMsg
@@ -82,13 +83,31 @@ class _LastFrame:
         return last[1]
 
 
+class Socket(typing.Protocol):
+    """What the channel (and rdzv_server.suspicion's probe) needs of an agent's WebSocket:
+    aiohttp's ``WebSocketResponse`` (rdzv_server.ws_inline) or the server's own
+    (rdzv_server.own_socket)."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def compress(self) -> int: ...
+
+    async def send_str(self, data: str) -> None: ...
+
+    async def close(self, *, code: int = ..., message: bytes = ...) -> bool: ...
+
+    async def ping(self, message: bytes = ...) -> None: ...
+
+
 class WsChannel:
     """One agent's connection: a message goes out at once when the connection
     is idle, else it queues and a writer task sends it, so one slow agent never
     holds up the others. The queue is bounded (see MAX_QUEUED_MESSAGES): an
     agent that falls behind is disconnected."""
 
-    def __init__(self, ws: web.WebSocketResponse, transport: asyncio.Transport | None = None, peer: str = "?") -> None:
+    def __init__(self, ws: Socket, transport: asyncio.Transport | None = None, peer: str = "?") -> None:
         self.ws = ws
         self.transport = transport
         self.peer = peer

@@ -24,7 +24,7 @@ from aiohttp import web
 from rdzv_client import wsclient
 from rdzv_common.protocol import AGENT_PATH, HEARTBEAT_FRAME, MAX_BODY_BYTES
 from rdzv_common.wire import accept_key
-from rdzv_server import upgrade
+from rdzv_server import own_socket, upgrade
 from rdzv_server.app import Settings, create_app
 from rdzv_server.auth import Auth
 from rdzv_server.keys import STORE
@@ -296,3 +296,74 @@ async def test_a_closed_connection_is_freed_by_reference_counting_alone() -> Non
             await _until(lambda: all(p() is None for p in probes), "not freed without the collector")
         finally:
             gc.enable()
+
+
+async def test_the_servers_probe_of_a_silent_node_is_a_ping_on_its_connection() -> None:
+    """rdzv_server.suspicion probes a node with a WebSocket ping (its kernel acknowledges it even
+    while the agent is frozen): written on a connection this path took too."""
+    async with _server() as (port, app, upgrades):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        frame = wsclient.encode_frame(wsclient.OP_TEXT, join_msg("j", "n0", (2, 2)).model_dump_json().encode())
+        writer.write(HEAD + frame)
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+        await _until(lambda: ("j", "n0") in app[STORE].channels, "not joined")
+        chan = app[STORE].channels[("j", "n0")]
+        assert isinstance(chan.ws, OwnSocket)
+        await chan.ws.ping(b"probe")
+        data = b""
+        while b"\x89\x05probe" not in data:  # after the joined (and any status) before it
+            data += await asyncio.wait_for(reader.read(4096), 5.0)
+        writer.close()
+
+
+async def _upgraded(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(HEAD)
+    assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)).startswith(b"HTTP/1.1 101 ")
+    return reader, writer
+
+
+async def test_pings_from_an_agent_that_never_reads_do_not_pile_up_in_the_server() -> None:
+    """Each pong waits for the transport to drain, as aiohttp's does: the server stops reading
+    the pings rather than holding every pong (12.5 MB of pings were ~9.7 MB of pongs held)."""
+    async with _server() as (port, _, upgrades):
+        reader, writer = await _upgraded(port)
+        await _until(lambda: len(upgrades.open) == 1, "not taken")
+        sock = next(iter(upgrades.open))
+        ping = wsclient.encode_frame(wsclient.OP_PING, b"p" * 125)
+        writer.write(ping * 100_000)  # ~13 MB, never read back
+        held = 0
+        for _ in range(20):
+            await asyncio.sleep(0.05)
+            held = max(held, sock.transport.get_write_buffer_size())
+        assert held < 1 << 20, held
+        writer.transport.abort()
+
+
+async def test_a_connection_whose_first_read_comes_as_the_server_stops_is_closed() -> None:
+    async with _server() as (port, app, upgrades):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        await asyncio.sleep(0.05)  # accepted, nothing sent yet
+        await upgrades.shutdown(app)
+        writer.write(HEAD)
+        assert await asyncio.wait_for(reader.read(), 5.0) == b""  # no 101, nothing aiohttp's either
+        assert not upgrades.open
+        writer.close()
+
+
+async def test_after_its_close_frame_the_server_reads_on_until_the_agent_closes(monkeypatch) -> None:
+    """A socket closed with unread bytes resets, and the agent could lose the close frame and the
+    messages before it: the server reads on (dropping it) until the agent closes, or LINGER_S."""
+    monkeypatch.setattr(own_socket, "LINGER_S", 0.5)
+    async with _server(Settings(data_dir=None, join_deadline_s=0.2)) as (port, _, upgrades):
+        reader, writer = await _upgraded(port)
+        close = await asyncio.wait_for(reader.readexactly(2), 5.0)
+        assert close[0] == 0x88, close  # the join deadline's close frame
+        await asyncio.wait_for(reader.readexactly(close[1]), 5.0)
+        frame = wsclient.encode_frame(wsclient.OP_TEXT, b"x" * 1000)
+        for _ in range(20):  # an agent still sending after it: read and dropped, no reset
+            writer.write(frame)
+            await asyncio.sleep(0.01)
+        assert await asyncio.wait_for(reader.read(), 5.0) == b""  # closed cleanly after LINGER_S
+        await _until(lambda: not upgrades.open, "the connection's loop did not end")
+        writer.close()
