@@ -13,7 +13,10 @@ import base64
 import contextlib
 import gc
 import json
+import shutil
+import ssl
 import struct
+import subprocess
 import weakref
 from collections.abc import AsyncIterator
 from typing import Any
@@ -126,22 +129,26 @@ def test_the_handshake_and_the_credentials_are_checked_as_on_aiohttps_path() -> 
 
 
 @contextlib.asynccontextmanager
-async def _server(settings: Settings | None = None) -> AsyncIterator[tuple[int, Any, upgrade.Upgrader]]:
+async def _server(
+    settings: Settings | None = None, tls: ssl.SSLContext | None = None
+) -> AsyncIterator[tuple[int, Any, upgrade.Upgrader]]:
     """A server's app behind the Listener, taking agent upgrades (as rdzv_server.__main__ runs it)."""
     app = create_app(settings or Settings(data_dir=None))
     upgrades = upgrade.Upgrader(app)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     try:
-        site = Listener(runner, "127.0.0.1", 0, take=upgrades, header_timeout_s=1.0)
+        site = Listener(runner, "127.0.0.1", 0, ssl_context=tls, take=upgrades, header_timeout_s=1.0)
         await site.start()
         yield site.sockets[0].getsockname()[1], app, upgrades
     finally:
         await runner.cleanup()
 
 
-async def _agent(port: int, headers: dict[str, str] | None = None) -> wsclient.WebSocket:
-    return await wsclient.connect("127.0.0.1", port, AGENT_PATH, headers=headers or {}, timeout=5.0)
+async def _agent(
+    port: int, headers: dict[str, str] | None = None, tls: ssl.SSLContext | None = None
+) -> wsclient.WebSocket:
+    return await wsclient.connect("127.0.0.1", port, AGENT_PATH, headers=headers or {}, ssl=tls, timeout=5.0)
 
 
 async def _recv(ws: wsclient.WebSocket) -> dict:
@@ -367,3 +374,27 @@ async def test_after_its_close_frame_the_server_reads_on_until_the_agent_closes(
         assert await asyncio.wait_for(reader.read(), 5.0) == b""  # closed cleanly after LINGER_S
         await _until(lambda: not upgrades.open, "the connection's loop did not end")
         writer.close()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+async def test_over_tls_the_agents_upgrade_is_taken_too(tmp_path) -> None:
+    """rdzv-server --tls-cert/--tls-key: the first read is the decrypted head, the same path."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+        + ["-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1"]
+        + ["-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+    client_ctx = ssl.create_default_context(cafile=str(cert))
+    async with _server(tls=server_ctx) as (port, _, upgrades):
+        ws = await _agent(port, tls=client_ctx)
+        await _until(lambda: len(upgrades.open) == 1, "the upgrade over TLS was not taken")
+        await ws.send_str(join_msg("j", "n0", (1, 1)).model_dump_json())
+        assert [(await _recv(ws))["op"] for _ in range(2)] == ["joined", "assigned"]
+        await ws.close()
+        await _until(lambda: not upgrades.open, "the connection's loop did not end")
