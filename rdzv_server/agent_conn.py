@@ -42,13 +42,14 @@ from .keys import AUDIT, GUESSES, IDLE_TIMEOUT, JOIN_DEADLINE, METRICS, STORE
 from .quotas import FRAME_BURST, FRAME_RATE, TokenBucket
 from .silence import Silence
 from .store import Store
+from .ws_channel import Socket as ChannelSocket
 from .ws_channel import WsChannel, bug_log, close_log
 
 _DONE_TYPES = (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED)
 
 
-class Socket(Protocol):
-    """What the link needs of its WebSocket beyond the channel's: frames in, and where
+class Socket(ChannelSocket, Protocol):
+    """What the connection needs of its WebSocket beyond the channel's: frames in, and where
     parsed frames are offered first."""
 
     inline: Callable[[Any], bool] | None
@@ -151,8 +152,11 @@ class AgentConn:
         return False
 
     @classmethod
-    async def serve(cls, app: web.Application, chan: WsChannel, remote: str | None, ws: Socket) -> None:
-        """A connection's loop from its start (in the task that runs it: its timer cancels it)."""
+    async def serve(cls, app: web.Application, ws: Socket, transport: Any, remote: str | None) -> None:
+        """A new connection's loop, from its upgrade to its end (in the task that runs it: its
+        timer cancels it); ``transport``: where its channel writes directly."""
+        app[STORE].gc_hold.busy()  # a reconnect storm (a failover, a restart) is a round change's too
+        chan = WsChannel(ws, transport, printable(remote, limit=64))
         await cls(app, chan, remote).run(ws)
 
     async def run(self, ws: Socket) -> None:

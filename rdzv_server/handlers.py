@@ -39,7 +39,6 @@ from .keys import AUDIT, HEALTH_REPORTS, METRICS, OPENAPI, STORE
 from .metrics import CONTENT_TYPE_LATEST
 from .storage import HOSTS_KEY
 from .ws_channel import MAX_ERRORS as MAX_ERRORS  # re-exported (tests read it here)
-from .ws_channel import WsChannel
 from .ws_inline import AgentSocket
 
 log = logging.getLogger(__name__)
@@ -223,9 +222,7 @@ async def openapi(request: web.Request) -> web.Response:
 async def agent_channel(request: web.Request) -> web.WebSocketResponse:
     """The agent's WebSocket through aiohttp (rdzv_server.agent_conn has its rules;
     rdzv_server.upgrade takes most upgrades before aiohttp sees them)."""
-    request.app[STORE].gc_hold.busy()  # a reconnect storm (a failover, a restart) is a round change's too
     ws = AgentSocket(max_msg_size=MAX_BODY_BYTES, autoping=True, heartbeat=None)
     await ws.prepare(request)
-    chan = WsChannel(ws, request.transport, printable(request.remote, limit=64))
-    await AgentConn(request.app, chan, request.remote).run(ws)
+    await AgentConn.serve(request.app, ws, request.transport, request.remote)
     return ws

@@ -24,13 +24,18 @@ from aiohttp import WSCloseCode, WSMessage, WSMsgType
 from aiohttp.http_websocket import WS_CLOSED_MESSAGE, WebSocketError
 from aiohttp.streams import EofStream
 
-from .ws_channel import DIRECT_MAX_BUFFERED, MAX_CONTROL_PAYLOAD, text_frame
+from .ws_channel import (
+    DIRECT_MAX_BUFFERED,
+    FIN_CLOSE,
+    FIN_PING,
+    FIN_PONG,
+    MAX_CONTROL_PAYLOAD,
+    control_frame,
+    text_frame,
+)
 from .ws_inline import CHUNK, Inline, InlineQueue, WebSocketReader
 
-_FIN_CLOSE = 0x88  # FIN, opcode 8 (close), unmasked
-_FIN_PING = 0x89  # FIN, opcode 9 (ping)
-_FIN_PONG = 0x8A  # FIN, opcode 10 (pong)
-_CLOSE_HEAD = struct.Struct("!BBH").pack
+_CODE = struct.Struct("!H").pack  # a close frame's status code
 LINGER_S = 2.0  # after the close frame, how long the agent's end of the connection is awaited
 
 
@@ -101,7 +106,7 @@ class OwnSocket:
             kind = msg.type
             if kind is WSMsgType.PING:
                 if len(msg.data) <= MAX_CONTROL_PAYLOAD and not self.transport.is_closing():
-                    self.transport.write(bytes((_FIN_PONG, len(msg.data))) + msg.data)
+                    self.transport.write(control_frame(FIN_PONG, msg.data))
                     if not await self._drained():
                         return WS_CLOSED_MESSAGE
                 continue
@@ -125,7 +130,7 @@ class OwnSocket:
         t = self.transport
         if self.closed or t.is_closing() or len(message) > MAX_CONTROL_PAYLOAD:
             raise ConnectionResetError("the agent's connection is closed")
-        t.write(bytes((_FIN_PING, len(message))) + message)
+        t.write(control_frame(FIN_PING, message))
 
     async def close(self, *, code: int = WSCloseCode.OK, message: bytes = b"") -> bool:
         """Send the close frame (``code``, ``message`` cut to fit), then wait up to
@@ -139,8 +144,7 @@ class OwnSocket:
         t = self.transport
         if t.is_closing():
             return True
-        reason = message[: MAX_CONTROL_PAYLOAD - 2]
-        t.write(_CLOSE_HEAD(_FIN_CLOSE, 2 + len(reason), code) + reason)
+        t.write(control_frame(FIN_CLOSE, _CODE(code) + message[: MAX_CONTROL_PAYLOAD - 2]))
         if self.protocol._reading_paused:  # (its queue was full): read on, to the agent's end
             self.protocol.resume_reading()
         self._linger = self._loop.call_later(LINGER_S, self._give_up)

@@ -35,7 +35,6 @@ import asyncio
 import base64
 import binascii
 import functools
-import logging
 import re
 from typing import Any
 
@@ -48,9 +47,7 @@ from .agent_conn import AgentConn
 from .auth import Auth, bearer, loopback_host_header
 from .keys import AUTH, STORE
 from .own_socket import OwnSocket, available
-from .ws_channel import WsChannel, bug_log
-
-log = logging.getLogger("rdzv_server.handlers")
+from .ws_channel import bug_log
 
 _FIRST = f"GET {AGENT_PATH} HTTP/1.1\r\n".encode()
 _END = b"\r\n\r\n"
@@ -149,15 +146,11 @@ class Upgrader:
             return None
         answer = switching(key)
         sock = OwnSocket(protocol, transport, MAX_BODY_BYTES)
-        remote = protocol.address
-        chan = WsChannel(sock, transport, printable(remote, limit=64))
-        task = asyncio.get_running_loop().create_task(AgentConn.serve(self.app, chan, remote, sock))
+        task = asyncio.get_running_loop().create_task(AgentConn.serve(self.app, sock, transport, protocol.address))
         sock.task = task
         self.open.add(sock)
         task.add_done_callback(functools.partial(self._ended, sock))
-        # nothing above wrote: had it raised, aiohttp would answer the request instead
-        self.store.gc_hold.busy()  # a reconnect storm (a failover, a restart) is a round change's too
-        transport.write(answer)
+        transport.write(answer)  # (nothing above wrote: had it raised, aiohttp would answer the request)
         if rest:  # frames sent before the 101 arrived: the WebSocket's
             sock.feed(rest)
         return sock

@@ -53,7 +53,9 @@ bug_log = LogLimiter(log, logging.ERROR, burst=3, rate=0.1)  # a message that fa
 
 _LEN1, _LEN2, _LEN3 = struct.Struct("!BB").pack, struct.Struct("!BBH").pack, struct.Struct("!BBQ").pack
 _FIN_TEXT = 0x81  # FIN, opcode 1 (text); a server's frames are never masked (RFC 6455 5.1)
-_FIN_PONG = 0x8A  # FIN, opcode 10 (pong)
+FIN_CLOSE = 0x88  # FIN, opcode 8 (close)
+FIN_PING = 0x89  # FIN, opcode 9 (ping)
+FIN_PONG = 0x8A  # FIN, opcode 10 (pong)
 MAX_CONTROL_PAYLOAD = 125  # a control frame's payload at most (RFC 6455 5.5): aiohttp's reader refuses more
 
 
@@ -67,6 +69,12 @@ def text_frame(text: str) -> bytes:
     if n < 65536:
         return _LEN2(_FIN_TEXT, 126, n) + data
     return _LEN3(_FIN_TEXT, 127, n) + data
+
+
+def control_frame(head: int, payload: bytes) -> bytes:
+    """A control frame from a server (``head``: FIN_CLOSE, FIN_PING or FIN_PONG); ``payload``
+    at most MAX_CONTROL_PAYLOAD bytes, as the caller checked."""
+    return _LEN1(head, len(payload)) + payload
 
 
 class _LastFrame:
@@ -153,7 +161,7 @@ class WsChannel:
         when it cannot go straight out now (the caller takes aiohttp's path)."""
         if len(payload) > MAX_CONTROL_PAYLOAD or not self._direct_now():
             return False
-        self.transport.write(_LEN1(_FIN_PONG, len(payload)) + payload)  # type: ignore[union-attr]
+        self.transport.write(control_frame(FIN_PONG, payload))  # type: ignore[union-attr]
         return True
 
     def tell(self, msg: BaseModel) -> None:
