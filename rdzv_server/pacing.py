@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from rdzv_common.protocol import JoinedMsg, PaceMsg
+from rdzv_common.protocol import PaceMsg
 
 from .rounds.model import RUNNING, Effects, Job
 from .rounds.pace import Arrivals, heartbeat_s, told_interval, unanswered
@@ -77,14 +77,14 @@ class Pacing:
         arr = self.arrivals.get(key)
         if arr is not None:
             arr.rejoined()
+        interval = told_interval(job)  # (what a joined among ``fx`` told)
         for to, msg in fx.sends:
-            if to == node_id and isinstance(msg, JoinedMsg):
+            if to == node_id and msg.op == "joined":
                 if arr is not None:
-                    arr.tell(msg.heartbeat_s)
+                    arr.tell(interval)
                 elif len(self.arrivals) < MAX_TRACKED:
-                    self.arrivals[key] = Arrivals(msg.heartbeat_s)
+                    self.arrivals[key] = Arrivals(interval)
                 return
-        interval = told_interval(job)
         if arr is None:
             if not job.forming or node_id not in job.nodes or len(self.arrivals) >= MAX_TRACKED:
                 return  # a reconnect into a running round: tracked from its next round change

@@ -10,12 +10,12 @@ known node its node secret; only then does anything change."""
 from __future__ import annotations
 
 import hmac
+from typing import Any
 
 from rdzv_common.protocol import (
     EvictedError,
     JobFinishedError,
     JobSecretMismatchError,
-    JoinedMsg,
     JoinMsg,
     NodeSecretMismatchError,
     RestartMsg,
@@ -24,7 +24,7 @@ from rdzv_common.protocol import (
     StaleRoundError,
 )
 
-from . import events
+from . import events, templates
 from .events import note
 from .forming import _check_complete, told_again
 from .machine import new_run
@@ -45,7 +45,8 @@ from .model import (
 )
 from .pace import told_interval
 from .probe_addr import probe_addr
-from .views import waiting_info
+from .templates import Prepared
+from .views import waiting_fields
 
 
 def _check_job_secret(job: Job, msg: JoinMsg) -> None:
@@ -326,28 +327,9 @@ def _enter(job: Job, node: Node, now: float, issued: str | None, new: bool, know
         done = _check_complete(job, now)
         if known:
             return fx.merge(done)
-        fx.send(
-            node.node_id,
-            JoinedMsg(
-                round=job.round,
-                node_id=node.node_id,
-                heartbeat_s=told_interval(job),
-                waiting_for=waiting_info(job, now, detail=False),
-                node_secret=issued,
-                run=job.run,
-            ),
-        )
+        fx.send(node.node_id, _joined(job, node, job.round, issued, waiting_fields(job, now, detail=False)))
         return fx.merge(done)
-    fx.send(
-        node.node_id,
-        JoinedMsg(
-            round=job.round + 1,
-            node_id=node.node_id,
-            heartbeat_s=told_interval(job),
-            node_secret=issued,
-            run=job.run,
-        ),
-    )
+    fx.send(node.node_id, _joined(job, node, job.round + 1, issued))
     queued = count(job, WAITING) - (node.state == WAITING)
     if len(job.order) + queued < spec.max_nodes:
         move(job, node, WAITING)
@@ -366,6 +348,12 @@ def _enter(job: Job, node: Node, now: float, issued: str | None, new: bool, know
     return fx
 
 
+def _joined(job: Job, node: Node, round_no: int, issued: str | None, waiting: dict[str, Any] | None = None) -> Prepared:
+    """The ``joined`` that places ``node`` in ``round_no`` (``issued``: its new secret;
+    ``waiting``: what a forming round waits for, :func:`.views.waiting_fields`)."""
+    return templates.joined(round_no, node.node_id, told_interval(job), waiting, issued, job.run)
+
+
 def _arrived(fx: Effects, job: Job, node: Node, text: str, new: bool, now: float) -> None:
     """A node placed while a round runs: its first join is an event, a later one a note
     (within the job's budget of them, events.comeback)."""
@@ -381,16 +369,7 @@ def _hold(job: Job, node: Node, now: float, why: str, issued: str | None, new: b
     was = node.state
     round_no = job.round if job.forming else job.round + 1
     fx = Effects()
-    fx.send(
-        node.node_id,
-        JoinedMsg(
-            round=round_no,
-            node_id=node.node_id,
-            heartbeat_s=told_interval(job),
-            node_secret=issued,
-            run=job.run,
-        ),
-    )
+    fx.send(node.node_id, _joined(job, node, round_no, issued))
     move(job, node, SPARE)
     fx.send(node.node_id, SpareMsg(round=job.round, reason=why))
     text = f"job {job.job_id} round {job.round}: node {node.node_id} waits as a spare: {why}"

@@ -11,15 +11,25 @@ whether it holds the probe key) are set within their bounds by the completion
 that placed it, as a copy of the first would have them. The template is
 checked against the first member's own serialization when it is made: a field
 added to the model, or a change in how pydantic writes one, fails there, not
-on the wire."""
+on the wire. A join's ``joined`` is written likewise (:func:`joined`): a
+round's join storm is one per node."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic_core import to_json
 
-from rdzv_common.protocol import SERVER_MESSAGE, AssignedMsg, Assignment, RestartMsg, ServerMessage, WatchPeer
+from rdzv_common.protocol import (
+    SERVER_MESSAGE,
+    AssignedMsg,
+    Assignment,
+    JoinedMsg,
+    RestartMsg,
+    ServerMessage,
+    WaitingInfo,
+    WatchPeer,
+)
 
 # An Assignment's fields that are each member's own, in the model's order; the others are the round's.
 OWN = ("group_rank", "local_world_size", "rank_offset", "watch", "probe_key")
@@ -28,13 +38,13 @@ _NO_ASSIGNMENT = ',"assignment":null}'
 
 
 class Prepared:
-    """A server message as its JSON text, written from a template: ``text``
-    goes on the wire as it is; :meth:`model` reads it back, validated (for
-    whoever needs the model: the tests)."""
+    """A server message as its JSON text, written from a template (or, a
+    ``joined``, by :func:`joined`): ``text`` goes on the wire as it is;
+    :meth:`model` reads it back, validated (for whoever needs the model: the tests)."""
 
     __slots__ = ("op", "text")
 
-    def __init__(self, op: Literal["assigned", "restart"], text: str) -> None:
+    def __init__(self, op: Literal["assigned", "restart", "joined"], text: str) -> None:
         self.op = op
         self.text = text
 
@@ -91,6 +101,40 @@ class RoundTemplate:
         return Prepared("restart", self._restart + assignment + "}")
 
 
+def joined(
+    round_no: int,
+    node_id: str,
+    heartbeat_s: float,
+    waiting_for: dict[str, Any] | None,
+    node_secret: str | None,
+    run: int,
+) -> Prepared:
+    """A ``joined`` as :class:`~rdzv_common.protocol.JoinedMsg` writes it, from values the
+    round machine made within the model's bounds (the node id its join validated, the
+    secret it drew, ``waiting_for`` as :func:`.views.waiting_fields` gives it): a join
+    storm's 16,384 were each a JoinedMsg and a WaitingInfo built, validated and serialized.
+    pydantic's own writer writes it (a plain dict in the model's field order: what
+    :data:`_JOINED_FIELDS` checks at import), so the text is the model's, byte for byte."""
+    return Prepared(
+        "joined",
+        to_json(
+            {
+                "op": "joined",
+                "round": round_no,
+                "node_id": node_id,
+                "heartbeat_s": float(heartbeat_s),
+                "waiting_for": waiting_for,
+                "node_secret": node_secret,
+                "run": run,
+            }
+        ).decode(),
+    )
+
+
+_JOINED_FIELDS = ("op", "round", "node_id", "heartbeat_s", "waiting_for", "node_secret", "run")
+_WAITING_FIELDS = ("text", "joined", "min_nodes", "max_nodes", "spares", "missing", "last_call_deadline")
+
+
 def peer_text(peer: WatchPeer) -> str:
     """A watched member as its watchers' assignments write it: ``model_dump_json``'s
     writer without its wrapper (~1 us less; the template's check goes through it too)."""
@@ -104,3 +148,11 @@ def _check(ok: bool, what: str) -> None:
     """A template that would not write what pydantic writes is a bug: never sent (also under -O)."""
     if not ok:
         raise AssertionError(f"rounds.templates: {what}")
+
+
+# joined's dict is written in the models' field order, with their defaults' types: a field added,
+# removed or moved fails here, at import, not on the wire
+_check(tuple(JoinedMsg.model_fields) == _JOINED_FIELDS, f"JoinedMsg's fields are {tuple(JoinedMsg.model_fields)}")
+_check(
+    tuple(WaitingInfo.model_fields) == _WAITING_FIELDS, f"WaitingInfo's fields are {tuple(WaitingInfo.model_fields)}"
+)

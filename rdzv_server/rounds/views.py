@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from rdzv_common.protocol import (
     TERMINAL_STATES,
     CulpritView,
@@ -30,6 +32,13 @@ MAX_SUMMARY_REASON_BYTES = 160  # a summary's reason (a page of 1,000 stays ~200
 def waiting_info(job: Job, now: float, detail: bool = True) -> WaitingInfo | None:
     """What a forming round waits for, in words and in fields. ``detail=False``
     skips naming the missing nodes (O(n)), for the per-join fast path."""
+    fields = waiting_fields(job, now, detail)
+    return None if fields is None else WaitingInfo(**fields)
+
+
+def waiting_fields(job: Job, now: float, detail: bool = True) -> dict[str, Any] | None:
+    """:func:`waiting_info`'s fields, in the model's order, each within its bounds (a
+    ``joined`` of a join storm is written from them, not validated: rounds.templates)."""
     if not job.forming:
         return None
     spec = job.spec
@@ -47,15 +56,15 @@ def waiting_info(job: Job, now: float, detail: bool = True) -> WaitingInfo | Non
             f"last call: {max(0.0, job.last_call_deadline - now):.1f}s left (or {spec.max_nodes - joined} more "
             f"to reach max {spec.max_nodes})"
         )
-    return WaitingInfo(
-        text="; ".join(parts) or "completing",
-        joined=joined,
-        min_nodes=spec.min_nodes,
-        max_nodes=spec.max_nodes,
-        spares=count(job, SPARE),
-        missing=missing[:64],
-        last_call_deadline=job.last_call_deadline,
-    )
+    return {
+        "text": "; ".join(parts) or "completing",
+        "joined": joined,
+        "min_nodes": spec.min_nodes,
+        "max_nodes": spec.max_nodes,
+        "spares": count(job, SPARE),
+        "missing": missing[:64],
+        "last_call_deadline": job.last_call_deadline,
+    }
 
 
 def _node_view(node: Node, now: float, job_state: JobState | None = None) -> NodeView:

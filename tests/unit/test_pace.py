@@ -94,7 +94,7 @@ def test_no_judgment_past_the_timeout_or_across_the_servers_own_lateness() -> No
 
 def _running(n: int, heartbeat_s: float | None = None):
     job, effects = running_job(n, heartbeat_s=heartbeat_s)
-    return job, [m.heartbeat_s for fx in effects for to, m in fx.sends if isinstance(m, JoinedMsg)]
+    return job, [m.heartbeat_s for fx in effects for to, m in fx.messages() if isinstance(m, JoinedMsg)]
 
 
 def test_joined_tells_the_interval_the_store_chose() -> None:

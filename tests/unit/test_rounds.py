@@ -145,7 +145,7 @@ def test_reaching_max_completes_at_once():
     fx = rounds.join(job, join_msg("c", sp=sp), 0.2)
     assert set(sent(fx, AssignedMsg)) == {"a", "b", "c"}
     assert job.state == JobState.RUNNING
-    assert fx.sends[0] == ("c", sent(fx, JoinedMsg)["c"])  # joined is said before assigned
+    assert fx.messages()[0] == ("c", sent(fx, JoinedMsg)["c"])  # joined is said before assigned
 
 
 def test_nodes_beyond_max_are_spares():

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from rdzv_common.protocol import AssignedMsg, Assignment, RestartMsg
+from rdzv_common.protocol import AssignedMsg, Assignment, JoinedMsg, RestartMsg, WaitingInfo
 from rdzv_server import rounds
 from rdzv_server.rounds import forming, templates
 from rdzv_server.rounds.templates import Prepared
@@ -145,3 +145,84 @@ def test_the_kept_template_is_never_saved_and_goes_when_the_job_ends() -> None:
     assert "texts" not in record and rounds.from_record(json.loads(json.dumps(record))).texts is None
     rounds.close(job, 2.0)
     assert job.finished and job.texts is None
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        (0, "n0", 2.0, None, None, 1),
+        (7, "node:7@h+1", 0.25, None, "s" * 32, 3),
+        (2**31, "a.b_c", 30, None, None, 2**20),  # an int interval is written as the model's float
+        (
+            1,
+            "x",
+            1e-3,
+            {
+                "text": 'q "uoted" \\ \n\x01 é☃',
+                "joined": 3,
+                "min_nodes": 4,
+                "max_nodes": 9,
+                "spares": 2,
+                "missing": [],
+                "last_call_deadline": None,
+            },
+            "k" * 40,
+            1,
+        ),
+        (
+            1,
+            "x",
+            123.456,
+            {
+                "text": "",
+                "joined": 0,
+                "min_nodes": 0,
+                "max_nodes": 0,
+                "spares": 0,
+                "missing": ["n1", "n2"],
+                "last_call_deadline": 1764877200.1234567,
+            },
+            None,
+            1,
+        ),
+        (
+            1,
+            "x",
+            5.0,
+            {
+                "text": "t",
+                "joined": 1,
+                "min_nodes": 1,
+                "max_nodes": 1,
+                "spares": 0,
+                "missing": [],
+                "last_call_deadline": 1e-7,
+            },
+            None,
+            1,
+        ),
+    ],
+)
+def test_a_joined_is_what_pydantic_writes_for_the_model(values: tuple) -> None:
+    round_no, node_id, hb, waiting, secret, run = values
+    got = templates.joined(round_no, node_id, hb, waiting, secret, run)
+    model = JoinedMsg(
+        round=round_no,
+        node_id=node_id,
+        heartbeat_s=hb,
+        waiting_for=None if waiting is None else WaitingInfo(**waiting),
+        node_secret=secret,
+        run=run,
+    )
+    assert got.op == "joined" and got.text == model.model_dump_json()
+    assert got.model() == model
+
+
+def test_a_forming_rounds_joined_says_what_it_waits_for_as_the_status_does() -> None:
+    sp = spec(min_nodes=3, max_nodes=4)
+    job = rounds.new_job("j", sp, 0.0)
+    fx = rounds.join(job, join_msg("a", sp=sp), 1.0, node_secret="s" * 32)
+    ((to, msg),) = fx.messages()
+    assert to == "a" and isinstance(msg, JoinedMsg) and msg.node_secret == "s" * 32
+    assert msg.waiting_for == rounds.waiting_info(job, 1.0, detail=False)
+    assert msg.waiting_for is not None and msg.waiting_for.text == "2 more node(s) to reach min 3"
