@@ -61,12 +61,13 @@ _ROUND = re.compile(r'"round":(\d+)')  # an assigned's round: the first "round" 
 class Node:
     __slots__ = (
         *("node_id", "join", "ws", "secret", "hb_s", "beat_gen", "round", "t_round", "dropped", "joined"),
-        *("running", "stopping", "refused", "link", "t_drop", "t_back", "run", "join_text"),
+        *("running", "stopping", "refused", "link", "t_drop", "t_back", "run", "join_text", "source"),
     )
 
-    def __init__(self, node_id: str, join: dict) -> None:
+    def __init__(self, node_id: str, join: dict, source: str | None = None) -> None:
         self.node_id = node_id
         self.join = join
+        self.source = source  # the loopback address its connections come from (source_addr)
         self.ws: WsConn | None = None
         self.secret: str | None = None
         self.hb_s: float | None = None
@@ -98,14 +99,21 @@ def _refused(frame: str) -> str | None:
     return "stale" if '"op":"error"' in frame and '"code":"stale_round"' in frame else None
 
 
+def source_addr(index: int) -> str:
+    """Node ``index``'s own loopback address, its connections' source, as a host has its
+    own (127.1.0.1, 127.1.0.2, ...: bench.rawws.connect says why)."""
+    return f"127.{1 + index // 65024}.{index // 254 % 256}.{index % 254 + 1}"
+
+
 def join_fields(job: str, node_id: str, index: int, spec: dict, classic: bool = False) -> dict:
+    """Node ``index``'s join: from its own address (:func:`source_addr`), as an agent's names its host's."""
     port = 20000 + index % 40000
     return {
         "op": "join",
         "job_id": job,
         "node_id": node_id,
         "host": f"sim{index}",
-        "addr": "127.0.0.1",
+        "addr": source_addr(index),
         "local_world_size": 1,
         "master_port": port,
         "probe_port": port,  # as the agent's peer probes announce it (nobody probes here)
@@ -185,7 +193,7 @@ class BigClient:
             node.t_drop, node.t_back = time.time(), None
 
     async def _connect(self, url: str, node: Node) -> WsConn:
-        return await ws_connect(url, self._on_text, self._on_closed, tag=node)
+        return await ws_connect(url, self._on_text, self._on_closed, tag=node, source=node.source)
 
     async def _opened(self, node: Node) -> None:
         """--follow: a new connection. After a drop, the join again (the agent's intent)."""
@@ -207,7 +215,7 @@ class BigClient:
         sem = asyncio.Semaphore(256)
 
         async def one(node_id: str, index: int) -> None:
-            node = Node(node_id, join_fields(job, node_id, index, spec, self.classic))
+            node = Node(node_id, join_fields(job, node_id, index, spec, self.classic), source_addr(index))
             if self.follow:
                 from .follow import keep_linked
 

@@ -17,6 +17,7 @@ from aiohttp.test_utils import TestServer
 
 from bench import beats as beats_mod
 from bench.beats import Beats
+from bench.bigagents import source_addr
 from bench.rawws import PING, TEXT, Refused, client_frame, connect
 from rdzv_common.wire import HEARTBEAT_FRAME
 from tests.helpers.ws_bytes import aiohttp_frame
@@ -95,6 +96,34 @@ async def test_a_refused_upgrade_says_its_status_and_headers() -> None:
         with pytest.raises(Refused) as e:
             await connect(f"http://127.0.0.1:{server.port}/ws", lambda c, t: None, lambda c: None)
         assert e.value.status == 503 and e.value.headers["x-rdzv-leader"] == "127.0.0.1:9"
+    finally:
+        await server.close()
+
+
+async def test_a_node_connects_from_its_own_loopback_address() -> None:
+    seen: list[str] = []
+
+    async def handler(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        seen.append(request.transport.get_extra_info("peername")[0])  # type: ignore[union-attr]
+        await ws.send_str("hello")
+        await ws.receive()
+        return ws
+
+    server = await _server(handler)
+    texts: list[str] = []
+    try:
+        sources = [source_addr(i) for i in (0, 1, 253, 254, 16383, 65024)]
+        assert len(set(sources)) == len(sources) and all(s.startswith("127.") for s in sources)
+        conns = [
+            await connect(f"http://127.0.0.1:{server.port}/ws", lambda c, t: texts.append(t), lambda c: None, source=s)
+            for s in sources[:3]
+        ]
+        await _until(lambda: len(texts) == 3)
+        assert seen == sources[:3]
+        for conn in conns:
+            conn.close()
     finally:
         await server.close()
 
