@@ -347,7 +347,9 @@ class AgentLink:
                 hb.cancel()
                 if not ws.closed:
                     await asyncio.wait([asyncio.ensure_future(ws.close())], timeout=1.0)
-            self.last_error = self.last_error or f"connection closed by the server ({base})"
+            if self.last_error is None:  # the server closed: with its reason where it gave one ("no join within 10s")
+                said = getattr(ws, "server_reason", None)
+                self.last_error = f"connection closed by the server ({base})" + (f": {said}" if said else "")
             if stable:  # served long enough: a drop now is news, not a refusal loop
                 delays = backoff_delays()
             await self._next(delays)

@@ -33,7 +33,7 @@ import ssl as ssl_mod
 import struct
 import time
 
-from rdzv_common.wire import accept_key
+from rdzv_common.wire import accept_key, printable
 
 MAX_HEADER_BYTES = 16 * 1024
 MAX_REFUSAL_BODY_BYTES = 4096
@@ -95,6 +95,7 @@ class WebSocket:
         self.closed = False
         self.close_code: int | None = None
         self.close_reason: str | None = None
+        self.server_reason: str | None = None  # the text of the server's close frame, if it gave one
         self._close_sent = False
         self._last_rx = time.monotonic()
         self._reading = False
@@ -162,7 +163,11 @@ class WebSocket:
                     code = struct.unpack("!H", payload[:2])[0] if len(payload) >= 2 else 1005
                     await self._send_close(code if code not in (1005, 1006) else 1000)
                     self.close_code = code
-                    self._abort(f"closed by the server ({code})")
+                    # why, in its words (at most 123 bytes: a control frame's): the agent says it
+                    self.server_reason = printable(payload[2:].decode("utf-8", "replace"), limit=200) or None
+                    self._abort(
+                        f"closed by the server ({code}" + (f": {self.server_reason})" if self.server_reason else ")")
+                    )
                     return None
                 elif opcode != OP_PONG:
                     await self._fail(1002, f"unknown control opcode {opcode}")

@@ -73,6 +73,27 @@ async def test_the_link_reports_a_refused_token_as_the_agent_did(make_client) ->
         await link.close()
 
 
+async def test_the_link_says_why_the_server_closed_its_connection(make_client) -> None:
+    """A connection that does not join in time is closed by the server with its reason
+    in the close frame: the link's outage says it (the agent prints it), not only that
+    the server closed."""
+    client = await make_client(Settings(join_deadline_s=0.3))
+    ws = await _connect(client.server.port)
+    assert await asyncio.wait_for(ws.recv(), T) is None
+    assert ws.close_code == 1008 and ws.server_reason == "no join within 0.3s", (ws.close_code, ws.close_reason)
+    assert ws.close_reason == "closed by the server (1008: no join within 0.3s)"
+    link = AgentLink(f"127.0.0.1:{client.server.port}", heartbeat_s=1.0)
+    await link.start()  # no intent: it connects and says nothing
+    try:
+        await asyncio.wait_for(_until(lambda: link.last_error is not None and "no join" in link.last_error), T)
+        assert (
+            link.last_error
+            == f"connection closed by the server (http://127.0.0.1:{client.server.port}): no join within 0.3s"
+        )
+    finally:
+        await link.close()
+
+
 async def test_the_link_joins_and_validates_what_the_server_says(client) -> None:
     link = AgentLink(f"127.0.0.1:{client.server.port}", heartbeat_s=1.0)
     # the node's identity is its session's: it hears the joined first and learns the secret
@@ -120,7 +141,8 @@ async def test_close_by_the_server_and_by_the_client() -> None:
         ws = await _connect(server.port, "/ws")
         await ws.send_str("close me")
         assert await asyncio.wait_for(ws.recv(), T) is None
-        assert ws.closed and ws.close_code == 4000 and ws.close_reason == "closed by the server (4000)"
+        assert ws.closed and ws.close_code == 4000 and ws.close_reason == "closed by the server (4000: bye)"
+        assert ws.server_reason == "bye"
         with pytest.raises(ConnectionError):
             await ws.send_str("too late")
 
