@@ -7,12 +7,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from rdzv_common.protocol import Assignment, JobState, SpareMsg, WatchPeer
+from rdzv_common.protocol import Assignment, JobState, SpareMsg
 
 from . import events
 from .model import REJOINING, RUNNING, SPARE, WAITING, Effects, Job, Node, blocked, count, move, natural_key
 from .probe_addr import round_key
-from .suspicion import as_peer, peer_at, probed, watch_peers, watched
+from .suspicion import as_peer, peer_at, probed, watched
 from .templates import Prepared, RoundTemplate, peer_text
 
 T = TypeVar("T")
@@ -162,9 +162,11 @@ def messages(
     once, where a model per member built and serialized cost ~13."""
     if not members:
         return []
-    peers = watch_peers(job)  # each member's WatchPeer, made once for its MAX_WATCH watchers
-    texts = [None if p is None else peer_text(p) for p in peers]  # ... and written once
-    tpl = RoundTemplate(_assignment(job, members[0], peers), _round_key(job), reason if carried else None)
+    text = peer_texts(job)
+    texts = [text(i) for i in range(len(job.order))]  # each member's, written once for its MAX_WATCH watchers
+    held = job.peer_texts  # ... and kept for the next round: the members of this one only
+    job.peer_texts = {node_id: got for node_id in job.order if (got := held.get(node_id)) is not None}
+    tpl = RoundTemplate(_assignment(job, members[0]), _round_key(job), reason if carried else None)
     out = []
     for node in members:
         a = tpl.assignment(*_own(job, node, texts.__getitem__))
@@ -172,10 +174,9 @@ def messages(
     return out
 
 
-def _assignment(job: Job, node: Node, peers: list[WatchPeer | None] | None = None) -> Assignment:
-    """``node``'s assignment, validated whole. ``peers``: :func:`.suspicion.watch_peers` of the
-    job, where every member's is made at once (None: its watch peers are made here)."""
-    rank, size, offset, watch, keyed = _own(job, node, peers.__getitem__ if peers is not None else peer_at(job))
+def _assignment(job: Job, node: Node) -> Assignment:
+    """``node``'s assignment, validated whole (its watch peers made here)."""
+    rank, size, offset, watch, keyed = _own(job, node, peer_at(job))
     return Assignment(
         **_shared(job),
         group_rank=rank,
@@ -211,40 +212,48 @@ def told_again(job: Job, node: Node, restart: bool = False) -> Prepared:
     texts = job.texts
     if not isinstance(texts, RoundTexts) or texts.key != key:
         texts = job.texts = RoundTexts(key, RoundTemplate(_assignment(job, node), _round_key(job), reason))
-    a = texts.tpl.assignment(*_own(job, node, texts.peer(job)))
+    a = texts.tpl.assignment(*_own(job, node, peer_texts(job)))
     return texts.tpl.restart(a) if restart else texts.tpl.assigned(a)
 
 
 class RoundTexts:
     """What :func:`told_again` writes from, kept on the job (``Job.texts``, not saved) while
     its ``key`` holds (the running round, what every member is told alike, what the round's
-    probe key derives from, its reason): the round's template, and each watched member's text while its
-    probe address stays the one written (a new leader learns them from the resumes). A
-    failover's resumes built and validated an Assignment, its watch peers and the message
-    around it, each (16,384 at this size, ``bench.join_cost``'s resume row)."""
+    probe key derives from, its reason): the round's template. A failover's resumes built and
+    validated an Assignment, its watch peers and the message around it, each (16,384 at this
+    size, ``bench.join_cost``'s resume row)."""
 
-    __slots__ = ("key", "tpl", "peers")
+    __slots__ = ("key", "tpl")
 
     def __init__(self, key: tuple[Any, ...], tpl: RoundTemplate) -> None:
         self.key = key
         self.tpl = tpl
-        # by group rank: (node id, addr, port, text)
-        self.peers: dict[int, tuple[str, str | None, int | None, str]] = {}
 
-    def peer(self, job: Job) -> Callable[[int], str | None]:
-        def text(i: int) -> str | None:
-            node_id = job.order[i]
-            peer = probed(job, node_id)
-            if peer is None:
-                return None
-            held = self.peers.get(i)
-            if held is not None and held[0] == node_id and held[1] == peer.probe_addr and held[2] == peer.probe_port:
-                return held[3]
-            out = peer_text(as_peer(peer))
-            self.peers[i] = (node_id, peer.probe_addr, peer.probe_port, out)
-            return out
 
-        return text
+def peer_texts(job: Job) -> Callable[[int], str | None]:
+    """Each member of the running round as its watchers' assignments write it, by group rank
+    (None: it answers no probes). A member's text is kept on the job (``Job.peer_texts``: node
+    id -> (probe address, port, text); not saved) while its probe address and port stay the
+    ones written, across rounds: a round change writes only the members whose address is new
+    (a new leader learns them from the resumes), where a node loss at 16,384 members made,
+    validated and wrote a WatchPeer for each of its 16,383 survivors."""
+    held: dict[str, tuple[str | None, int | None, str]] | None = job.peer_texts
+    if held is None:
+        held = job.peer_texts = {}
+
+    def text(i: int) -> str | None:
+        node_id = job.order[i]
+        peer = probed(job, node_id)
+        if peer is None:
+            return None
+        got = held.get(node_id)
+        if got is not None and got[0] == peer.probe_addr and got[1] == peer.probe_port:
+            return got[2]
+        out = peer_text(as_peer(peer))
+        held[node_id] = (peer.probe_addr, peer.probe_port, out)
+        return out
+
+    return text
 
 
 def _own(job: Job, node: Node, peer: Callable[[int], T | None]) -> tuple[int, int, int, list[T], bool]:

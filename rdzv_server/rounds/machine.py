@@ -501,7 +501,7 @@ def _end(job: Job, state: JobState, reason: str, now: float, stop: Literal["no_p
     job.state = state
     job.end_reason = reason
     job.ended_at = now
-    job.texts = None  # (no member is told its place again)
+    job.texts = job.peer_texts = None  # (no member is told its place again)
     job.last_call_deadline = job.join_deadline = job.scale_up_deadline = None
     fx = Effects(persist=True)
     msg = DoneMsg(state=_DONE_STATE[state], reason=reason, root_cause=job.root_cause, stop=stop)

@@ -224,6 +224,8 @@ class Job:
     comebacks: NoteBudget = field(default_factory=lambda: NoteBudget(), repr=False, compare=False)
     # the running round's template for one member at a time (forming.RoundTexts); not saved
     texts: Any = field(default=None, repr=False, compare=False)
+    # its members' texts as their watchers are told of them, across rounds (forming.peer_texts); not saved
+    peer_texts: Any = field(default=None, repr=False, compare=False)
 
     @property
     def forming(self) -> bool:

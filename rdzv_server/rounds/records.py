@@ -52,6 +52,7 @@ _NOT_SAVED_JOB = frozenset(
         "heartbeat_s",
         "comebacks",
         "texts",
+        "peer_texts",
     }
 )
 

@@ -47,13 +47,13 @@ MAX_PROBES = 4096  # suspects probed or recently cleared, server-wide
 MAX_REPORTERS = 65536  # reporting nodes with a budget, server-wide
 
 
-def watch_list(job: Job, node: Node, peers: list[WatchPeer | None] | None = None) -> list[WatchPeer]:
+def watch_list(job: Job, node: Node) -> list[WatchPeer]:
     """The peers ``node``'s agent probes: the next MAX_WATCH members after it
     in group-rank order that answer probes, each at the address the server
     chose for it (``Node.probe_addr``: its connection's, rounds.probe_addr).
     Every member is watched by up to MAX_WATCH others, whatever the job's size.
-    ``peers``: :func:`watch_peers` of the job, where every member's list is made at once."""
-    return watched(job, node, peers.__getitem__ if peers is not None else peer_at(job))
+    (A round's fan-out writes each member's once: forming.peer_texts.)"""
+    return watched(job, node, peer_at(job))
 
 
 def peer_at(job: Job) -> Callable[[int], WatchPeer | None]:
@@ -74,13 +74,6 @@ def watched(job: Job, node: Node, peer: Callable[[int], T | None]) -> list[T]:
         if p is not None:
             out.append(p)
     return out
-
-
-def watch_peers(job: Job) -> list[WatchPeer | None]:
-    """Each member of the running round as its watchers are told of it, by group rank
-    (None: it answers no probes): built once when a round completes, not once per
-    watcher (MAX_WATCH times as many validated models at 16,384 members)."""
-    return [_watch_peer(job, node_id) for node_id in job.order]
 
 
 def _watch_peer(job: Job, node_id: str) -> WatchPeer | None:

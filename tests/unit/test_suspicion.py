@@ -8,6 +8,7 @@ import pytest
 
 from rdzv_common.protocol import JobSpec, JoinMsg
 from rdzv_server import rounds
+from rdzv_server.rounds import forming
 from rdzv_server.rounds import suspicion as sus
 from tests.helpers.jobs import running_job
 
@@ -125,14 +126,43 @@ def test_the_tables_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(t.budgets) <= 2
 
 
-def test_a_completing_round_makes_each_members_watch_peer_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_completing_round_writes_each_members_watch_peer_once_and_again_only_when_it_moved(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Issue 24's 16,384-node re-formation: every member is in MAX_WATCH watch lists; its
-    WatchPeer is one validated model (and one text) for all of them, made when the round completes."""
-    made: list[str] = []
-    real = sus._watch_peer
-    monkeypatch.setattr(sus, "_watch_peer", lambda job, node_id: made.append(node_id) or real(job, node_id))
+    text as a watched peer is written once for all of them when the round completes, and
+    kept for the next round while its probe address and port stay (rounds.forming.peer_texts):
+    a node loss writes none of its survivors again, a member that moved is written anew."""
+    written: list[str] = []
+    real = forming.peer_text
+    monkeypatch.setattr(forming, "peer_text", lambda peer: written.append(peer.node_id) or real(peer))
     job, effects = running_job(4, probe=True)
-    assert sorted(made) == ["n0", "n1", "n2", "n3"], made  # once each, not once per watcher
+    assert sorted(written) == ["n0", "n1", "n2", "n3"], written  # once each, not once per watcher
     watch = [m.assignment.watch for fx in effects for _, m in fx.messages() if m.op == "assigned"]
     assert len(watch) == 4 and all(len(w) == 2 for w in watch)
     assert watch == [sus.watch_list(job, job.nodes[n]) for n in job.order]  # what each one's own list says
+    # n3 leaves; the survivors join again, n1 from a new address, and n4 comes (min_nodes is 4)
+    written.clear()
+    rounds.leave(job, "n3", "done", 1.0)
+    got = []
+    for i in (0, 1, 2, 4):
+        msg = JoinMsg(
+            job_id="j",
+            node_id=f"n{i}",
+            host=f"h{i}",
+            addr=f"10.0.0.{i + 1}",
+            local_world_size=1,
+            master_port=29500,
+            spec=job.spec,
+            probe_port=40000 + i,
+            run=job.run,
+        )
+        got.append(rounds.join(job, msg, 2.0, seen_addr="10.7.7.7" if i == 1 else f"10.0.0.{i + 1}"))
+    assert not job.forming and len(job.order) == 4
+    assert sorted(written) == ["n1", "n4"], written  # only the member that moved, and the new one
+    watch = {to: m.assignment.watch for fx in got for to, m in fx.messages() if m.op == "assigned"}
+    assert watch == {n: sus.watch_list(job, job.nodes[n]) for n in job.order}
+    assert any(w.addr == "10.7.7.7" for ws in watch.values() for w in ws)
+    assert set(job.peer_texts) == set(job.order)  # kept for the members of the running round only
+    record = rounds.to_record(job)
+    assert "peer_texts" not in record
