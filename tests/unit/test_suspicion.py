@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from rdzv_common.protocol import JobSpec, JoinMsg
+from rdzv_common.protocol import JobSpec
 from rdzv_server import rounds
 from rdzv_server.rounds import forming
 from rdzv_server.rounds import suspicion as sus
-from tests.helpers.jobs import running_job
+from tests.helpers.jobs import node_join, running_job
 
 
 def _job(n: int, probe: bool = True):
@@ -47,17 +47,7 @@ def test_the_assignment_carries_the_watch_list() -> None:
     job = rounds.new_job("j", JobSpec(min_nodes=2, max_nodes=2), 0.0)
     sends = []
     for i in range(2):
-        msg = JoinMsg(
-            job_id="j",
-            node_id=f"n{i}",
-            host=f"h{i}",
-            addr=f"10.0.0.{i + 1}",
-            local_world_size=1,
-            master_port=29500,
-            spec=job.spec,
-            probe_port=41000 + i,
-        )
-        sends += rounds.join(job, msg, 0.0).messages()
+        sends += rounds.join(job, node_join(job, i, 41000 + i), 0.0).messages()
     assigned = {node: m.assignment for node, m in sends if m.op == "assigned"}
     assert assigned["n0"].watch[0].node_id == "n1" and assigned["n0"].watch[0].port == 41001
     assert assigned["n1"].watch[0].node_id == "n0" and assigned["n1"].watch[0].port == 41000
@@ -146,17 +136,7 @@ def test_a_completing_round_writes_each_members_watch_peer_once_and_again_only_w
     rounds.leave(job, "n3", "done", 1.0)
     got = []
     for i in (0, 1, 2, 4):
-        msg = JoinMsg(
-            job_id="j",
-            node_id=f"n{i}",
-            host=f"h{i}",
-            addr=f"10.0.0.{i + 1}",
-            local_world_size=1,
-            master_port=29500,
-            spec=job.spec,
-            probe_port=40000 + i,
-            run=job.run,
-        )
+        msg = node_join(job, i, 40000 + i, run=job.run)
         got.append(rounds.join(job, msg, 2.0, seen_addr="10.7.7.7" if i == 1 else f"10.0.0.{i + 1}"))
     assert not job.forming and len(job.order) == 4
     assert sorted(written) == ["n1", "n4"], written  # only the member that moved, and the new one
