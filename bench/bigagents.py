@@ -101,7 +101,8 @@ def _refused(frame: str) -> str | None:
 
 def source_addr(index: int) -> str:
     """Node ``index``'s own loopback address, its connections' source, as a host has its
-    own (127.1.0.1, 127.1.0.2, ...: bench.rawws.connect says why)."""
+    own (127.1.0.1, 127.1.0.2, ...: bench.rawws.connect says why). Linux answers every address
+    of 127.0.0.0/8 on ``lo``; macOS only 127.0.0.1 unless aliases are added."""
     return f"127.{1 + index // 65024}.{index // 254 % 256}.{index % 254 + 1}"
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from rdzv_common.protocol import (
+    MAX_NODES,
     TERMINAL_STATES,
     CulpritView,
     DepartedView,
@@ -56,12 +57,12 @@ def waiting_fields(job: Job, now: float, detail: bool = True) -> dict[str, Any] 
             f"last call: {max(0.0, job.last_call_deadline - now):.1f}s left (or {spec.max_nodes - joined} more "
             f"to reach max {spec.max_nodes})"
         )
-    return {
+    return {  # (counts within the model's bound: a re-formed round may hold more waiting nodes than max_nodes)
         "text": "; ".join(parts) or "completing",
-        "joined": joined,
+        "joined": min(joined, MAX_NODES),
         "min_nodes": spec.min_nodes,
         "max_nodes": spec.max_nodes,
-        "spares": count(job, SPARE),
+        "spares": min(count(job, SPARE), MAX_NODES),
         "missing": missing[:64],
         "last_call_deadline": job.last_call_deadline,
     }

@@ -224,5 +224,23 @@ def test_a_forming_rounds_joined_says_what_it_waits_for_as_the_status_does() -> 
     fx = rounds.join(job, join_msg("a", sp=sp), 1.0, node_secret="s" * 32)
     ((to, msg),) = fx.messages()
     assert to == "a" and isinstance(msg, JoinedMsg) and msg.node_secret == "s" * 32
+    ((_, sent),) = fx.sends  # the text as written, from views.waiting_fields' dict: the model's own
+    assert isinstance(sent, Prepared) and sent.text == msg.model_dump_json()
     assert msg.waiting_for == rounds.waiting_info(job, 1.0, detail=False)
     assert msg.waiting_for is not None and msg.waiting_for.text == "2 more node(s) to reach min 3"
+
+
+def test_what_a_forming_round_says_it_waits_for_stays_within_the_models_bounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A re-formed round may hold more waiting nodes than the protocol's MAX_NODES bound on the
+    counts: they are said at that bound, never as a message the agent's model would refuse."""
+    from rdzv_server.rounds import views
+
+    monkeypatch.setattr(views, "MAX_NODES", 2)
+    sp = spec(min_nodes=4, max_nodes=4)
+    job = rounds.new_job("j", sp, 0.0)
+    for n in ("a", "b", "c"):
+        rounds.join(job, join_msg(n, sp=sp), 1.0)
+    fields = views.waiting_fields(job, 1.0, detail=False)
+    assert fields is not None and fields["joined"] == 2 and fields["text"] == "1 more node(s) to reach min 4"
