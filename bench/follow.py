@@ -44,28 +44,33 @@ async def keep_linked(
 
     from rdzv_client.client import STABLE_S
     from rdzv_client.endpoints import Endpoints, backoff_delays, election_wait
-    from rdzv_common.errors import LEADER_HEADER
+    from rdzv_common.errors import LEADER_HEADER, SUCCESSOR_HEADER
     from rdzv_common.wire import AGENT_PATH
 
     from .rawws import Refused
 
-    tries = Endpoints(endpoint).tries()
+    endpoints = Endpoints(endpoint)
+    tries = endpoints.tries()
     delays = backoff_delays()
     down_since, not_leader = time.monotonic(), False
     while not node.stopping:
-        leader = None
+        leader, refused_503, dropped = None, False, False
         try:
             url = tries.url + AGENT_PATH
             node.ws = await (connect(url, node) if connect is not None else session.ws_connect(url, autoping=True))
         except (aiohttp.WSServerHandshakeError, Refused) as e:
             status, headers = e.status, (e.headers or {})
             leader = (headers.get(LEADER_HEADER) or headers.get(LEADER_HEADER.lower())) if status == 503 else None
-            not_leader = not_leader or status == 503  # what a replica answers while it does not lead
+            refused_503 = status == 503  # what a replica answers while it does not lead
+            not_leader = not_leader or refused_503
             node.refused += 1
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             node.refused += 1
         else:
             tries.ok()
+            # (aiohttp's answer headers: its ClientResponse, which it keeps as _response; case-blind)
+            headers = node.ws.headers if connect is not None else getattr(node.ws._response, "headers", {})
+            endpoints.connected(headers.get(SUCCESSOR_HEADER) or headers.get(SUCCESSOR_HEADER.lower()))
             connected_at = time.monotonic()
             await opened(node)
             if connected is not None:
@@ -73,9 +78,9 @@ async def keep_linked(
             await read(node)
             if node.stopping:
                 return
-            down_since = time.monotonic()
+            down_since, dropped = time.monotonic(), True
             if down_since - connected_at >= STABLE_S:
                 delays = backoff_delays()
-        if not tries.failed(leader):
+        if not (tries.dropped() if dropped else tries.failed(leader, refused_503)):
             await asyncio.sleep(election_wait(next(delays), not_leader, time.monotonic() - down_since))
             not_leader = False

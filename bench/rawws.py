@@ -87,6 +87,7 @@ class WsConn(asyncio.Protocol):
         self.done: asyncio.Future[None] = loop.create_future()
         self.closed = False
         self._upgraded = False
+        self.headers: dict[str, str] = {}  # the upgrade's answer's (lower-case names)
         self._buf = bytearray()
         self._parts: list[bytes] = []  # a fragmented message so far
 
@@ -158,7 +159,7 @@ class WsConn(asyncio.Protocol):
         if headers.get("sec-websocket-accept") != self._accept:
             self._fail(ConnectionError("the upgrade's Sec-WebSocket-Accept is wrong"))
             return False
-        self._upgraded = True
+        self._upgraded, self.headers = True, headers
         self.opened.set_result(self)
         return True
 

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any
 
-from rdzv_common.errors import LEADER_HEADER, error_from_body
+from rdzv_common.errors import LEADER_HEADER, SUCCESSOR_HEADER, error_from_body
 from rdzv_common.liveness import TCP_USER_TIMEOUT_S
 from rdzv_common.tasks import cancel_and_wait
 from rdzv_common.wire import AGENT_PATH, HEARTBEAT_FRAME, printable
@@ -206,14 +206,17 @@ class AgentLink:
         """Seconds without a served join (0 while served): what --server-timeout counts."""
         return self.service.unserved_for()
 
-    async def _next(self, delays: Iterator[float], leader: str | None = None) -> None:
-        """The endpoint in use failed: on to the next one (the leader its
-        refusal named, if one of ours) at once, or after a backoff once every
+    async def _next(
+        self, delays: Iterator[float], leader: str | None = None, dropped: bool = False, not_leader: bool = False
+    ) -> None:
+        """The endpoint in use failed (or its connection ``dropped``): on to the next
+        one (the leader its refusal named, if one of ours; after a drop the
+        successor the leader named) at once, or after a backoff once every
         endpoint of the list failed (short while replicas say an election is
-        on: NOT_LEADER_BACKOFF_MAX_S)."""
+        on: NOT_LEADER_BACKOFF_MAX_S). ``not_leader``: the endpoint said so."""
         if self._closing:
             return
-        if not self._tries.failed(leader):
+        if not (self._tries.dropped() if dropped else self._tries.failed(leader, not_leader)):
             await asyncio.sleep(election_wait(next(delays), self._not_leader, self.down_for()))
             self._not_leader = False
 
@@ -242,11 +245,12 @@ class AgentLink:
                     self._messages.put_nowait(error_from_body("unauthorized", "the server refused the token"))
                 leader = e.headers.get(LEADER_HEADER.lower()) if e.status == 503 else None
                 self.last_error = f"handshake refused: {e.status} {printable(e.message, 200)} ({base}"
-                if _refusal_code(e.body) == "not_leader" or leader:
+                not_leader = _refusal_code(e.body) == "not_leader" or bool(leader)
+                if not_leader:
                     self._not_leader = True
                     self.last_error += ": not the leader" + (f"; leader {printable(leader, 200)}" if leader else "")
                 self.last_error += ")"
-                await self._next(delays, leader)
+                await self._next(delays, leader, not_leader=not_leader)
                 continue
             except (wsclient.WSError, OSError, asyncio.TimeoutError) as e:
                 self.last_error = f"cannot reach {self.url}: {e or type(e).__name__}"
@@ -263,6 +267,7 @@ class AgentLink:
                 await asyncio.wait([asyncio.ensure_future(ws.close())], timeout=1.0)
                 return
             self._tries.ok()
+            self.endpoints.connected(ws.headers.get(SUCCESSOR_HEADER.lower()))
             self.first_contact.seen()
             self._ws = ws
             self.connected.set()
@@ -282,6 +287,7 @@ class AgentLink:
             else:
                 self.last_error = NO_ANSWER
             hb = asyncio.create_task(self._heartbeat(ws))
+            refused = False  # the server refused the intent (not a drop: no successor's turn)
             try:
                 if self.intent is not None:
                     await ws.send_str(_dump(self.intent))
@@ -311,6 +317,7 @@ class AgentLink:
                         refusal = self._refused(msg)
                         self._messages.put_nowait(msg)
                         if refusal:
+                            refused = True
                             break  # back off, then reconnect and send the intent the agent set meanwhile
                         continue
                     self.service.served()
@@ -352,7 +359,7 @@ class AgentLink:
                 self.last_error = f"connection closed by the server ({base})" + (f": {said}" if said else "")
             if stable:  # served long enough: a drop now is news, not a refusal loop
                 delays = backoff_delays()
-            await self._next(delays)
+            await self._next(delays, dropped=not refused)
 
     def _refused(self, msg: Any) -> bool:
         """True when an error or eviction refuses our join or evicts us (service.refusal):

@@ -15,6 +15,7 @@ import collections
 import logging
 import random
 import socket
+import time
 from collections.abc import Iterator
 
 from rdzv_common.wire import printable
@@ -32,6 +33,11 @@ NOT_LEADER_BACKOFF_MAX_S = 0.5
 NOT_LEADER_FAST_S = 15.0
 # The most endpoints (HA replicas) one --endpoint list may name.
 MAX_ENDPOINTS = 16
+# After a drop, the successor the dropped leader named (X-Rdzv-Successor) is tried
+# first, and while it answers not_leader (its election, then its load of the state:
+# about a second) it is tried again after the short backoff, for this long, rather
+# than the other replicas, which would only refuse too.
+SUCCESSOR_WAIT_S = 3.0
 
 
 def parse_endpoint(endpoint: str, default_port: int = 29400) -> tuple[str, str, int]:
@@ -97,11 +103,18 @@ class Endpoints:
     def __init__(self, endpoint: str) -> None:
         self.urls = parse_endpoints(endpoint)
         self.good = 0
+        self.successor: int | None = None  # the endpoint the leader in use named to go to first when it goes
         self._said: collections.deque[str] = collections.deque(maxlen=8)  # ignored hints, said once
 
     def tries(self) -> EndpointTries:
         """A new sequence of tries (one per call or link), from the last good endpoint."""
         return EndpointTries(self)
+
+    def connected(self, successor: str | None) -> None:
+        """A connection's upgrade answer named ``successor`` (``X-Rdzv-Successor``:
+        the replica that takes over when this leader goes), or nothing: where the
+        tries start when that connection drops (only an endpoint of this list)."""
+        self.successor = self.index_of(successor) if successor and len(self.urls) > 1 else None
 
     def index_of(self, leader: str) -> int | None:
         """The index of the endpoint ``leader`` (a hint) names, or None (said once)."""
@@ -122,13 +135,17 @@ class Endpoints:
 class EndpointTries:
     """Which endpoint of a list to try now (:attr:`url`), and after a failure
     which next: the leader a refusal named if it is in the list and was not
-    tried since the last full cycle, else the next untried one, at once;
-    every endpoint failed: back off, then start over (the hint first)."""
+    tried since the last full cycle, else the next untried one, at once; every
+    endpoint failed: back off, then start over (the hint first). After a drop
+    (:meth:`dropped`): the successor the dropped leader named, waited for while
+    it says not_leader (SUCCESSOR_WAIT_S)."""
 
     def __init__(self, endpoints: Endpoints) -> None:
         self.endpoints = endpoints
         self.index = endpoints.good
         self._tried: set[int] = set()
+        self._left: int | None = None  # the endpoint whose connection dropped
+        self._wait_until = 0.0  # monotonic: until then a not_leader from the successor is waited out
 
     @property
     def url(self) -> str:
@@ -138,14 +155,39 @@ class EndpointTries:
         """The current endpoint answered: the next tries start here."""
         self.endpoints.good = self.index
         self._tried.clear()
+        self._left, self._wait_until = None, 0.0
 
-    def failed(self, leader: str | None = None) -> bool:
+    def dropped(self) -> bool:
+        """The connection in use dropped: on to the successor its leader named, at
+        once, if it named one of the list; else as :meth:`failed`."""
+        successor = self.endpoints.successor
+        if successor is None or successor == self.index:
+            return self.failed()
+        self._left, self.index = self.index, successor
+        self._wait_until = time.monotonic() + SUCCESSOR_WAIT_S
+        return True
+
+    def failed(self, leader: str | None = None, not_leader: bool = False) -> bool:
         """The current endpoint failed (``leader``: the hint its refusal
-        carried). Moves to the endpoint to try next; True to try it at once,
-        False when every endpoint failed since the last full cycle (back off)."""
+        carried; ``not_leader``: it answered not_leader). Moves to the endpoint
+        to try next; True to try it at once, False to back off first: every
+        endpoint failed since the last full cycle, or the successor says it does
+        not lead yet (its election) and names no other leader."""
         self._tried.add(self.index)
         urls = self.endpoints.urls
         hint = self.endpoints.index_of(leader) if leader else None
+        successor = self.endpoints.successor
+        if successor is not None and time.monotonic() < self._wait_until:  # after a drop (dropped)
+            if self.index == successor:
+                if not not_leader:  # gone too (refused, unreachable): the rest of the list, as before
+                    self._wait_until = 0.0
+                    self._tried.add(self._left if self._left is not None else self.index)
+                elif hint is None or hint == successor or (hint == self._left and hint in self._tried):
+                    return False  # its election or its load: back off, then it again
+                # it names a leader: followed below, the dropped one too, once (a blip: it still leads)
+            elif self.index == self._left and hint in (None, successor, self._left):
+                self.index = successor
+                return False  # the dropped leader is gone: back off, then its successor
         if hint is not None and hint not in self._tried:
             self.index = hint
             return True

@@ -86,10 +86,16 @@ class WebSocket:
     """One client connection. Use :func:`connect`."""
 
     def __init__(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_msg_size: int, ping_s: float | None
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        max_msg_size: int,
+        ping_s: float | None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         self._reader = reader
         self._writer = writer
+        self.headers = headers or {}  # the upgrade response's (names in lower case; bounded by MAX_HEADER_BYTES)
         self.max_msg_size = max_msg_size
         self.ping_s = ping_s
         self.closed = False
@@ -391,4 +397,4 @@ async def _connect(
     except BaseException:
         writer.close()
         raise
-    return WebSocket(reader, writer, max_msg_size, ping_s)
+    return WebSocket(reader, writer, max_msg_size, ping_s, got)

@@ -88,6 +88,10 @@ ERROR_STATUS: dict[ErrorCode, int] = {
 # --advertise-url, when this replica knows one. A client follows it only if it is
 # one of the endpoints it was given (a replica is not trusted to send it elsewhere).
 LEADER_HEADER = "X-Rdzv-Leader"
+# On the agent channel's upgrade (the 101) from an HA leader: the --advertise-url of the
+# replica that takes over when this one goes (rdzv_server.ha_peers). An agent whose
+# connection drops tries it first, under the same rule as the leader's.
+SUCCESSOR_HEADER = "X-Rdzv-Successor"
 
 
 class RdzvError(Exception):

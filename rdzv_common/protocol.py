@@ -47,6 +47,7 @@ from .errors import (  # noqa: F401  (re-exported: the wire contract is one impo
     ERROR_STATUS,
     LEADER_HEADER,
     MAX_ERROR_MESSAGE,
+    SUCCESSOR_HEADER,
     ErrorCode,
     EvictedError,
     JobFinishedError,

@@ -240,3 +240,5 @@ class Health(BaseModel):
     # standalone: SQLite or memory; leader/follower: an HA replica on etcd (--etcd)
     role: Literal["standalone", "leader", "follower"] = "standalone"
     leader: str | None = None  # the leader's --advertise-url, when known (HA only)
+    # (HA leader) the replica that takes over when this one goes: its agents go there first
+    successor: str | None = None

@@ -18,27 +18,29 @@ follower revoked (see below) serves until its next read of its key (a poll):
 it can change nothing then, every write being fenced. A write that etcd applied after the replica stopped
 serving is not announced (a write's answer is acted on only while serving).
 
-Followers read the leader key every ``POLL_S`` and campaign when it is gone.
+Followers read the leader key every ``POLL_S`` and campaign when it is gone:
+the successor at once, the others after a head start (:mod:`rdzv_server.ha_peers`:
+each replica registers on its lease, the first registered after the leader is
+the successor, and the leader names it to its agents, who go there first).
 A leader whose *process* died (killed, crashed) leaves its key until its lease
-expires; followers see that sooner: beside each poll, a probe opens a TCP
-connection to the leader's ``--advertise-url`` (its name resolved once a term;
-the address that answered is probed after that), and once one succeeded in
-this term, ``TAKEOVER_REFUSALS`` refused connections in a row (nothing listens:
-the process is gone) make the follower revoke the leader's lease, and the next
-poll elects a new leader at once. This is an optimisation, not what safety
+expires; followers see that sooner (:mod:`rdzv_server.ha_probe`): beside each
+poll, a probe opens a TCP connection to the leader's ``--advertise-url``, and
+once one succeeded in this term, refused connections in a row (nothing
+listens: the process is gone) make the follower revoke the leader's lease,
+and the next poll elects a new leader at once. This is an optimisation, not what safety
 rests on: a leader revoked by mistake (a firewall that rejects connections
 looks like a death) cannot write (its term's key is gone, its fenced writes
 fail), and it stops serving when it next reads its key (every poll) or its
 lease (every keep-alive). A leader that is frozen or cut off (connections time
 out rather than being refused) still loses its place only when its lease
 expires. A replica stopped by SIGTERM hands over (revokes its own lease)
-before it closes its port.
-the new leader loads every job and host from etcd and serves them as a
+before it closes its port. The new leader loads every job and host from etcd and serves them as a
 restarted server does (every node gets a full heartbeat timeout to reconnect;
 running workers are not restarted). Heartbeats never touch etcd; only round
 changes, job creation and host records do (see :mod:`rdzv_server.outbox`).
 
 Keys under the prefix (``/rdzv/`` by default): ``leader`` (JSON: url, id),
+``replicas/<replica id>`` (the same JSON, bound to that replica's lease),
 ``jobs/<job id>`` and ``jobdata/<job id>/...`` (a job's pointer and the blobs
 it names, :mod:`rdzv_server.etcd_jobs`: a write's pointer commits last, so a
 new leader never loads half a round) and ``hosts/<host>`` (the ``record`` as
@@ -59,14 +61,15 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from rdzv_common.errors import NotLeaderError
 from rdzv_common.tasks import cancel_and_wait
 from rdzv_common.wire import printable
 
-from . import etcd, etcd_jobs, joblog
+from . import etcd, etcd_jobs, ha_peers, joblog
 from .etcd_jobs import StateError
+from .ha_peers import Succession, leader_of, url_of
+from .ha_probe import LeaderProbe
 from .hosts import HostRecord
 from .rounds import Job
 
@@ -77,8 +80,6 @@ DEFAULT_PREFIX = "/rdzv/"
 POLL_S = 0.1  # a follower reads the leader key this often (a linearizable read; cheap)
 WATCHDOG_S = 0.05  # how often the leader checks that its lease is still surely alive
 MAX_URL = 512
-PROBE_TIMEOUT_S = 0.3  # a follower's TCP connect to the leader (refused at once when nothing listens)
-TAKEOVER_REFUSALS = 2  # refused connections in a row, after one that succeeded, that revoke the leader's lease
 LOAD_RETRY_S = 5.0  # an elected replica that found a record not rdzv's loads again this often
 
 
@@ -135,7 +136,9 @@ class Replica:
         self.on_elected: Callable[[], Awaitable[None]] | None = None
         self.on_deposed: Callable[[str], None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._probe: asyncio.Task[None] | None = None  # a connect to the leader's advertise URL, in flight
+        self._probe = LeaderProbe(client, self._error)  # a follower's connects to the leader's advertise URL
+        self.succession = Succession(self.id)  # the registered replicas: who campaigns first (ha_peers)
+        self._registered = 0  # the lease our registration (ha_peers.PEERS) is bound to
         self._ka_thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._stopped = False
@@ -143,11 +146,6 @@ class Replica:
         self._last_error_log = 0.0
         self._read_at = 0.0  # monotonic: the last answered read of the leader key (what leader_url says)
         self.elections = 0  # times this replica became leader
-        # the leader we probe (its key's lease and create revision), the address of it we reached, refusals in a row
-        self._probed: tuple[int, int] = (0, 0)
-        self._addr: tuple[str, int] | None = None
-        self._lookup: tuple[str, asyncio.Future[list[tuple[str, int]]]] | None = None  # (url, its lookup)
-        self._refused = 0
 
     # ------------------------------------------------------------ state
 
@@ -157,13 +155,17 @@ class Replica:
         return self.ready and self.role == "leader" and time.monotonic() < self._lease_until - _margin(self._ttl)
 
     def refusal(self) -> NotLeaderError:
+        leader = self.leader_url if self.leader_url != self.advertise_url else None
         if self.role == "leader" and not self.ready:
             why = "this replica was just elected leader and is loading the state; retry"
-        elif self.leader_url and self.leader_url != self.advertise_url:
-            why = f"this replica is not the leader; the leader is {self.leader_url}"
+        elif leader and self._probe.refusing:  # named, a client would go there and be refused
+            why = f"this replica is not the leader; the leader {leader} refuses connections (an election is due); retry"
+            leader = None
+        elif leader:
+            why = f"this replica is not the leader; the leader is {leader}"
         else:
             why = "this replica is not the leader and no leader is known now (an election); retry"
-        return NotLeaderError(why, leader=self.leader_url if self.leader_url != self.advertise_url else None)
+        return NotLeaderError(why, leader=leader)
 
     # ------------------------------------------------------- lifecycle
 
@@ -186,8 +188,9 @@ class Replica:
         if self._stopped:
             return
         self._stopped = True
-        await cancel_and_wait(*self._tasks, self._probe)
-        self._tasks, self._probe = [], None
+        await cancel_and_wait(*self._tasks)
+        await self._probe.stop()
+        self._tasks = []
         self._stopping.set()
         if self._ka_thread is not None:
             await asyncio.to_thread(self._ka_thread.join, 10.0)  # at most one keep-alive's timeouts
@@ -299,7 +302,41 @@ class Replica:
                 await asyncio.sleep(LOAD_RETRY_S)
             except Exception:  # a bug here must not end the campaign for good
                 log.exception("campaign failed")
+            try:
+                await self._keep_registered()
+            except etcd.EtcdError as e:
+                self._error("registering this replica", e)
+            except Exception:  # a bug here must not end the campaign for good
+                log.exception("registering this replica failed")
             await asyncio.sleep(POLL_S)
+
+    async def _keep_registered(self) -> None:
+        """This replica's registration (ha_peers) on its lease, and the others' read when due."""
+        if self._stopped:
+            return
+        if not self.lease:
+            await self._grant()
+        lease = self.lease
+        if lease and self._registered != lease:
+            value = json.dumps({"url": self.advertise_url, "id": self.id}).encode()
+            await self.client.txn([], [etcd.put(self.prefix + ha_peers.PEERS + self.id.encode(), value, lease)])
+            self._registered = lease
+        if self.succession.due(time.monotonic()):
+            await self._read_peers()
+
+    async def _read_peers(self) -> None:
+        kvs, _ = await self.client.range_prefix(self.prefix + ha_peers.PEERS)
+        self.succession.read(ha_peers.parse(kvs), time.monotonic())
+
+    @property
+    def successor_url(self) -> str | None:
+        """(serving leader) The replica its agents go to first when it goes, if any (ha_peers)."""
+        return self.succession.successor_url() if self.serving else None
+
+    def _revoked(self, url: str) -> None:
+        """(the probe) The lease of the leader at ``url`` was revoked: it names no leader now."""
+        if self.leader_url == url:
+            self.leader_url = None
 
     async def _check_key(self) -> None:
         """(leader) Stop serving when the leader key of this term is gone: a
@@ -312,11 +349,21 @@ class Replica:
 
     async def _try_lead(self) -> None:
         kv = await self.client.get(self.leader_key)
-        self._read_at = time.monotonic()
+        now = self._read_at = time.monotonic()
         if kv is not None and not (self.lease and kv.lease == self.lease):
-            self.leader_url = _leader_url(kv.value)
-            if self._probe is None or self._probe.done():  # beside the poll: a slow probe must not slow it
-                self._probe = asyncio.create_task(self._probe_leader(kv), name="rdzv-ha-probe")
+            self.leader_url, leader_id = leader_of(kv.value)
+            self.succession.leader_seen(leader_id)
+            self._probe.beside(kv, self.leader_url, self._revoked)
+            return
+        if kv is None and not self.succession.may_campaign(now):
+            self.leader_url = None  # the successor's turn first (ha_peers)
+            if self.succession.gone_since == now:  # said once an election
+                first = ha_peers.successor(self.succession.peers, self.succession.leader_id)
+                log.info(
+                    "the leader key is gone: its successor %s campaigns first (this replica waits up to %gs)",
+                    first.url if first else "?",
+                    ha_peers.HEAD_START_S,
+                )
             return
         if not self.lease or time.monotonic() >= self._lease_until - _margin(self._ttl):
             if kv is not None:
@@ -341,9 +388,10 @@ class Replica:
             )
             if not r.succeeded:
                 got = r.ranged(0)
-                self.leader_url = _leader_url(got[0].value) if got else None
+                self.leader_url = url_of(got[0].value) if got else None
                 return
             term = r.revision
+            await self._read_peers()  # who succeeds this replica, before any agent is told (ha_peers)
         self.role, self.term, self.ready = "leader", term, False
         self.leader_url = self.advertise_url
         self.elections += 1
@@ -359,59 +407,6 @@ class Replica:
             raise
         if self.role == "leader" and self.term == term:
             self.ready = True
-
-    async def _probe_leader(self, kv: etcd.KeyValue) -> None:
-        """Revoke the lease of a leader whose process is gone (see the module
-        docstring): its advertise URL was reached in this term and now refuses.
-        A task of its own (nobody awaits it): it says its errors itself."""
-        try:
-            await self._probe_once(kv)
-        except Exception:  # a bug here must not go unsaid
-            log.exception("probing the leader")
-
-    async def _probe_once(self, kv: etcd.KeyValue) -> None:
-        url = self.leader_url
-        if url is None or not kv.lease:
-            return
-        if self._probed != (kv.lease, kv.create_revision):  # a new term: find its address again
-            self._probed, self._addr, self._refused = (kv.lease, kv.create_revision), None, 0
-        if self._addr is None:
-            # Resolved once a term, then that one address is probed: a name with several
-            # addresses (IPv6 and IPv4) gives no plain "refused" for the name as a whole.
-            # One lookup at a time, in a daemon thread (a resolver that hangs must not
-            # hold the process's exit); a probe waits for it PROBE_TIMEOUT_S at most.
-            if self._lookup is None or self._lookup[0] != url:
-                self._lookup = (url, _addresses(url))
-            found = self._lookup[1]
-            await asyncio.wait([found], timeout=PROBE_TIMEOUT_S)
-            if not found.done():
-                return
-            self._lookup = None
-            for addr in found.result():
-                if await _listening(addr):
-                    self._addr = addr
-                    return
-            return  # never reached: a wrong --advertise-url must not cost a leadership
-        if await _listening(self._addr) is not False:  # alive, or no answer in time: a host that died or a
-            self._refused = 0  # partition is not a dead process
-            return
-        self._refused += 1
-        if self._refused < TAKEOVER_REFUSALS:
-            return
-        log.warning(
-            "the leader %s refuses connections (its process is gone): revoking its lease %x so that a replica "
-            "takes over now",
-            url,
-            kv.lease,
-        )
-        try:
-            await self.client.revoke(kv.lease)
-        except etcd.EtcdError as e:  # gone already (it expired, another replica revoked it), or etcd is away
-            self._error("revoking the lease of a leader that is gone", e)
-            return  # the next refusal tries again (until the key read changes)
-        self._addr, self._refused = None, 0
-        if self.leader_url == url:
-            self.leader_url = None
 
     # ----------------------------------------------------- the state
 
@@ -449,7 +444,7 @@ class Replica:
                     self._depose("a write found the leader key changed (another replica leads)")
                 # after _depose (which forgets the leader): the refusal names the one just read
                 got = r.ranged(0)
-                self.leader_url = _leader_url(got[0].value) if got else None
+                self.leader_url = url_of(got[0].value) if got else None
                 raise self.refusal()
             if not self.serving:  # applied, but too late to announce: the next leader loads it
                 raise self.refusal()
@@ -473,60 +468,3 @@ class Replica:
             etcd.put(self.prefix + b"hosts/" + r.host.encode(), self._wrap(json.dumps(r.to_record()))) for r in records
         ]
         return ops
-
-
-def _addresses(url: str) -> asyncio.Future[list[tuple[str, int]]]:
-    """The addresses ``url``'s host resolves to, with its port (none when it
-    does not parse or resolve), looked up in a daemon thread of its own."""
-    loop = asyncio.get_running_loop()
-    found: asyncio.Future[list[tuple[str, int]]] = loop.create_future()
-    try:
-        parts = urlsplit(url)
-        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
-    except ValueError:
-        host, port = None, 0
-    if not host:
-        found.set_result([])
-        return found
-
-    def settle(addrs: list[tuple[str, int]]) -> None:
-        if not found.done():
-            found.set_result(addrs)
-
-    def lookup() -> None:
-        try:
-            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            addrs = list(dict.fromkeys((str(info[4][0]), int(info[4][1])) for info in infos))
-        except (OSError, ValueError):  # UnicodeError (a ValueError): a label too long, an empty one
-            addrs = []
-        try:
-            loop.call_soon_threadsafe(settle, addrs)
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            pass
-
-    threading.Thread(target=lookup, name="rdzv-ha-lookup", daemon=True).start()
-    return found
-
-
-async def _listening(addr: tuple[str, int]) -> bool | None:
-    """Whether a process listens at ``addr`` (an IP address and port): True (a
-    TCP connection opened; it is reset at once, nothing is sent), False
-    (refused), None (no answer within PROBE_TIMEOUT_S, or another error)."""
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(*addr), PROBE_TIMEOUT_S)
-    except ConnectionRefusedError:
-        return False
-    except (OSError, asyncio.TimeoutError):
-        return None
-    writer.transport.abort()  # a reset: no TIME_WAIT left behind at 10 probes a second
-    return True
-
-
-def _leader_url(value: bytes) -> str | None:
-    try:
-        url = json.loads(value).get("url")
-    except (ValueError, AttributeError, RecursionError):  # RecursionError: JSON nested too deep
-        return None
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) > MAX_URL:
-        return None
-    return printable(url, limit=MAX_URL)

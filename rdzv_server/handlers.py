@@ -12,6 +12,7 @@ from typing import TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from rdzv_common.errors import SUCCESSOR_HEADER
 from rdzv_common.logs import Line
 from rdzv_common.protocol import (
     DEFAULT_PAGE,
@@ -198,7 +199,8 @@ async def healthz(request: web.Request) -> web.Response:
     if r is None:
         return _json(Health(jobs=len(store.jobs), nodes=store.reads.live_nodes()))
     role = "leader" if store.serving else "follower"
-    return _json(Health(jobs=len(store.jobs), nodes=store.reads.live_nodes(), role=role, leader=r.leader_url))
+    nodes = store.reads.live_nodes()
+    return _json(Health(jobs=len(store.jobs), nodes=nodes, role=role, leader=r.leader_url, successor=r.successor_url))
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -223,6 +225,8 @@ async def agent_channel(request: web.Request) -> web.WebSocketResponse:
     """The agent's WebSocket through aiohttp (rdzv_server.agent_conn has its rules;
     rdzv_server.upgrade takes most upgrades before aiohttp sees them)."""
     ws = AgentSocket(max_msg_size=MAX_BODY_BYTES, autoping=True, heartbeat=None)
+    if successor := request.app[STORE].successor_url:  # (HA) where its agents go first when it goes
+        ws.headers[SUCCESSOR_HEADER] = successor
     await ws.prepare(request)
     await AgentConn.serve(request.app, ws, request.transport, request.remote)
     return ws

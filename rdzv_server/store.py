@@ -145,6 +145,11 @@ class Store:
         """Not an HA replica, or its leader with the state loaded and the lease surely alive."""
         return self.replica is None or self.replica.serving
 
+    @property
+    def successor_url(self) -> str | None:
+        """(HA leader) Where its agents go first when it goes (rdzv_server.ha_peers), or None."""
+        return self.replica.successor_url if self.replica is not None else None
+
     # ------------------------------------------------------------ lifecycle
 
     def open(self) -> None:

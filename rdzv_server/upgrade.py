@@ -40,6 +40,7 @@ from typing import Any
 
 from aiohttp import web
 
+from rdzv_common.errors import SUCCESSOR_HEADER
 from rdzv_common.protocol import AGENT_PATH, MAX_BODY_BYTES, printable
 from rdzv_common.wire import accept_key
 
@@ -108,11 +109,13 @@ def handshake_key(headers: dict[str, str], auth: Auth) -> str | None:
     return key
 
 
-def switching(key: str) -> bytes:
-    """The 101 answer to an upgrade with ``key``."""
+def switching(key: str, successor: str | None = None) -> bytes:
+    """The 101 answer to an upgrade with ``key``; ``successor`` (a header-safe URL,
+    rdzv_server.ha_peers): the replica this leader's agents go to first when it goes."""
+    more = f"{SUCCESSOR_HEADER}: {successor}\r\n" if successor else ""
     return (
         "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: upgrade\r\n"
-        f"Sec-WebSocket-Accept: {accept_key(key)}\r\n\r\n"
+        f"Sec-WebSocket-Accept: {accept_key(key)}\r\n{more}\r\n"
     ).encode("ascii")
 
 
@@ -144,7 +147,7 @@ class Upgrader:
         transport = protocol.transport
         if key is None or transport is None or transport.is_closing():
             return None
-        answer = switching(key)
+        answer = switching(key, self.store.successor_url)
         sock = OwnSocket(protocol, transport, MAX_BODY_BYTES)
         task = asyncio.get_running_loop().create_task(AgentConn.serve(self.app, sock, transport, protocol.address))
         sock.task = task

@@ -32,6 +32,7 @@ class FakeReplica:
 
     def __init__(self, leader: str | None = LEADER, serving: bool = False) -> None:
         self.leader, self.serving, self.asked = leader, serving, 0
+        self.successor_url: str | None = None  # (what /healthz and a leader's 101 name)
 
     @property
     def leader_url(self) -> str | None:  # (what /healthz names)

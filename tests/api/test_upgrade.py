@@ -25,6 +25,7 @@ import pytest
 from aiohttp import web
 
 from rdzv_client import wsclient
+from rdzv_common.errors import SUCCESSOR_HEADER
 from rdzv_common.protocol import AGENT_PATH, HEARTBEAT_FRAME, MAX_BODY_BYTES
 from rdzv_common.wire import accept_key
 from rdzv_server import own_socket, upgrade
@@ -232,6 +233,40 @@ async def test_a_head_split_over_reads_is_upgraded_by_aiohttp() -> None:
         assert answer.startswith(b"HTTP/1.1 101 ") and b"Server:" in answer, answer  # aiohttp names itself
         assert not upgrades.open
         writer.close()
+
+
+class Leading:
+    """What the store asks of an HA leader for an upgrade (rdzv_server.ha.Replica): it serves, its successor."""
+
+    serving, leader_url = True, None
+
+    def __init__(self, successor: str | None) -> None:
+        self.successor_url = successor
+
+
+async def test_an_ha_leader_names_its_successor_in_the_101_on_both_paths() -> None:
+    """X-Rdzv-Successor (rdzv_server.ha_peers) in the server's own 101 and in aiohttp's; none
+    without a successor (a lone replica, or not HA), and the agent's client keeps it."""
+    successor = "http://rdzv-1.rdzv:29400"
+    async with _server() as (port, app, upgrades):
+        ws = await _agent(port)
+        assert SUCCESSOR_HEADER.lower() not in ws.headers, ws.headers  # not HA
+        await ws.close()
+        app[STORE].replica = Leading(successor)
+        try:
+            ws = await _agent(port)
+            await _until(lambda: len(upgrades.open) == 1, "the upgrade was not taken")
+            assert ws.headers[SUCCESSOR_HEADER.lower()] == successor
+            await ws.close()
+            ws = await _agent(port, {"User-Agent": "curl/8"})  # aiohttp's path
+            assert ws.headers[SUCCESSOR_HEADER.lower()] == successor and "server" in ws.headers
+            await ws.close()
+            app[STORE].replica = Leading(None)
+            ws = await _agent(port)
+            assert SUCCESSOR_HEADER.lower() not in ws.headers, ws.headers
+            await ws.close()
+        finally:
+            app[STORE].replica = None
 
 
 async def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeout() -> None:

@@ -10,9 +10,9 @@ import os
 
 import pytest
 
-from rdzv_client import cli
+from rdzv_client import cli, endpoints
 from rdzv_client.config import UsageError, build_parser, config_from_args
-from rdzv_client.endpoints import MAX_ENDPOINTS, Endpoints, base_url, parse_endpoints
+from rdzv_client.endpoints import MAX_ENDPOINTS, Endpoints, EndpointTries, base_url, parse_endpoints
 
 # ------------------------------------------------------------ parsing
 
@@ -130,6 +130,83 @@ def test_a_hint_not_in_the_list_is_ignored_and_said_once_escaped(caplog: pytest.
     assert len(said) == 2, said
     assert "\x1b" not in said[0] and "\\x1b" in said[0]
     assert "evil" in said[0]
+
+
+def led_by_a_naming(successor: str) -> tuple[Endpoints, EndpointTries]:
+    eps = Endpoints("a:1,b:2,c:3")
+    e = eps.tries()
+    e.ok()  # a leads
+    eps.connected(successor)  # its 101 named the successor
+    return eps, e
+
+
+def test_a_dropped_connection_goes_to_the_successor_its_leader_named_first() -> None:
+    _, e = led_by_a_naming("http://c:3")
+    assert (e.dropped(), e.url) == (True, "http://c:3")  # c before b
+
+
+def test_a_successor_in_its_election_is_waited_for_not_walked_past() -> None:
+    _, e = led_by_a_naming("http://c:3")
+    e.dropped()
+    assert (e.failed(None, not_leader=True), e.url) == (False, "http://c:3")  # back off, then c again
+    assert (e.failed("http://c:3", not_leader=True), e.url) == (False, "http://c:3")  # elected, loading
+    assert (e.failed(None, not_leader=True), e.url) == (False, "http://c:3")
+
+
+def test_a_successor_naming_a_leader_is_followed_and_the_dropped_one_if_gone_sends_it_back() -> None:
+    _, e = led_by_a_naming("http://c:3")
+    e.dropped()
+    assert (e.failed("http://a:1", not_leader=True), e.url) == (True, "http://a:1")  # a blip? a still leads
+    assert (e.failed(), e.url) == (False, "http://c:3")  # a refused: gone; back off, then c
+    # c names a still (its probe has not seen it refuse): a is not tried again, c is waited for
+    assert (e.failed("http://a:1", not_leader=True), e.url) == (False, "http://c:3")
+    _, e2 = led_by_a_naming("http://c:3")
+    e2.dropped()
+    assert (e2.failed("http://b:2", not_leader=True), e2.url) == (True, "http://b:2")  # b won the election
+
+
+def test_a_successor_gone_too_walks_the_rest_of_the_list() -> None:
+    _, e = led_by_a_naming("http://c:3")
+    e.dropped()
+    assert (e.failed(), e.url) == (True, "http://b:2")  # c refused the connection: b, not a again
+    assert (e.failed(None, not_leader=True), e.url) == (False, "http://c:3")  # a full cycle: back off
+
+
+def test_the_successor_is_waited_for_only_so_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(endpoints, "SUCCESSOR_WAIT_S", 0.0)
+    _, e = led_by_a_naming("http://c:3")
+    e.dropped()
+    assert e.url == "http://c:3"
+    assert e.failed(None, not_leader=True) is True and e.url != "http://c:3"  # the list, as before
+
+
+def test_without_a_successor_a_drop_is_a_failure_as_before() -> None:
+    _, e = led_by_a_naming("http://a:1")  # it named itself (not the successor of itself): ignored
+    assert (e.dropped(), e.url) == (True, "http://b:2")
+
+
+def test_a_refusals_leader_hint_comes_before_the_successor() -> None:
+    eps = Endpoints("a:1,b:2,c:3")
+    e = eps.tries()
+    e.ok()
+    eps.connected("http://c:3")
+    assert (e.failed(leader="http://b:2"), e.url) == (True, "http://b:2")
+
+
+def test_a_successor_not_in_the_list_or_none_or_one_endpoint_changes_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    eps = Endpoints("a:1,b:2,c:3")
+    e = eps.tries()
+    e.ok()
+    with caplog.at_level(logging.WARNING, logger="rdzv_client.endpoints"):
+        eps.connected("http://elsewhere:9")
+    assert eps.successor is None and "elsewhere" in caplog.text  # said, as a leader hint elsewhere is
+    assert (e.failed(), e.url) == (True, "http://b:2")
+    eps.connected("http://c:3")
+    eps.connected(None)  # the next leader named none (an older server, or no other replica registered)
+    assert eps.successor is None
+    one = Endpoints("a:1")
+    one.connected("http://a:1")
+    assert one.successor is None
 
 
 # ------------------------------------------------------------ where lists are accepted

@@ -1,4 +1,4 @@
-"""The leader key's value as a follower reads it (rdzv_server.ha._leader_url):
+"""The leader key's value as a follower reads it (rdzv_server.ha_peers.url_of):
 whatever another writer put there, the answer is a URL to name or None, never
 an exception (the campaign would log it with a traceback every poll, 10 a
 second, and never name a leader)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from rdzv_server.ha import _leader_url
+from rdzv_server.ha_peers import url_of as _leader_url
 
 
 @pytest.mark.parametrize(

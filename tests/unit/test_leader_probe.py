@@ -1,5 +1,5 @@
 """What a follower's probe of the leader's advertise URL makes of what it
-finds there (rdzv_server/ha.py ``_addresses``, ``_listening``): a listener is
+finds there (rdzv_server/ha_probe.py ``addresses``, ``listening``): a listener is
 alive, a closed port is refused (the process is gone), a listener that takes
 no connection (its backlog full: a frozen or swamped process) is unknown,
 never a death; a URL that does not parse, or whose name cannot be looked up,
@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from rdzv_server.ha import _addresses, _listening
+from rdzv_server.ha_probe import addresses as _addresses
+from rdzv_server.ha_probe import listening as _listening
 
 
 @pytest.fixture
