@@ -161,6 +161,7 @@ def run(
     etcd: int | None = None,
     lease_ttl: int | None = None,
     classic: bool = False,
+    kill_after: float | None = None,
 ) -> dict:
     """One job of ``n`` nodes; ``etcd``: on that many ``--etcd`` replicas (bench/big_job_etcd.py,
     ``--etcd-lease-ttl lease_ttl``), else SQLite."""
@@ -243,10 +244,11 @@ def run(
         out["scale_up_storage"] = storage.delta()
         log(f"[big_job] N={n}: scale-up {out['scale_up_s']} s, storage {out['scale_up_storage']}")
         if not isinstance(server, BigServer):
-            from .big_job_etcd import leader_kill
+            from .big_job_etcd import RUNNING_S, leader_kill
 
             if etcd and etcd > 1:
-                out["leader_kill"] = leader_kill(server, clients, job, n, log)
+                running_s = RUNNING_S if kill_after is None else kill_after
+                out["leader_kill"] = leader_kill(server, clients, job, n, log, running_s)
             out["max_request_bytes"] = server.max_request_bytes()
         view = server.job(job) or {}
         out["final_round"], out["final_world"] = view.get("round"), view.get("world_size")
@@ -334,6 +336,13 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="nodes offer no direct ports: every round change is restart, join again, assigned (as before)",
     )
+    p.add_argument(
+        "--kill-after",
+        type=float,
+        default=None,
+        help="with --etcd: seconds the job runs after its last round change before the leader kill "
+        "(default: bench/big_job_etcd.py's RUNNING_S, by when the successor's copy of the state is current)",
+    )
     a = p.parse_args(argv)
     # a network namespace of its own, with the accept queue deploy/README.md asks of big jobs' hosts
     # (else a reconnect storm of more than the host's somaxconn, 4096 by default, is turned away
@@ -347,7 +356,10 @@ def main(argv: list[str] | None = None) -> None:
     if a.profile and len(ns) > 1:
         p.error("--profile: one N at a time")
     results = [
-        run(n, a.clients, a.live_s, log, a.profile, a.replicas if a.etcd else None, a.lease_ttl, a.classic) for n in ns
+        run(
+            n, a.clients, a.live_s, log, a.profile, a.replicas if a.etcd else None, a.lease_ttl, a.classic, a.kill_after
+        )
+        for n in ns
     ]
     print(table(results))
     print(f"\nload average before/after: {results[0]['load_before']} / {results[-1]['load_after']}")

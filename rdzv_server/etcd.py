@@ -243,11 +243,12 @@ class EtcdClient:
 
     # --------------------------------------------------------------- kv
 
-    async def range_prefix(self, prefix: bytes) -> tuple[list[KeyValue], int]:
-        """Every key under ``prefix``, in pages, all read at one revision: (kvs, revision)."""
+    async def range_prefix(self, prefix: bytes, revision: int = 0) -> tuple[list[KeyValue], int]:
+        """Every key under ``prefix``, in pages, all read at one revision (``revision``,
+        or the newest): (kvs, revision)."""
         out: list[KeyValue] = []
         end = prefix_end(prefix)
-        start, revision = prefix, 0
+        start = prefix
         while True:
             body: dict[str, Any] = {"key": b64(start), "range_end": b64(end), "limit": RANGE_PAGE}
             if revision:
@@ -259,6 +260,18 @@ class EtcdClient:
             if not data.get("more") or not kvs:
                 return out, revision
             start = kvs[-1].key + b"\0"
+
+    async def newest(self, prefix: bytes, revision: int = 0) -> tuple[int, int, int]:
+        """Under ``prefix`` (at ``revision``, or the newest): (the revision read, the
+        highest mod revision of a key there (0: none), how many keys there are)."""
+        body: dict[str, Any] = {"key": b64(prefix), "range_end": b64(prefix_end(prefix)), "limit": 1}
+        body.update(sort_order="DESCEND", sort_target="MOD", keys_only=True)
+        if revision:
+            body["revision"] = str(revision)
+        data = await self.call("kv/range", body)
+        kvs = data.get("kvs", [])
+        mod = int(kvs[0].get("mod_revision", 0)) if kvs else 0
+        return int(data.get("header", {}).get("revision", 0)), mod, int(data.get("count", 0))
 
     async def get(self, key: bytes) -> KeyValue | None:
         data = await self.call("kv/range", {"key": b64(key)})

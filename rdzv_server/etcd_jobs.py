@@ -53,11 +53,12 @@ def _named(kv: etcd.KeyValue) -> str:
     return printable(kv.key.decode("utf-8", "replace"))
 
 
-async def load(client: etcd.EtcdClient, prefix: bytes) -> dict[str, tuple[Job, joblog.Written]]:
-    """Every job under ``prefix`` and what etcd holds of it (raises StateError on a foreign record)."""
+async def load(client: etcd.EtcdClient, prefix: bytes, revision: int = 0) -> dict[str, tuple[Job, joblog.Written]]:
+    """Every job under ``prefix`` and what etcd holds of it (raises StateError on a foreign
+    record), at ``revision`` (0: the newest; a leader alone writes, so two reads agree)."""
     blobs: dict[str, dict[tuple[int, int], str]] = {}
     data = prefix + b"jobdata/"
-    kvs, _ = await client.range_prefix(data)
+    kvs, _ = await client.range_prefix(data, revision)
     for kv in kvs:
         job_id, _, name = kv.key[len(data) :].decode("utf-8", "replace").partition("/")
         try:
@@ -65,7 +66,7 @@ async def load(client: etcd.EtcdClient, prefix: bytes) -> dict[str, tuple[Job, j
         except Exception as e:
             raise StateError(f"etcd key {_named(kv)}: not a blob ({e!r})") from e
     jobs: dict[str, tuple[Job, joblog.Written]] = {}
-    kvs, _ = await client.range_prefix(prefix + b"jobs/")
+    kvs, _ = await client.range_prefix(prefix + b"jobs/", revision)
     for kv in kvs:
         name = kv.key[len(prefix) + 5 :].decode("utf-8", "replace")
         try:

@@ -50,6 +50,7 @@ SQLite keeps it); every value is JSON with ``by`` the replica id and ``term``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -66,12 +67,11 @@ from rdzv_common.errors import NotLeaderError
 from rdzv_common.tasks import cancel_and_wait
 from rdzv_common.wire import printable
 
-from . import etcd, etcd_jobs, ha_peers, joblog
+from . import etcd, etcd_jobs, ha_peers, ha_standby, joblog
 from .etcd_jobs import StateError
 from .ha_peers import Succession, leader_of, url_of
 from .ha_probe import LeaderProbe
 from .hosts import HostRecord
-from .rounds import Job
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,9 @@ class Replica:
         self._tasks: list[asyncio.Task[None]] = []
         self._probe = LeaderProbe(client, self._error)  # a follower's connects to the leader's advertise URL
         self.succession = Succession(self.id)  # the registered replicas: who campaigns first (ha_peers)
+        self.standby = ha_standby.Standby(client, self.prefix)  # the successor's copy of the state
         self._registered = 0  # the lease our registration (ha_peers.PEERS) is bound to
+        self._wake = asyncio.Event()  # set: the campaign polls now
         self._ka_thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._stopped = False
@@ -308,7 +310,9 @@ class Replica:
                 self._error("registering this replica", e)
             except Exception:  # a bug here must not end the campaign for good
                 log.exception("registering this replica failed")
-            await asyncio.sleep(POLL_S)
+            with contextlib.suppress(asyncio.TimeoutError):  # a poll, or at once after the probe revoked
+                await asyncio.wait_for(self._wake.wait(), POLL_S)
+            self._wake.clear()
 
     async def _keep_registered(self) -> None:
         """This replica's registration (ha_peers) on its lease, and the others' read when due."""
@@ -323,6 +327,10 @@ class Replica:
             self._registered = lease
         if self.succession.due(time.monotonic()):
             await self._read_peers()
+        if self.role == "leader":
+            self.standby.drop()
+        else:  # the successor keeps a copy of the state (ha_standby); inline: never beside an election
+            await self.standby.keep(self.succession.is_successor(), time.monotonic())
 
     async def _read_peers(self) -> None:
         kvs, _ = await self.client.range_prefix(self.prefix + ha_peers.PEERS)
@@ -334,9 +342,11 @@ class Replica:
         return self.succession.successor_url() if self.serving else None
 
     def _revoked(self, url: str) -> None:
-        """(the probe) The lease of the leader at ``url`` was revoked: it names no leader now."""
+        """(the probe) The lease of the leader at ``url`` was revoked: it names no leader
+        now, and the campaign polls at once."""
         if self.leader_url == url:
             self.leader_url = None
+        self._wake.set()
 
     async def _check_key(self) -> None:
         """(leader) Stop serving when the leader key of this term is gone: a
@@ -414,18 +424,15 @@ class Replica:
         head = json.dumps({"by": self.id, "term": self.term}, separators=(",", ":"))
         return (head[:-1] + f',"{field}":' + record_json + "}").encode()
 
-    async def load(self) -> tuple[dict[str, tuple[Job, joblog.Written]], list[HostRecord]]:
+    async def load(self) -> ha_standby.State:
         """Every job (and what etcd holds of it) and host record under the prefix
-        (raises StateError on a foreign record)."""
-        jobs = await etcd_jobs.load(self.client, self.prefix)
-        hosts: list[HostRecord] = []
-        kvs, _ = await self.client.range_prefix(self.prefix + b"hosts/")
-        for kv in kvs:
-            try:
-                hosts.append(HostRecord.from_record(json.loads(kv.value)["record"]))
-            except Exception as e:
-                raise StateError(f"etcd key {printable(kv.key.decode('utf-8', 'replace'))}: not a host ({e!r})") from e
-        return jobs, hosts
+        (raises StateError on a foreign record): the successor's copy when etcd
+        holds nothing newer (rdzv_server.ha_standby), else read now."""
+        state = await self.standby.take()
+        if state is not None:
+            log.info("the state is the standby copy read before the election (etcd holds nothing newer)")
+            return state
+        return await ha_standby.load(self.client, self.prefix)
 
     async def write(self, ops: list[dict[str, Any]]) -> None:
         """Apply ``ops`` (etcd.put/delete) in order, only while this replica

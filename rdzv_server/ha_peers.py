@@ -130,6 +130,11 @@ class Succession:
         self.read_at = -math.inf  # the successor may be gone too: read again at the next poll
         return False
 
+    def is_successor(self) -> bool:
+        """(follower) Whether this replica is the leader's successor."""
+        first = successor(self.peers, self.leader_id)
+        return first is not None and first.id == self.self_id
+
     def successor_url(self) -> str | None:
         """(leader) Where its agents go first when it goes: the successor's URL, header-safe."""
         first = successor(self.peers, self.self_id)

@@ -3,9 +3,10 @@ leader whose process died leaves its key until its lease expires; the
 followers see it sooner). Beside each poll of the leader key, a TCP connect
 to the leader's ``--advertise-url`` (its name resolved once a term; the
 address that answered is probed after that); once one succeeded in this
-term, ``TAKEOVER_REFUSALS`` refused connections in a row (nothing listens:
-the process is gone) revoke the leader's lease, and the next poll elects a
-new leader at once. Safety does not rest on it: see rdzv_server.ha."""
+term, ``TAKEOVER_REFUSALS`` refused connections in a row (``REPROBE_S``
+apart; nothing listens: the process is gone) revoke the leader's lease, and
+the campaign polls at once (the successor is elected; rdzv_server.ha_peers).
+Safety does not rest on it: see rdzv_server.ha."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ log = logging.getLogger("rdzv_server.ha")
 
 PROBE_TIMEOUT_S = 0.3  # a follower's TCP connect to the leader (refused at once when nothing listens)
 TAKEOVER_REFUSALS = 2  # refused connections in a row, after one that succeeded, that revoke the leader's lease
+REPROBE_S = 0.02  # after a refusal, the next probe comes this soon (not at the next poll)
 
 
 class LeaderProbe:
@@ -58,13 +60,17 @@ class LeaderProbe:
     async def _run(self, kv: etcd.KeyValue, url: str | None, revoked: Callable[[str], None]) -> None:
         """A task of its own (nobody awaits it): it says its errors itself."""
         try:
-            if await self._once(kv, url):
-                revoked(url or "")
+            while not await self._once(kv, url):
+                if not 0 < self._refused < TAKEOVER_REFUSALS:
+                    return
+                await asyncio.sleep(REPROBE_S)  # refused once: confirm it now, not a poll later
+            revoked(url or "")
         except Exception:  # a bug here must not go unsaid
             log.exception("probing the leader")
 
     async def _once(self, kv: etcd.KeyValue, url: str | None) -> bool:
-        """True when this probe revoked the leader's lease."""
+        """True when this probe revoked the leader's lease, or tried to and failed (another
+        replica may have revoked it first: the campaign should look now)."""
         if url is None or not kv.lease:
             return False
         if self._probed != (kv.lease, kv.create_revision):  # a new term: find its address again
@@ -102,7 +108,7 @@ class LeaderProbe:
             await self.client.revoke(kv.lease)
         except etcd.EtcdError as e:  # gone already (it expired, another replica revoked it), or etcd is away
             self._error("revoking the lease of a leader that is gone", e)
-            return False  # the next refusal tries again (until the key read changes)
+            return True  # the campaign looks at once; the next refusal tries again (until the key read changes)
         self._addr, self._refused = None, 0
         return True
 

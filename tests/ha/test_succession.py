@@ -4,7 +4,8 @@ agents' upgrade answer, ``X-Rdzv-Successor``), the first one registered after
 it; killed, it is replaced by that one, and an agent's link (the real
 AgentLink, its connects watched) goes there first, never to the other
 follower, even with that one next in its list; with the successor killed too,
-the last replica takes over once its head start is out."""
+the last replica takes over once its head start is out. Its copy of the
+state, read before the election (rdzv_server.ha_standby), is what it serves."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 from rdzv_client import wsclient
 from rdzv_client.client import AgentLink
 from rdzv_server.ha_peers import HEAD_START_S
+from tests.ha.conftest import Agents
 from tests.helpers.etcd import b64, prefix_end, unb64
 from tests.helpers.ha import HAServers, Replica
 from tests.helpers.procs import wait_until
@@ -26,6 +28,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 T = 20.0
 WAITS = "its successor"  # the line of a replica that lets the successor campaign first
+COPY = "the state is the standby copy"  # the line of a new leader that serves its copy (ha_standby)
 
 
 def registered(ha: HAServers) -> list[str]:
@@ -101,3 +104,19 @@ async def test_with_the_successor_killed_too_the_last_replica_takes_over_after_i
     assert new is last
     assert time.monotonic() - killed >= HEAD_START_S  # it let the (dead) successor go first
     assert WAITS in last.text() and successor.url in last.text()
+
+
+async def test_the_successor_serves_the_state_it_copied_before_the_election(ha: HAServers, agents: Agents) -> None:
+    ha.start(3)
+    old = ha.leader()
+    successor = successor_of(ha, old)
+    await agents.form(old, "standby", ["n1", "n2", "n3"])
+    before = old.request("GET", "/v1/jobs/standby")[1]
+    await asyncio.sleep(3.5)  # the successor's checks (every 1 s) see the state hold still, and copy it
+    ha.kill9(old)
+    new = ha.leader(T, (old,))
+    assert new is successor
+    assert COPY in new.text(), new.text()[-3000:]
+    status, after = new.request("GET", "/v1/jobs/standby")
+    assert status == 200 and (after["round"], after["world_size"]) == (before["round"], before["world_size"])
+    assert sorted(n["node_id"] for n in after["nodes"]) == ["n1", "n2", "n3"]
