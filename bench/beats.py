@@ -5,7 +5,8 @@ Each node beats on its current connection: a heartbeat (``{"op":"hb"}``) every
 ``node.hb_s`` (what the server told it, as the agent's link keeps it) and a
 ping every ``rdzv_client.client.WS_PING_S`` (the agent's link pings after that
 long without a frame from the server), the first of each at a random point of
-its interval so that the nodes spread. A node's beats stop when its connection
+its interval so that the nodes spread, or, on a connection after a drop, a
+whole interval after it, as the link's are. A node's beats stop when its connection
 does, and :meth:`Beats.start` starts them on a new one (an older connection's
 entries are skipped when they come due). The task sleeps until the next due
 time (at most :data:`MAX_NAP_S`, so that a node started meanwhile is not late;
@@ -44,14 +45,19 @@ class Beats:
         self._task: asyncio.Task | None = None
         self.sent = [0, 0]  # heartbeats, pings
 
-    def start(self, node: Any) -> None:
-        """Beat ``node`` on its connection now (any earlier beats of it stop)."""
+    def start(self, node: Any, spread: bool = True) -> None:
+        """Beat ``node`` on its connection now (any earlier beats of it stop): the first
+        of each at a random point of its interval (``spread``: nodes that joined over
+        time), or a whole interval from now, as the agent's link does on a new
+        connection (its heartbeat task sleeps first; it pings after WS_PING_S without
+        a frame from the server)."""
         node.beat_gen += 1
         if node.hb_s is None:
             return
         now = asyncio.get_running_loop().time()
-        self._push(now + random.uniform(0, node.hb_s), node, _HB)
-        self._push(now + random.uniform(0, WS_PING_S), node, _PING)
+        first = random.uniform if spread else (lambda lo, hi: hi)
+        self._push(now + first(0, node.hb_s), node, _HB)
+        self._push(now + first(0, WS_PING_S), node, _PING)
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._run())
 

@@ -204,7 +204,7 @@ class BigClient:
             self._send_join(node, resume_round=node.round)
         else:
             self._send_join(node)
-        self.beats.start(node)  # heartbeats on the new connection
+        self.beats.start(node, spread=False)  # on the new connection, from now, as the link's
 
     @staticmethod
     async def _read(node: Node) -> None:

@@ -209,3 +209,20 @@ async def test_a_node_told_no_interval_yet_does_not_beat() -> None:
     await asyncio.sleep(0.1)
     assert node.ws is not None and node.ws.sent == []
     b.close()
+
+
+async def test_on_a_new_connection_the_first_beats_come_a_whole_interval_later_as_the_links(monkeypatch) -> None:
+    """A node back after a drop beats as the agent's link does: its heartbeat task sleeps its
+    interval first, and it pings after WS_PING_S without a frame (not at a random point of them)."""
+    monkeypatch.setattr(beats_mod, "WS_PING_S", 0.3)
+    b = Beats()
+    node = _Node(hb_s=0.2)
+    try:
+        b.start(node, spread=False)
+        await asyncio.sleep(0.15)
+        assert node.ws is not None and node.ws.sent == []
+        await _until(lambda: node.ws is not None and HEARTBEAT_FRAME in node.ws.sent)
+        assert "<ping>" not in node.ws.sent
+        await _until(lambda: node.ws is not None and "<ping>" in node.ws.sent)
+    finally:
+        b.close()
