@@ -25,10 +25,10 @@ import pytest
 from aiohttp import web
 
 from rdzv_client import wsclient
-from rdzv_common.errors import SUCCESSOR_HEADER
+from rdzv_common.errors import SUCCESSOR_HEADER, NotLeaderError
 from rdzv_common.protocol import AGENT_PATH, HEARTBEAT_FRAME, MAX_BODY_BYTES
 from rdzv_common.wire import accept_key
-from rdzv_server import own_socket, upgrade
+from rdzv_server import early, own_socket, upgrade
 from rdzv_server.app import Settings, create_app
 from rdzv_server.auth import Auth
 from rdzv_server.keys import STORE
@@ -133,13 +133,15 @@ def test_the_handshake_and_the_credentials_are_checked_as_on_aiohttps_path() -> 
 async def _server(
     settings: Settings | None = None, tls: ssl.SSLContext | None = None
 ) -> AsyncIterator[tuple[int, Any, upgrade.Upgrader]]:
-    """A server's app behind the Listener, taking agent upgrades (as rdzv_server.__main__ runs it)."""
+    """A server's app behind the Listener, taking agent upgrades and refusing them early while
+    a replica does not serve (as rdzv_server.__main__ runs it)."""
     app = create_app(settings or Settings(data_dir=None))
     upgrades = upgrade.Upgrader(app)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     try:
-        site = Listener(runner, "127.0.0.1", 0, ssl_context=tls, take=upgrades, header_timeout_s=1.0)
+        refuse = early.Refuser(app)
+        site = Listener(runner, "127.0.0.1", 0, ssl_context=tls, take=upgrades, refuse=refuse, header_timeout_s=1.0)
         await site.start()
         yield site.sockets[0].getsockname()[1], app, upgrades
     finally:
@@ -236,12 +238,40 @@ async def test_a_head_split_over_reads_is_upgraded_by_aiohttp() -> None:
 
 
 class Leading:
-    """What the store asks of an HA leader for an upgrade (rdzv_server.ha.Replica): it serves, its successor."""
+    """What the store asks of an HA replica for an upgrade (rdzv_server.ha.Replica): whether it
+    serves, its successor, its refusal while it does not."""
 
-    serving, leader_url = True, None
+    leader_url = None
 
-    def __init__(self, successor: str | None) -> None:
-        self.successor_url = successor
+    def __init__(self, successor: str | None, serving: bool = True) -> None:
+        self.successor_url, self.serving = successor, serving
+
+    def refusal(self) -> NotLeaderError:
+        return NotLeaderError("this replica was just elected leader and is loading the state; retry")
+
+
+async def test_a_connection_accepted_before_the_replica_serves_is_refused_or_taken_at_its_first_read() -> None:
+    """A failover: thousands of connections are accepted while the new leader loads and read after
+    it serves. Read while it does not serve: refused early (503 not_leader); read once it serves:
+    taken by the server's own upgrade, not left to aiohttp's slower path."""
+    async with _server() as (port, app, upgrades):
+        app[STORE].replica = loading = Leading(None, serving=False)
+        try:
+            refused_r, refused_w = await asyncio.open_connection("127.0.0.1", port)
+            taken_r, taken_w = await asyncio.open_connection("127.0.0.1", port)
+            await asyncio.sleep(0.1)  # both accepted while it does not serve
+            refused_w.write(HEAD)
+            answer = await asyncio.wait_for(refused_r.read(), 5.0)  # to EOF: closed after the answer
+            assert answer.startswith(b"HTTP/1.1 503 ") and b"not_leader" in answer and b"Server:" not in answer
+            loading.serving = True  # elected and loaded: it serves
+            taken_w.write(HEAD)
+            head = await asyncio.wait_for(taken_r.readuntil(b"\r\n\r\n"), 5.0)
+            assert head.startswith(b"HTTP/1.1 101 ") and b"Server:" not in head, head  # not aiohttp's (it names itself)
+            await _until(lambda: len(upgrades.open) == 1, "the upgrade was not taken")
+            for w in (refused_w, taken_w):
+                w.close()
+        finally:
+            app[STORE].replica = None
 
 
 async def test_an_ha_leader_names_its_successor_in_the_101_on_both_paths() -> None:
