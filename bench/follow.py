@@ -69,7 +69,9 @@ async def keep_linked(
         else:
             tries.ok()
             # (aiohttp's answer headers: its ClientResponse, which it keeps as _response; case-blind)
-            headers = node.ws.headers if connect is not None else getattr(node.ws._response, "headers", {})
+            headers = (
+                node.ws.headers if connect is not None else getattr(getattr(node.ws, "_response", None), "headers", {})
+            )
             endpoints.connected(headers.get(SUCCESSOR_HEADER) or headers.get(SUCCESSOR_HEADER.lower()))
             connected_at = time.monotonic()
             await opened(node)
@@ -78,9 +80,9 @@ async def keep_linked(
             await read(node)
             if node.stopping:
                 return
-            down_since, dropped = time.monotonic(), True
-            if down_since - connected_at >= STABLE_S:
-                delays = backoff_delays()
+            down_since = time.monotonic()
+            if down_since - connected_at >= STABLE_S:  # a drop after a service that held: news
+                delays, dropped = backoff_delays(), True
         if not (tries.dropped() if dropped else tries.failed(leader, refused_503)):
             await asyncio.sleep(election_wait(next(delays), not_leader, time.monotonic() - down_since))
             not_leader = False

@@ -359,7 +359,7 @@ class AgentLink:
                 self.last_error = f"connection closed by the server ({base})" + (f": {said}" if said else "")
             if stable:  # served long enough: a drop now is news, not a refusal loop
                 delays = backoff_delays()
-            await self._next(delays, dropped=not refused)
+            await self._next(delays, dropped=stable and not refused)  # (EndpointTries.dropped says why stable)
 
     def _refused(self, msg: Any) -> bool:
         """True when an error or eviction refuses our join or evicts us (service.refusal):

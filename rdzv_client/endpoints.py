@@ -158,8 +158,11 @@ class EndpointTries:
         self._left, self._wait_until = None, 0.0
 
     def dropped(self) -> bool:
-        """The connection in use dropped: on to the successor its leader named, at
-        once, if it named one of the list; else as :meth:`failed`."""
+        """The connection in use dropped after a service that held (the caller's
+        STABLE_S: a connection that drops at once is a failure, else a leader that
+        accepts and drops would bounce agents between it and its successor without
+        a backoff): on to the successor its leader named, at once, if it named one
+        of the list; else as :meth:`failed`."""
         successor = self.endpoints.successor
         if successor is None or successor == self.index:
             return self.failed()
@@ -185,9 +188,11 @@ class EndpointTries:
                 elif hint is None or hint == successor or (hint == self._left and hint in self._tried):
                     return False  # its election or its load: back off, then it again
                 # it names a leader: followed below, the dropped one too, once (a blip: it still leads)
+            elif self.index == self._left and not_leader:  # alive, not leading now (a reload): the list
+                self._wait_until = 0.0
             elif self.index == self._left and hint in (None, successor, self._left):
                 self.index = successor
-                return False  # the dropped leader is gone: back off, then its successor
+                return False  # the dropped leader is gone (refused, unreachable): back off, then its successor
         if hint is not None and hint not in self._tried:
             self.index = hint
             return True

@@ -8,14 +8,15 @@ while it loads the state, answers 503 ``not_leader`` naming the leader
 replica it reaches first, and through aiohttp (its request, the middlewares,
 the response) each cost the replica ~170 us of CPU (py-spy, bench.big_job
 ``--etcd``): seconds of a leader kill, on the replicas whose cores the
-storm needs. :class:`Refuser` makes :class:`listener.EarlyProtocol`'s answer to a
-connection's first bytes when they are exactly that upgrade's request head
+storm needs. :class:`Refuser` makes the answer of a connection accepted while the replica
+does not serve (:class:`listener.TakingProtocol`, or :class:`listener.EarlyProtocol`
+on a site without a taker) to its first bytes when they are exactly that upgrade's request head
 (``GET /v1/agent HTTP/1.1``, the head whole, nothing after it): the same
 status, error body and ``X-Rdzv-Leader`` as the middleware's, then the
 connection closes (``Connection: close``). Anything else takes aiohttp's
 path: other requests, a head split over reads, bytes after it (a body never
 read would turn the close into a reset), and every connection accepted while
-the replica serves (those are plain ``conns.Protocol``: no call more per read).
+the replica serves (those are taken, or aiohttp's: no early answer is asked for).
 
 The refusal comes before every check of rdzv_server/auth.py: the token (and
 the wrong-token throttle and its audit line), the Host check against DNS

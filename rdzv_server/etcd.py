@@ -261,9 +261,15 @@ class EtcdClient:
                 return out, revision
             start = kvs[-1].key + b"\0"
 
+    async def revision(self, key: bytes) -> int:
+        """etcd's revision now (read with ``key``, a small one)."""
+        data = await self.call("kv/range", {"key": b64(key), "keys_only": True})
+        return int(data.get("header", {}).get("revision", 0))
+
     async def newest(self, prefix: bytes, revision: int = 0) -> tuple[int, int, int]:
         """Under ``prefix`` (at ``revision``, or the newest): (the revision read, the
-        highest mod revision of a key there (0: none), how many keys there are)."""
+        highest mod revision of a key there (0: none), how many keys there are).
+        Sorted, so etcd reads every key of the range (its limit applies after the sort)."""
         body: dict[str, Any] = {"key": b64(prefix), "range_end": b64(prefix_end(prefix)), "limit": 1}
         body.update(sort_order="DESCEND", sort_target="MOD", keys_only=True)
         if revision:

@@ -55,7 +55,7 @@ def _named(kv: etcd.KeyValue) -> str:
 
 async def load(client: etcd.EtcdClient, prefix: bytes, revision: int = 0) -> dict[str, tuple[Job, joblog.Written]]:
     """Every job under ``prefix`` and what etcd holds of it (raises StateError on a foreign
-    record), at ``revision`` (0: the newest; a leader alone writes, so two reads agree)."""
+    record), read at ``revision`` (0: each range at its newest; rdzv_server.ha_standby.load pins one)."""
     blobs: dict[str, dict[tuple[int, int], str]] = {}
     data = prefix + b"jobdata/"
     kvs, _ = await client.range_prefix(data, revision)

@@ -79,7 +79,6 @@ DEFAULT_LEASE_TTL_S = 2
 DEFAULT_PREFIX = "/rdzv/"
 POLL_S = 0.1  # a follower reads the leader key this often (a linearizable read; cheap)
 WATCHDOG_S = 0.05  # how often the leader checks that its lease is still surely alive
-MAX_URL = 512
 LOAD_RETRY_S = 5.0  # an elected replica that found a record not rdzv's loads again this often
 
 
@@ -307,9 +306,9 @@ class Replica:
             try:
                 await self._keep_registered()
             except etcd.EtcdError as e:
-                self._error("registering this replica", e)
+                self._error("registering this replica, or its standby copy of the state", e)
             except Exception:  # a bug here must not end the campaign for good
-                log.exception("registering this replica failed")
+                log.exception("registering this replica, or its standby copy of the state, failed")
             with contextlib.suppress(asyncio.TimeoutError):  # a poll, or at once after the probe revoked
                 await asyncio.wait_for(self._wake.wait(), POLL_S)
             self._wake.clear()
@@ -322,8 +321,7 @@ class Replica:
             await self._grant()
         lease = self.lease
         if lease and self._registered != lease:
-            value = json.dumps({"url": self.advertise_url, "id": self.id}).encode()
-            await self.client.txn([], [etcd.put(self.prefix + ha_peers.PEERS + self.id.encode(), value, lease)])
+            await self.client.txn([], [etcd.put(self.prefix + ha_peers.PEERS + self.id.encode(), self._value, lease)])
             self._registered = lease
         if self.succession.due(time.monotonic()):
             await self._read_peers()
@@ -335,6 +333,11 @@ class Replica:
     async def _read_peers(self) -> None:
         kvs, _ = await self.client.range_prefix(self.prefix + ha_peers.PEERS)
         self.succession.read(ha_peers.parse(kvs), time.monotonic())
+
+    @property
+    def _value(self) -> bytes:
+        """The leader key's value and this replica's registration: its URL and id."""
+        return json.dumps({"url": self.advertise_url, "id": self.id}).encode()
 
     @property
     def successor_url(self) -> str | None:
@@ -390,7 +393,7 @@ class Replica:
         if kv is not None:  # the key is ours (our lease): we lead again in its term
             term = kv.create_revision
         else:
-            value = json.dumps({"url": self.advertise_url, "id": self.id}).encode()
+            value = self._value
             r = await self.client.txn(
                 [etcd.created_at(self.leader_key, 0)],
                 [etcd.put(self.leader_key, value, self.lease)],
@@ -401,7 +404,11 @@ class Replica:
                 self.leader_url = url_of(got[0].value) if got else None
                 return
             term = r.revision
-            await self._read_peers()  # who succeeds this replica, before any agent is told (ha_peers)
+            try:  # who succeeds this replica, before any agent is told (ha_peers)
+                await self._read_peers()
+            except etcd.EtcdError as e:  # the next poll reads them (0.1 s); the leadership is won
+                self._error("reading the registered replicas", e)
+        self.succession.leader_seen(self.id)  # the next time the key goes, the wait counts from then
         self.role, self.term, self.ready = "leader", term, False
         self.leader_url = self.advertise_url
         self.elections += 1

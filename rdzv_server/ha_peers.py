@@ -10,8 +10,9 @@ and it changes only when it goes (its key goes with its lease).
 
 When the leader key is gone the successor campaigns at once; the others
 wait ``HEAD_START_S`` from when they saw it gone (a poll re-reads the
-registered replicas meanwhile, so the successor's own death, its key gone,
-ends the wait), then campaign as before. The election itself stays the
+registered replicas meanwhile, so a successor whose registration is gone,
+stopped by SIGTERM or its lease expired, ends the wait; one killed a moment
+ago is still registered, and the head start runs out), then campaign as before. The election itself stays the
 leader key's create-if-absent transaction (rdzv_server.ha): this decides only
 who tries first, never who may lead, so a wrong or stale view costs at most
 the head start.
@@ -87,11 +88,11 @@ def header_safe(url: str | None) -> str | None:
 def parse(kvs: list[etcd.KeyValue]) -> list[Peer]:
     """The registered replicas of a range read (what is not a registration is skipped)."""
     peers = []
-    for kv in sorted(kvs, key=lambda kv: kv.create_revision)[:MAX_PEERS]:
+    for kv in sorted(kvs, key=lambda kv: kv.create_revision):
         url, rid = leader_of(kv.value)
         if url is not None and rid is not None:
             peers.append(Peer(rid, url, kv.create_revision))
-    return peers
+    return peers[:MAX_PEERS]
 
 
 def successor(peers: list[Peer], leader_id: str | None) -> Peer | None:

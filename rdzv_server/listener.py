@@ -1,11 +1,12 @@
 """Where the server listens: :class:`Listener`, a TCP site like aiohttp's
 ``TCPSite`` whose connections are :class:`conns.Protocol` (the limits, the
 keep-alive), and the two protocols that may answer a connection's first read
-before aiohttp parses it: :class:`EarlyProtocol` (an HA replica that does not
-serve refuses the agent's upgrade, rdzv_server.early) and
-:class:`TakingProtocol` (the agent's upgrade answered by the server itself,
-rdzv_server.upgrade). Which one a connection gets is decided as it is
-accepted; a plain :class:`conns.Protocol` pays no extra call per read."""
+before aiohttp parses it: :class:`TakingProtocol` (the agent's upgrade answered
+by the server itself, rdzv_server.upgrade; on an HA replica that did not serve
+when it accepted the connection, first the early refusal of rdzv_server.early)
+and :class:`EarlyProtocol` (that refusal alone, on a site without a taker).
+Which one a connection gets is decided as it is accepted; a plain
+:class:`conns.Protocol` pays no extra call per read."""
 
 from __future__ import annotations
 
@@ -51,25 +52,27 @@ class EarlyProtocol(Protocol):
 
     def data_received(self, data: bytes) -> None:
         refuse, self.refuse = self.refuse, None  # a connection's first bytes only
-        if refuse is not None:
-            answer = early_answer(refuse, data)
-            if answer is not None:
-                transport = self.transport
-                if transport is not None:
-                    transport.write(answer)
-                    transport.close()  # after the answer is written
-                return
+        if refuse is not None and answered_early(self, refuse, data):
+            return
         super().data_received(data)
 
 
-def early_answer(refuse: Refuser, data: bytes) -> bytes | None:
-    """What ``refuse`` answers a connection's first bytes, or None (a bug there too:
-    aiohttp's path answers, as before the early one)."""
+def answered_early(protocol: Protocol, refuse: Refuser, data: bytes) -> bool:
+    """Whether ``refuse`` answered the connection's first bytes ``data`` (the answer
+    written, the connection closing). No: aiohttp's path answers them, a bug there
+    too (as before the early answer)."""
     try:
-        return refuse(data)
+        answer = refuse(data)
     except Exception as e:
         _early_log("the early answer to a request failed (%s); aiohttp answers it", printable(repr(e), 300))
-        return None
+        return False
+    if answer is None:
+        return False
+    transport = protocol.transport
+    if transport is not None:
+        transport.write(answer)
+        transport.close()  # after the answer is written
+    return True
 
 
 class TakingProtocol(Protocol):
@@ -120,7 +123,7 @@ class TakingProtocol(Protocol):
                     self.transport.close()
                 return
             refuse, self.refuse = self.refuse, None
-            if refuse is not None and self._refused(refuse, data):
+            if refuse is not None and answered_early(self, refuse, data):
                 return
             try:
                 owner = take(self, data)
@@ -140,16 +143,6 @@ class TakingProtocol(Protocol):
                 self._next_keepalive_close_time = self._deadline
                 self._keepalive_handle = self._loop.call_at(self._deadline, self._process_keepalive)
         super().data_received(data)
-
-    def _refused(self, refuse: Refuser, data: bytes) -> bool:
-        """The early answer (rdzv_server.early), written and the connection closing; False: none."""
-        answer = early_answer(refuse, data)
-        transport = self.transport
-        if answer is None or transport is None:
-            return False
-        transport.write(answer)
-        transport.close()  # after the answer is written
-        return True
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._silent is not None:

@@ -19,7 +19,7 @@ from aiohttp.test_utils import TestServer
 from rdzv_client import wsclient
 from rdzv_client.client import AgentLink
 from rdzv_client.rest import RestClient
-from rdzv_common.errors import LEADER_HEADER, NotLeaderError, UnavailableError
+from rdzv_common.errors import LEADER_HEADER, SUCCESSOR_HEADER, NotLeaderError, UnavailableError
 from rdzv_common.protocol import AGENT_PATH, JoinedMsg
 from tests.helpers.procs import free_port
 
@@ -270,3 +270,33 @@ async def test_not_leader_for_longer_than_an_election_backs_off_as_before(follow
 
     waits = await _waits(monkeypatch, link, 12, on_start=long_down)
     assert max(waits) > NOT_LEADER_BACKOFF_MAX_S, waits
+
+
+async def test_a_leader_that_accepts_and_drops_at_once_is_not_reconnected_to_without_a_backoff(follower) -> None:
+    """It names a successor in its 101, then closes at once, and the successor names it back: a drop
+    before the service held (STABLE_S) is a failure of the list's walk, which backs off, not the
+    successor's turn (which would bounce the link between the two without one)."""
+    hits: list[str] = []
+
+    async def flap(request: web.Request) -> web.WebSocketResponse:
+        hits.append(request.path)
+        ws = web.WebSocketResponse()
+        ws.headers[SUCCESSOR_HEADER] = f.url
+        await ws.prepare(request)
+        await ws.close()
+        return ws
+
+    app = web.Application()
+    app.router.add_get(AGENT_PATH, flap)
+    flapper = TestServer(app, host="127.0.0.1")
+    await flapper.start_server()
+    f = await follower(f"http://127.0.0.1:{flapper.port}")
+    link = AgentLink(f"127.0.0.1:{flapper.port},{f.endpoint}", heartbeat_s=1.0)
+    try:
+        await link.start()
+        await asyncio.sleep(1.5)
+        assert 2 <= len(hits) <= 30, len(hits)  # backs off each cycle (a loop without one: hundreds)
+        assert len(f.hits) <= len(hits) + 1, (len(f.hits), len(hits))
+    finally:
+        await link.close()
+        await flapper.close()

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from rdzv_client import wsclient
-from rdzv_client.client import AgentLink
+from rdzv_client.client import STABLE_S, AgentLink
 from rdzv_server.ha_peers import HEAD_START_S
 from tests.ha.conftest import Agents
 from tests.helpers.etcd import b64, prefix_end, unb64
@@ -71,7 +71,7 @@ async def test_the_named_successor_takes_over_and_the_link_goes_there_first(
     try:
         await asyncio.wait_for(link.connected.wait(), T)
         assert ports == [old.port] and link.endpoints.successor == 2
-        await asyncio.sleep(0.5)  # the followers reach the leader once (probes every 0.1 s)
+        await asyncio.sleep(STABLE_S + 0.2)  # a service that held (a drop before it is a failure, not news)
         ports.clear()
         await asyncio.to_thread(ha.kill9, old)
         new = await asyncio.to_thread(ha.leader, T, (old,))

@@ -165,6 +165,15 @@ def test_a_successor_naming_a_leader_is_followed_and_the_dropped_one_if_gone_sen
     assert (e2.failed("http://b:2", not_leader=True), e2.url) == (True, "http://b:2")  # b won the election
 
 
+def test_a_dropped_leader_that_answers_not_leader_is_alive_and_the_list_is_walked() -> None:
+    """It reloads (or was deposed and leads again): not gone, so not back to the successor to wait."""
+    _, e = led_by_a_naming("http://c:3")
+    e.dropped()
+    assert (e.failed("http://a:1", not_leader=True), e.url) == (True, "http://a:1")
+    assert (e.failed(None, not_leader=True), e.url) == (True, "http://b:2")  # a: alive, no leader now
+    assert (e.failed("http://a:1", not_leader=True), e.url) == (False, "http://a:1")  # a full cycle: back off, a
+
+
 def test_a_successor_gone_too_walks_the_rest_of_the_list() -> None:
     _, e = led_by_a_naming("http://c:3")
     e.dropped()

@@ -181,6 +181,9 @@ class MemEtcd:
                     del self.kv[k]
         return etcd.TxnResult(True, len(self.txns), [])
 
+    async def revision(self, key: bytes) -> int:
+        return len(self.txns)
+
     async def range_prefix(self, prefix: bytes, revision: int = 0) -> tuple[list[etcd.KeyValue], int]:
         assert revision in (0, len(self.txns)), "no history kept: only the newest revision reads"
         found = sorted((k, v) for k, v in self.kv.items() if k.startswith(prefix))
