@@ -314,7 +314,8 @@ class Replica:
             self._wake.clear()
 
     async def _keep_registered(self) -> None:
-        """This replica's registration (ha_peers) on its lease, and the others' read when due."""
+        """This replica's registration (ha_peers) on its lease, the others' read when due, and
+        (the successor) its copy of the state kept current (ha_standby)."""
         if self._stopped:
             return
         if not self.lease:
@@ -327,7 +328,7 @@ class Replica:
             await self._read_peers()
         if self.role == "leader":
             self.standby.drop()
-        else:  # the successor keeps a copy of the state (ha_standby); inline: never beside an election
+        else:  # the marks checked here; a read of the copy runs in a task, cancelled at an election
             await self.standby.keep(self.succession.is_successor(), time.monotonic())
 
     async def _read_peers(self) -> None:

@@ -109,12 +109,15 @@ class Succession:
         self.read_at = -math.inf  # monotonic: the last answered read of the registrations
         self.leader_id: str | None = None  # the leader last seen in the leader key
         self.gone_since: float | None = None  # monotonic: when this replica saw the leader key gone
+        self._named: str | None = None  # successor_url, as of the last read
 
     def due(self, now: float) -> bool:
         return now - self.read_at >= PEERS_POLL_S
 
     def read(self, peers: list[Peer], now: float) -> None:
         self.peers, self.read_at = peers, now
+        first = successor(peers, self.self_id)  # (named in every upgrade: worked out once a read)
+        self._named = header_safe(first.url) if first is not None else None
 
     def leader_seen(self, leader_id: str | None) -> None:
         self.leader_id, self.gone_since = leader_id, None
@@ -138,5 +141,4 @@ class Succession:
 
     def successor_url(self) -> str | None:
         """(leader) Where its agents go first when it goes: the successor's URL, header-safe."""
-        first = successor(self.peers, self.self_id)
-        return header_safe(first.url) if first is not None else None
+        return self._named

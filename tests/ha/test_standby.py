@@ -18,21 +18,12 @@ from rdzv_common.protocol import JobSpec
 from rdzv_server import etcd, ha_standby
 from rdzv_server.ha_standby import CHECK_S, Standby
 from rdzv_server.keys import STORE
-from tests.ha.test_job_layout import PREFIX, T, load_anew, serving
+from tests.ha.test_job_layout import PREFIX, T, leader, load_anew  # noqa: F401  (leader: the fixture, used by name)
 from tests.helpers.etcd import EtcdCluster
 from tests.unit.test_joblog import ids, kept
 from tests.unit.test_store_runs import Recorder, join
 
 pytestmark = [pytest.mark.e2e]
-
-
-@pytest.fixture
-async def leader(etcd_cluster: EtcdCluster) -> AsyncIterator[TestClient]:
-    client = await serving(etcd_cluster)
-    try:
-        yield client
-    finally:
-        await client.close()
 
 
 @pytest.fixture
